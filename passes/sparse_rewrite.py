@@ -1,0 +1,137 @@
+"""The rewrite pass: dense attention over a SpeContext KV store -> sparse attention.
+
+For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) queries:
+
+1. insert ``specontext::speculative_select`` right after ``specontext::retrieval_anchor``
+   (layer 0, before any attention): one selection per step, shared by every layer;
+2. replace each matched site by ``specontext::sparse_attention`` over that selection;
+3. record layer ``retrieval_layer``'s query with ``specontext::record_query`` (for the next
+   step's selection) — also in prefill graphs, whose attention stays dense and exact.
+
+Sites that do not match stay dense; their reasons are returned and logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from pathlib import Path
+
+import torch
+import torch.fx as fx
+
+from .sites import AttentionSite, find_attention_sites, is_op
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SparseAttentionPass", "RewriteResult"]
+
+ANCHOR = torch.ops.specontext.retrieval_anchor
+SELECT = torch.ops.specontext.speculative_select.default
+SPARSE = torch.ops.specontext.sparse_attention.default
+RECORD = torch.ops.specontext.record_query.default
+
+
+@dataclasses.dataclass
+class RewriteResult:
+    """What one run of the pass did to one graph."""
+
+    sites: list[AttentionSite]
+    rewritten: int = 0
+    phase: str = "none"  # "decode", "prefill" or "none"
+    retrieval_layer: int | None = None
+    selection_inserted: bool = False
+
+    @property
+    def total(self) -> int:
+        return len(self.sites)
+
+    def fallbacks(self) -> list[tuple[int | None, str]]:
+        """(layer, reason) of every site left dense."""
+        return [(s.layer, s.reason) for s in self.sites if s.reason]
+
+
+def _source_hash() -> str:
+    files = sorted(Path(__file__).parent.glob("*.py"))
+    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
+
+
+class SparseAttentionPass:
+    """Callable FX pass with a stable identity (``uuid``) covering its code and config.
+
+    Args:
+        budget: selected tokens per KV head per step.
+        sink_tokens, recent_window: always-kept first / last tokens (inside the budget).
+        retrieval_layer: layer whose previous-step query drives the selection; negative
+            counts from the end; None = ``num_layers // 4 + 1`` (clamped).
+        max_sparse_q_len: longest step (tokens) rewritten as sparse; longer = prefill.
+    """
+
+    def __init__(self, budget: int, sink_tokens: int, recent_window: int,
+                 retrieval_layer: int | None, max_sparse_q_len: int = 16):
+        self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
+        self.retrieval_layer, self.max_sparse_q_len = retrieval_layer, max_sparse_q_len
+
+    def uuid(self) -> str:
+        cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layer, self.max_sparse_q_len)
+        return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
+
+    def _pick_layer(self, num_layers: int) -> int:
+        j = self.retrieval_layer
+        if j is None:
+            j = num_layers // 4 + 1
+        if j < 0:
+            j += num_layers
+        return min(max(j, 0), num_layers - 1)
+
+    def __call__(self, graph: fx.Graph) -> RewriteResult:
+        sites = find_attention_sites(graph)
+        result = RewriteResult(sites=sites)
+        resolved = sorted((s for s in sites if s.layer is not None), key=lambda s: s.layer)
+        anchors = [n for n in graph.nodes if is_op(n, ANCHOR)]
+        if not resolved:
+            return result
+        if len(anchors) != 1:
+            for s in sites:
+                s.reason = s.reason or f"expected one retrieval anchor in the graph, found {len(anchors)}"
+            return result
+        anchor = anchors[0]
+        query_state, query_valid = anchor.args
+        driver = resolved[self._pick_layer(len(resolved))]
+        result.retrieval_layer = driver.layer
+        with graph.inserting_before(driver.node):
+            graph.call_function(RECORD, (query_state, query_valid, driver.query))
+        for s in resolved:
+            if s.reason is None and s.q_len > self.max_sparse_q_len:
+                s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
+        decode = [s for s in resolved if s.reason is None]
+        result.phase = "decode" if decode else "prefill"
+        if not decode:
+            return result
+        if driver.reason is not None:
+            for s in decode:
+                s.reason = f"retrieval layer {driver.layer} cannot drive a selection: {driver.reason}"
+            return result
+        with graph.inserting_after(anchor):
+            selection = graph.call_function(SELECT, (
+                query_state, query_valid, driver.key_cache, driver.length, driver.q_len,
+                self.budget, self.sink_tokens, self.recent_window, driver.scale))
+        result.selection_inserted = True
+        for s in decode:
+            self._rewrite_site(graph, s, selection)
+        result.rewritten = len(decode)
+        graph.eliminate_dead_code()
+        graph.lint()
+        return result
+
+    @staticmethod
+    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node) -> None:
+        with graph.inserting_before(site.node):
+            sparse = graph.call_function(SPARSE, (
+                site.query, site.key_cache, site.value_cache, selection, site.length,
+                site.attn_mask, site.scale))
+        sparse.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
+        site.node.replace_all_uses_with(sparse)
+        graph.erase_node(site.node)
+        site.node = sparse

@@ -1,0 +1,181 @@
+"""The runtime's custom operators (namespace ``specontext``), registered with torch.library.
+
+Every op has a fake (meta) implementation so that dynamo and AOT tracing see it as one
+opaque node, and declares the tensors it mutates so no compiler drops or reorders it.
+The ops are registered when this module is imported (importing ``specontext_compile`` does),
+which changes no other global state.
+
+=====================  ====================================================================
+op                     role
+=====================  ====================================================================
+kv_write               append this step's keys/values into a layer's preallocated KV store
+retrieval_anchor       marks, in the traced graph, where the retrieval state enters (layer 0)
+record_query           keeps layer ``j``'s last query row for the next step's selection
+speculative_select     the selection node: runs once per step, before the first layer
+sparse_attention       attention of one layer over the selected tokens only
+=====================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._dynamo.utils import counters
+
+from .probe import active_probe, selection_recall
+from .retrieval import LaggedQueryHead
+from .selection import select_tokens, selection_size
+from .sparse_attention import sparse_attention_reference
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["kv_write", "retrieval_anchor", "record_query", "speculative_select", "sparse_attention"]
+
+_HEAD = LaggedQueryHead()
+
+
+class CacheCapacityError(RuntimeError):
+    """Raised when a write would pass the end of a preallocated KV store."""
+
+
+@torch.library.custom_op("specontext::kv_write", mutates_args=("key_cache", "value_cache", "length"))
+def kv_write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    length: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[batch, num_kv_heads, q_len, head_dim]`` at positions
+    ``length .. length+q_len-1`` of the caches ``[batch, num_kv_heads, capacity, head_dim]``
+    and advance ``length`` (int64 scalar) by ``q_len``.
+
+    Raises:
+        CacheCapacityError: (CPU) when the write would pass ``capacity``; the cache is left
+            untouched. Create the cache with a larger ``max_cache_len``.
+    """
+    q_len, capacity = key.shape[-2], key_cache.shape[-2]
+    if key_cache.device.type == "cpu":
+        start = int(length)
+        if start + q_len > capacity:
+            raise CacheCapacityError(
+                f"SpeContextCache is full: {start} + {q_len} tokens > capacity {capacity}. "
+                "Create it with a larger max_cache_len (specontext_compile.compile sizes it "
+                "from max_new_tokens)."
+            )
+        key_cache[:, :, start : start + q_len].copy_(key)
+        value_cache[:, :, start : start + q_len].copy_(value)
+    else:  # no host sync on accelerators: positions stay on the device
+        pos = length + torch.arange(q_len, device=length.device)
+        key_cache.index_copy_(2, pos, key.to(key_cache.dtype))
+        value_cache.index_copy_(2, pos, value.to(value_cache.dtype))
+    length.add_(q_len)
+
+
+@kv_write.register_fake
+def _(key_cache, value_cache, length, key, value) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::retrieval_anchor", mutates_args=("query_state", "query_valid"))
+def retrieval_anchor(query_state: torch.Tensor, query_valid: torch.Tensor) -> None:
+    """No-op in eager mode. It puts the retrieval state tensors into the traced graph at the
+    start of layer 0, where the backend inserts the selection node."""
+    return None
+
+
+@retrieval_anchor.register_fake
+def _(query_state, query_valid) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::record_query", mutates_args=("query_state", "query_valid"))
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor) -> None:
+    """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in
+    ``query_state`` ``[batch, num_heads, 1, head_dim]`` and mark it valid."""
+    query_state.copy_(query[:, :, -1:, :])
+    query_valid.fill_(1)
+
+
+@record_query.register_fake
+def _(query_state, query_valid, query) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::speculative_select", mutates_args=())
+def speculative_select(
+    query_state: torch.Tensor,
+    query_valid: torch.Tensor,
+    key_cache: torch.Tensor,
+    length: torch.Tensor,
+    q_len: int,
+    budget: int,
+    sink: int,
+    window: int,
+    scale: float,
+) -> torch.Tensor:
+    """The speculative-selection node (SpeContext section 4), once per decode step.
+
+    Args:
+        query_state: ``[batch, num_heads, 1, head_dim]`` retrieval query (layer ``j``'s query
+            of the previous token).
+        query_valid: int scalar tensor, 0 until a query was recorded (then the most recent
+            tokens are selected instead).
+        key_cache: layer ``j``'s key store ``[batch, num_kv_heads, capacity, head_dim]``.
+        length: layer ``j``'s written tokens *before* this step (int64 scalar).
+        q_len: tokens in this step; budget, sink, window: see ``SpeContextConfig``.
+
+    Returns:
+        int64 ``[batch, num_kv_heads, min(budget, capacity)]`` positions valid after this
+        step's write (``-1`` = padding), shared by every layer of the step.
+    """
+    counters["specontext"]["selection_calls"] += 1
+    cached = int(length)
+    total = cached + q_len
+    slots = selection_size(budget, key_cache.shape[-2])
+    b, num_kv = key_cache.shape[0], key_cache.shape[1]
+    if total > slots and bool(query_valid):
+        scores = _HEAD.scores(query_state, key_cache, cached, scale)
+    else:
+        if total > slots:
+            counters["specontext"]["selection_recency_fallback"] += 1
+        scores = torch.arange(cached, dtype=torch.float32, device=key_cache.device)
+        scores = scores.expand(b, num_kv, cached)
+    return select_tokens(scores, total, q_len, slots, sink, window)
+
+
+@speculative_select.register_fake
+def _(query_state, query_valid, key_cache, length, q_len, budget, sink, window, scale):
+    slots = torch.sym_max(1, torch.sym_min(budget, key_cache.shape[-2]))
+    return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
+
+
+@torch.library.custom_op("specontext::sparse_attention", mutates_args=())
+def sparse_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    indices: torch.Tensor,
+    length: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """Attention over the selected tokens; see
+    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes.
+    ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``)."""
+    counters["specontext"]["sparse_attention_calls"] += 1
+    probe = active_probe()
+    if probe is not None:
+        probe.values.append(
+            selection_recall(query, key_cache, indices, int(length), scale, attn_mask)
+        )
+    return sparse_attention_reference(
+        query, key_cache, value_cache, indices, length, attn_mask, scale
+    )
+
+
+@sparse_attention.register_fake
+def _(query, key_cache, value_cache, indices, length, attn_mask, scale):
+    b, h, q_len, _ = query.shape
+    return query.new_empty((b, h, q_len, value_cache.shape[-1]))

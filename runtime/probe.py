@@ -1,0 +1,91 @@
+"""Optional measurement hooks read by the runtime ops (off unless a caller turns them on).
+
+:func:`recall_probe` makes every sparse attention call in its ``with`` block also compute the
+dense attention of the same query over every written token and record the share of that
+attention mass that falls inside the selection ("attention recall", the fidelity measure of
+docs/design.md). It costs a dense attention per layer, so callers switch it on for a few
+sampled decode steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["RecallRecord", "recall_probe", "active_probe"]
+
+_state = threading.local()
+
+
+@dataclasses.dataclass
+class RecallRecord:
+    """Recall per sparse-attention call, in call order (one per rewritten layer).
+
+    ``values[i]`` is the mean over batch, query heads and query rows of the dense attention
+    probability mass inside the selection (a float in [0, 1]).
+    """
+
+    values: list[float] = dataclasses.field(default_factory=list)
+
+    def mean(self) -> float:
+        """Mean recall over the recorded calls; ``nan`` when none were recorded."""
+        return sum(self.values) / len(self.values) if self.values else float("nan")
+
+
+def active_probe() -> RecallRecord | None:
+    """The probe of the current thread's innermost ``recall_probe`` block, if any."""
+    return getattr(_state, "probe", None)
+
+
+@contextlib.contextmanager
+def recall_probe() -> Iterator[RecallRecord]:
+    """Record attention recall for every sparse attention call inside the block."""
+    record, previous = RecallRecord(), active_probe()
+    _state.probe = record
+    try:
+        yield record
+    finally:
+        _state.probe = previous
+
+
+def selection_recall(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    indices: torch.Tensor,
+    length: int,
+    scale: float,
+    attn_mask: torch.Tensor | None,
+) -> float:
+    """Share of dense attention mass (float64) inside the selection for one layer.
+
+    Shapes as in :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference`.
+    """
+    b, num_heads, q_len, d = query.shape
+    num_kv = key_cache.shape[1]
+    groups = num_heads // num_kv
+    keys = key_cache[:, :, :length].double()
+    q = query.double().reshape(b, num_kv, groups * q_len, d)
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kv, g*q, length]
+    logits = logits.view(b, num_kv, groups, q_len, length)
+    rows = torch.arange(q_len).view(1, 1, 1, q_len, 1)
+    pos = torch.arange(length).view(1, 1, 1, 1, length)
+    allowed = pos <= (length - q_len + rows)
+    if attn_mask is not None:
+        m = attn_mask[..., :length]
+        m = m.view(m.shape[0], -1, 1, q_len, length) if m.shape[1] == 1 else m.reshape(
+            m.shape[0], num_kv, groups, q_len, length
+        )
+        if m.dtype == torch.bool:
+            allowed = allowed & m
+        else:
+            logits = logits + m.double()
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+    chosen = torch.zeros(b, num_kv, length, dtype=torch.bool)
+    valid = indices.clamp(min=0)
+    chosen.scatter_(2, valid, indices >= 0)
+    mass = (probs * chosen.view(b, num_kv, 1, 1, length)).sum(-1)
+    return float(mass.nan_to_num(0.0).mean())

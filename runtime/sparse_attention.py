@@ -1,0 +1,114 @@
+"""Sparse decode attention over a selection of cached tokens: the CPU (torch) path.
+
+Each (request, KV head) attends only to the token positions its selection names
+(SpeContext, arXiv 2512.00722, section 4: "head-level" selection shared by every layer).
+The computation equals dense attention restricted to the selected positions, with the same
+causal limit and the same additive or boolean mask, so with a selection that covers every
+written position it equals dense attention exactly (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["sparse_attention_reference", "causal_limit_mask"]
+
+
+def causal_limit_mask(indices: torch.Tensor, length: torch.Tensor, q_len: int) -> torch.Tensor:
+    """Which selected positions each query row may attend to.
+
+    Args:
+        indices: ``[batch, num_kv_heads, budget]`` int64 token positions; ``-1`` marks a
+            padding slot.
+        length: int64 tensor, shape ``[]`` or ``[batch]``: tokens written in the cache,
+            counting this step's ``q_len`` new tokens.
+        q_len: query tokens in this step.
+
+    Returns:
+        bool ``[batch, num_kv_heads, q_len, budget]``: row ``r`` may see position ``p`` iff
+        ``0 <= p <= length - q_len + r``.
+    """
+    rows = torch.arange(q_len, device=indices.device)
+    length = length.reshape(-1, 1, 1, 1) if length.dim() else length
+    limit = length - q_len + rows.view(1, 1, q_len, 1)  # [b|1, 1, q_len, 1]
+    idx = indices.unsqueeze(2)  # [batch, kv, 1, budget]
+    return (idx >= 0) & (idx <= limit)
+
+
+def _gather_tokens(cache: torch.Tensor, safe_idx: torch.Tensor) -> torch.Tensor:
+    """Gather ``[batch, kv, budget, dim]`` rows of ``cache`` ``[batch, kv, capacity, dim]``."""
+    b, h, k = safe_idx.shape
+    return cache.gather(2, safe_idx.unsqueeze(-1).expand(b, h, k, cache.shape[-1]))
+
+
+def _gather_mask(attn_mask: torch.Tensor, safe_idx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Gather a HF mask ``[batch|1, 1|heads, q_len, capacity]`` at the selected positions.
+
+    Returns ``[batch, num_kv_heads, groups, q_len, budget]`` (groups is 1 when the mask has
+    one head, so it broadcasts over the query heads of a group).
+    """
+    b, h, k = safe_idx.shape
+    mb, mh, q_len, _ = attn_mask.shape
+    if mh == 1:
+        src = attn_mask.expand(b, h, q_len, attn_mask.shape[-1])
+        idx = safe_idx.unsqueeze(2).expand(b, h, q_len, k)
+        return src.gather(3, idx).unsqueeze(2)
+    groups = mh // num_kv_heads
+    src = attn_mask.expand(b, mh, q_len, attn_mask.shape[-1]).view(b, h, groups, q_len, -1)
+    idx = safe_idx.view(b, h, 1, 1, k).expand(b, h, groups, q_len, k)
+    return src.gather(4, idx)
+
+
+def sparse_attention_reference(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    indices: torch.Tensor,
+    length: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention of ``query`` over the selected cached tokens only.
+
+    Args:
+        query: ``[batch, num_heads, q_len, head_dim]``.
+        key_cache: ``[batch, num_kv_heads, capacity, head_dim]`` (positions ``>= length``
+            may hold garbage: they are never attended to).
+        value_cache: ``[batch, num_kv_heads, capacity, head_dim_v]``.
+        indices: ``[batch, num_kv_heads, budget]`` int64 positions, unique per row, any
+            order, ``-1`` for padding.
+        length: int64 scalar (or ``[batch]``) tensor: tokens written, this step's included.
+        attn_mask: optional HF mask ``[batch|1, 1|num_heads, q_len, capacity]``, bool
+            (True = attend) or additive float.
+        scale: softmax scale; ``head_dim ** -0.5`` when None.
+
+    Returns:
+        ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype`` (softmax in float32).
+        A row that may see no selected position is all zeros, never NaN.
+
+    Raises:
+        ValueError: when ``num_heads`` is not a multiple of ``num_kv_heads``.
+    """
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv = key_cache.shape[1]
+    if num_heads % num_kv:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv}")
+    groups = num_heads // num_kv
+    scale = head_dim**-0.5 if scale is None else scale
+    safe_idx = indices.clamp(min=0)
+    keys = _gather_tokens(key_cache, safe_idx)  # [b, kv, k, d]
+    values = _gather_tokens(value_cache, safe_idx)
+    q = query.reshape(b, num_kv, groups * q_len, head_dim)
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    logits = logits.view(b, num_kv, groups, q_len, -1)
+    allowed = causal_limit_mask(indices, length, q_len).unsqueeze(2)  # [b, kv, 1, q, k]
+    if attn_mask is not None:
+        gathered = _gather_mask(attn_mask, safe_idx, num_kv)
+        if gathered.dtype == torch.bool:
+            allowed = allowed & gathered
+        else:
+            logits = logits + gathered.float()
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
+    out = torch.matmul(probs.view(b, num_kv, groups * q_len, -1), values)
+    return out.view(b, num_heads, q_len, values.shape[-1]).to(query.dtype)

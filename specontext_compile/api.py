@@ -1,0 +1,82 @@
+"""Public helpers: make a Hugging Face model generate through the specontext backend."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+
+from .config import SpeContextConfig
+from .runtime.kv_cache import SpeContextCache
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["compile", "generation_compile_config", "make_cache"]
+
+
+def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
+               max_new_tokens: int | None = None, max_length: int | None = None) -> SpeContextCache:
+    """A :class:`SpeContextCache` sized for one ``generate`` call.
+
+    Capacity = prompt tokens + ``max_new_tokens`` (or the generation config's
+    ``max_length``), so compiled decoding never has to grow the store.
+    """
+    gen = getattr(model, "generation_config", None)
+    prompt = 0 if input_ids is None else input_ids.shape[-1]
+    if max_new_tokens is None and gen is not None:
+        max_new_tokens = gen.max_new_tokens
+    if max_new_tokens is not None:
+        total = prompt + max_new_tokens
+    else:
+        total = max(prompt + 1, max_length or getattr(gen, "max_length", 0) or 0)
+    return SpeContextCache(model.config, max_cache_len=total + 1)
+
+
+def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: Any) -> torch.nn.Module:
+    """Compile ``model.forward`` with ``backend="specontext"`` and make ``generate`` use it.
+
+    After this, ``model.generate(input_ids, max_new_tokens=N)`` runs prefill and every
+    decode step through the rewritten graph, with a :class:`SpeContextCache` sized for the
+    call (unless the caller passes ``cache=``). The model is changed in place and returned.
+
+    Args:
+        model: a Hugging Face causal LM.
+        dynamic: passed to ``torch.compile``.
+        **options: backend options, see :class:`SpeContextConfig`.
+
+    Raises:
+        ValueError: for unknown options or bad values (before anything is compiled).
+    """
+    SpeContextConfig.from_options(options)
+    if getattr(model, "_specontext_original", None) is None:
+        model._specontext_original = (model.forward, model.generate)
+    original_forward, original_generate = model._specontext_original
+    model.forward = torch.compile(original_forward, backend="specontext", options=options, dynamic=dynamic)
+
+    @functools.wraps(original_generate)
+    def generate(*args: Any, **kwargs: Any):
+        if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
+            input_ids = args[0] if args else kwargs.get("input_ids")
+            kwargs["cache"] = make_cache(
+                model, input_ids, kwargs.get("max_new_tokens"), kwargs.get("max_length"))
+        return original_generate(*args, **kwargs)
+
+    model.generate = generate
+    return model
+
+
+def generation_compile_config(**options: Any):
+    """A ``transformers.CompileConfig`` for ``generate(..., compile_config=...)``.
+
+    Hugging Face compiles decode steps only on accelerators unless ``_compile_all_devices``
+    is set, and only with a compileable cache: pass ``cache=SpeContextCache(...)`` (or
+    :func:`make_cache`) to ``generate`` too. Prefill then runs eagerly (dense, exact).
+    """
+    from transformers import CompileConfig
+
+    SpeContextConfig.from_options(options)
+    config = CompileConfig(backend="specontext", mode="default", options=options or None)
+    config._compile_all_devices = True
+    return config

@@ -1,0 +1,67 @@
+"""Validated configuration of the specontext backend (``torch.compile(..., options=...)``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+__all__ = ["SpeContextConfig"]
+
+_INNER = ("eager", "inductor")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeContextConfig:
+    """Options of ``backend="specontext"``.
+
+    Attributes:
+        budget: tokens selected per KV head per decode step (int >= 1); SpeContext
+            (arXiv 2512.00722) evaluates 512-4096. When the context is not longer than the
+            budget, every token is selected and attention is exact.
+        sink_tokens: first tokens always kept (attention sinks), counted in ``budget``.
+        recent_window: last tokens always kept (includes the current one), in ``budget``.
+            When ``sink_tokens + recent_window`` exceeds the budget, the window is kept
+            first and the sinks are cut.
+        retrieval_layer: decoder layer whose previous-step query drives the training-free
+            retrieval head; None picks ``num_layers // 4 + 1``; negative counts from the end.
+        max_sparse_q_len: steps with more query tokens than this stay dense (prefill).
+        inner: compiler for the rewritten graph: ``"eager"`` (run the FX graph as is,
+            the default on CPU) or ``"inductor"``.
+    """
+
+    budget: int = 1024
+    sink_tokens: int = 4
+    recent_window: int = 64
+    retrieval_layer: int | None = None
+    max_sparse_q_len: int = 16
+    inner: str = "eager"
+
+    def __post_init__(self) -> None:
+        for name in ("budget", "max_sparse_q_len"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"specontext option {name!r} must be an int >= 1, got {value!r}")
+        for name in ("sink_tokens", "recent_window"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"specontext option {name!r} must be an int >= 0, got {value!r}")
+        j = self.retrieval_layer
+        if j is not None and (not isinstance(j, int) or isinstance(j, bool)):
+            raise ValueError(f"specontext option 'retrieval_layer' must be an int or None, got {j!r}")
+        if self.inner not in _INNER:
+            raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
+
+    @classmethod
+    def from_options(cls, options: dict[str, Any] | None) -> SpeContextConfig:
+        """Build from ``torch.compile`` options.
+
+        Raises:
+            ValueError: for an unknown option (the message lists the valid names) or a bad
+                value.
+        """
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown specontext option(s) {unknown}; valid options are {valid}")
+        return cls(**options)
