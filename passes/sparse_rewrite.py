@@ -105,6 +105,8 @@ class SparseAttentionPass:
         for s in resolved:
             if s.reason is None and s.q_len > self.max_sparse_q_len:
                 s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
+            elif s.reason is None and s.q_len > self.budget:
+                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
         decode = [s for s in resolved if s.reason is None]
         result.phase = "decode" if decode else "prefill"
         if not decode:

@@ -52,10 +52,9 @@ class SpeContextLayer(StaticLayer):
         self.cumulative_length = torch.zeros((), dtype=torch.long)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the store for at least the first write (plus one chunk of headroom)."""
-        self.max_cache_len = _round_up(
-            max(self.max_cache_len, key_states.shape[-2] + self.chunk_tokens), self.chunk_tokens
-        )
+        """Allocate ``max_cache_len`` tokens, or the first write plus one chunk of headroom."""
+        need = key_states.shape[-2] + (self.chunk_tokens if not self.max_cache_len else 0)
+        self.max_cache_len = _round_up(max(self.max_cache_len, need), self.chunk_tokens)
         self.device = key_states.device
         b, h = key_states.shape[:2]
         self.keys = key_states.new_zeros((b, h, self.max_cache_len, key_states.shape[-1]))
@@ -142,6 +141,15 @@ class SpeContextCache(Cache):
                 self._init_retrieval_state(key_states)
             torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """HF mask sizes. In eager mode this is where the stores grow: the mask of a step is
+        sized before its first write, so every layer grows here, before the step."""
+        if not is_torchdynamo_compiling():
+            for layer in self.layers:
+                if layer.is_initialized:
+                    layer.reserve(int(layer.cumulative_length) + query_length)
+        return super().get_mask_sizes(query_length, layer_idx)
 
     def reset(self) -> None:
         """Forget all tokens and the retrieval state."""

@@ -84,8 +84,7 @@ def selection_recall(
         else:
             logits = logits + m.double()
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    chosen = torch.zeros(b, num_kv, length, dtype=torch.bool)
-    valid = indices.clamp(min=0)
-    chosen.scatter_(2, valid, indices >= 0)
-    mass = (probs * chosen.view(b, num_kv, 1, 1, length)).sum(-1)
+    chosen = torch.zeros(b, num_kv, length + 1, dtype=torch.bool)  # last column: padding
+    chosen.scatter_(2, torch.where(indices >= 0, indices, length), True)
+    mass = (probs * chosen[..., :length].view(b, num_kv, 1, 1, length)).sum(-1)
     return float(mass.nan_to_num(0.0).mean())

@@ -50,7 +50,13 @@ def select_tokens(
     Returns:
         int64 ``[batch, num_kv_heads, slots]``: unique positions ``< length``; when
         ``length <= slots`` every position ``0 .. length-1`` followed by ``-1`` padding.
+
+    Raises:
+        ValueError: when ``slots < q_len`` (the step's own tokens would not fit; the
+            rewrite pass keeps such steps dense).
     """
+    if slots < q_len:
+        raise ValueError(f"a selection of {slots} tokens cannot hold the step's {q_len} tokens")
     device = scores.device
     b, h, _ = scores.shape
     if length <= slots:

@@ -13,7 +13,7 @@ from .runtime.kv_cache import SpeContextCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile", "generation_compile_config", "make_cache"]
+__all__ = ["compile", "restore", "generation_compile_config", "make_cache"]
 
 
 def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
@@ -67,6 +67,15 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
     return model
 
 
+def restore(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`compile`: the model's own eager ``forward`` and ``generate`` again."""
+    original = getattr(model, "_specontext_original", None)
+    if original is not None:
+        model.forward, model.generate = original
+        del model._specontext_original
+    return model
+
+
 def generation_compile_config(**options: Any):
     """A ``transformers.CompileConfig`` for ``generate(..., compile_config=...)``.
 
@@ -77,6 +86,7 @@ def generation_compile_config(**options: Any):
     from transformers import CompileConfig
 
     SpeContextConfig.from_options(options)
-    config = CompileConfig(backend="specontext", mode="default", options=options or None)
+    # torch.compile refuses ``mode`` together with ``options``, so HF's default mode is unset
+    config = CompileConfig(backend="specontext", mode=None, options=options or None)
     config._compile_all_devices = True
     return config

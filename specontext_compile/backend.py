@@ -20,7 +20,7 @@ from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["specontext_backend", "CompileReport", "compile_reports"]
+__all__ = ["specontext_backend", "CompileReport", "compile_reports", "clear_compile_reports"]
 
 _REPORTS: collections.deque = collections.deque(maxlen=64)
 
@@ -46,6 +46,11 @@ class CompileReport:
 def compile_reports() -> list[CompileReport]:
     """Reports of the most recent graphs compiled in this process (oldest first, <= 64)."""
     return list(_REPORTS)
+
+
+def clear_compile_reports() -> None:
+    """Forget the reports kept by :func:`compile_reports`."""
+    _REPORTS.clear()
 
 
 def _log_result(result: RewriteResult) -> None:

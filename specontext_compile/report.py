@@ -1,0 +1,164 @@
+"""The main job: generate with the backend on a real prompt and compare with dense decoding.
+
+Measures, in one process on the same machine (docs/report.md explains each figure):
+
+- ``decode_ms_sparse``: median wall time of a compiled decode step (steps used for the
+  recall probe and the first ``warmup`` steps, which include compilation, are excluded);
+- ``decode_ms_dense``: median wall time of a Hugging Face eager decode step (dense SDPA,
+  ``DynamicCache``) over the same tokens;
+- ``greedy_agreement``: teacher-forced agreement: the dense model is fed the sparse run's
+  tokens and, at every decode step, its greedy choice is compared with the sparse one (both
+  saw the same history, so one early difference does not count twice);
+- ``attention_recall``: at a few sampled decode steps of the sparse run, the share of each
+  layer/head's dense attention mass (over every cached token) that its selection covers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from . import api
+from .backend import compile_reports
+from .runtime.probe import recall_probe
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RunReport", "run_report", "build_prompt"]
+
+
+@dataclasses.dataclass
+class RunReport:
+    """Figures of one run (the keys ``--json`` writes)."""
+
+    model: str
+    prompt_tokens: int
+    new_tokens: int
+    budget: int
+    sites_total: int
+    sites_rewritten: int
+    retrieval_layer: int | None
+    greedy_agreement: float
+    attention_recall: float
+    decode_ms_sparse: float
+    decode_ms_dense: float
+    speedup: float
+    kv_bytes: int
+    text: str
+
+
+def build_prompt(tokenizer, text: str) -> torch.Tensor:
+    """``[1, tokens]`` input ids: the text as one user turn of the chat template, if any."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True,
+            return_tensors="pt", return_dict=True,
+        )["input_ids"]
+    else:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+    return ids
+
+
+class _StepTimer:
+    """Forward hooks that time every call of the model and switch the recall probe on."""
+
+    def __init__(self, model: torch.nn.Module, probe_steps: set[int], bar: tqdm | None):
+        self.times: list[float] = []
+        self.recalls: list[float] = []
+        self.probe_steps, self.bar = probe_steps, bar
+        self._probe = None
+        self._handles = [
+            model.register_forward_pre_hook(self._before),
+            model.register_forward_hook(self._after),
+        ]
+
+    def _before(self, module, args):
+        step = len(self.times)
+        if step in self.probe_steps:
+            self._probe = recall_probe()
+            self._record = self._probe.__enter__()
+        self._t0 = time.perf_counter()
+
+    def _after(self, module, args, output):
+        self.times.append(time.perf_counter() - self._t0)
+        if self._probe is not None:
+            self._probe.__exit__(None, None, None)
+            self.recalls.append(self._record.mean())
+            self._probe = None
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _median_ms(times: list[float], skip: set[int]) -> float:
+    kept = [t for i, t in enumerate(times) if i not in skip]
+    return 1000.0 * statistics.median(kept) if kept else float("nan")
+
+
+def _sparse_generate(model, input_ids, max_new_tokens, options, probe_steps, warmup):
+    api.compile(model, **options)
+    cache = api.make_cache(model, input_ids, max_new_tokens)
+    bar = tqdm(total=max_new_tokens, desc="sparse generate", leave=False)
+    timer = _StepTimer(model, probe_steps, bar)
+    try:
+        with torch.no_grad():
+            out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, cache=cache)
+    finally:
+        timer.remove()
+        bar.close()
+        api.restore(model)
+    skip = {0, *range(1, 1 + warmup), *probe_steps}  # 0 = prefill
+    return out[0, input_ids.shape[1]:], timer, _median_ms(timer.times, skip), cache.kv_bytes
+
+
+def _dense_teacher_forced(model, input_ids, tokens, warmup):
+    """Dense eager decoding fed the sparse tokens: (greedy choices, median step ms)."""
+    from transformers import DynamicCache
+
+    cache, times, choices = DynamicCache(config=model.config), [], []
+    with torch.no_grad():
+        logits = model(input_ids, cache=cache, use_cache=True).logits[:, -1]
+        choices.append(int(logits.argmax(-1)))
+        for tok in tqdm(tokens[:-1].tolist(), desc="dense teacher-forced", leave=False):
+            t0 = time.perf_counter()
+            logits = model(torch.tensor([[tok]]), cache=cache, use_cache=True).logits[:, -1]
+            times.append(time.perf_counter() - t0)
+            choices.append(int(logits.argmax(-1)))
+    return choices, _median_ms(times, set(range(warmup)))
+
+
+def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: int,
+               max_new_tokens: int, recall_samples: int = 4, warmup: int = 2,
+               **options) -> RunReport:
+    """Run the sparse generation and the dense comparison; see the module docstring."""
+    input_ids = build_prompt(tokenizer, prompt_text)
+    n = max_new_tokens
+    probe_steps = {1 + warmup + i * max(1, (n - 1 - warmup) // recall_samples) for i in range(recall_samples)}
+    probe_steps = {s for s in probe_steps if s < n}
+    tokens, timer, ms_sparse, kv_bytes = _sparse_generate(model, input_ids, n, dict(options, budget=budget), probe_steps, warmup)
+    decode_reports = [r for r in compile_reports() if r.result.phase == "decode"]
+    last = decode_reports[-1] if decode_reports else None
+    choices, ms_dense = _dense_teacher_forced(model, input_ids, tokens, warmup)
+    decoded = list(zip(choices[1:], tokens[1:].tolist()))
+    agreement = sum(a == b for a, b in decoded) / len(decoded) if decoded else float("nan")
+    return RunReport(
+        model=model_name, prompt_tokens=int(input_ids.shape[1]), new_tokens=len(tokens),
+        budget=budget,
+        sites_total=last.sites_total if last else 0,
+        sites_rewritten=last.sites_rewritten if last else 0,
+        retrieval_layer=last.result.retrieval_layer if last else None,
+        greedy_agreement=agreement,
+        attention_recall=statistics.fmean(timer.recalls) if timer.recalls else float("nan"),
+        decode_ms_sparse=ms_sparse, decode_ms_dense=ms_dense,
+        speedup=ms_dense / ms_sparse if ms_sparse else float("nan"),
+        kv_bytes=kv_bytes,
+        text=tokenizer.decode(tokens, skip_special_tokens=True),
+    )

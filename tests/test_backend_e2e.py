@@ -1,0 +1,146 @@
+"""End to end on tiny random Llamas: rewrite counts, exactness, sparsity, recompiles, paths."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import DynamicCache
+
+import specontext_compile as sc
+from specontext_compile.runtime import ops
+from _tiny import tiny_llama
+
+# fp32: compiled sparse path (gather + matmul + float32 softmax) vs eager SDPA; observed
+# max |diff| ~1e-6 on these models, bound with margin
+ATOL, RTOL = 1e-4, 1e-4
+
+
+def decode_logits(model, forward, ids, steps, cache):
+    """Prefill then teacher-forced decode with ``forward``; logits of every call."""
+    out = []
+    with torch.no_grad():
+        logits = forward(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        out.append(logits)
+        for _ in range(steps):
+            nxt = logits.argmax(-1, keepdim=True)
+            logits = forward(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+    return out
+
+
+def test_all_sites_of_tiny_llama_rewritten_and_exact_with_full_budget():
+    model = tiny_llama(layers=4)
+    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(0))
+    eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 64})
+    cache = sc.SpeContextCache(model.config, max_cache_len=64)
+    sparse = decode_logits(model, compiled, ids, 20, cache)
+    for step, (a, b) in enumerate(zip(sparse, eager)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert len(decode) == 1 and decode[0].sites_total == 4 and decode[0].sites_rewritten == 4
+    assert counters["specontext"]["sparse_attention_calls"] == 4 * 20
+
+
+def test_small_budget_attends_to_fewer_tokens(monkeypatch):
+    attended = []
+    real = ops.sparse_attention_reference
+
+    def spy(query, key_cache, value_cache, indices, length, *args):
+        attended.append(((indices >= 0).sum(-1).max().item(), int(length)))
+        return real(query, key_cache, value_cache, indices, length, *args)
+
+    monkeypatch.setattr(ops, "sparse_attention_reference", spy)
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2})
+    logits = decode_logits(model, compiled, ids, 5, sc.SpeContextCache(model.config, max_cache_len=100))
+    assert attended and all(n == 16 and length > 90 for n, length in attended)
+    assert all(torch.isfinite(x).all() for x in logits)
+
+
+def test_dynamic_cache_stays_dense_with_reason():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 20))
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8})
+    eager = decode_logits(model, model.forward, ids, 3, DynamicCache(config=model.config))
+    dense = decode_logits(model, compiled, ids, 3, DynamicCache(config=model.config))
+    for a, b in zip(dense, eager):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    reports = sc.compile_reports()
+    assert all(r.sites_rewritten == 0 for r in reports)
+    reasons = {reason for r in reports for _, reason in r.result.fallbacks()}
+    assert any("SpeContextCache" in reason for reason in reasons)
+    assert counters["specontext"]["sparse_attention_calls"] == 0
+
+
+def test_compile_helper_generate_runs_rewritten_graph_without_recompiles():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 30))
+    ref = model.generate(ids, max_new_tokens=50, min_new_tokens=50, do_sample=False)
+    sc.compile(model, budget=128)
+    out = model.generate(ids, max_new_tokens=50, min_new_tokens=50, do_sample=False)
+    assert torch.equal(out, ref)  # budget >= context: exact, same greedy text
+    assert counters["specontext"]["sparse_attention_calls"] == 2 * 49
+    assert counters["specontext"]["graphs"] == 2  # one prefill + one decode graph, 50 steps
+    assert sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)) <= 2
+
+
+def test_forward_compile_path_with_generate():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 25))
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    model.forward = torch.compile(model.forward, backend="specontext", options={"budget": 64})
+    cache = sc.SpeContextCache(model.config, max_cache_len=40)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
+    assert torch.equal(out, ref)
+    assert counters["specontext"]["sparse_attention_calls"] == 2 * 11
+
+
+def test_generate_compile_config_path():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 25))
+    ref = model.generate(ids, max_new_tokens=12, do_sample=False)
+    config = sc.api.generation_compile_config(budget=64)
+    cache = sc.api.make_cache(model, ids, 12)
+    out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache, compile_config=config)
+    assert torch.equal(out, ref)
+    # prefill runs eagerly in HF's compile path; every decode step runs compiled and sparse
+    assert counters["specontext"]["sparse_attention_calls"] == 2 * 11
+
+
+def test_hf_default_compile_mode_is_accepted_with_a_warning(caplog):
+    from transformers import CompileConfig
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 25))
+    config = CompileConfig(backend="specontext")  # mode="reduce-overhead", no options
+    config._compile_all_devices = True  # HF compiles only on accelerators otherwise
+    with caplog.at_level("WARNING", logger="specontext_compile.backend"):
+        model.generate(ids, max_new_tokens=4, do_sample=False,
+                       cache=sc.api.make_cache(model, ids, 4), compile_config=config)
+    assert "is ignored" in caplog.text
+    assert counters["specontext"]["sparse_attention_calls"] == 2 * 3
+
+
+def test_compiled_capacity_overflow_is_a_clear_error():
+    model = tiny_llama(layers=1)
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8})
+    cache = sc.SpeContextCache(model.config, max_cache_len=8, chunk_tokens=8)
+    ids = torch.randint(0, 128, (1, 15))
+    with torch.no_grad():
+        compiled(input_ids=ids, cache=cache, use_cache=True)  # fills 15 of 16 slots
+        compiled(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        with pytest.raises(Exception, match="max_cache_len"):
+            compiled(input_ids=ids[:, :1], cache=cache, use_cache=True)
+    assert int(cache.layers[0].cumulative_length) == 16  # nothing lost, nothing half-written
+
+
+def test_eager_cache_grows_in_chunks_and_matches_dynamic_cache():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 20))
+    cache = sc.SpeContextCache(model.config, chunk_tokens=8)
+    out = model.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, cache=cache)
+    ref = model.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False)
+    assert torch.equal(out, ref)
+    assert cache.layers[0].keys.shape[2] == 56  # 49 tokens in chunks of 8
