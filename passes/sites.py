@@ -180,8 +180,89 @@ def _match_sdpa(site: AttentionSite, by_key: dict, by_value: dict, order: dict) 
     site.reason = _resolve_store(site, args, by_key, by_value, order) or _check_constants(site, args)
 
 
+_SOFTMAX = (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
+_MATMUL = (torch.matmul, torch.Tensor.matmul, operator.matmul)
+
+
+def _is_call(node, targets=(), method: str | None = None) -> bool:
+    if not isinstance(node, fx.Node):
+        return False
+    if method is not None and node.op == "call_method" and node.target == method:
+        return True
+    return node.op == "call_function" and node.target in targets
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+
+
+def _softmax_of(weights: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
+    """Walk back from the attention weights through an identity dropout and a dtype cast
+    to a softmax; returns it and the nodes passed."""
+    chain, node = [], weights
+    if _is_call(node, (torch.nn.functional.dropout,)):
+        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
+        if p != 0.0 and training is not False:
+            return None, chain
+        chain.append(node)
+        node = node.args[0]
+    if _is_call(node, method="to"):
+        chain.append(node)
+        node = node.args[0]
+    if _is_call(node, _SOFTMAX, method="softmax"):
+        return node, chain
+    return None, chain
+
+
+def _transposed_key(node) -> fx.Node | None:
+    """``k`` when ``node`` is ``k.transpose(2, 3)`` of a 4-D ``k`` (any sign convention)."""
+    if not (_is_call(node, (torch.transpose,), method="transpose") and len(node.args) == 3):
+        return None
+    dims = {d % 4 for d in node.args[1:] if isinstance(d, int)}
+    return node.args[0] if dims == {2, 3} else None
+
+
+def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict) -> None:
+    """``softmax(q @ k^T * scale + mask, dim=-1) @ v`` written out (HF "eager")."""
+    site.pattern = "eager"
+    weights, value = site.node.args[0], site.node.args[1]
+    softmax, chain = _softmax_of(weights)
+    dim = _arg(softmax, 1, "dim")
+    if not isinstance(dim, int) or dim not in (-1, 3):
+        site.reason = f"softmax over dim {dim}, not the key dimension"
+        return
+    node, mask, scale = softmax.args[0], None, 1.0
+    if _is_call(node, (operator.add, torch.add)):
+        node, mask = node.args
+        if not isinstance(mask, fx.Node) or _val(mask) is None or _val(mask).dim() != 4:
+            site.reason = "the added mask is not a 4-D tensor"
+            return
+        chain.append(softmax.args[0])
+    if _is_call(node, (operator.mul,)) and isinstance(node.args[1], float):
+        chain.append(node)
+        node, scale = node.args
+    if not _is_call(node, _MATMUL):
+        site.reason = "attention scores are not a plain q @ k^T product"
+        return
+    chain += [node, softmax]
+    if any(len(n.users) != 1 for n in chain):
+        site.reason = "intermediate attention scores or weights are used elsewhere"
+        return
+    key = _transposed_key(node.args[1])
+    if key is None:
+        site.reason = "key reaches the score product through another permutation"
+        return
+    site.query, site.attn_mask = node.args[0], mask
+    args = {"key": key, "value": value}
+    site.reason = _resolve_store(site, args, by_key, by_value, order)
+    if site.reason is None:
+        site.reason = _check_constants(site, args)
+        site.scale = scale
+
+
 def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
-    """Every SDPA call in ``graph``, matched against the KV writes (see module docstring)."""
+    """Every SDPA call and written-out softmax attention in ``graph``, matched against the
+    KV writes (see module docstring)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_key, by_value = _writes_by_store(graph)
     sites = []
@@ -189,5 +270,9 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = AttentionSite(node=node)
             _match_sdpa(site, by_key, by_value, order)
+            sites.append(site)
+        elif _is_call(node, _MATMUL) and _softmax_of(node.args[0])[0] is not None:
+            site = AttentionSite(node=node)
+            _match_eager(site, by_key, by_value, order)
             sites.append(site)
     return sites

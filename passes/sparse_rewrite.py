@@ -115,6 +115,10 @@ class SparseAttentionPass:
             for s in decode:
                 s.reason = f"retrieval layer {driver.layer} cannot drive a selection: {driver.reason}"
             return result
+        if any(n.op != "placeholder" for n in (driver.key_cache, driver.length)):
+            for s in decode:
+                s.reason = "the KV store is allocated inside this graph (first call on a fresh cache)"
+            return result
         with graph.inserting_after(anchor):
             selection = graph.call_function(SELECT, (
                 query_state, query_valid, driver.key_cache, driver.length, driver.q_len,

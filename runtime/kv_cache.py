@@ -53,14 +53,17 @@ class SpeContextLayer(StaticLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate ``max_cache_len`` tokens, or the first write plus one chunk of headroom."""
-        need = key_states.shape[-2] + (self.chunk_tokens if not self.max_cache_len else 0)
-        self.max_cache_len = _round_up(max(self.max_cache_len, need), self.chunk_tokens)
+        self.max_cache_len = self._initial_capacity(key_states.shape[-2])
         self.device = key_states.device
         b, h = key_states.shape[:2]
         self.keys = key_states.new_zeros((b, h, self.max_cache_len, key_states.shape[-1]))
         self.values = value_states.new_zeros((b, h, self.max_cache_len, value_states.shape[-1]))
         self.cumulative_length = self.cumulative_length.to(self.device)
         self.is_initialized = True
+
+    def _initial_capacity(self, first_write: int) -> int:
+        need = first_write + (self.chunk_tokens if not self.max_cache_len else 0)
+        return _round_up(max(self.max_cache_len, need), self.chunk_tokens)
 
     def reserve(self, total_tokens: int) -> None:
         """Grow the store (eager only) so it holds ``total_tokens``; keeps written tokens."""
@@ -89,7 +92,9 @@ class SpeContextLayer(StaticLayer):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) for HF masks: the whole capacity, like ``StaticLayer``."""
-        return (self.keys.shape[-2] if self.is_initialized else query_length), 0
+        if self.is_initialized:
+            return self.keys.shape[-2], 0
+        return self._initial_capacity(query_length), 0
 
     def get_seq_length(self) -> torch.Tensor | int:
         """Tokens written (an int64 tensor once initialised, as in ``StaticLayer``)."""

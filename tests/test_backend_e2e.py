@@ -27,8 +27,9 @@ def decode_logits(model, forward, ids, steps, cache):
     return out
 
 
-def test_all_sites_of_tiny_llama_rewritten_and_exact_with_full_budget():
-    model = tiny_llama(layers=4)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_all_sites_of_tiny_llama_rewritten_and_exact_with_full_budget(attn):
+    model = tiny_llama(layers=4, attn=attn)
     ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(0))
     eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))
     compiled = torch.compile(model.forward, backend="specontext", options={"budget": 64})
