@@ -5,7 +5,7 @@ For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) q
 1. insert ``specontext::speculative_select`` right after ``specontext::retrieval_anchor``
    (layer 0, before any attention): one selection per step, shared by every layer;
 2. replace each matched site by ``specontext::sparse_attention`` over that selection;
-3. record layer ``retrieval_layer``'s query with ``specontext::record_query`` (for the next
+3. record each retrieval layer's query with ``specontext::record_query`` (for the next
    step's selection) — also in prefill graphs, whose attention stays dense and exact.
 
 Sites that do not match stay dense; their reasons are returned and logged.
@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 import torch.fx as fx
 
+from ..config import default_retrieval_layers
 from .sites import AttentionSite, find_attention_sites, is_op
 
 logger = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ class RewriteResult:
     sites: list[AttentionSite]
     rewritten: int = 0
     phase: str = "none"  # "decode", "prefill" or "none"
-    retrieval_layer: int | None = None
+    retrieval_layers: tuple[int, ...] = ()
     selection_inserted: bool = False
 
     @property
@@ -63,27 +64,24 @@ class SparseAttentionPass:
     Args:
         budget: selected tokens per KV head per step.
         sink_tokens, recent_window: always-kept first / last tokens (inside the budget).
-        retrieval_layer: layer whose previous-step query drives the selection; negative
-            counts from the end; None = ``num_layers // 4 + 1`` (clamped).
+        retrieval_layers: layers whose previous-step queries drive the selection; negative
+            counts from the end; None = :func:`default_retrieval_layers`.
         max_sparse_q_len: longest step (tokens) rewritten as sparse; longer = prefill.
     """
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
-                 retrieval_layer: int | None, max_sparse_q_len: int = 16):
+                 retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
-        self.retrieval_layer, self.max_sparse_q_len = retrieval_layer, max_sparse_q_len
+        self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
 
     def uuid(self) -> str:
-        cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layer, self.max_sparse_q_len)
+        cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers, self.max_sparse_q_len)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
-    def _pick_layer(self, num_layers: int) -> int:
-        j = self.retrieval_layer
-        if j is None:
-            j = num_layers // 4 + 1
-        if j < 0:
-            j += num_layers
-        return min(max(j, 0), num_layers - 1)
+    def _pick_layers(self, num_layers: int) -> list[int]:
+        layers = self.retrieval_layers or default_retrieval_layers(num_layers)
+        picked = {min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}
+        return sorted(picked)
 
     def __call__(self, graph: fx.Graph) -> RewriteResult:
         sites = find_attention_sites(graph)
@@ -98,10 +96,11 @@ class SparseAttentionPass:
             return result
         anchor = anchors[0]
         query_state, query_valid = anchor.args
-        driver = resolved[self._pick_layer(len(resolved))]
-        result.retrieval_layer = driver.layer
-        with graph.inserting_before(driver.node):
-            graph.call_function(RECORD, (query_state, query_valid, driver.query))
+        drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
+        result.retrieval_layers = tuple(d.layer for d in drivers)
+        for slot, driver in enumerate(drivers):
+            with graph.inserting_before(driver.node):
+                graph.call_function(RECORD, (query_state, query_valid, driver.query, slot))
         for s in resolved:
             if s.reason is None and s.q_len > self.max_sparse_q_len:
                 s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
@@ -111,18 +110,16 @@ class SparseAttentionPass:
         result.phase = "decode" if decode else "prefill"
         if not decode:
             return result
-        if driver.reason is not None:
+        reason = self._drivers_unusable(drivers)
+        if reason is not None:
             for s in decode:
-                s.reason = f"retrieval layer {driver.layer} cannot drive a selection: {driver.reason}"
+                s.reason = reason
             return result
-        if any(n.op != "placeholder" for n in (driver.key_cache, driver.length)):
-            for s in decode:
-                s.reason = "the KV store is allocated inside this graph (first call on a fresh cache)"
-            return result
+        first = drivers[0]
         with graph.inserting_after(anchor):
             selection = graph.call_function(SELECT, (
-                query_state, query_valid, driver.key_cache, driver.length, driver.q_len,
-                self.budget, self.sink_tokens, self.recent_window, driver.scale))
+                query_state, query_valid, [d.key_cache for d in drivers], first.length,
+                first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale))
         result.selection_inserted = True
         for s in decode:
             self._rewrite_site(graph, s, selection)
@@ -130,6 +127,17 @@ class SparseAttentionPass:
         graph.eliminate_dead_code()
         graph.lint()
         return result
+
+    @staticmethod
+    def _drivers_unusable(drivers: list[AttentionSite]) -> str | None:
+        for d in drivers:
+            if d.reason is not None:
+                return f"retrieval layer {d.layer} cannot drive a selection: {d.reason}"
+            if d.key_cache.op != "placeholder" or d.length.op != "placeholder":
+                return "the KV store is allocated inside this graph (first call on a fresh cache)"
+        if len({(d.scale, d.q_len) for d in drivers}) != 1:
+            return "retrieval layers differ in scale or query length"
+        return None
 
     @staticmethod
     def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node) -> None:

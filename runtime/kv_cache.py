@@ -11,8 +11,8 @@ up front (``specontext_compile.compile`` does it from ``max_new_tokens``).
 Run eagerly, the cache is dense and exact: ``update`` returns the whole store and Hugging
 Face's mask (built for ``capacity`` positions, like its ``StaticCache``) hides unwritten
 slots. The backend's pass rewrites the attention that reads the store into sparse attention.
-The cache also carries the retrieval state (layer ``retrieval_layer``'s last query row),
-which enters traced graphs through ``specontext::retrieval_anchor`` at layer 0.
+The cache also carries the retrieval state (the retrieval layers' last query rows, one slot
+per layer), which enters traced graphs through ``specontext::retrieval_anchor`` at layer 0.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from . import ops
+from .retrieval import MAX_RETRIEVAL_LAYERS
 
 logger = logging.getLogger(__name__)
 
@@ -132,17 +133,17 @@ class SpeContextCache(Cache):
         self.num_heads = config.num_attention_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.query_state: torch.Tensor | None = None
-        self.query_valid = torch.zeros((), dtype=torch.long)
+        self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
 
     def _init_retrieval_state(self, like: torch.Tensor) -> None:
         b = like.shape[0]
-        self.query_state = like.new_zeros((b, self.num_heads, 1, self.head_dim))
+        self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self.num_heads, 1, self.head_dim))
         self.query_valid = self.query_valid.to(like.device)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """HF's cache update, plus the retrieval anchor at layer 0 (see module docstring)."""
         if layer_idx == 0:
-            if self.query_state is None or self.query_state.shape[0] != key_states.shape[0]:
+            if self.query_state is None or self.query_state.shape[1] != key_states.shape[0]:
                 self._init_retrieval_state(key_states)
             torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

@@ -91,15 +91,16 @@ def _(query_state, query_valid) -> None:
 
 
 @torch.library.custom_op("specontext::record_query", mutates_args=("query_state", "query_valid"))
-def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor) -> None:
-    """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in
-    ``query_state`` ``[batch, num_heads, 1, head_dim]`` and mark it valid."""
-    query_state.copy_(query[:, :, -1:, :])
-    query_valid.fill_(1)
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int) -> None:
+    """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
+    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]``; mark it valid
+    in ``query_valid`` (int64 ``[slots]``)."""
+    query_state[slot].copy_(query[:, :, -1:, :])
+    query_valid[slot] = 1
 
 
 @record_query.register_fake
-def _(query_state, query_valid, query) -> None:
+def _(query_state, query_valid, query, slot) -> None:
     return None
 
 
@@ -107,7 +108,7 @@ def _(query_state, query_valid, query) -> None:
 def speculative_select(
     query_state: torch.Tensor,
     query_valid: torch.Tensor,
-    key_cache: torch.Tensor,
+    key_caches: list[torch.Tensor],
     length: torch.Tensor,
     q_len: int,
     budget: int,
@@ -118,12 +119,13 @@ def speculative_select(
     """The speculative-selection node (SpeContext section 4), once per decode step.
 
     Args:
-        query_state: ``[batch, num_heads, 1, head_dim]`` retrieval query (layer ``j``'s query
-            of the previous token).
-        query_valid: int scalar tensor, 0 until a query was recorded (then the most recent
-            tokens are selected instead).
-        key_cache: layer ``j``'s key store ``[batch, num_kv_heads, capacity, head_dim]``.
-        length: layer ``j``'s written tokens *before* this step (int64 scalar).
+        query_state: ``[slots, batch, num_heads, 1, head_dim]``: slot ``i`` holds the query
+            that retrieval layer ``i`` computed for the previous token.
+        query_valid: int64 ``[slots]``, 0 until slot ``i`` was recorded; until every used
+            slot is, the most recent tokens are selected instead.
+        key_caches: the retrieval layers' key stores, each
+            ``[batch, num_kv_heads, capacity, head_dim]``, in slot order.
+        length: written tokens *before* this step (int64 scalar, the same for all layers).
         q_len: tokens in this step; budget, sink, window: see ``SpeContextConfig``.
 
     Returns:
@@ -133,10 +135,13 @@ def speculative_select(
     counters["specontext"]["selection_calls"] += 1
     cached = int(length)
     total = cached + q_len
+    key_cache = key_caches[0]
     slots = selection_size(budget, key_cache.shape[-2])
     b, num_kv = key_cache.shape[0], key_cache.shape[1]
-    if total > slots and bool(query_valid):
-        scores = _HEAD.scores(query_state, key_cache, cached, scale)
+    if total > slots and bool(query_valid[: len(key_caches)].all()):
+        scores = sum(
+            _HEAD.scores(query_state[i], keys, cached, scale) for i, keys in enumerate(key_caches)
+        )
     else:
         if total > slots:
             counters["specontext"]["selection_recency_fallback"] += 1
@@ -146,7 +151,8 @@ def speculative_select(
 
 
 @speculative_select.register_fake
-def _(query_state, query_valid, key_cache, length, q_len, budget, sink, window, scale):
+def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale):
+    key_cache = key_caches[0]
     slots = torch.sym_max(1, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
 

@@ -7,15 +7,16 @@ builds the head from a distilled model (EAGLE-3 draft: embedding + Q/K projectio
 RoPE and its own K cache); those heads are a later addition behind the same interface.
 
 The training-free head shipped now, :class:`LaggedQueryHead`, is built from the target
-model itself and needs no weights of its own: its query is the query that one chosen layer
-``j`` of the target computed for the previous token (recorded in the graph at layer ``j``
-during the previous step), and its keys are layer ``j``'s own key cache (already in the KV
-store, so no extra key cache). Scores are ``softmax(q_prev . K_j * scale)`` per query head,
-then the element-wise max over the query heads of each KV group (the paper's GQA rule).
+model itself and needs no weights of its own: for each retrieval layer ``j`` its query is
+the query that layer ``j`` computed for the previous token (recorded in the graph at layer
+``j`` during the previous step), and its keys are layer ``j``'s own key cache (already in
+the KV store, so no extra key cache). Per layer, scores are ``softmax(q_prev . K_j * scale)``
+per query head, then the element-wise max over the query heads of each KV group (the
+paper's GQA rule); the selection node sums them over the retrieval layers.
 Why not embeddings: on SmolLM2-135M and 6K tokens of pydoc text at budget 1024, heads made of
 one target layer's Q/K projections applied to token embeddings covered 0.68-0.83 of the
-attention mass, below a plain sink+recent selection (0.86); the lagged layer-8 query covered
-0.92 (docs/design.md has the table and the script).
+attention mass, below a plain sink+recent selection (0.86); one lagged layer-8 query covered
+0.915 and the sum over layers 2, 4, 8, 12, 20 0.936 (docs/design.md has the table).
 """
 
 from __future__ import annotations
@@ -24,7 +25,9 @@ import abc
 
 import torch
 
-__all__ = ["RetrievalHead", "LaggedQueryHead", "group_max_softmax"]
+__all__ = ["RetrievalHead", "LaggedQueryHead", "group_max_softmax", "MAX_RETRIEVAL_LAYERS"]
+
+MAX_RETRIEVAL_LAYERS = 8  # slots of retrieval state a SpeContextCache holds
 
 
 def group_max_softmax(

@@ -25,7 +25,8 @@ def _add_run(sub) -> None:
     run.add_argument("--max-new-tokens", type=int, default=128)
     run.add_argument("--sink-tokens", type=int, default=4)
     run.add_argument("--recent-window", type=int, default=64)
-    run.add_argument("--retrieval-layer", type=int, default=None)
+    run.add_argument("--retrieval-layers", type=lambda s: tuple(int(x) for x in s.split(",")),
+                     default=None, help="comma-separated layers of the lagged-query head")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
     run.add_argument("-v", "--verbose", action="store_true")
@@ -41,7 +42,7 @@ def _print_report(report) -> None:
         ("new tokens", report.new_tokens),
         ("budget (tokens / KV head)", report.budget),
         ("attention sites rewritten", f"{report.sites_rewritten} / {report.sites_total}"),
-        ("retrieval layer (lagged query)", report.retrieval_layer),
+        ("retrieval layers (lagged query)", ",".join(map(str, report.retrieval_layers))),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),
         ("decode ms/token, specontext", f"{report.decode_ms_sparse:.1f}"),
@@ -64,7 +65,7 @@ def _cmd_run(args) -> int:
         model, tokenizer, text, model_name=args.model, budget=args.budget,
         max_new_tokens=args.max_new_tokens, recall_samples=args.recall_samples,
         sink_tokens=args.sink_tokens, recent_window=args.recent_window,
-        retrieval_layer=args.retrieval_layer,
+        retrieval_layers=args.retrieval_layers,
     )
     _print_report(report)
     if args.json:

@@ -5,9 +5,16 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["SpeContextConfig"]
+__all__ = ["SpeContextConfig", "MAX_RETRIEVAL_LAYERS", "default_retrieval_layers"]
 
 _INNER = ("eager", "inductor")
+from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
+
+
+def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
+    """Five layers over the first two thirds of the depth: (2, 4, 8, 12, 20) for 30."""
+    picks = {min(num_layers - 1, round(num_layers * f)) for f in (1 / 15, 2 / 15, 4 / 15, 6 / 15, 10 / 15)}
+    return tuple(sorted(picks))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,8 +29,11 @@ class SpeContextConfig:
         recent_window: last tokens always kept (includes the current one), in ``budget``.
             When ``sink_tokens + recent_window`` exceeds the budget, the window is kept
             first and the sinks are cut.
-        retrieval_layer: decoder layer whose previous-step query drives the training-free
-            retrieval head; None picks ``num_layers // 4 + 1``; negative counts from the end.
+        retrieval_layers: decoder layers whose previous-step queries drive the training-free
+            retrieval head (their scores are summed); an int or a tuple of at most
+            ``MAX_RETRIEVAL_LAYERS`` ints, negative counting from the end. None picks five
+            layers spread over the first two thirds of the depth (2, 4, 8, 12, 20 of 30),
+            the best measured on SmolLM2 (docs/design.md).
         max_sparse_q_len: steps with more query tokens than this stay dense (prefill).
         inner: compiler for the rewritten graph: ``"eager"`` (run the FX graph as is,
             the default on CPU) or ``"inductor"``.
@@ -32,7 +42,7 @@ class SpeContextConfig:
     budget: int = 1024
     sink_tokens: int = 4
     recent_window: int = 64
-    retrieval_layer: int | None = None
+    retrieval_layers: tuple[int, ...] | int | None = None
     max_sparse_q_len: int = 16
     inner: str = "eager"
 
@@ -45,9 +55,20 @@ class SpeContextConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"specontext option {name!r} must be an int >= 0, got {value!r}")
-        j = self.retrieval_layer
-        if j is not None and (not isinstance(j, int) or isinstance(j, bool)):
-            raise ValueError(f"specontext option 'retrieval_layer' must be an int or None, got {j!r}")
+        layers = self.retrieval_layers
+        if isinstance(layers, list):
+            layers = tuple(layers)
+        if isinstance(layers, int) and not isinstance(layers, bool):
+            layers = (layers,)
+        if layers is not None and (
+            not isinstance(layers, tuple) or not layers or len(layers) > MAX_RETRIEVAL_LAYERS
+            or any(not isinstance(j, int) or isinstance(j, bool) for j in layers)
+        ):
+            raise ValueError(
+                f"specontext option 'retrieval_layers' must be None, an int or 1..{MAX_RETRIEVAL_LAYERS} "
+                f"ints, got {self.retrieval_layers!r}"
+            )
+        object.__setattr__(self, "retrieval_layers", layers)
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 

@@ -42,7 +42,7 @@ class RunReport:
     budget: int
     sites_total: int
     sites_rewritten: int
-    retrieval_layer: int | None
+    retrieval_layers: tuple[int, ...]
     greedy_agreement: float
     attention_recall: float
     decode_ms_sparse: float
@@ -154,7 +154,7 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         budget=budget,
         sites_total=last.sites_total if last else 0,
         sites_rewritten=last.sites_rewritten if last else 0,
-        retrieval_layer=last.result.retrieval_layer if last else None,
+        retrieval_layers=last.result.retrieval_layers if last else (),
         greedy_agreement=agreement,
         attention_recall=statistics.fmean(timer.recalls) if timer.recalls else float("nan"),
         decode_ms_sparse=ms_sparse, decode_ms_dense=ms_dense,

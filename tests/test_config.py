@@ -14,7 +14,9 @@ from _tiny import tiny_llama
     ({"budget": True}, "budget"),
     ({"sink_tokens": -1}, "sink_tokens"),
     ({"inner": "tvm"}, "inner"),
-    ({"retrieval_layer": "8"}, "retrieval_layer"),
+    ({"retrieval_layers": "8"}, "retrieval_layers"),
+    ({"retrieval_layers": ()}, "retrieval_layers"),
+    ({"retrieval_layers": tuple(range(9))}, "retrieval_layers"),
 ])
 def test_bad_options_raise_value_error(options, match):
     with pytest.raises(ValueError, match=match):
@@ -30,6 +32,15 @@ def test_bad_options_raise_through_torch_compile():
 def test_bad_options_raise_in_compile_helper():
     with pytest.raises(ValueError, match="budget"):
         sc.compile(tiny_llama(), budget=-4)
+
+
+def test_retrieval_layers_normalised_and_defaults():
+    from specontext_compile.config import default_retrieval_layers
+
+    assert SpeContextConfig(retrieval_layers=8).retrieval_layers == (8,)
+    assert SpeContextConfig(retrieval_layers=[2, -1]).retrieval_layers == (2, -1)
+    assert default_retrieval_layers(30) == (2, 4, 8, 12, 20)
+    assert default_retrieval_layers(2) == (0, 1)
 
 
 def test_defaults_are_valid():

@@ -48,7 +48,7 @@ def test_speculative_select_uses_group_max():
     q[0, 1, 0, 0] = 1.0
     q[0, 2, 0, 1] = 1.0
     idx = torch.ops.specontext.speculative_select(
-        q, torch.tensor(1), keys, torch.tensor(40), 1, 3, 0, 2, 1.0)
+        q[None], torch.tensor([1]), [keys], torch.tensor(40), 1, 3, 0, 2, 1.0)
     assert 5 in idx[0, 0].tolist() and 9 in idx[0, 1].tolist()
     assert 40 in idx[0, 0].tolist()
 
@@ -56,5 +56,5 @@ def test_speculative_select_uses_group_max():
 def test_speculative_select_falls_back_to_recency_without_query():
     keys = torch.randn(1, 1, 64, 4)
     idx = torch.ops.specontext.speculative_select(
-        torch.zeros(1, 2, 1, 4), torch.tensor(0), keys, torch.tensor(40), 1, 6, 1, 2, 0.5)
+        torch.zeros(1, 1, 2, 1, 4), torch.tensor([0]), [keys], torch.tensor(40), 1, 6, 1, 2, 0.5)
     assert sorted(idx[0, 0].tolist()) == [0, 36, 37, 38, 39, 40]
