@@ -17,13 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-try:  # triton is an optional dependency: specs must still build without it.
-    from triton import next_power_of_2
-except ImportError:  # pragma: no cover - exercised only where triton is absent
 
-    def next_power_of_2(n: int) -> int:
-        """Smallest power of two ``>= n`` (``n >= 1``), as ``triton.next_power_of_2``."""
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two ``>= n`` (``n >= 1``): ``triton.next_power_of_2`` when triton is
+    installed (imported lazily, so specs build without it), else the same arithmetic."""
+    try:
+        from triton import next_power_of_2 as triton_next_power_of_2
+    except ImportError:  # pragma: no cover - exercised only where triton is absent
         return 1 << (int(n) - 1).bit_length()
+    return int(triton_next_power_of_2(int(n)))
 
 
 __all__ = [
@@ -42,9 +44,13 @@ DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp16": torch.float16,
 }
 _ALIASES = {
-    "float32": "fp32", "float": "fp32", "f32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "f32": "fp32",
     "bfloat16": "bf16",
-    "float16": "fp16", "half": "fp16", "f16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "f16": "fp16",
 }
 #: smallest tile edge ``tl.dot`` accepts on GPUs
 MIN_DOT_BLOCK = 16
@@ -83,11 +89,13 @@ def _check_block(name: str, value: int) -> None:
         raise ValueError(f"{name}={value} must be a power of two >= {MIN_DOT_BLOCK}")
 
 
-def _default_block_n(widest: int) -> int:
-    """Selection entries per inner step: keep a K tile near 16 KiB of bf16 in registers."""
-    if widest <= 128:
+def _default_block_n(row_bytes: int) -> int:
+    """Selection entries per inner step, from the bytes of one gathered row: keeps one K (or
+    V) tile at <= 16 KiB, which compiles for sm_90 without register spills (see
+    ``python -m specontext_compile.codegen compile --grid``)."""
+    if row_bytes <= 256:
         return 64
-    if widest <= 256:
+    if row_bytes <= 512:
         return 32
     return 16
 
@@ -132,7 +140,7 @@ class KernelSpec:
     num_stages: int = 2
 
     def __post_init__(self) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("dtype", canonical_dtype(self.dtype))
         set_("soft_cap", bool(self.soft_cap))
         set_("sliding_window", bool(self.sliding_window))
@@ -146,14 +154,16 @@ class KernelSpec:
         if self.rope_dim and self.head_dim_v != self.head_dim:
             raise ValueError(
                 f"MLA (rope_dim={self.rope_dim}) uses the latent as value: head_dim_v="
-                f"{self.head_dim_v} must equal head_dim={self.head_dim}")
+                f"{self.head_dim_v} must equal head_dim={self.head_dim}"
+            )
         _check_block("block_m_max", self.block_m_max)
         if self.block_n == 0:
-            set_("block_n", _default_block_n(max(self.block_d, self.block_dv)))
+            row_bytes = max(self.block_d, self.block_dv) * self.torch_dtype.itemsize
+            set_("block_n", _default_block_n(row_bytes))
         _check_block("block_n", self.block_n)
-        if self.num_warps == 0:
+        if self.num_warps == 0:  # fp32 dots run on FMA units: spread them over more warps
             big = self.block_m * max(self.block_d, self.block_dv) > 32 * 128
-            set_("num_warps", 8 if big else 4)
+            set_("num_warps", 8 if big or self.dtype == "fp32" else 4)
         if self.num_warps not in (1, 2, 4, 8, 16):
             raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
         _check_range("num_stages", self.num_stages, 1, 8)
@@ -206,12 +216,28 @@ class KernelSpec:
         if self.head_dim_v != self.head_dim:
             dims += f"v{self.head_dim_v}"
         flags = ("_cap" if self.soft_cap else "") + ("_win" if self.sliding_window else "")
-        return (f"sparse_decode_{dims}_g{self.group}_q{self.q_len}_{self.dtype}{flags}"
-                f"_m{self.block_m}n{self.block_n}")
+        return (
+            f"sparse_decode_{dims}_g{self.group}_q{self.q_len}_{self.dtype}{flags}"
+            f"_m{self.block_m}n{self.block_n}"
+        )
 
-    def replace(self, **changes) -> "KernelSpec":
-        """Copy with fields changed (re-validated)."""
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> KernelSpec:
+        """Copy with fields changed (re-validated); see ``_replace_spec``."""
+        return _replace_spec(self, ("head_dim_v", "block_n", "num_warps"), changes)
+
+
+def _replace_spec(spec, derived: tuple[str, ...], changes: dict):
+    """``dataclasses.replace`` that re-derives the auto fields (``derived``) that still hold
+    their automatic value, so ``spec.replace(head_dim=256)`` also gets the block size of 256;
+    a derived field set explicitly (to a non-automatic value) is kept."""
+    base = {
+        f.name: getattr(spec, f.name) for f in dataclasses.fields(spec) if f.name not in derived
+    }
+    auto = type(spec)(**base)
+    for name in derived:
+        if name not in changes and getattr(spec, name) == getattr(auto, name):
+            changes[name] = 0
+    return dataclasses.replace(spec, **changes)
 
 
 @dataclass(frozen=True)
@@ -240,12 +266,12 @@ class RetrievalSpec:
     num_warps: int = 0
 
     def __post_init__(self) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen dataclass)
+        set_ = lambda k, v: object.__setattr__(self, k, v)
         set_("dtype", canonical_dtype(self.dtype))
         _check_range("head_dim", self.head_dim, 1, 1024)
         _check_range("group", self.group, 1, 256)
         if self.block_n == 0:
-            set_("block_n", 2 * _default_block_n(self.block_d))
+            set_("block_n", 2 * _default_block_n(self.block_d * self.torch_dtype.itemsize))
         _check_block("block_n", self.block_n)
         if self.num_warps == 0:
             set_("num_warps", 4)
@@ -272,6 +298,6 @@ class RetrievalSpec:
         """Short stable identifier, used in generated file names and logs."""
         return f"retrieval_d{self.head_dim}_g{self.group}_{self.dtype}_n{self.block_n}"
 
-    def replace(self, **changes) -> "RetrievalSpec":
-        """Copy with fields changed (re-validated)."""
-        return dataclasses.replace(self, **changes)
+    def replace(self, **changes) -> RetrievalSpec:
+        """Copy with fields changed (re-validated); see ``_replace_spec``."""
+        return _replace_spec(self, ("block_n", "num_warps"), changes)

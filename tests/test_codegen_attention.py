@@ -13,14 +13,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from specontext_compile import codegen
 from specontext_compile.codegen.accuracy import assert_within_bound
 from specontext_compile.codegen.testing import make_attention_case
 
+from specontext_compile import codegen
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow,
-                                                      HealthCheck.data_too_large])
+SETTINGS = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -45,22 +47,22 @@ def triton_interpreter():
 @st.composite
 def case_params(draw, **fixed):
     """Kernel-contract inputs: small, odd sizes, budgets above the context, 1-token contexts."""
-    p = dict(
-        dtype=draw(st.sampled_from(["fp32", "bf16", "fp16"])),
-        batch=draw(st.integers(1, 2)),
-        num_kv=draw(st.integers(1, 2)),
-        group=draw(st.sampled_from([1, 2, 3, 4])),
-        q_len=draw(st.sampled_from([1, 1, 2, 3])),
-        head_dim=draw(st.sampled_from([16, 64])),
-        budget=draw(st.integers(1, 40)),
-        fill=draw(st.sampled_from([1.0, 0.7, 0.3])),
-        extra_capacity=draw(st.integers(0, 3)),
-        layout=draw(st.sampled_from(["contiguous", "token_major"])),
-        logit_scale=draw(st.sampled_from([0.5, 1.0, 4.0])),
-        soft_cap=draw(st.sampled_from([None, None, 5.0, 30.0])),
-        sliding_window=draw(st.sampled_from([None, None, 1, 7, 20])),
-        seed=draw(st.integers(0, 2**31 - 1)),
-    )
+    p = {
+        "dtype": draw(st.sampled_from(["fp32", "bf16", "fp16"])),
+        "batch": draw(st.integers(1, 2)),
+        "num_kv": draw(st.integers(1, 2)),
+        "group": draw(st.sampled_from([1, 2, 3, 4])),
+        "q_len": draw(st.sampled_from([1, 1, 2, 3])),
+        "head_dim": draw(st.sampled_from([16, 64])),
+        "budget": draw(st.integers(1, 40)),
+        "fill": draw(st.sampled_from([1.0, 0.7, 0.3])),
+        "extra_capacity": draw(st.integers(0, 3)),
+        "layout": draw(st.sampled_from(["contiguous", "token_major"])),
+        "logit_scale": draw(st.sampled_from([0.5, 1.0, 4.0])),
+        "soft_cap": draw(st.sampled_from([None, None, 5.0, 30.0])),
+        "sliding_window": draw(st.sampled_from([None, None, 1, 7, 20])),
+        "seed": draw(st.integers(0, 2**31 - 1)),
+    }
     p.update(fixed)
     short = draw(st.sampled_from([1, 2, 5]))
     longest = draw(st.integers(1, 40))
@@ -68,7 +70,7 @@ def case_params(draw, **fixed):
     lengths[0] = longest
     p["lengths"] = lengths
     p["scalar_length"] = len(set(lengths)) == 1 and draw(st.booleans())
-    p["run"] = dict(num_splits=draw(st.integers(1, 4)), block_n=draw(st.sampled_from([16, 32])))
+    p["run"] = {"num_splits": draw(st.integers(1, 4)), "block_n": draw(st.sampled_from([16, 32]))}
     return p
 
 
@@ -81,53 +83,76 @@ def run_case(params: dict) -> None:
     out = torch.full(shape, float("nan"), dtype=case.query.dtype, device=DEVICE)
     if case.rope_cache is None:
         got = codegen.sparse_decode_attention(
-            case.query, case.key_cache, case.value_cache, case.indices, case.valid_length,
-            out=out, **case.options, **run)
+            case.query,
+            case.key_cache,
+            case.value_cache,
+            case.indices,
+            case.valid_length,
+            out=out,
+            **case.options,
+            **run,
+        )
     else:
         got = codegen.sparse_mla_decode_attention(
-            case.query, case.query_rope, case.key_cache, case.rope_cache, case.indices,
-            case.valid_length, out=out, **case.options, **run)
+            case.query,
+            case.query_rope,
+            case.key_cache,
+            case.rope_cache,
+            case.indices,
+            case.valid_length,
+            out=out,
+            **case.options,
+            **run,
+        )
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(got).any(), f"NaN in output for {params}"
-    assert_within_bound(got.cpu(), case.reference().cpu(), case.value_scale, params["dtype"],
-                        context=str(params))
+    assert_within_bound(
+        got.cpu(), case.reference().cpu(), case.value_scale, params["dtype"], context=str(params)
+    )
 
 
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=8, **SETTINGS)
 @given(data=st.data())
 def test_head_dims(head_dim, data):
     run_case(data.draw(case_params(head_dim=head_dim)))
 
 
 @pytest.mark.parametrize("group", [1, 2, 3, 4, 6, 7, 8])
-@settings(max_examples=4, **SETTINGS)
+@settings(max_examples=8, **SETTINGS)
 @given(data=st.data())
 def test_group_sizes(group, data):
     run_case(data.draw(case_params(group=group, num_kv=data.draw(st.integers(1, 2)))))
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
-@settings(max_examples=8, **SETTINGS)
+@settings(max_examples=25, **SETTINGS)
 @given(data=st.data())
 def test_dtypes(dtype, data):
     run_case(data.draw(case_params(dtype=dtype)))
 
 
 @pytest.mark.parametrize("q_len", [1, 2, 4, 7, 16])
-@settings(max_examples=3, **SETTINGS)
+@settings(max_examples=6, **SETTINGS)
 @given(data=st.data())
 def test_query_lengths(q_len, data):
     run_case(data.draw(case_params(q_len=q_len, group=data.draw(st.sampled_from([1, 3])))))
 
 
 @pytest.mark.parametrize("soft_cap,sliding_window", [(30.0, None), (None, 5), (8.0, 3)])
-@settings(max_examples=5, **SETTINGS)
+@settings(max_examples=10, **SETTINGS)
 @given(data=st.data())
 def test_soft_cap_and_window(soft_cap, sliding_window, data):
     window = sliding_window and data.draw(st.integers(1, 2 * sliding_window))
-    run_case(data.draw(case_params(soft_cap=soft_cap, sliding_window=window,
-                                   logit_scale=data.draw(st.sampled_from([1.0, 8.0])))))
+    run_case(
+        data.draw(
+            case_params(
+                soft_cap=soft_cap,
+                sliding_window=window,
+                logit_scale=data.draw(st.sampled_from([1.0, 8.0])),
+            )
+        )
+    )
 
 
 @settings(max_examples=5, **SETTINGS)
@@ -137,24 +162,45 @@ def test_value_width_differs(data):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@settings(max_examples=5, **SETTINGS)
+@settings(max_examples=10, **SETTINGS)
 @given(data=st.data())
 def test_mla_layout(dtype, data):
     """MLA: key = concat(latent, rope), value = latent; one KV head and a wide group."""
-    run_case(data.draw(case_params(dtype=dtype, head_dim=64, num_kv=1,
-                                   rope_dim=data.draw(st.sampled_from([16, 24])),
-                                   group=data.draw(st.sampled_from([5, 16])))))
+    run_case(
+        data.draw(
+            case_params(
+                dtype=dtype,
+                head_dim=64,
+                num_kv=1,
+                rope_dim=data.draw(st.sampled_from([16, 24])),
+                group=data.draw(st.sampled_from([5, 16])),
+            )
+        )
+    )
 
 
 def test_large_group_uses_several_row_tiles():
     """group * q_len = 8 * 16 = 128 rows > block_m_max=64: two row tiles per KV head."""
     spec = codegen.KernelSpec(head_dim=16, group=8, q_len=16)
     assert spec.row_tiles == 2
-    run_case(dict(dtype="fp32", batch=1, num_kv=2, group=8, q_len=16, head_dim=16, budget=20,
-                  lengths=[30], seed=3, run=dict(num_splits=2, block_n=16)))
+    run_case(
+        {
+            "dtype": "fp32",
+            "batch": 1,
+            "num_kv": 2,
+            "group": 8,
+            "q_len": 16,
+            "head_dim": 16,
+            "budget": 20,
+            "lengths": [30],
+            "seed": 3,
+            "run": {"num_splits": 2, "block_n": 16},
+        }
+    )
 
 
 # ---- exactness on padded rows --------------------------------------------------------------
+
 
 def _exact_case(dtype=torch.bfloat16):
     gen = torch.Generator().manual_seed(0)
@@ -172,8 +218,17 @@ def test_padded_rows_are_exact(dtype):
     idx[0, 0, 17] = 6  # one valid entry amid padding, in the second block
     idx[1, 1, 39] = 8  # one valid entry in the last slot
     out = torch.full((2, 4, 1, 32), float("nan"), dtype=dtype, device=DEVICE)
-    codegen.sparse_decode_attention(q, k, v, idx, torch.tensor([7, 9], device=DEVICE),
-                                    scale=0.2, out=out, num_splits=3, block_n=16)
+    codegen.sparse_decode_attention(
+        q,
+        k,
+        v,
+        idx,
+        torch.tensor([7, 9], device=DEVICE),
+        scale=0.2,
+        out=out,
+        num_splits=3,
+        block_n=16,
+    )
     assert torch.equal(out[0, 0:2, 0], v[0, 0, 6].expand(2, 32))
     assert torch.equal(out[1, 2:4, 0], v[1, 1, 8].expand(2, 32))
     assert torch.equal(out[0, 2:4], torch.zeros_like(out[0, 2:4]))  # all -1
@@ -186,8 +241,7 @@ def test_rows_with_nothing_allowed_are_zero():
     q = q.expand(2, 4, 3, 32).contiguous()
     idx = torch.full((2, 2, 4), -1, dtype=torch.int64, device=DEVICE)
     idx[:, :, 2] = 0
-    out = codegen.sparse_decode_attention(q, k, v, idx, torch.tensor(1, device=DEVICE),
-                                          scale=0.2)
+    out = codegen.sparse_decode_attention(q, k, v, idx, torch.tensor(1, device=DEVICE), scale=0.2)
     assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
     assert torch.equal(out[0, :2, 2], v[0, 0, 0].expand(2, 32))
 
@@ -200,6 +254,7 @@ def test_sliding_window_keeps_only_recent_tokens():
 
 
 # ---- validation ----------------------------------------------------------------------------
+
 
 def _valid_inputs():
     q, k, v = _exact_case(torch.float32)
@@ -214,8 +269,9 @@ def test_rejects_index_past_valid_length():
         codegen.sparse_decode_attention(q, k, v, idx, vlen, scale=0.1)
 
 
-@pytest.mark.parametrize("bad,match", [(10, r"= 10 .*capacity 10"), (-2, r"= -2 "),
-                                       (3, "selected twice")])
+@pytest.mark.parametrize(
+    "bad,match", [(10, r"= 10 .*capacity 10"), (-2, r"= -2 "), (3, "selected twice")]
+)
 def test_rejects_bad_selection(bad, match):
     q, k, v, idx, _ = _valid_inputs()
     idx[0, 1, 2] = bad  # row holds [2, 6, bad]; 3 collides with nothing, so add a duplicate
@@ -228,31 +284,46 @@ def test_rejects_bad_selection(bad, match):
 def test_rejects_valid_length_beyond_capacity():
     q, k, v, idx, _ = _valid_inputs()
     with pytest.raises(ValueError, match=r"valid_length\[0\] = 11 .*capacity=10"):
-        codegen.sparse_decode_attention(q, k, v, idx, torch.tensor([11, 4], device=DEVICE),
-                                        scale=0.1)
+        codegen.sparse_decode_attention(
+            q, k, v, idx, torch.tensor([11, 4], device=DEVICE), scale=0.1
+        )
 
 
-@pytest.mark.parametrize("mutate,match", [
-    (lambda a: a.update(query=a["query"][:, :3]), "multiple of num_kv_heads"),
-    (lambda a: a.update(indices=a["indices"].int()), "int64"),
-    (lambda a: a.update(key_cache=a["key_cache"].half()), "dtype"),
-    (lambda a: a.update(value_cache=a["value_cache"][:1]), "value_cache must be"),
-    (lambda a: a.update(query=a["query"].expand(2, 4, 17, 32)), "q_len=17"),
-    (lambda a: a.update(valid_length=torch.tensor([1, 2, 3], device=DEVICE)), "shape"),
-    (lambda a: a.update(query=a["query"].double(), key_cache=a["key_cache"].double(),
-                        value_cache=a["value_cache"].double()), "unsupported dtype"),
-])
+@pytest.mark.parametrize(
+    "mutate,match",
+    [
+        (lambda a: a.update(query=a["query"][:, :3]), "multiple of num_kv_heads"),
+        (lambda a: a.update(indices=a["indices"].int()), "int64"),
+        (lambda a: a.update(key_cache=a["key_cache"].half()), "dtype"),
+        (lambda a: a.update(value_cache=a["value_cache"][:1]), "value_cache must be"),
+        (lambda a: a.update(query=a["query"].expand(2, 4, 17, 32)), "q_len=17"),
+        (lambda a: a.update(valid_length=torch.tensor([1, 2, 3], device=DEVICE)), "shape"),
+        (
+            lambda a: a.update(
+                query=a["query"].double(),
+                key_cache=a["key_cache"].double(),
+                value_cache=a["value_cache"].double(),
+            ),
+            "unsupported dtype",
+        ),
+    ],
+)
 def test_rejects_bad_arguments(mutate, match):
     q, k, v, idx, vlen = _valid_inputs()
-    args = dict(query=q, key_cache=k, value_cache=v, indices=idx, valid_length=vlen)
+    args = {"query": q, "key_cache": k, "value_cache": v, "indices": idx, "valid_length": vlen}
     mutate(args)
     with pytest.raises(ValueError, match=match):
         codegen.sparse_decode_attention(**args, scale=0.1)
 
 
-@pytest.mark.parametrize("options,match", [(dict(soft_cap=0.0), "soft_cap"),
-                                           (dict(sliding_window=0), "sliding_window"),
-                                           (dict(scale=float("nan")), "scale")])
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        ({"soft_cap": 0.0}, "soft_cap"),
+        ({"sliding_window": 0}, "sliding_window"),
+        ({"scale": float("nan")}, "scale"),
+    ],
+)
 def test_rejects_bad_options(options, match):
     q, k, v, idx, vlen = _valid_inputs()
     with pytest.raises(ValueError, match=match):
@@ -270,3 +341,11 @@ def test_unchecked_indices_never_read_past_valid_length():
     want = codegen.sparse_decode_attention(q, k, v, idx, vlen, scale=0.1)
     assert not torch.isnan(got).any()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="CPU tensors only")
+def test_cpu_tensors_without_interpreter_get_a_clear_error(monkeypatch):
+    q, k, v, idx, vlen = _valid_inputs()
+    monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1 for CPU"):
+        codegen.sparse_decode_attention(q, k, v, idx, vlen, scale=0.1)
