@@ -36,9 +36,18 @@ def causal_limit_mask(indices: torch.Tensor, length: torch.Tensor, q_len: int) -
 
 
 def _gather_tokens(cache: torch.Tensor, safe_idx: torch.Tensor) -> torch.Tensor:
-    """Gather ``[batch, kv, budget, dim]`` rows of ``cache`` ``[batch, kv, capacity, dim]``."""
+    """Gather ``[batch, kv, budget, dim]`` rows of ``cache`` ``[batch, kv, capacity, dim]``.
+
+    A contiguous store is read as whole rows (one ``index_select`` over
+    ``batch * kv * capacity`` rows); other layouts fall back to an element-wise gather.
+    """
     b, h, k = safe_idx.shape
-    return cache.gather(2, safe_idx.unsqueeze(-1).expand(b, h, k, cache.shape[-1]))
+    capacity, dim = cache.shape[2], cache.shape[3]
+    if cache.is_contiguous():
+        base = torch.arange(b * h, device=safe_idx.device).view(b, h, 1) * capacity
+        rows = (base + safe_idx).reshape(-1)
+        return cache.view(b * h * capacity, dim).index_select(0, rows).view(b, h, k, dim)
+    return cache.gather(2, safe_idx.unsqueeze(-1).expand(b, h, k, dim))
 
 
 def _gather_mask(attn_mask: torch.Tensor, safe_idx: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
