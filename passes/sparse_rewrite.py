@@ -70,12 +70,15 @@ class SparseAttentionPass:
     """
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
-                 retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16):
+                 retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
+                 kernel: str = "auto"):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
+        self.kernel = kernel
 
     def uuid(self) -> str:
-        cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers, self.max_sparse_q_len)
+        cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
+               self.max_sparse_q_len, self.kernel)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
@@ -122,7 +125,7 @@ class SparseAttentionPass:
                 first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale))
         result.selection_inserted = True
         for s in decode:
-            self._rewrite_site(graph, s, selection)
+            self._rewrite_site(graph, s, selection, self.kernel)
         result.rewritten = len(decode)
         graph.eliminate_dead_code()
         graph.lint()
@@ -140,11 +143,11 @@ class SparseAttentionPass:
         return None
 
     @staticmethod
-    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node) -> None:
+    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, kernel: str) -> None:
         with graph.inserting_before(site.node):
             sparse = graph.call_function(SPARSE, (
                 site.query, site.key_cache, site.value_cache, selection, site.length,
-                site.attn_mask, site.scale))
+                site.attn_mask, site.scale, kernel))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
         site.node.replace_all_uses_with(sparse)
         graph.erase_node(site.node)

@@ -26,7 +26,7 @@ from torch._dynamo.utils import counters
 from .probe import active_probe, selection_recall
 from .retrieval import LaggedQueryHead
 from .selection import select_tokens, selection_size
-from .sparse_attention import sparse_attention_reference
+from .sparse_attention import mask_is_causal_only, sparse_attention_reference
 
 logger = logging.getLogger(__name__)
 
@@ -166,22 +166,47 @@ def sparse_attention(
     length: torch.Tensor,
     attn_mask: torch.Tensor | None,
     scale: float,
+    kernel: str = "torch",
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes.
-    ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``)."""
+    ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
+    ``kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``)."""
     counters["specontext"]["sparse_attention_calls"] += 1
     probe = active_probe()
     if probe is not None:
         probe.values.append(
             selection_recall(query, key_cache, indices, int(length), scale, attn_mask)
         )
+    if _use_triton(kernel, query) and mask_is_causal_only(attn_mask, indices, length, query.shape[2]):
+        from ..codegen import sparse_decode_attention
+
+        counters["specontext"]["triton_attention_calls"] += 1
+        return sparse_decode_attention(
+            query, key_cache, value_cache, indices, length, scale=scale, check_indices=False
+        )
     return sparse_attention_reference(
         query, key_cache, value_cache, indices, length, attn_mask, scale
     )
 
 
+def _use_triton(kernel: str, query: torch.Tensor) -> bool:
+    """Whether to run the generated kernel (raises when ``"triton"`` cannot run here)."""
+    if kernel == "torch":
+        return False
+    from ..codegen import interpreter_enabled, triton_available
+
+    if kernel == "auto":
+        return query.is_cuda and triton_available()
+    if query.device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError(
+            "specontext kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's "
+            "interpreter); use kernel='torch' or 'auto' for real CPU runs"
+        )
+    return True
+
+
 @sparse_attention.register_fake
-def _(query, key_cache, value_cache, indices, length, attn_mask, scale):
+def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch"):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

@@ -88,7 +88,7 @@ def specontext_backend(
         logger.warning("specontext: compile mode %r is ignored", mode)
     rewrite = SparseAttentionPass(
         config.budget, config.sink_tokens, config.recent_window,
-        config.retrieval_layers, config.max_sparse_q_len,
+        config.retrieval_layers, config.max_sparse_q_len, config.kernel,
     )
     result = rewrite(gm.graph)
     gm.recompile()

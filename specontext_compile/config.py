@@ -8,6 +8,7 @@ from typing import Any
 __all__ = ["SpeContextConfig", "MAX_RETRIEVAL_LAYERS", "default_retrieval_layers"]
 
 _INNER = ("eager", "inductor")
+_KERNELS = ("auto", "torch", "triton")
 from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
 
 
@@ -37,6 +38,10 @@ class SpeContextConfig:
         max_sparse_q_len: steps with more query tokens than this stay dense (prefill).
         inner: compiler for the rewritten graph: ``"eager"`` (run the FX graph as is,
             the default on CPU) or ``"inductor"``.
+        kernel: sparse attention implementation: ``"auto"`` (generated Triton kernels on
+            CUDA, the torch path elsewhere), ``"torch"``, or ``"triton"`` (on CPU this needs
+            ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter; small
+            shapes only, for testing).
     """
 
     budget: int = 1024
@@ -45,6 +50,7 @@ class SpeContextConfig:
     retrieval_layers: tuple[int, ...] | int | None = None
     max_sparse_q_len: int = 16
     inner: str = "eager"
+    kernel: str = "auto"
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_sparse_q_len"):
@@ -69,6 +75,8 @@ class SpeContextConfig:
                 f"ints, got {self.retrieval_layers!r}"
             )
         object.__setattr__(self, "retrieval_layers", layers)
+        if self.kernel not in _KERNELS:
+            raise ValueError(f"specontext option 'kernel' must be one of {_KERNELS}, got {self.kernel!r}")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 

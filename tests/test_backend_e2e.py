@@ -145,3 +145,25 @@ def test_eager_cache_grows_in_chunks_and_matches_dynamic_cache():
     ref = model.generate(ids, max_new_tokens=30, min_new_tokens=30, do_sample=False)
     assert torch.equal(out, ref)
     assert cache.layers[0].keys.shape[2] == 56  # 49 tokens in chunks of 8
+
+
+def test_triton_kernels_run_end_to_end_under_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    options = {"budget": 16, "recent_window": 4, "sink_tokens": 2}
+    runs = {}
+    for kernel in ("torch", "triton"):
+        torch._dynamo.reset()
+        compiled = torch.compile(model.forward, backend="specontext", options=dict(options, kernel=kernel))
+        runs[kernel] = decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=48))
+    for a, b in zip(runs["triton"], runs["torch"]):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    assert counters["specontext"]["triton_attention_calls"] == 2 * 4
+
+
+def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 1]]]), torch.tensor(2), None, 0.3, "triton")

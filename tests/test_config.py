@@ -14,6 +14,7 @@ from _tiny import tiny_llama
     ({"budget": True}, "budget"),
     ({"sink_tokens": -1}, "sink_tokens"),
     ({"inner": "tvm"}, "inner"),
+    ({"kernel": "cuda"}, "kernel"),
     ({"retrieval_layers": "8"}, "retrieval_layers"),
     ({"retrieval_layers": ()}, "retrieval_layers"),
     ({"retrieval_layers": tuple(range(9))}, "retrieval_layers"),

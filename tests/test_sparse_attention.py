@@ -102,3 +102,18 @@ def test_context_of_one_token_never_empty_or_nan():
     idx = torch.tensor([[[0, -1, -1]]])
     out = torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(1), None, 0.3)
     torch.testing.assert_close(out, v[:, :, :1].expand(1, 3, 1, 8))
+
+
+def test_mask_is_causal_only_detects_padding():
+    from specontext_compile.runtime.sparse_attention import mask_is_causal_only
+
+    cap, length = 16, 10
+    idx = torch.cat([torch.arange(length), torch.full((2,), -1)]).view(1, 1, -1)
+    mask = torch.zeros(1, 1, 1, cap, dtype=torch.bool)
+    mask[..., :length] = True
+    assert mask_is_causal_only(mask, idx, torch.tensor(length), 1)
+    assert mask_is_causal_only(None, idx, torch.tensor(length), 1)
+    mask[..., 2] = False  # a padding token inside the selection
+    assert not mask_is_causal_only(mask, idx, torch.tensor(length), 1)
+    additive = torch.where(mask, 0.0, float("-inf"))
+    assert not mask_is_causal_only(additive, idx, torch.tensor(length), 1)
