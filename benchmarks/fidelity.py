@@ -1,0 +1,172 @@
+"""Fidelity harness: attention recall of selection policies on real text (issue 6, part).
+
+For each context length, prefills SmolLM2-135M with the first ``context`` tokens of
+``pydoc_data.topics`` (dense), then decodes ``--steps`` more tokens of the same text
+(teacher-forced, dense), recording every layer's query and keys. Each policy of
+``runtime/policies.py`` then selects ``budget`` tokens per KV head (4 sinks and a 64-token
+window inside the budget, for every policy) and we report the attention recall: the share of
+each layer/head's dense attention mass inside the selection, averaged over layers, heads and
+steps 1.. (step 0 has no previous query for the lagged-query head).
+
+    python -m benchmarks.fidelity --contexts 2048 4096 8192 --budgets 256 512 1024 2048
+
+Writes a markdown table to stdout and, with ``--out``, JSON. Greedy agreement and NLL per
+policy need the policy inside the model's attention and are not measured here yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pydoc_data.topics
+import torch
+from tqdm.auto import tqdm
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from specontext_compile.models import load_model
+from specontext_compile.runtime import policies as P
+from specontext_compile.runtime.retrieval import group_max_softmax
+from specontext_compile.runtime.selection import select_tokens
+
+POLICIES = {
+    "lagged query x5 (ours)": P.LaggedQuery(),
+    "lagged query, layer 8 (ours)": P.LaggedQuery(layers=(8,)),
+    "StreamingLLM": P.StreamingLLM(),
+    "Quest (16-token pages)": P.Quest(),
+    "H2O (accumulated)": P.H2O(),
+    "oracle top-k (per layer)": P.OracleTopK(),
+    "random": P.RandomTokens(),
+}
+
+
+def record(model, ids: torch.Tensor, context: int, steps: int, h2o_queries: int):
+    """Dense prefill + teacher-forced decode; returns per-step queries, final keys, and the
+    last ``h2o_queries`` prompt queries per layer."""
+    queries: list[dict[int, torch.Tensor]] = []
+    prompt_q: dict[int, torch.Tensor] = {}
+    keys: dict[int, torch.Tensor] = {}
+    current: dict[int, torch.Tensor] = {}
+
+    def recording(module, q, k, v, mask, **kw):
+        if q.shape[2] > 1:
+            prompt_q[module.layer_idx] = q[:, :, -h2o_queries:].detach()
+        else:
+            current[module.layer_idx] = q.detach()
+        keys[module.layer_idx] = k.detach()
+        return sdpa_attention_forward(module, q, k, v, mask, **kw)
+
+    AttentionInterface.register("specontext_fidelity", recording)
+    model.set_attn_implementation("specontext_fidelity")
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model(ids[:, :context], cache=cache, use_cache=True)
+            for i in range(context, context + steps):
+                current.clear()
+                model(ids[:, i : i + 1], cache=cache, use_cache=True)
+                queries.append(dict(current))
+    finally:
+        model.set_attn_implementation("sdpa")
+    return queries, keys, prompt_q
+
+
+def layer_probs(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """float64 ``[num_heads, n]`` dense attention of one query row over ``keys``."""
+    g = query.shape[1] // keys.shape[1]
+    k = keys[0].double().repeat_interleave(g, 0)
+    return torch.softmax((query[0, :, 0].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale, -1)
+
+
+def prompt_accumulation(prompt_q, keys, context, scale):
+    """H2O's accumulated attention from the recorded prompt queries, per layer
+    ``[num_kv_heads, total_tokens]`` (causal)."""
+    acc = {}
+    for layer, q in prompt_q.items():
+        k = keys[layer][0, :, :context].double()
+        num_kv, g = k.shape[0], q.shape[1] // k.shape[0]
+        r = q.shape[2]
+        logits = torch.einsum("hrd,hnd->hrn", q[0].double(), k.repeat_interleave(g, 0)) * scale
+        pos = torch.arange(context)
+        rows = torch.arange(context - r, context)
+        logits = logits.masked_fill(pos[None, None, :] > rows[None, :, None], float("-inf"))
+        probs = torch.softmax(logits, -1).sum(1)  # [heads, context]
+        total = torch.zeros(num_kv, keys[layer].shape[2], dtype=torch.float64)
+        total[:, :context] = probs.view(num_kv, g, context).amax(1)
+        acc[layer] = total
+    return acc
+
+
+def recall_of(selection: torch.Tensor, probs: torch.Tensor) -> float:
+    """Mean mass inside ``selection`` ``[num_kv_heads, budget]`` of ``probs`` ``[heads, n]``."""
+    n, num_kv = probs.shape[1], selection.shape[0]
+    mask = torch.zeros(num_kv, n + 1, dtype=torch.bool)
+    mask.scatter_(1, torch.where(selection >= 0, selection, n), True)
+    mask = mask[:, :n].repeat_interleave(probs.shape[0] // num_kv, 0)
+    return float((probs * mask).sum(-1).mean())
+
+
+def evaluate(model, ids, context, steps, budgets, sink, window, h2o_queries):
+    queries, keys, prompt_q = record(model, ids, context, steps, h2o_queries)
+    scale = model.model.layers[0].self_attn.scaling
+    layers = len(model.model.layers)
+    acc = prompt_accumulation(prompt_q, keys, context, scale)
+    results = {name: {b: [] for b in budgets} for name in POLICIES}
+    for i in tqdm(range(len(queries)), desc=f"context {context}", leave=False):
+        n_after = context + i + 1
+        step_keys = [keys[l][:, :, :n_after] for l in range(layers)]
+        probs = [layer_probs(queries[i][l], step_keys[l], scale) for l in range(layers)]
+        step = P.DecodeStep(
+            queries=[queries[i][l] for l in range(layers)], keys=step_keys,
+            previous_queries=[queries[i - 1][l] for l in range(layers)] if i else None,
+            accumulated=[acc[l].float() for l in range(layers)], scale=scale,
+        )
+        if i:
+            for name, policy in POLICIES.items():
+                for b in budgets:
+                    results[name][b].append(_policy_recall(policy, step, probs, b, sink, window, layers))
+        for l in range(layers):  # H2O accumulates this step's attention afterwards
+            num_kv = step_keys[l].shape[1]
+            acc[l][:, :n_after] += probs[l].view(num_kv, -1, n_after).amax(1)
+    return {name: {b: sum(v) / len(v) for b, v in per.items()} for name, per in results.items()}
+
+
+def _policy_recall(policy, step, probs, budget, sink, window, layers) -> float:
+    n_after = step.cached + 1
+    select = lambda scores: select_tokens(scores[None], n_after, 1, budget, sink, window)[0]
+    if policy.shared:
+        sel = select(policy.scores(step, 0))
+        return sum(recall_of(sel, probs[l]) for l in range(layers)) / layers
+    return sum(recall_of(select(policy.scores(step, l)), probs[l]) for l in range(layers)) / layers
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[2048, 4096, 8192])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    parser.add_argument("--steps", type=int, default=9)
+    parser.add_argument("--sink", type=int, default=4)
+    parser.add_argument("--window", type=int, default=64)
+    parser.add_argument("--h2o-queries", type=int, default=256)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model, tok = load_model("smollm2-135m")
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tok(text, return_tensors="pt").input_ids
+    table = {}
+    for context in args.contexts:
+        budgets = [b for b in args.budgets if b < context]
+        table[context] = evaluate(model, ids, context, args.steps, budgets, args.sink, args.window, args.h2o_queries)
+        print(f"\n### context {context} tokens: attention recall (steps 1..{args.steps - 1})\n")
+        print("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+        print("|---|" + "---|" * len(budgets))
+        for name, per in table[context].items():
+            print(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |", flush=True)
+    if args.out:
+        args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
