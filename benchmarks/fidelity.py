@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import pydoc_data.topics
 from pathlib import Path
 
-import pydoc_data.topics
 import torch
+from specontext_compile.runtime import policies as P
+from specontext_compile.runtime.selection import select_tokens
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specontext_compile.models import load_model
-from specontext_compile.runtime import policies as P
-from specontext_compile.runtime.retrieval import group_max_softmax
-from specontext_compile.runtime.selection import select_tokens
 
 POLICIES = {
     "lagged query x5 (ours)": P.LaggedQuery(),

@@ -13,16 +13,16 @@ recent window inside the budget, so all attend to the same number of tokens.
 from __future__ import annotations
 
 import argparse
-
 import pydoc_data.topics
+
 import torch
+from specontext_compile.runtime.retrieval import group_max_softmax
+from specontext_compile.runtime.selection import select_tokens
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specontext_compile.models import load_model
-from specontext_compile.runtime.retrieval import group_max_softmax
-from specontext_compile.runtime.selection import select_tokens
 
 
 def record_decode(model, ids, steps):

@@ -6,8 +6,7 @@
 
 import argparse
 from pathlib import Path
-
-import pydoc_data.topics as topics
+from pydoc_data import topics
 
 TOPICS = ["assert", "break", "nonlocal", "global", "with", "try", "raise", "import",
           "for", "while", "if", "lambda", "class", "function", "exceptions", "execmodel",

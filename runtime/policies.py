@@ -28,7 +28,7 @@ import torch
 
 from .retrieval import group_max_softmax
 
-__all__ = ["DecodeStep", "LaggedQuery", "StreamingLLM", "Quest", "H2O", "OracleTopK", "RandomTokens"]
+__all__ = ["H2O", "DecodeStep", "LaggedQuery", "OracleTopK", "Quest", "RandomTokens", "StreamingLLM"]
 
 
 @dataclasses.dataclass

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["RecallRecord", "recall_probe", "active_probe"]
+__all__ = ["RecallRecord", "active_probe", "recall_probe"]
 
 _state = threading.local()
 

@@ -25,7 +25,7 @@ import abc
 
 import torch
 
-__all__ = ["RetrievalHead", "LaggedQueryHead", "group_max_softmax", "MAX_RETRIEVAL_LAYERS"]
+__all__ = ["MAX_RETRIEVAL_LAYERS", "LaggedQueryHead", "RetrievalHead", "group_max_softmax"]
 
 MAX_RETRIEVAL_LAYERS = 8  # slots of retrieval state a SpeContextCache holds
 

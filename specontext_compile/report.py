@@ -29,7 +29,7 @@ from .runtime.probe import recall_probe
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RunReport", "run_report", "build_prompt"]
+__all__ = ["RunReport", "build_prompt", "run_report"]
 
 
 @dataclasses.dataclass

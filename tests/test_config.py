@@ -1,10 +1,9 @@
 import pytest
 import torch
+from _tiny import tiny_llama
 
 import specontext_compile as sc
 from specontext_compile.config import SpeContextConfig
-
-from _tiny import tiny_llama
 
 
 @pytest.mark.parametrize("options, match", [

@@ -5,7 +5,6 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-
 from specontext_compile.runtime.eagle3 import load_eagle3_head
 
 H, HEADS, KV, D, VOCAB, DRAFT_VOCAB, INTER = 64, 4, 2, 16, 300, 100, 256

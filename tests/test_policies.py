@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from specontext_compile.runtime import policies as P
 
 LAYERS, HEADS, KV, D, N = 3, 4, 2, 8, 50

@@ -3,9 +3,9 @@
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from specontext_compile.runtime.selection import select_tokens, selection_size
 
 import specontext_compile  # noqa: F401
-from specontext_compile.runtime.selection import select_tokens, selection_size
 
 
 @settings(max_examples=200, deadline=None)

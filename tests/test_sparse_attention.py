@@ -7,7 +7,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specontext_compile  # noqa: F401
-from specontext_compile.runtime.sparse_attention import sparse_attention_reference
 
 # float32 inputs, softmax in float32: observed max error ~1e-6; bound stated with margin
 ATOL, RTOL = 2e-5, 1e-4
@@ -15,7 +14,7 @@ ATOL, RTOL = 2e-5, 1e-4
 
 def dense_reference(query, key_cache, value_cache, indices, length, scale):
     """float64 softmax attention over the selected positions, written the obvious way."""
-    b, hq, q_len, d = query.shape
+    b, hq, q_len, _ = query.shape
     hkv = key_cache.shape[1]
     g = hq // hkv
     out = torch.zeros(b, hq, q_len, value_cache.shape[-1], dtype=torch.float64)
