@@ -2,12 +2,12 @@
 
 import pytest
 import torch
+from _tiny import tiny_llama
+from specontext_compile.runtime import ops
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import specontext_compile as sc
-from specontext_compile.runtime import ops
-from _tiny import tiny_llama
 
 # fp32: compiled sparse path (gather + matmul + float32 softmax) vs eager SDPA; observed
 # max |diff| ~1e-6 on these models, bound with margin
@@ -167,3 +167,16 @@ def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 1]]]), torch.tensor(2), None, 0.3, "triton")
+
+
+def test_batched_left_padded_generation_is_exact_at_full_budget():
+    model = tiny_llama(layers=2)
+    ids = torch.randint(1, 128, (2, 30), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    mask[1, :7] = 0  # the second request is 7 tokens shorter, padded on the left
+    ids[1, :7] = 0
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    sc.compile(model, budget=64)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, ref)
+    assert counters["specontext"]["sparse_attention_calls"] == 2 * 9
