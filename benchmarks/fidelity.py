@@ -41,9 +41,10 @@ POLICIES = {
 }
 
 
-def record(model, ids: torch.Tensor, context: int, steps: int, h2o_queries: int):
-    """Dense prefill + teacher-forced decode; returns per-step queries, final keys, and the
-    last ``h2o_queries`` prompt queries per layer."""
+def record(model, ids: torch.Tensor, context: int, steps: int, h2o_queries: int, aux_layers=()):
+    """Dense prefill + teacher-forced decode; returns per-step queries, final keys, the
+    last ``h2o_queries`` prompt queries per layer, and (when ``aux_layers``) the hidden
+    states after those layers for every token ``[1, tokens, len(aux_layers) * hidden]``."""
     queries: list[dict[int, torch.Tensor]] = []
     prompt_q: dict[int, torch.Tensor] = {}
     keys: dict[int, torch.Tensor] = {}
@@ -60,16 +61,24 @@ def record(model, ids: torch.Tensor, context: int, steps: int, h2o_queries: int)
     AttentionInterface.register("specontext_fidelity", recording)
     model.set_attn_implementation("specontext_fidelity")
     cache = DynamicCache(config=model.config)
+    hidden = []
+    want = bool(aux_layers)
+
+    def keep(out):
+        if want:
+            hidden.append(torch.cat([out.hidden_states[j + 1] for j in aux_layers], -1))
+
     try:
         with torch.no_grad():
-            model(ids[:, :context], cache=cache, use_cache=True)
+            keep(model(ids[:, :context], cache=cache, use_cache=True, output_hidden_states=want))
             for i in range(context, context + steps):
                 current.clear()
-                model(ids[:, i : i + 1], cache=cache, use_cache=True)
+                keep(model(ids[:, i : i + 1], cache=cache, use_cache=True, output_hidden_states=want))
                 queries.append(dict(current))
     finally:
         model.set_attn_implementation("sdpa")
-    return queries, keys, prompt_q
+    aux = torch.cat(hidden, 1) if hidden else None
+    return queries, keys, prompt_q, aux
 
 
 def layer_probs(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
@@ -107,12 +116,15 @@ def recall_of(selection: torch.Tensor, probs: torch.Tensor) -> float:
     return float((probs * mask).sum(-1).mean())
 
 
-def evaluate(model, ids, context, steps, budgets, sink, window, h2o_queries):
-    queries, keys, prompt_q = record(model, ids, context, steps, h2o_queries)
+def evaluate(model, ids, context, steps, budgets, sink, window, h2o_queries, policies=POLICIES):
+    aux_layers = next((tuple(p.head.aux_layer_ids) for p in policies.values() if isinstance(p, P.DraftHead)), ())
+    queries, keys, prompt_q, aux = record(model, ids, context, steps, h2o_queries, aux_layers)
+    if aux is not None:  # EAGLE-3 feeds the previous token's states
+        aux = torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
     scale = model.model.layers[0].self_attn.scaling
     layers = len(model.model.layers)
     acc = prompt_accumulation(prompt_q, keys, context, scale)
-    results = {name: {b: [] for b in budgets} for name in POLICIES}
+    results = {name: {b: [] for b in budgets} for name in policies}
     for i in tqdm(range(len(queries)), desc=f"context {context}", leave=False):
         n_after = context + i + 1
         step_keys = [keys[l][:, :, :n_after] for l in range(layers)]
@@ -121,9 +133,10 @@ def evaluate(model, ids, context, steps, budgets, sink, window, h2o_queries):
             queries=[queries[i][l] for l in range(layers)], keys=step_keys,
             previous_queries=[queries[i - 1][l] for l in range(layers)] if i else None,
             accumulated=[acc[l].float() for l in range(layers)], scale=scale,
+            input_ids=ids[:, :n_after], aux_hidden=None if aux is None else aux[:, :n_after],
         )
         if i:
-            for name, policy in POLICIES.items():
+            for name, policy in policies.items():
                 for b in budgets:
                     results[name][b].append(_policy_recall(policy, step, probs, b, sink, window, layers))
         for l in range(layers):  # H2O accumulates this step's attention afterwards
@@ -150,14 +163,24 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--h2o-queries", type=int, default=256)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--heads", type=Path, nargs="*", default=[],
+                        help="EAGLE-3-layout head folders (e.g. from `specontext distill`) to compare too")
     args = parser.parse_args()
     model, tok = load_model("smollm2-135m")
+    policies = dict(POLICIES)
+    for folder in args.heads:
+        from specontext_compile.runtime.eagle3 import load_eagle3_head
+
+        head, _ = load_eagle3_head(folder, target_embedding=model.model.embed_tokens.weight.detach())
+        fused = json.loads((folder / "config.json").read_text()).get("specontext_variant", "fused") == "fused"
+        policies[f"distilled head {folder.name}"] = P.DraftHead(head, fused=fused)
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     ids = tok(text, return_tensors="pt").input_ids
     table = {}
     for context in args.contexts:
         budgets = [b for b in args.budgets if b < context]
-        table[context] = evaluate(model, ids, context, args.steps, budgets, args.sink, args.window, args.h2o_queries)
+        table[context] = evaluate(model, ids, context, args.steps, budgets, args.sink, args.window,
+                                  args.h2o_queries, policies)
         print(f"\n### context {context} tokens: attention recall (steps 1..{args.steps - 1})\n")
         print("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
         print("|---|" + "---|" * len(budgets))

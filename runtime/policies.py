@@ -11,6 +11,8 @@ peers, which sits on every layer's critical path).
 Policies (batch 1, the shapes of one decode step as recorded by the harness):
 
 * :class:`LaggedQuery` — ours: previous-step queries of some layers vs their key caches.
+* :class:`DraftHead` — SpeContext's own head: a pruned EAGLE-3 / distilled draft with its
+  own key cache over the token ids (and fused hidden states).
 * :class:`StreamingLLM` — attention sinks + recent window only (Xiao et al., 2023).
 * :class:`Quest` — per-layer page scores from per-channel key min/max bounds of 16-token
   pages and the current query (Tang et al., ICML 2024).
@@ -41,6 +43,8 @@ class DecodeStep:
         previous_queries: per layer, the previous step's query (None at the first step).
         accumulated: per layer ``[num_kv_heads, n]`` accumulated attention (for H2O).
         scale: softmax scale.
+        input_ids, aux_hidden: token ids and auxiliary hidden states of every token (for
+            heads with their own key cache, e.g. distilled / EAGLE-3 heads).
     """
 
     queries: list[torch.Tensor]
@@ -48,6 +52,8 @@ class DecodeStep:
     previous_queries: list[torch.Tensor] | None
     accumulated: list[torch.Tensor] | None
     scale: float
+    input_ids: torch.Tensor | None = None  # [1, n + 1]
+    aux_hidden: torch.Tensor | None = None  # [1, n + 1, 3 * hidden], previous token's states
 
     @property
     def cached(self) -> int:
@@ -135,3 +141,25 @@ class RandomTokens:
     def scores(self, step: DecodeStep, layer: int) -> torch.Tensor:
         gen = torch.Generator().manual_seed(self.seed + step.cached)
         return torch.rand(step.keys[0].shape[1], step.cached, generator=gen)
+
+
+@dataclasses.dataclass
+class DraftHead:
+    """A retrieval head with its own keys (SpeContext section 4): softmax of the current
+    token's head query over the head's keys of the cached tokens, one head per KV head."""
+
+    head: torch.nn.Module
+    fused: bool = True
+    shared = True
+
+    def scores(self, step: DecodeStep, layer: int) -> torch.Tensor:
+        ids, aux = step.input_ids, step.aux_hidden
+        if ids is None or aux is None:
+            raise ValueError("DraftHead needs the step's input_ids and aux_hidden")
+        if not self.fused:
+            aux = torch.zeros_like(aux)
+        with torch.no_grad():
+            q, k = self.head(ids, aux, torch.arange(ids.shape[1])[None])
+        n = step.cached
+        logits = (q[0, :, -1:] @ k[0, :, :n].transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
+        return torch.softmax(logits.float(), -1)
