@@ -16,7 +16,9 @@ def add_parser(sub) -> None:
     p.add_argument("--out", type=Path, required=True, help="folder for config.json + model.safetensors")
     p.add_argument("--variant", choices=("embedding", "fused"), default="fused")
     p.add_argument("--steps", type=int, default=150)
-    p.add_argument("--chunks", type=int, default=24, help="training chunks of 768 tokens")
+    p.add_argument("--chunks", type=int, default=24, help="training chunks")
+    p.add_argument("--chunk-tokens", type=int, default=768, help="tokens per training chunk")
+    p.add_argument("--query-rows", type=int, default=48, help="teacher query rows per chunk")
 
 
 def run(args) -> int:
@@ -27,7 +29,8 @@ def run(args) -> int:
 
     model, tokenizer = load_model(args.model)
     texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]
-    config = DistillConfig(variant=args.variant, steps=args.steps)
+    config = DistillConfig(variant=args.variant, steps=args.steps, chunk_tokens=args.chunk_tokens,
+                           query_rows=args.query_rows)
     meta = distill(model, tokenizer, texts, config, args.out, args.chunks,
                    progress_factory=lambda n, desc: tqdm(total=n, desc=desc, leave=False),
                    extra_meta={"text_files": [p.name for p in args.text]})
