@@ -6,6 +6,14 @@ whole store of one ``specontext::kv_write`` (directly, or through Hugging Face's
 no causal flag for decode, a known scale), and its query has a static length. Anything else
 keeps exact dense attention and gets a reason string. Constants are checked, never
 wildcarded: a different expansion or softmax dimension must not match.
+
+Recognised spellings (normalised here, matched once): SDPA (also with one KV head broadcast
+over every query head, multi-query attention), and written-out softmax attention
+``softmax(cap * tanh((q @ k^T * s) / cap) + mask) @ v`` where the scale is a constant
+multiplication or division, the soft cap (Gemma 2) and the additive float mask are
+optional, and a dtype cast (``.to``/``.type``) and an identity dropout may follow the softmax.
+Each layer's sliding window is read from the ``retrieval_anchor`` node (constants written by
+``SpeContextCache``), never guessed from the mask.
 """
 
 from __future__ import annotations
@@ -14,12 +22,15 @@ import dataclasses
 import operator
 
 import torch
-import torch.fx as fx
+from torch import fx
 
-__all__ = ["AttentionSite", "find_attention_sites", "SDPA_TARGETS", "is_op"]
+from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops used below)
+
+__all__ = ["SDPA_TARGETS", "AttentionSite", "find_attention_sites", "is_op", "layer_windows"]
 
 SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 KV_WRITE = torch.ops.specontext.kv_write
+ANCHOR = torch.ops.specontext.retrieval_anchor
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 _FULL = slice(None, None, None)
 
@@ -30,7 +41,9 @@ class AttentionSite:
 
     ``layer`` is the position of its KV write among all writes (graph order, i.e. decoder
     layer order), set whenever the store was resolved (even if the site stays dense);
-    ``reason`` is None when the site can be rewritten.
+    ``window`` is that layer's sliding window from the retrieval anchor (0 = full causal);
+    ``soft_cap`` the logit soft cap of a written-out site; ``reason`` is None when the site
+    can be rewritten.
     """
 
     node: fx.Node
@@ -44,6 +57,8 @@ class AttentionSite:
     num_kv_heads: int | None = None
     head_dim: int | None = None
     pattern: str = "sdpa"
+    soft_cap: float | None = None
+    window: int | None = None  # 0 = full, w > 0 = sliding window, -1 = other, None = unknown
     reason: str | None = None
 
     @property
@@ -125,11 +140,54 @@ def _writes_by_store(graph: fx.Graph) -> tuple[dict, dict]:
     return by_key, by_value
 
 
-def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict, order: dict) -> str | None:
+def layer_windows(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Sliding window of each KV write that follows the (single) retrieval anchor: the
+    anchor's ``layer_windows`` constant, in write order from layer 0. Empty when there is no
+    single anchor or it carries no windows."""
+    anchors = [n for n in graph.nodes if is_op(n, ANCHOR)]
+    if len(anchors) != 1:
+        return {}
+    anchor = anchors[0]
+    text = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("layer_windows")
+    if not isinstance(text, str) or not text:
+        return {}
+    windows = [int(w) for w in text.split(",")]
+    out, seen = {}, False
+    for n in graph.nodes:
+        seen = seen or n is anchor
+        if seen and is_op(n, KV_WRITE):
+            if len(out) >= len(windows):
+                return {}  # more writes than decoder layers: do not guess
+            out[n] = windows[len(out)]
+    return out
+
+
+def _reads_store(node: fx.Node, stores: set, depth: int = 12) -> bool:
+    """Whether ``node`` is computed from one of ``stores`` within ``depth`` steps."""
+    frontier, seen = [node], set()
+    for _ in range(depth):
+        nxt = []
+        for n in frontier:
+            if n in stores:
+                return True
+            if n in seen:
+                continue
+            seen.add(n)
+            nxt += [a for a in n.all_input_nodes]
+        frontier = nxt
+    return False
+
+
+def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict, order: dict,
+                   windows: dict) -> str | None:
     """Find the KV write whose stores the site reads; returns a reason when there is none."""
     key_src, kg = _strip_repeat_kv(_strip_prefix_slice(args["key"]))
     value_src, vg = _strip_repeat_kv(_strip_prefix_slice(args["value"]))
     if key_src not in by_key or value_src not in by_value:
+        stores = set(by_key) | set(by_value)
+        if stores and (_reads_store(args["key"], stores) or _reads_store(args["value"], stores)):
+            return ("key/value are computed from the KV store by other ops (an unrecognised "
+                    "expansion, or an up-projection of a latent cache as in MLA): not rewritten")
         return "key/value do not come from a SpeContextCache store (use cache=SpeContextCache(...))"
     layer, write = by_key[key_src]
     if by_value[value_src][1] is not write:
@@ -142,9 +200,16 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     groups = kg
     if args.get("enable_gqa", False) and site.num_heads and site.num_kv_heads:
         groups = site.num_heads // site.num_kv_heads
-    if kg != vg or site.num_kv_heads is None or site.num_kv_heads * groups != site.num_heads:
+    elif kg == vg == 1 and site.num_kv_heads == 1 and site.num_heads:
+        groups = site.num_heads  # multi-query: one KV head broadcast over every query head
+    if site.num_kv_heads is None or site.num_heads is None:
+        return "the number of query or KV heads is symbolic (dynamic shapes): not rewritten"
+    if kg != vg or site.num_kv_heads * groups != site.num_heads:
         return f"head mapping is not GQA: {site.num_heads} query heads, {site.num_kv_heads} KV heads x {kg}"
     site.write, site.layer = write, layer
+    site.window = windows.get(write)
+    if site.window is not None and site.window < 0:
+        return "the layer's attention is neither full causal nor sliding-window (cache layer type)"
     return None
 
 
@@ -170,14 +235,14 @@ def _check_constants(site: AttentionSite, args: dict) -> str | None:
     return None
 
 
-def _match_sdpa(site: AttentionSite, by_key: dict, by_value: dict, order: dict) -> None:
+def _match_sdpa(site: AttentionSite, by_key: dict, by_value: dict, order: dict, windows: dict) -> None:
     args = _sdpa_args(site.node)
     site.query, site.attn_mask = args.get("query"), args.get("attn_mask")
     q = _val(site.query)
     if q is None or q.dim() != 4:
         site.reason = "query has no 4-D example value"
         return
-    site.reason = _resolve_store(site, args, by_key, by_value, order) or _check_constants(site, args)
+    site.reason = _resolve_store(site, args, by_key, by_value, order, windows) or _check_constants(site, args)
 
 
 _SOFTMAX = (torch.nn.functional.softmax, torch.softmax, torch.Tensor.softmax)
@@ -206,12 +271,42 @@ def _softmax_of(weights: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
             return None, chain
         chain.append(node)
         node = node.args[0]
-    if _is_call(node, method="to"):
+    if _is_call(node, method="to") or _is_call(node, method="type"):
         chain.append(node)
         node = node.args[0]
     if _is_call(node, _SOFTMAX, method="softmax"):
         return node, chain
     return None, chain
+
+
+def _const_float(x) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def _scaled(node: fx.Node) -> tuple[fx.Node, float | None]:
+    """``(x, s)`` when ``node`` is ``x * s``, ``s * x`` or ``x / c`` (``s = 1/c``) with a
+    constant; ``(node, None)`` otherwise."""
+    if _is_call(node, (operator.mul, torch.mul), method="mul") and len(node.args) == 2:
+        a, b = node.args
+        if _const_float(b) is not None and isinstance(a, fx.Node):
+            return a, _const_float(b)
+        if _const_float(a) is not None and isinstance(b, fx.Node):
+            return b, _const_float(a)
+    if (_is_call(node, (operator.truediv, operator.itruediv, torch.div), method="div")
+            and len(node.args) == 2 and not node.kwargs and _const_float(node.args[1])):
+        return node.args[0], 1.0 / _const_float(node.args[1])
+    return node, None
+
+
+def _soft_capped(node: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]]:
+    """``(x, cap, nodes)`` when ``node`` is ``tanh(x / cap) * cap`` with one constant cap."""
+    outer, cap = _scaled(node)
+    if cap is None or not _is_call(outer, (torch.tanh,), method="tanh"):
+        return node, None, []
+    inner, inv = _scaled(outer.args[0])
+    if inv is None or not (inv * cap == 1.0 or abs(inv * cap - 1.0) < 1e-12):
+        return node, None, []
+    return inner, cap, [node, outer, outer.args[0]]
 
 
 def _transposed_key(node) -> fx.Node | None:
@@ -222,7 +317,7 @@ def _transposed_key(node) -> fx.Node | None:
     return node.args[0] if dims == {2, 3} else None
 
 
-def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict) -> None:
+def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict, windows: dict) -> None:
     """``softmax(q @ k^T * scale + mask, dim=-1) @ v`` written out (HF "eager")."""
     site.pattern = "eager"
     weights, value = site.node.args[0], site.node.args[1]
@@ -231,16 +326,27 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict)
     if not isinstance(dim, int) or dim not in (-1, 3):
         site.reason = f"softmax over dim {dim}, not the key dimension"
         return
+    dtype = softmax.kwargs.get("dtype", softmax.args[2] if len(softmax.args) > 2 else None)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        site.reason = f"softmax dtype {dtype} is not a float dtype"
+        return
     node, mask, scale = softmax.args[0], None, 1.0
-    if _is_call(node, (operator.add, torch.add)):
+    if _is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs:
         node, mask = node.args
-        if not isinstance(mask, fx.Node) or _val(mask) is None or _val(mask).dim() != 4:
+        mask_val = _val(mask) if isinstance(mask, fx.Node) else None
+        if mask_val is None or mask_val.dim() != 4:
             site.reason = "the added mask is not a 4-D tensor"
             return
+        if not mask_val.dtype.is_floating_point:
+            site.reason = f"a {mask_val.dtype} mask is added to the scores (not an additive float mask)"
+            return
         chain.append(softmax.args[0])
-    if _is_call(node, (operator.mul,)) and isinstance(node.args[1], float):
+    node, site.soft_cap, capped = _soft_capped(node)
+    chain += capped
+    scaled, factor = _scaled(node)
+    if factor is not None:
         chain.append(node)
-        node, scale = node.args
+        node, scale = scaled, factor
     if not _is_call(node, _MATMUL):
         site.reason = "attention scores are not a plain q @ k^T product"
         return
@@ -254,7 +360,7 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict)
         return
     site.query, site.attn_mask = node.args[0], mask
     args = {"key": key, "value": value}
-    site.reason = _resolve_store(site, args, by_key, by_value, order)
+    site.reason = _resolve_store(site, args, by_key, by_value, order, windows)
     if site.reason is None:
         site.reason = _check_constants(site, args)
         site.scale = scale
@@ -265,14 +371,15 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
     KV writes (see module docstring)."""
     order = {n: i for i, n in enumerate(graph.nodes)}
     by_key, by_value = _writes_by_store(graph)
+    windows = layer_windows(graph)
     sites = []
     for node in graph.nodes:
         if node.op == "call_function" and node.target in SDPA_TARGETS:
             site = AttentionSite(node=node)
-            _match_sdpa(site, by_key, by_value, order)
+            _match_sdpa(site, by_key, by_value, order, windows)
             sites.append(site)
         elif _is_call(node, _MATMUL) and _softmax_of(node.args[0])[0] is not None:
             site = AttentionSite(node=node)
-            _match_eager(site, by_key, by_value, order)
+            _match_eager(site, by_key, by_value, order, windows)
             sites.append(site)
     return sites

@@ -3,7 +3,8 @@
 For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) queries:
 
 1. insert ``specontext::speculative_select`` right after ``specontext::retrieval_anchor``
-   (layer 0, before any attention): one selection per step, shared by every layer;
+   (layer 0, before any attention): one selection per step, shared by every layer (one per
+   distinct sliding window when layers differ: Gemma's alternating sliding/global layers);
 2. replace each matched site by ``specontext::sparse_attention`` over that selection;
 3. record each retrieval layer's query with ``specontext::record_query`` (for the next
    step's selection) — also in prefill graphs, whose attention stays dense and exact.
@@ -19,14 +20,14 @@ import logging
 from pathlib import Path
 
 import torch
-import torch.fx as fx
+from torch import fx
 
 from ..config import default_retrieval_layers
 from .sites import AttentionSite, find_attention_sites, is_op
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SparseAttentionPass", "RewriteResult"]
+__all__ = ["RewriteResult", "SparseAttentionPass"]
 
 ANCHOR = torch.ops.specontext.retrieval_anchor
 SELECT = torch.ops.specontext.speculative_select.default
@@ -43,6 +44,7 @@ class RewriteResult:
     phase: str = "none"  # "decode", "prefill" or "none"
     retrieval_layers: tuple[int, ...] = ()
     selection_inserted: bool = False
+    selections: list[fx.Node] = dataclasses.field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -95,10 +97,13 @@ class SparseAttentionPass:
             return result
         if len(anchors) != 1:
             for s in sites:
-                s.reason = s.reason or f"expected one retrieval anchor in the graph, found {len(anchors)}"
+                s.reason = s.reason or (
+                    f"expected one retrieval anchor in the graph, found {len(anchors)} (a graph "
+                    "break split the step: the selection is made in layer 0's graph and cannot "
+                    "reach this one)")
             return result
         anchor = anchors[0]
-        query_state, query_valid = anchor.args
+        query_state, query_valid = anchor.args[:2]
         drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
         result.retrieval_layers = tuple(d.layer for d in drivers)
         for slot, driver in enumerate(drivers):
@@ -119,13 +124,17 @@ class SparseAttentionPass:
                 s.reason = reason
             return result
         first = drivers[0]
-        with graph.inserting_after(anchor):
-            selection = graph.call_function(SELECT, (
-                query_state, query_valid, [d.key_cache for d in drivers], first.length,
-                first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale))
+        selections: dict[int, fx.Node] = {}
+        for window in sorted({s.window or 0 for s in decode}, reverse=True):
+            with graph.inserting_after(anchor):
+                selections[window] = graph.call_function(SELECT, (
+                    query_state, query_valid, [d.key_cache for d in drivers], first.length,
+                    first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale,
+                    window))
         result.selection_inserted = True
+        result.selections = [selections[w] for w in sorted(selections)]
         for s in decode:
-            self._rewrite_site(graph, s, selection, self.kernel)
+            self._rewrite_site(graph, s, selections[s.window or 0], self.kernel)
         result.rewritten = len(decode)
         graph.eliminate_dead_code()
         graph.lint()
@@ -147,7 +156,7 @@ class SparseAttentionPass:
         with graph.inserting_before(site.node):
             sparse = graph.call_function(SPARSE, (
                 site.query, site.key_cache, site.value_cache, selection, site.length,
-                site.attn_mask, site.scale, kernel))
+                site.attn_mask, site.scale, kernel, site.soft_cap, site.window or 0))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
         site.node.replace_all_uses_with(sparse)
         graph.erase_node(site.node)

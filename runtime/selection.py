@@ -6,13 +6,17 @@ one group). We add two kinds of always-kept tokens, counted inside the budget: t
 ``sink_tokens`` positions (attention sinks) and the last ``recent_window`` positions (which
 always include the tokens of the current step, so a selection is never empty). The paper
 does not use them; they are a design choice of ours (docs/design.md).
+
+Sliding-window layers (Mistral, Gemma 2/3, ...) see only the last ``sliding_window``
+positions of each query row; their selection is made among those positions only (and keeps
+no sinks), so no budget slot is spent on a token the layer cannot see.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["select_tokens", "selection_size"]
+__all__ = ["select_tokens", "selection_size", "window_start"]
 
 
 def selection_size(budget: int, capacity: int) -> int:
@@ -28,6 +32,15 @@ def _forced_positions(length: int, q_len: int, slots: int, sink: int, window: in
     return torch.cat([torch.arange(sink), recent])
 
 
+def window_start(length: int, q_len: int, sliding_window: int) -> int:
+    """First position any query row of the step may see with a sliding window of
+    ``sliding_window`` tokens (HF: key ``p`` visible from query ``q`` iff ``q - w < p <= q``);
+    0 when ``sliding_window`` is 0 (full attention)."""
+    if sliding_window <= 0:
+        return 0
+    return max(0, length - q_len - sliding_window + 1)
+
+
 def select_tokens(
     scores: torch.Tensor,
     length: int,
@@ -35,6 +48,7 @@ def select_tokens(
     slots: int,
     sink: int,
     window: int,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Pick ``slots`` positions per KV head.
 
@@ -46,10 +60,14 @@ def select_tokens(
         q_len: new tokens in this step (always inside the recent window).
         slots: selection size (see :func:`selection_size`).
         sink, window: always-kept first / last positions (counted in ``slots``).
+        sliding_window: 0 for full attention; else only positions from
+            :func:`window_start` on are candidates, and no sinks are kept (the first
+            tokens of a moving window are not attention sinks).
 
     Returns:
-        int64 ``[batch, num_kv_heads, slots]``: unique positions ``< length``; when
-        ``length <= slots`` every position ``0 .. length-1`` followed by ``-1`` padding.
+        int64 ``[batch, num_kv_heads, slots]``: unique positions ``< length`` (and inside
+        the sliding window when one is given); when the visible positions fit in ``slots``,
+        all of them followed by ``-1`` padding.
 
     Raises:
         ValueError: when ``slots < q_len`` (the step's own tokens would not fit; the
@@ -59,14 +77,17 @@ def select_tokens(
         raise ValueError(f"a selection of {slots} tokens cannot hold the step's {q_len} tokens")
     device = scores.device
     b, h, _ = scores.shape
-    if length <= slots:
-        pad = torch.full((slots - length,), -1, dtype=torch.long)
-        row = torch.cat([torch.arange(length), pad]).to(device)
+    start = window_start(length, q_len, sliding_window)
+    visible = length - start
+    if visible <= slots:
+        pad = torch.full((slots - visible,), -1, dtype=torch.long)
+        row = torch.cat([torch.arange(start, length), pad]).to(device)
         return row.expand(b, h, slots).contiguous()
-    forced = _forced_positions(length, q_len, slots, sink, window).to(device)
+    sink = 0 if sliding_window > 0 else sink
+    forced = _forced_positions(visible, q_len, slots, sink, window).to(device) + start
     lo = int(forced[: min(sink, forced.numel())].numel())  # candidates start after sinks
-    hi = length - (forced.numel() - lo)  # and stop before the window
+    hi = visible - (forced.numel() - lo)  # and stop before the window
     need = slots - forced.numel()
-    cand = scores[..., lo:hi]
-    top = cand.topk(need, dim=-1, sorted=False).indices + lo
+    cand = scores[..., start + lo : start + hi]
+    top = cand.topk(need, dim=-1, sorted=False).indices + start + lo
     return torch.cat([forced.expand(b, h, -1), top], dim=-1)

@@ -14,7 +14,9 @@ import torch
 __all__ = ["sparse_attention_reference", "causal_limit_mask", "mask_is_causal_only"]
 
 
-def causal_limit_mask(indices: torch.Tensor, length: torch.Tensor, q_len: int) -> torch.Tensor:
+def causal_limit_mask(
+    indices: torch.Tensor, length: torch.Tensor, q_len: int, sliding_window: int = 0
+) -> torch.Tensor:
     """Which selected positions each query row may attend to.
 
     Args:
@@ -23,16 +25,21 @@ def causal_limit_mask(indices: torch.Tensor, length: torch.Tensor, q_len: int) -
         length: int64 tensor, shape ``[]`` or ``[batch]``: tokens written in the cache,
             counting this step's ``q_len`` new tokens.
         q_len: query tokens in this step.
+        sliding_window: 0 for full causal attention; else row ``r`` also needs
+            ``p > length - q_len + r - sliding_window`` (Hugging Face's sliding window).
 
     Returns:
         bool ``[batch, num_kv_heads, q_len, budget]``: row ``r`` may see position ``p`` iff
-        ``0 <= p <= length - q_len + r``.
+        ``0 <= p <= length - q_len + r`` (and inside the sliding window, if any).
     """
     rows = torch.arange(q_len, device=indices.device)
     length = length.reshape(-1, 1, 1, 1) if length.dim() else length
     limit = length - q_len + rows.view(1, 1, q_len, 1)  # [b|1, 1, q_len, 1]
     idx = indices.unsqueeze(2)  # [batch, kv, 1, budget]
-    return (idx >= 0) & (idx <= limit)
+    allowed = (idx >= 0) & (idx <= limit)
+    if sliding_window > 0:
+        allowed = allowed & (idx > limit - sliding_window)
+    return allowed
 
 
 def _gather_tokens(cache: torch.Tensor, safe_idx: torch.Tensor) -> torch.Tensor:
@@ -90,6 +97,8 @@ def sparse_attention_reference(
     length: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Attention of ``query`` over the selected cached tokens only.
 
@@ -104,6 +113,10 @@ def sparse_attention_reference(
         attn_mask: optional HF mask ``[batch|1, 1|num_heads, q_len, capacity]``, bool
             (True = attend) or additive float.
         scale: softmax scale; ``head_dim ** -0.5`` when None.
+        soft_cap: logit soft-capping (Gemma 2): scores become
+            ``soft_cap * tanh(scores * scale / soft_cap)`` before the mask; None = off.
+        sliding_window: 0 = full causal attention; else positions outside each row's last
+            ``sliding_window`` tokens are never attended (see :func:`causal_limit_mask`).
 
     Returns:
         ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype`` (softmax in float32).
@@ -123,8 +136,10 @@ def sparse_attention_reference(
     values = _gather_tokens(value_cache, safe_idx)
     q = query.reshape(b, num_kv, groups * q_len, head_dim)
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
     logits = logits.view(b, num_kv, groups, q_len, -1)
-    allowed = causal_limit_mask(indices, length, q_len).unsqueeze(2)  # [b, kv, 1, q, k]
+    allowed = causal_limit_mask(indices, length, q_len, sliding_window).unsqueeze(2)  # [b, kv, 1, q, k]
     if attn_mask is not None:
         gathered = _gather_mask(attn_mask, safe_idx, num_kv)
         if gathered.dtype == torch.bool:

@@ -26,7 +26,26 @@ class HandWritten(torch.nn.Module):
         keys = keys[:, :, None, :, :].expand(b, self.kv_heads, g, *keys.shape[2:]).reshape(b, self.heads, *keys.shape[2:])
         values = values[:, :, None, :, :].expand(b, self.kv_heads, g, *values.shape[2:]).reshape(b, self.heads, *values.shape[2:])
         mask = self.mask  # [1, 1, s, capacity] additive
-        if self.variant == "good":
+        scale = self.dim**-0.5
+        if self.variant in ("expand_tiled", "repeat_interleave"):  # GQA spelled differently
+            keys, values = cache.layers[0].keys, cache.layers[0].values
+            if self.variant == "expand_tiled":  # query head i reads KV head i % kv_heads: not HF's order
+                keys = keys[:, None].expand(b, g, *keys.shape[1:]).reshape(b, self.heads, *keys.shape[2:])
+                values = values[:, None].expand(b, g, *values.shape[1:]).reshape(b, self.heads, *values.shape[2:])
+            else:  # same mapping as repeat_kv, another op
+                keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+            w = torch.softmax(torch.matmul(q, keys.transpose(2, 3)) * scale + mask, dim=-1)
+        elif self.variant == "nan_safe_where":  # NaN-safe softmax (fully masked rows -> 0)
+            w = torch.softmax(torch.matmul(q, keys.transpose(2, 3)) * scale + mask, dim=-1)
+            w = torch.where(torch.isnan(w), torch.zeros_like(w), w)
+        elif self.variant == "where_mask_before_softmax":
+            scores = torch.matmul(q, keys.transpose(2, 3)) * scale
+            w = torch.softmax(torch.where(mask == 0, scores, torch.full_like(scores, -1e9)), dim=-1)
+        elif self.variant == "mask_fp16":  # additive mask in another dtype than q/k/v: exact
+            w = torch.softmax(torch.matmul(q, keys.transpose(2, 3)) * scale + mask.half(), dim=-1)
+        elif self.variant == "mask_bool_added":  # adds 0/1, not an attention mask
+            w = torch.softmax(torch.matmul(q, keys.transpose(2, 3)) * scale + (mask == 0), dim=-1)
+        elif self.variant == "good":
             w = torch.softmax(torch.matmul(q, keys.transpose(2, 3)) * self.dim**-0.5 + mask, dim=-1)
         elif self.variant == "permuted_key":  # same values as transpose(2, 3), another op
             w = torch.softmax(torch.matmul(q, keys.permute(0, 1, 3, 2)) * self.dim**-0.5 + mask, dim=-1)
@@ -42,7 +61,7 @@ class HandWritten(torch.nn.Module):
         return torch.matmul(w, values)
 
 
-def run_variant(variant):
+def run_variant(variant, dynamic=None):
     model = HandWritten(variant)
     cap = 32
     x_prefill, x_step = torch.randn(1, 10, 16), torch.randn(1, 1, 16)
@@ -54,7 +73,8 @@ def run_variant(variant):
         return m
 
     outputs = []
-    for forward in (model.forward, torch.compile(model.forward, backend="specontext", options={"budget": 64})):
+    for forward in (model.forward, torch.compile(model.forward, backend="specontext", options={"budget": 64},
+                                                     dynamic=dynamic)):
         config = type("Config", (), {"num_hidden_layers": 1, "num_attention_heads": 4, "head_dim": 8})()
         cache = sc.SpeContextCache(config, max_cache_len=cap, chunk_tokens=cap)
         with torch.no_grad():
@@ -78,3 +98,48 @@ def test_rewrite_does_not_fire_where_it_must_not(variant):
     eager_t = eager if isinstance(eager, torch.Tensor) else torch.cat([t.flatten() for t in eager])
     compiled_t = compiled if isinstance(compiled, torch.Tensor) else torch.cat([t.flatten() for t in compiled])
     torch.testing.assert_close(compiled_t, eager_t, atol=1e-5, rtol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("variant", ["expand_tiled", "repeat_interleave", "nan_safe_where",
+                                     "where_mask_before_softmax", "mask_bool_added"])
+def test_other_spellings_stay_dense_and_exact(variant):
+    """GQA by another expansion, NaN-safe ``where`` after softmax, a ``where`` mask, a bool
+    mask added to the scores: not rewritten (a reason is given where a site is seen)."""
+    (eager, compiled), reports = run_variant(variant)
+    assert all(r.sites_rewritten == 0 for r in reports)
+    assert all(reason for r in reports for _, reason in r.result.fallbacks())
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_tiled_gqa_expansion_is_seen_and_explained():
+    _, reports = run_variant("expand_tiled")
+    reasons = {reason for r in reports for _, reason in r.result.fallbacks()}
+    assert any("unrecognised expansion" in reason for reason in reasons), reasons
+
+
+def test_mask_in_another_dtype_is_rewritten_and_exact():
+    (eager, compiled), reports = run_variant("mask_fp16")
+    assert any(r.sites_rewritten == 1 for r in reports)
+    torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
+
+
+def test_dynamic_shapes_with_symbolic_sizes_stay_exact():
+    """``dynamic=True`` on a tiny Llama: sizes and even head counts become symbols
+    (``SymInt`` graph inputs); whatever is not provably constant stays dense with a reason,
+    and the logits stay exact."""
+    from _tiny import tiny_llama
+    from test_backend_e2e import decode_logits
+    from transformers import DynamicCache
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
+    eager = decode_logits(model, model.forward, ids, 4, DynamicCache(config=model.config))
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 64}, dynamic=True)
+    out = decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=40))
+    for a, b in zip(out, eager):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    reports = sc.compile_reports()
+    assert any("SymInt" in r.graph_module.code for r in reports), "no symbolic sizes: test is moot"
+    for r in reports:
+        assert all(reason for _, reason in r.result.fallbacks())
+        assert r.result.rewritten + len(r.result.fallbacks()) == r.result.total

@@ -1,0 +1,151 @@
+"""``explain``: what the specontext backend does to a model, without reading logs.
+
+Runs one prefill and one decode step of ``model`` through ``torch.compile(...,
+backend="specontext")`` with a :class:`SpeContextCache` and reports, per compiled graph,
+every attention site (layer, pattern, heads, KV heads, head_dim, sliding window, soft cap,
+rewritten or the reason it stays dense), the rewrite counters, and where the selection
+node(s) sit. The model's weights and its own ``forward`` are not changed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch._dynamo.utils import counters
+
+from .backend import CompileReport, compile_reports
+from .config import SpeContextConfig
+from .passes.sites import ANCHOR, KV_WRITE, is_op
+from .runtime.kv_cache import SpeContextCache
+
+__all__ = ["Explanation", "SiteRow", "explain"]
+
+_SELECT = torch.ops.specontext.speculative_select.default
+_SPARSE = torch.ops.specontext.sparse_attention.default
+
+
+@dataclasses.dataclass
+class SiteRow:
+    """One attention site of one compiled graph."""
+
+    graph: int
+    phase: str
+    layer: int | None
+    pattern: str
+    heads: int | None
+    kv_heads: int | None
+    head_dim: int | None
+    q_len: int | None
+    window: int | None
+    soft_cap: float | None
+    rewritten: bool
+    reason: str | None
+
+
+@dataclasses.dataclass
+class Explanation:
+    """What :func:`explain` found. ``rows``: every site of every graph compiled for the
+    call; ``counters``: ``torch._dynamo`` counters of the specontext backend accumulated by
+    the call; ``selections``: per decode graph, where each selection node sits;
+    ``pass_uuids``: the identity of the pass per graph; ``reports``: the raw reports."""
+
+    rows: list[SiteRow]
+    counters: dict[str, int]
+    selections: list[str]
+    pass_uuids: list[str]
+    reports: list[CompileReport] = dataclasses.field(repr=False, default_factory=list)
+
+    def table(self) -> str:
+        """A plain-text table of the sites, then the counters and the selection placement."""
+        head = ("graph", "phase", "layer", "pattern", "heads", "kv", "dim", "q", "window", "cap", "rewritten / reason")
+        rows = [head] + [
+            (str(r.graph), r.phase, _s(r.layer), r.pattern, _s(r.heads), _s(r.kv_heads), _s(r.head_dim),
+             _s(r.q_len), _s(r.window), _s(r.soft_cap), "rewritten" if r.rewritten else f"dense: {r.reason}")
+            for r in self.rows
+        ]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(head) - 1)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(row[:-1], widths)) + "  " + row[-1] for row in rows]
+        lines.insert(1, "-" * len(lines[0]))
+        lines.append("")
+        lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
+        lines += [f"selection: {s}" for s in self.selections] or ["selection: none inserted"]
+        lines += [f"pass: {u}" for u in sorted(set(self.pass_uuids))]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"sites": [dataclasses.asdict(r) for r in self.rows], "counters": self.counters,
+                "selections": self.selections, "pass_uuids": sorted(set(self.pass_uuids))}
+
+
+def _s(x) -> str:
+    return "-" if x is None else str(x)
+
+
+def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
+    nodes = list(gm.graph.nodes)
+    where = {n: i for i, n in enumerate(nodes)}
+    anchors = [n for n in nodes if is_op(n, ANCHOR)]
+    writes = [n for n in nodes if is_op(n, KV_WRITE)]
+    sparse = [n for n in nodes if n.target is _SPARSE]
+    out = []
+    for sel in (n for n in nodes if n.target is _SELECT):
+        window = sel.args[9] if len(sel.args) > 9 else 0
+        users = [u for u in sel.users if u.target is _SPARSE]
+        first_sparse = min((where[u] for u in users), default=None)
+        anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"
+        first_write = f"before the first kv_write (node {where[writes[0]]})" if writes else ""
+        out.append(
+            f"graph {index}: {sel.name} at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
+            f"window={window or 'full'}; feeds {len(users)} of {len(sparse)} sparse_attention nodes, "
+            f"first at node {first_sparse}")
+    return out
+
+
+def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 1, **options: Any) -> Explanation:
+    """Compile ``model.forward`` with the specontext backend, run a prefill on
+    ``example_inputs`` and ``decode_steps`` greedy decode steps, and report what the pass did.
+
+    Args:
+        model: a Hugging Face causal LM (``forward(input_ids=..., cache=...)``).
+        example_inputs: ``input_ids`` ``[batch, prompt_len]`` (a tensor) or a dict of
+            ``forward`` keyword arguments holding ``input_ids``.
+        decode_steps: decode steps to run after the prefill (>= 1 to see a decode graph).
+        **options: backend options (see :class:`SpeContextConfig`), e.g. ``budget`` or
+            ``dump_dir`` for graph dumps.
+
+    Returns:
+        An :class:`Explanation`; ``print(explanation.table())`` for the table.
+
+    Raises:
+        ValueError: for unknown options or bad values, or inputs without ``input_ids``.
+    """
+    SpeContextConfig.from_options(options)
+    kwargs = dict(example_inputs) if isinstance(example_inputs, dict) else {"input_ids": example_inputs}
+    input_ids = kwargs.pop("input_ids", None)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("explain needs input_ids, a [batch, prompt_len] tensor")
+    if decode_steps < 0:
+        raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
+    before = {id(r) for r in compile_reports()}
+    start = dict(counters["specontext"])
+    forward = torch.compile(model.forward, backend="specontext", options=options)
+    cache = SpeContextCache(model.config, max_cache_len=input_ids.shape[1] + decode_steps + 1)
+    with torch.no_grad():
+        logits = forward(input_ids=input_ids, cache=cache, use_cache=True, **kwargs).logits
+        for _ in range(decode_steps):
+            nxt = logits[:, -1:].argmax(-1)
+            logits = forward(input_ids=nxt, cache=cache, use_cache=True).logits
+    reports = [r for r in compile_reports() if id(r) not in before]
+    rows, selections = [], []
+    for index, report in enumerate(reports):
+        for site in report.result.sites:
+            rows.append(SiteRow(
+                graph=index, phase=report.result.phase, layer=site.layer, pattern=site.pattern,
+                heads=site.num_heads, kv_heads=site.num_kv_heads, head_dim=site.head_dim,
+                q_len=site.q_len, window=site.window, soft_cap=site.soft_cap,
+                rewritten=site.reason is None, reason=site.reason))
+        selections += _selection_placement(index, report.graph_module)
+    delta = {k: v - start.get(k, 0) for k, v in counters["specontext"].items() if v - start.get(k, 0)}
+    return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], reports)

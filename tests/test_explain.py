@@ -1,0 +1,111 @@
+"""Graph-inspection tools: ``explain``, ``specontext explain``, graph dumps, pass identity."""
+
+import json
+
+import networkx as nx
+import pytest
+import torch
+from specontext_compile.passes.dump import ENV_VAR, GraphDumper, to_networkx
+from specontext_compile.passes.sparse_rewrite import SparseAttentionPass
+
+import specontext_compile as sc
+from specontext_compile.cli import main
+from specontext_compile.tiny_models import tiny_family
+
+
+def _ids(n=20):
+    return torch.randint(0, 128, (1, n), generator=torch.Generator().manual_seed(0))
+
+
+def test_explain_reports_every_site_windows_and_selection_placement():
+    result = sc.explain(tiny_family("gemma3", "sdpa"), _ids(), budget=64)
+    decode = [r for r in result.rows if r.phase == "decode"]
+    assert [(r.layer, r.window, r.rewritten) for r in decode] == [(0, 24, True), (1, 0, True)]
+    assert all((r.heads, r.kv_heads, r.head_dim, r.q_len) == (4, 2, 16, 1) for r in decode)
+    prefill = [r for r in result.rows if r.phase == "prefill"]
+    assert len(prefill) == 2 and all(not r.rewritten and r.reason for r in prefill)
+    assert result.counters["sites_rewritten"] == 2 and result.counters["sites_total"] == 4
+    assert len(result.selections) == 2  # one per distinct window
+    assert all("after retrieval_anchor" in s and "before the first kv_write" in s for s in result.selections)
+    text = result.table()
+    assert "rewritten" in text and "dense: prefill (20 query tokens)" in text and "pass: specontext-sparse-" in text
+
+
+def test_explain_states_why_mla_stays_dense():
+    result = sc.explain(tiny_family("deepseek_v3", "eager"), _ids(), budget=64)
+    assert result.rows and not any(r.rewritten for r in result.rows)
+    assert all("MLA" in r.reason for r in result.rows if r.phase != "prefill" or r.layer is None)
+    assert "selection: none inserted" in result.table()
+
+
+def test_explain_rejects_bad_inputs():
+    model = tiny_family("llama", "sdpa")
+    with pytest.raises(ValueError, match="input_ids"):
+        sc.explain(model, {"attention_mask": torch.ones(1, 4)})
+    with pytest.raises(ValueError, match="unknown specontext option"):
+        sc.explain(model, _ids(), bogus=1)
+
+
+def _check_dumps(folder):
+    files = sorted(p.name for p in folder.iterdir())
+    decode = [f for f in files if "_decode_" in f]
+    assert {f.split("_", 2)[2] for f in decode} >= {"before.txt", "after.txt", "before.dot", "after.dot"}
+    stem = decode[0].rsplit("_", 1)[0]
+    before = (folder / f"{stem}_before.txt").read_text()
+    after = (folder / f"{stem}_after.txt").read_text()
+    assert "sparse_attention" not in before and "speculative_select" not in before
+    assert after.count("specontext.sparse_attention") >= 2 and "speculative_select" in after
+    assert after.startswith("# pass specontext-sparse-")
+    dot = (folder / f"{stem}_after.dot").read_text()
+    assert dot.startswith('digraph "after"') and "fillcolor=orange" in dot and "fillcolor=palegreen" in dot
+
+
+def test_dump_dir_option_writes_text_and_dot(tmp_path):
+    sc.explain(tiny_family("llama", "eager"), _ids(), budget=64, dump_dir=str(tmp_path))
+    _check_dumps(tmp_path)
+
+
+def test_dump_dir_from_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
+    sc.explain(tiny_family("qwen3", "sdpa"), _ids(), budget=64)
+    _check_dumps(tmp_path / "env")
+
+
+def test_no_dumps_unless_asked(monkeypatch):
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert GraphDumper.from_option(None) is None
+
+
+def test_networkx_view_matches_the_fx_graph():
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.ReLU()))
+    dag = to_networkx(gm.graph)
+    assert nx.is_directed_acyclic_graph(dag)
+    assert dag.number_of_nodes() == len(gm.graph.nodes)
+    assert dag.number_of_edges() == sum(len(n.all_input_nodes) for n in gm.graph.nodes)
+
+
+def test_pass_uuid_is_stable_and_covers_config():
+    make = lambda **kw: SparseAttentionPass(**{"budget": 64, "sink_tokens": 4, "recent_window": 8,
+                                              "retrieval_layers": None, **kw})
+    assert make().uuid() == make().uuid()
+    assert len({make().uuid(), make(budget=65).uuid(), make(sink_tokens=0).uuid(),
+                make(recent_window=9).uuid(), make(retrieval_layers=(1,)).uuid(),
+                make(max_sparse_q_len=4).uuid(), make(kernel="torch").uuid()}) == 7
+
+
+def test_cli_explain_on_a_tiny_family(tmp_path, capsys):
+    out = tmp_path / "sites.json"
+    assert main(["explain", "--model", "tiny:mistral", "--attn", "eager", "--budget", "64",
+                 "--prompt-tokens", "20", "--json", str(out), "--dump-dir", str(tmp_path / "dumps")]) == 0
+    printed = capsys.readouterr().out
+    assert "rewritten" in printed and "window=24" in printed
+    data = json.loads(out.read_text())
+    decode = [s for s in data["sites"] if s["phase"] == "decode"]
+    assert [(s["layer"], s["window"], s["pattern"], s["rewritten"]) for s in decode] == [
+        (0, 24, "eager", True), (1, 24, "eager", True)]
+    assert any(p.suffix == ".dot" for p in (tmp_path / "dumps").iterdir())
+
+
+def test_cli_explain_unknown_family_is_a_clear_error(capsys):
+    assert main(["explain", "--model", "tiny:nope"]) == 2
+    assert "unknown family 'nope'" in capsys.readouterr().err
