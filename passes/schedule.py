@@ -1,0 +1,224 @@
+"""The offload scheduling pass: prefetch/wait ops in the rewritten decode graph.
+
+Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend's
+``device_memory_bytes`` option). For the graph's selection node and each rewritten
+``specontext::sparse_attention`` it
+
+1. inserts ``specontext::offload_plan`` right after the selection (the step's adaptive plan);
+2. replaces every sparse attention by ``specontext::sparse_attention_offloaded`` (same
+   arguments plus the layer's ready token): resident layers behave exactly as before;
+3. inserts ``specontext::offload_wait(l)`` immediately before layer ``l``'s attention (as
+   late as possible: never earlier than needed) and ``specontext::offload_prefetch(l)``
+   ``lead`` layers earlier, right before layer ``l - lead``'s ``kv_write``, or right
+   after the plan when that is not yet in the graph.
+
+``lead`` comes from a cost model (SpeContext section 5: prefetch as early as the selection
+allows, overlapped with compute): the expected bytes of one layer's elastic load
+(``(1 - overlap) x budget`` rows, paper: > 80% of the selection is reused) divided by the
+measured copy bandwidth, against the estimated compute time of one decode layer (its
+parameter bytes / the same bandwidth: decode is memory bound), capped by ``max_inflight``.
+The placement is checked on the graph's dependency DAG with networkx: a prefetch never goes
+before one of its inputs, each wait has a path from its prefetch and to its attention.
+The chosen schedule is logged, kept in ``graph_module.meta["specontext_offload_schedule"]``
+and visible in graph dumps (the ops carry the layer index).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import time
+from pathlib import Path
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
+from .sites import is_op
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel", "measure_copy_bandwidth"]
+
+SELECT = torch.ops.specontext.speculative_select  # packets: is_op matches either form
+SPARSE = torch.ops.specontext.sparse_attention
+KV_WRITE = torch.ops.specontext.kv_write
+PLAN = torch.ops.specontext.offload_plan.default
+PREFETCH = torch.ops.specontext.offload_prefetch.default
+WAIT = torch.ops.specontext.offload_wait.default
+SPARSE_OFFLOADED = torch.ops.specontext.sparse_attention_offloaded.default
+
+_BANDWIDTH: dict[str, float] = {}
+
+
+def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> float:
+    """Bytes/s of a row gather from the host tier into a device buffer (measured once per
+    process and device: a 8 MiB ``index_select`` + copy, best of 3)."""
+    if device in _BANDWIDTH:
+        return _BANDWIDTH[device]
+    rows = nbytes // 256
+    src = torch.randn(rows, 64, pin_memory=device == "cuda")
+    dst = torch.empty(rows, 64, device=device)
+    idx = torch.randperm(rows)
+    best = math.inf
+    for _ in range(3):
+        t0 = time.perf_counter()
+        dst.copy_(src.index_select(0, idx))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    _BANDWIDTH[device] = 2 * nbytes / best  # read + write
+    return _BANDWIDTH[device]
+
+
+@dataclasses.dataclass
+class CostModel:
+    """Seconds per layer of an elastic load and of a layer's compute.
+
+    Attributes:
+        bandwidth: copy bandwidth, bytes/s (see :func:`measure_copy_bandwidth`).
+        layer_bytes: estimated weight bytes read per decoder layer (compute estimate).
+        load_bytes: expected bytes of one layer's elastic load per step.
+        copy_latency: fixed cost of starting one copy job (s).
+    """
+
+    bandwidth: float
+    layer_bytes: float
+    load_bytes: float
+    copy_latency: float = 50e-6
+
+    @property
+    def copy_s(self) -> float:
+        return self.copy_latency + self.load_bytes / self.bandwidth
+
+    @property
+    def compute_s(self) -> float:
+        return max(self.layer_bytes / self.bandwidth, 1e-6)
+
+    def lead(self, max_inflight: int) -> int:
+        """Layers ahead a prefetch is issued: ``ceil(copy / compute)``, in ``[1, max_inflight]``."""
+        return max(1, min(max_inflight, math.ceil(self.copy_s / self.compute_s)))
+
+
+@dataclasses.dataclass
+class ScheduleResult:
+    """What the pass did: per layer, where its prefetch was issued."""
+
+    layers: list[int] = dataclasses.field(default_factory=list)
+    issue_before: dict[int, str] = dataclasses.field(default_factory=dict)
+    lead: int = 0
+    cost: CostModel | None = None
+
+    def describe(self) -> str:
+        if not self.layers:
+            return "offload schedule: nothing to schedule"
+        c = self.cost
+        return (f"offload schedule: {len(self.layers)} layers, lead {self.lead} layer(s) "
+                f"(copy ~{c.copy_s * 1e6:.0f} us vs compute ~{c.compute_s * 1e6:.0f} us per layer)")
+
+
+def _source_hash() -> str:
+    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
+
+
+def _val(node: fx.Node):
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+class OffloadSchedulePass:
+    """Callable FX pass (see the module docstring).
+
+    Args:
+        budget: tokens per KV head of the selection (the buffer rows).
+        overlap: expected share of the selection reused from the previous step (0..1).
+        max_inflight: most prefetches outstanding at once (the largest lead).
+        bandwidth: copy bandwidth in bytes/s; None measures it.
+    """
+
+    def __init__(self, budget: int, overlap: float = 0.8, max_inflight: int = 4,
+                 bandwidth: float | None = None):
+        self.budget, self.overlap, self.max_inflight, self.bandwidth = budget, overlap, max_inflight, bandwidth
+
+    def uuid(self) -> str:
+        cfg = (self.budget, self.overlap, self.max_inflight)
+        return f"specontext-offload-schedule-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
+
+    def _cost(self, graph: fx.Graph, sparse: list[fx.Node]) -> CostModel:
+        key = _val(sparse[0].args[1])
+        device = key.device.type if key is not None else "cpu"
+        bandwidth = self.bandwidth or measure_copy_bandwidth("cuda" if device == "cuda" else "cpu")
+        param_bytes = 0
+        for node in graph.nodes:
+            v = _val(node) if node.op in ("placeholder", "get_attr") else None
+            if isinstance(v, torch.Tensor) and ("parameters" in node.name or "_buffers_" in node.name):
+                param_bytes += v.numel() * v.element_size()
+        load = 0.0
+        if key is not None:
+            b, h, _, d = key.shape
+            load = (1 - self.overlap) * self.budget * b * h * 2 * d * key.element_size()
+        layer_bytes = param_bytes / len(sparse) if param_bytes else 1e5
+        return CostModel(bandwidth=bandwidth, layer_bytes=layer_bytes, load_bytes=load)
+
+    def __call__(self, graph: fx.Graph) -> ScheduleResult:
+        result = ScheduleResult()
+        selects = [n for n in graph.nodes if is_op(n, SELECT)]
+        sparse = [n for n in graph.nodes if is_op(n, SPARSE)]
+        if not selects or not sparse:
+            return result
+        select = selects[0]  # one per distinct sliding window; all sit right after the anchor
+        query_state, query_valid, key_caches, length, q_len = select.args[:5]
+        with graph.inserting_after(selects[-1]):
+            plan = graph.call_function(PLAN, (select, query_state, query_valid, key_caches[0], length, q_len))
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        writes = {n.args[0]: n for n in graph.nodes if is_op(n, KV_WRITE)}
+        cost = self._cost(graph, sparse)
+        lead = cost.lead(self.max_inflight)
+        result.cost, result.lead = cost, lead
+        dag = nx.DiGraph()
+        for n in graph.nodes:
+            for inp in n.all_input_nodes:
+                dag.add_edge(inp, n)
+        write_order = {store: i for i, store in enumerate(writes)}  # decoder layer order
+        stores = [node.args[1] for node in sparse]  # kept: erased nodes lose their args
+        for pos, node in enumerate(sparse):
+            query, key_cache, value_cache, indices, site_len, mask, scale, kernel = node.args[:8]
+            soft_cap, window = (tuple(node.args[8:10]) + (None, 0)[len(node.args[8:10]):])
+            layer = write_order.get(key_cache, pos)
+            inputs = [plan, indices, key_cache, value_cache, site_len]
+            earliest = max(order[i] for i in inputs)
+            anchor_node = writes.get(stores[max(0, pos - lead)])
+            if anchor_node is None or order[anchor_node] <= earliest or order[anchor_node] > order[node]:
+                anchor_node = plan.next  # right after the plan (and after every input)
+                while order.get(anchor_node, -1) <= earliest and anchor_node is not node:
+                    anchor_node = anchor_node.next
+            with graph.inserting_before(anchor_node):
+                ticket = graph.call_function(PREFETCH, (plan, indices, key_cache, value_cache, site_len, layer))
+            with graph.inserting_before(node):
+                ready = graph.call_function(WAIT, (ticket, key_cache, layer))
+                new = graph.call_function(SPARSE_OFFLOADED, (
+                    query, key_cache, value_cache, indices, site_len, mask, scale, kernel,
+                    soft_cap, window, ready, layer))
+            new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
+            node.replace_all_uses_with(new)
+            graph.erase_node(node)
+            for inp in (plan, indices, key_cache, value_cache, site_len):
+                dag.add_edge(inp, ticket)
+            dag.add_edge(ticket, ready)
+            dag.add_edge(ready, new)
+            for inp in new.all_input_nodes:
+                dag.add_edge(inp, new)
+            ticket.meta["specontext_schedule"] = {"layer": layer, "lead": lead, "issued_before": anchor_node.name}
+            result.layers.append(layer)
+            result.issue_before[layer] = anchor_node.name
+        if not nx.is_directed_acyclic_graph(dag):
+            raise RuntimeError("offload schedule: the dependency graph has a cycle")
+        position = {n: i for i, n in enumerate(graph.nodes)}
+        for u, v in dag.edges:  # the node order respects every dependency edge
+            if u in position and v in position and position[u] >= position[v]:
+                raise RuntimeError(f"offload schedule broke a dependency: {u.name} -> {v.name}")
+        graph.lint()
+        logger.info("specontext: %s", result.describe())
+        return result

@@ -1,0 +1,556 @@
+"""Two-tier KV store: host tier, per-layer device buffers, elastic loading, adaptive plan.
+
+SpeContext (arXiv 2512.00722) sections 5-6. :func:`enable_offload` attaches an
+:class:`OffloadManager` to a :class:`~.kv_cache.SpeContextCache`; the decode graph's
+``specontext::offload_*`` ops (:mod:`.offload_ops`, inserted by ``passes/schedule.py``) then
+drive it once per step:
+
+1. ``offload_plan`` (after the selection): before the step, while the length reaches
+   ``ST[offloaded]`` (:class:`~.memory_model.MemoryModel`), offload one more layer, last
+   layers first. Offloading a layer hands its full store to the host tier (on CUDA: a
+   pinned host copy; on CPU the store already is host memory and the device tier is
+   *emulated* by ``device_memory_bytes``) and gives it a device buffer of ``budget`` rows
+   per (request, KV head) plus slot maps. Nothing is dropped: every token's K/V stays in
+   the host store, which ``kv_write`` keeps appending to.
+2. ``offload_prefetch(l)``: elastic loading on the side stream: the positions of
+   ``S_now - loaded`` are copied from the host store into the slots of
+   ``loaded - S_now``, in place (only tokens written before the step; the step's own
+   tokens are copied by the attention op after the layer's ``kv_write``).
+3. ``offload_wait(l)`` then ``sparse_attention_offloaded(l)``: attention over the device
+   buffer through the slot map; same arithmetic as the resident path, so results are
+   identical.
+
+Layers still resident run the ordinary sparse attention, so one compiled graph serves every
+plan as the output grows (no recompiles).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import threading
+import weakref
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch._dynamo.utils import counters
+
+from .memory_model import INF, MemoryModel
+from .sparse_attention import causal_limit_mask
+from .streams import CopyStream, CopyTicket
+from .trace import TraceRecorder
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "enable_offload", "lookup",
+           "elastic_load", "model_weight_bytes"]
+
+_REGISTRY: dict[int, tuple[weakref.ref, int]] = {}
+_REGISTRY_LOCK = threading.Lock()
+_MANAGERS: weakref.WeakSet = weakref.WeakSet()
+
+
+class OffloadCopyError(RuntimeError):
+    """A prefetch copy failed; raised at the layer's wait."""
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _resolve(key: int) -> tuple[OffloadManager, int] | None:
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        return None
+    manager = entry[0]()
+    if manager is None or manager.closed:
+        return None
+    layer = manager.cache.layers[entry[1]]
+    if not layer.is_initialized or _storage_key(layer.keys) != key:
+        return None  # stale entry (the store was reallocated or freed and reused)
+    return manager, entry[1]
+
+
+def lookup(key_cache: torch.Tensor) -> tuple[OffloadManager, int] | None:
+    """(manager, layer index) owning the store ``key_cache``, or None (no offload)."""
+    key = _storage_key(key_cache)
+    found = _resolve(key)
+    if found is None:  # stores are allocated lazily (first write) or reused: map them now
+        with _REGISTRY_LOCK:
+            _REGISTRY.pop(key, None)
+        for manager in list(_MANAGERS):
+            if not manager.closed:
+                manager.register()
+        found = _resolve(key)
+    return found
+
+
+def model_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (``M_O`` of the memory model)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    seen, total = set(), 0
+    for t in tensors:
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), t.numel())
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _lookup_sorted(table: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, where ``query`` ``[rows, q]`` values occur in ``table`` ``[rows, n]``.
+
+    Returns ``(found, at)``: bool ``[rows, q]`` and the index into ``table`` (valid where
+    found). Sort + binary search: no table sized by the cache capacity."""
+    sorted_vals, order = table.sort(dim=1)
+    j = torch.searchsorted(sorted_vals, query.contiguous()).clamp(max=table.shape[1] - 1)
+    found = sorted_vals.gather(1, j) == query
+    return found, order.gather(1, j)
+
+
+@dataclasses.dataclass
+class LayerBuffer:
+    """Device buffer of one offloaded layer.
+
+    Attributes:
+        keys, values: ``[batch, num_kv_heads, budget, head_dim]`` rows on the device tier.
+        pos_of_slot: int64 ``[batch, num_kv_heads, budget]``, the slot map: token position
+            held by each slot, -1 = empty. Positions are found by sort + binary search, so
+            nothing on the device grows with the context.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    pos_of_slot: torch.Tensor
+
+    @classmethod
+    def allocate(cls, store_k: torch.Tensor, store_v: torch.Tensor, budget: int,
+                 device: torch.device) -> LayerBuffer:
+        b, h, capacity, dk = store_k.shape
+        slots = min(budget, capacity)
+        return cls(
+            keys=torch.zeros((b, h, slots, dk), dtype=store_k.dtype, device=device),
+            values=torch.zeros((b, h, slots, store_v.shape[-1]), dtype=store_v.dtype, device=device),
+            pos_of_slot=torch.full((b, h, slots), -1, dtype=torch.long, device=device),
+        )
+
+    def invalidate(self) -> None:
+        """Forget every slot (the next load refills the whole selection)."""
+        self.pos_of_slot.fill_(-1)
+
+    def slots_of(self, indices: torch.Tensor) -> torch.Tensor:
+        """Slot of each position of ``indices`` ``[batch, kv, k]``; -1 = not loaded (or -1
+        padding)."""
+        b, h, k = indices.shape
+        table = self.pos_of_slot.view(b * h, -1)
+        query = indices.to(table.device).reshape(b * h, k)
+        found, at = _lookup_sorted(table, query)
+        return torch.where(found & (query >= 0), at, -1).view(b, h, k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.keys, self.values, self.pos_of_slot))
+
+
+def elastic_load(buf: LayerBuffer, store_k: torch.Tensor, store_v: torch.Tensor,
+                 indices: torch.Tensor, limit: int) -> int:
+    """Bring the selected positions ``< limit`` into ``buf``, moving only what is missing.
+
+    Slots whose position is not in ``indices`` (``S_prev - S_now``) are overwritten in place
+    by the missing positions (``S_now - S_prev``), in slot order; slots still selected are
+    kept. SpeContext section 5, elastic loading.
+
+    Args:
+        buf: the layer's device buffer and slot map (updated in place).
+        store_k, store_v: the host tier ``[batch, num_kv_heads, capacity, head_dim]``.
+        indices: int64 ``[batch, num_kv_heads, slots]`` selection, -1 = padding.
+        limit: only positions ``< limit`` are loaded (tokens written before the call).
+
+    Returns:
+        rows moved (one row = one token's K and V of one (request, KV head)).
+
+    Raises:
+        RuntimeError: when a row needs more free slots than it has (selection larger than
+            the buffer: an internal error).
+    """
+    b, h, k = indices.shape
+    rows_n, slots = b * h, buf.pos_of_slot.shape[-1]
+    idx = indices.to(buf.pos_of_slot.device).reshape(rows_n, k)
+    pos_of_slot = buf.pos_of_slot.view(rows_n, slots)
+    loaded, _ = _lookup_sorted(pos_of_slot, idx)
+    need = (idx >= 0) & (idx < limit) & ~loaded
+    n_need = need.sum(1)
+    if not bool(n_need.any()):
+        return 0
+    in_sel, _ = _lookup_sorted(idx, pos_of_slot)
+    keep = (pos_of_slot >= 0) & in_sel
+    if bool((n_need > (~keep).sum(1)).any()):
+        raise RuntimeError("elastic_load: a selection row is larger than the device buffer")
+    # k-th missing position of a row goes to the row's k-th free slot (free slots first)
+    order = torch.argsort(keep.to(torch.int8), dim=1, stable=True)
+    rank = (need.cumsum(1) - 1).clamp(min=0, max=slots - 1)
+    target = order.gather(1, rank)
+    rr, jj = need.nonzero(as_tuple=True)
+    pos, slot = idx[rr, jj], target[rr, jj]
+    src_dev = store_k.device
+    rs, ps = rr.to(src_dev), pos.to(src_dev)
+    hk = store_k.view(rows_n, store_k.shape[2], -1)[rs, ps]
+    hv = store_v.view(rows_n, store_v.shape[2], -1)[rs, ps]
+    non_blocking = src_dev.type == "cpu" and buf.keys.device.type == "cuda"
+    buf.keys.view(rows_n, slots, -1)[rr, slot] = hk.to(buf.keys.device, non_blocking=non_blocking)
+    buf.values.view(rows_n, slots, -1)[rr, slot] = hv.to(buf.values.device, non_blocking=non_blocking)
+    pos_of_slot[rr, slot] = pos
+    return int(rr.numel())
+
+
+def _gather_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``[batch, kv, k, dim]`` of ``buf`` ``[batch, kv, budget, dim]`` at ``slots``."""
+    b, h, k = slots.shape
+    n, dim = buf.shape[2], buf.shape[3]
+    base = torch.arange(b * h, device=slots.device).view(b, h, 1) * n
+    return buf.reshape(b * h * n, dim).index_select(0, (base + slots).reshape(-1)).view(b, h, k, dim)
+
+
+def _mask_at(attn_mask: torch.Tensor, positions: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """HF mask ``[batch|1, 1|heads, q_len, capacity]`` at ``positions`` ``[b, kv, k]``,
+    as ``[b, kv, groups|1, q_len, k]``."""
+    b, h, k = positions.shape
+    mh, q_len = attn_mask.shape[1], attn_mask.shape[2]
+    if mh == 1:
+        src = attn_mask.expand(b, h, q_len, attn_mask.shape[-1])
+        return src.gather(3, positions.unsqueeze(2).expand(b, h, q_len, k)).unsqueeze(2)
+    groups = mh // num_kv
+    src = attn_mask.expand(b, mh, q_len, attn_mask.shape[-1]).view(b, h, groups, q_len, -1)
+    return src.gather(4, positions.view(b, h, 1, 1, k).expand(b, h, groups, q_len, k))
+
+
+def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, length: torch.Tensor,
+                  attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
+                  sliding_window: int = 0) -> torch.Tensor:
+    """Sparse attention of ``query`` ``[batch, heads, q_len, head_dim]`` over the selected
+    positions ``indices`` ``[batch, kv, k]`` (-1 padding), read from the device buffer
+    through the slot map. Same operations, in the same order, as
+    :func:`~.sparse_attention.sparse_attention_reference` after its gather, so the result is
+    identical to reading the full store. Returns ``[batch, heads, q_len, head_dim_v]``."""
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv = buf.keys.shape[1]
+    groups = num_heads // num_kv
+    safe = indices.clamp(min=0)
+    slots = buf.slots_of(indices)
+    missing = (indices >= 0) & (slots < 0)
+    if bool(missing.any()):
+        raise RuntimeError("offloaded attention: a selected token is not on the device tier "
+                           "(prefetch/wait were not run for this layer)")
+    slots = slots.clamp(min=0)
+    keys, values = _gather_rows(buf.keys, slots), _gather_rows(buf.values, slots)
+    q = query.reshape(b, num_kv, groups * q_len, head_dim)
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = logits.view(b, num_kv, groups, q_len, -1)
+    if sliding_window:
+        allowed = causal_limit_mask(indices, length, q_len, sliding_window).unsqueeze(2)
+    else:
+        allowed = causal_limit_mask(indices, length, q_len).unsqueeze(2)
+    if attn_mask is not None:
+        gathered = _mask_at(attn_mask, safe, num_kv)
+        if gathered.dtype == torch.bool:
+            allowed = allowed & gathered
+        else:
+            logits = logits + gathered.float()
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
+    out = torch.matmul(probs.view(b, num_kv, groups * q_len, -1), values)
+    return out.view(b, num_heads, q_len, values.shape[-1]).to(query.dtype)
+
+
+@dataclasses.dataclass
+class StepStats:
+    """Transfer figures of one decode step (bytes = K and V rows moved host -> device)."""
+
+    step: int
+    length: int
+    offloaded: int
+    device_bytes: int
+    bytes_elastic: int = 0
+    bytes_full_reload: int = 0
+    per_layer_rows: dict[int, int] = dataclasses.field(default_factory=dict)
+
+
+class OffloadManager:
+    """Owns the host tier, device buffers, the copy stream and the adaptive plan of one cache.
+
+    Args:
+        cache: the :class:`~.kv_cache.SpeContextCache` to manage.
+        device_memory_bytes: size of the device tier (bytes; on CPU an emulated size).
+        budget: selected tokens per KV head (the buffer rows of an offloaded layer).
+        weight_bytes: ``M_O``, the model's weights (see :func:`model_weight_bytes`).
+        elastic: move only the selection's difference (True) or reload it every step.
+        activation_factor, draft_cache_layers, alpha: see :class:`~.memory_model.MemoryModel`.
+        trace_path: when set, the Chrome trace of the latest finished decode step is written
+            there at the start of every step (:mod:`.trace`).
+    """
+
+    def __init__(self, cache, device_memory_bytes: int, budget: int, weight_bytes: int = 0, *,
+                 elastic: bool = True, activation_factor: float = 0.3, draft_cache_layers: int = 0,
+                 alpha: float = 0.0, trace_path: str | Path | None = None):
+        if not isinstance(device_memory_bytes, int) or device_memory_bytes < 1:
+            raise ValueError(f"device_memory_bytes must be an int >= 1, got {device_memory_bytes!r}")
+        self.cache = cache
+        self.device_memory_bytes = device_memory_bytes
+        self.budget = budget
+        self.weight_bytes = weight_bytes
+        self.elastic = elastic
+        self._model_args = dict(activation_factor=activation_factor,
+                                draft_cache_layers=draft_cache_layers, alpha=alpha)
+        self.model: MemoryModel | None = None
+        self.thresholds: list[float] | None = None
+        self.buffers: dict[int, LayerBuffer] = {}
+        self.offload_events: list[tuple[int, int]] = []  # (length, layer) in plan order
+        self.stats: list[StepStats] = []
+        self.fault_hook: Callable[[int], None] | None = None
+        self.trace = TraceRecorder() if trace_path is not None else None
+        self.trace_path = trace_path
+        self.closed = False
+        self._stream: CopyStream | None = None
+        self._tickets: dict[int, tuple[int, CopyTicket]] = {}
+        self._next_ticket = 0
+        self._step = -1
+        self._step_start: dict[str, Any] | None = None
+        self._failed: str | None = None
+        self._last_attention_end: float | None = None
+        self.selection: torch.Tensor | None = None
+        _MANAGERS.add(self)
+
+    # --- registry -------------------------------------------------------------------------
+    def register(self) -> None:
+        """Map each initialised layer's store to this manager (ops find it by storage)."""
+        with _REGISTRY_LOCK:
+            for i, layer in enumerate(self.cache.layers):
+                if layer.is_initialized:
+                    _REGISTRY[_storage_key(layer.keys)] = (weakref.ref(self), i)
+
+    def close(self) -> None:
+        """Finish outstanding copies and stop the worker."""
+        for _, ticket in list(self._tickets.values()):
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - already reported at its wait
+                pass
+        self._tickets.clear()
+        if self._stream is not None:
+            self._stream.close()
+        self.closed = True
+
+    # --- plan -----------------------------------------------------------------------------
+    @property
+    def offloaded(self) -> list[int]:
+        """Layers whose full store lives in the host tier (in offload order)."""
+        return list(self.buffers)
+
+    def prepare(self, device_memory_bytes: int | None = None) -> MemoryModel:
+        """Build the memory model and solve the thresholds now (the stores must exist, i.e.
+        after prefill); optionally with a new device-tier size. The first decode step does
+        this on its own. Returns the model."""
+        if device_memory_bytes is not None:
+            self.device_memory_bytes = device_memory_bytes
+        self._build_model()
+        return self.model
+
+    def _build_model(self) -> None:
+        layer = self.cache.layers[0]
+        if not layer.is_initialized:
+            raise RuntimeError("the KV stores do not exist yet: run prefill before prepare()")
+        b, h, capacity, dk = layer.keys.shape
+        slots = min(self.budget, capacity)
+        qs = self.cache.query_state
+        fixed = qs.numel() * qs.element_size() if qs is not None else 0
+        fixed += self.cache.query_valid.numel() * self.cache.query_valid.element_size()
+        fixed += b * h * slots * 8  # the selection (int64) shared by every layer
+        self.model = MemoryModel(
+            num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
+            head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,
+            budget=slots, weight_bytes=self.weight_bytes, fixed_bytes=fixed,
+            map_bytes_per_layer=b * h * slots * 8, **self._model_args)
+        self.thresholds = self.model.thresholds(self.device_memory_bytes)
+        if self._stream is None:
+            self._stream = CopyStream(layer.keys.device)
+        logger.info("specontext offload: %s", self.model.describe(self.device_memory_bytes))
+
+    def offload_layer(self, layer_idx: int) -> None:
+        """Hand layer ``layer_idx``'s store to the host tier and give it a device buffer."""
+        layer = self.cache.layers[layer_idx]
+        device = layer.keys.device
+        if device.type == "cuda":  # real host tier: pinned memory; kv_write appends there
+            layer.keys = layer.keys.to("cpu").pin_memory()
+            layer.values = layer.values.to("cpu").pin_memory()
+            self.register()
+        self.buffers[layer_idx] = LayerBuffer.allocate(layer.keys, layer.values, self.budget, device)
+        counters["specontext"]["offloaded_layers"] += 1
+
+    def begin_step(self, indices: torch.Tensor, query_state: torch.Tensor, query_valid: torch.Tensor,
+                   cached: int, q_len: int) -> None:
+        """Start a decode step: run the adaptive plan for ``cached + q_len`` tokens and keep
+        what :meth:`rollback` needs."""
+        if self._failed is not None:
+            raise OffloadCopyError(
+                f"{self._failed}; call OffloadManager.rollback() (or cache.offload.rollback()) "
+                "to undo the failed step before decoding on")
+        if self.model is None:
+            self._build_model()
+        if self.trace is not None and self._step >= 0:
+            self.trace.end_step(self._step)
+            self.trace.write(self.trace_path)
+        self._step += 1
+        self.selection = indices  # this step's selection [batch, kv_heads, budget]
+        self._step_start = {
+            "lengths": [int(layer.cumulative_length) for layer in self.cache.layers],
+            "query_state": query_state.detach().clone(), "query_valid": query_valid.detach().clone(),
+            "tensors": (query_state, query_valid),
+        }
+        total = cached + q_len
+        before = len(self.buffers)
+        target = self.model.plan(total, before, self.thresholds)
+        free = [i for i in reversed(range(len(self.cache.layers))) if i not in self.buffers]
+        for layer_idx in free[: target - before]:
+            self.offload_layer(layer_idx)
+            self.offload_events.append((total, layer_idx))
+            logger.info("specontext offload: length %d >= ST[%d]=%s: layer %d -> host tier",
+                        total, len(self.buffers) - 1, self.thresholds[len(self.buffers) - 1], layer_idx)
+        full = int((indices >= 0).sum()) * self._row_bytes() * len(self.buffers)
+        self.stats.append(StepStats(self._step, total, len(self.buffers),
+                                    self.model.device_bytes(total, len(self.buffers)),
+                                    bytes_full_reload=full))
+        self._last_attention_end = self.trace.now_us() if self.trace else None
+
+    def _row_bytes(self) -> int:
+        layer = self.cache.layers[0]
+        return (layer.keys.shape[-1] + layer.values.shape[-1]) * layer.keys.element_size()
+
+    # --- prefetch / wait ------------------------------------------------------------------
+    def _load_job(self, layer_idx: int, indices: torch.Tensor, limit: int) -> int:
+        start = self.trace.now_us() if self.trace else 0.0
+        if self.fault_hook is not None:
+            self.fault_hook(layer_idx)
+        layer, buf = self.cache.layers[layer_idx], self.buffers[layer_idx]
+        if not self.elastic:
+            buf.invalidate()
+        rows = elastic_load(buf, layer.keys, layer.values, indices, limit)
+        if self.trace:
+            self.trace.add(f"copy L{layer_idx}", "copy", start, self.trace.now_us(),
+                           rows=rows, bytes=rows * self._row_bytes())
+        return rows
+
+    def prefetch(self, layer_idx: int, indices: torch.Tensor, cached: int) -> int:
+        """Start loading layer ``layer_idx``'s selected rows ``< cached``; returns a ticket
+        id (-1 when the layer is resident: nothing to do)."""
+        if layer_idx not in self.buffers:
+            return -1
+        ticket = self._stream.submit(self._load_job, layer_idx, indices, cached)
+        self._next_ticket += 1
+        self._tickets[self._next_ticket] = (layer_idx, ticket)
+        return self._next_ticket
+
+    def wait(self, ticket_id: int, layer_idx: int) -> None:
+        """Wait for a prefetch; on failure invalidate that buffer and raise
+        :class:`OffloadCopyError` (the host tier is only read by copies: it stays intact)."""
+        if ticket_id < 0:
+            return
+        _, ticket = self._tickets.pop(ticket_id)
+        start = self.trace.now_us() if self.trace else 0.0
+        try:
+            rows = ticket.wait()
+        except Exception as exc:
+            self.buffers[layer_idx].invalidate()
+            for other_layer, other in list(self._tickets.values()):  # drain this step's copies
+                try:
+                    other.wait()
+                except Exception:  # noqa: BLE001
+                    self.buffers[other_layer].invalidate()
+            self._tickets.clear()
+            self._failed = (f"prefetch of layer {layer_idx} failed at decode step {self._step} "
+                            f"({type(exc).__name__}: {exc}); the host tier is intact, the layer's "
+                            "device buffer was invalidated")
+            counters["specontext"]["offload_copy_failures"] += 1
+            raise OffloadCopyError(self._failed + "; call cache.offload.rollback() to undo the "
+                                   "partial step, then repeat it") from exc
+        finally:
+            if self.trace:
+                self.trace.add(f"wait L{layer_idx}", "wait", start, self.trace.now_us())
+        self.stats[-1].per_layer_rows[layer_idx] = rows
+        self.stats[-1].bytes_elastic += rows * self._row_bytes()
+
+    def rollback(self) -> None:
+        """Undo a step that failed part way: every layer's length and the retrieval state go
+        back to the step's start, so the same step can be run again with the same result."""
+        if self._step_start is None:
+            return
+        for layer, n in zip(self.cache.layers, self._step_start["lengths"]):
+            layer.cumulative_length.fill_(n)
+        qs, qv = self._step_start["tensors"]
+        qs.copy_(self._step_start["query_state"])
+        qv.copy_(self._step_start["query_valid"])
+        if self.stats and self.stats[-1].step == self._step:
+            self.stats.pop()
+        self._step -= 1
+        self._failed = None
+
+    # --- attention ------------------------------------------------------------------------
+    def attend(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
+               attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
+               sliding_window: int = 0) -> torch.Tensor:
+        """Attention of an offloaded layer over its device buffer (the step's own tokens are
+        copied in first: they were written after the prefetch started)."""
+        buf = self.buffers[layer_idx]
+        with self._span(f"fixup L{layer_idx}", "copy"):
+            rows = elastic_load(buf, key_cache, value_cache, indices, int(length))
+        if rows:
+            self.stats[-1].per_layer_rows[layer_idx] = self.stats[-1].per_layer_rows.get(layer_idx, 0) + rows
+            self.stats[-1].bytes_elastic += rows * self._row_bytes()
+        counters["specontext"]["offloaded_attention_calls"] += 1
+        return attend_buffer(query, buf, indices, length, attn_mask, scale, soft_cap, sliding_window)
+
+    def _span(self, name: str, cat: str):
+        return self.trace.span(name, cat) if self.trace else contextlib.nullcontext()
+
+    def mark_layer(self, layer_idx: int, offloaded: bool) -> None:
+        """Trace the layer's compute span (from the previous attention's end to now)."""
+        if self.trace is None:
+            return
+        now = self.trace.now_us()
+        if self._last_attention_end is not None:
+            self.trace.add(f"layer {layer_idx}", "compute", self._last_attention_end, now,
+                           offloaded=offloaded)
+        self._last_attention_end = now
+
+    def summary(self) -> dict[str, Any]:
+        """Thresholds, offload events and mean bytes moved per step (with/without elastic)."""
+        steps = [s for s in self.stats if s.offloaded]
+        mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+        return {
+            "device_memory_bytes": self.device_memory_bytes,
+            "thresholds": [None if t == INF else int(t) for t in (self.thresholds or [])],
+            "offload_events": list(self.offload_events),
+            "steps_with_offload": len(steps),
+            "bytes_elastic_mean": mean([s.bytes_elastic for s in steps[1:]]),
+            "bytes_full_reload_mean": mean([s.bytes_full_reload for s in steps[1:]]),
+            "transfer_backend": self._stream.kind if self._stream else None,
+        }
+
+
+def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: int, budget: int,
+                   **kwargs: Any) -> OffloadManager:
+    """Attach an :class:`OffloadManager` to ``cache`` (as ``cache.offload``).
+
+    Use with a graph compiled with the ``device_memory_bytes`` backend option (which inserts
+    the prefetch/wait ops); ``specontext_compile.compile(model, device_memory_bytes=...)``
+    does both. ``model`` gives ``M_O`` (its weights); ``kwargs`` go to
+    :class:`OffloadManager`.
+    """
+    weight_bytes = model_weight_bytes(model) if model is not None else 0
+    manager = OffloadManager(cache, device_memory_bytes, budget, weight_bytes, **kwargs)
+    cache.offload = manager
+    return manager

@@ -1,0 +1,94 @@
+"""The sympy memory model: paper equations, hand-computed plans, real allocations."""
+
+import math
+
+import pytest
+import sympy
+import torch
+
+import specontext_compile as sc
+from specontext_compile.runtime.memory_model import DeviceMemoryError, MemoryModel
+from specontext_compile.runtime.offload import enable_offload
+from _tiny import tiny_llama
+
+# L=4 layers, 2 KV heads, head_dim 8 (K and V), fp16, 1 request, budget 16, 1000 B weights:
+# one token of one layer = 1 x 2 x (8 + 8) x 2 = 64 B, and
+#   M_part(S, i) = 1.3 x 1000 + 64 [(4 - i) S + 16 i]  bytes
+SMALL = dict(num_layers=4, num_kv_heads=2, head_dim_k=8, head_dim_v=8, elem_bytes=2, batch=1,
+             budget=16, weight_bytes=1000)
+
+
+def test_expression_is_the_papers_equation_for_fp16():
+    """eq. 7 with 4 = 2 (K,V) x 2 bytes, the DLM's "+1" layer and alpha, symbolically."""
+    mm = MemoryModel(**dict(SMALL, draft_weight_bytes=200, draft_cache_layers=1, alpha=0.5))
+    expr, s, lc = mm.expression()
+    L, R, H, D, B = 4, 1, 2, 8, 16
+    paper = (sympy.Rational(13, 10) * (1000 + 200)
+             + 4 * R * (((L - lc) + 1 + sympy.Rational(1, 2)) * s + lc * B) * H * D)
+    assert sympy.simplify(expr - paper) == 0
+
+
+def test_offload_none_when_everything_fits():
+    mem = 1300 + 64 * 4 * 1000  # all 4 layers hold 1000 tokens exactly
+    mm = MemoryModel(**SMALL)
+    st = mm.thresholds(mem)
+    assert st[0] == 1001  # 1000 tokens fit, 1001 do not
+    assert mm.plan(1000, 0, st) == 0
+    assert mm.device_bytes(1000, 0) == mem
+
+
+def test_offload_one_then_two_as_the_output_grows():
+    mem = 1300 + 64 * 4 * 1000
+    mm = MemoryModel(**SMALL)
+    st = mm.thresholds(mem)
+    # one offloaded: 1300 + 64 (3 S + 16) <= mem  <=>  S <= (4000 - 16) / 3 = 1328
+    assert st[1] == 1329
+    assert mm.plan(1001, 0, st) == 1
+    assert mm.plan(1328, 1, st) == 1
+    assert mm.plan(1329, 1, st) == 2  # the plan only grows, one layer at a time
+
+
+def test_offload_all_and_error_when_even_that_does_not_fit():
+    mem = 1300 + 64 * 4 * 16  # exactly four 16-row buffers
+    mm = MemoryModel(**SMALL)
+    st = mm.thresholds(mem)
+    # i offloaded: (4 - i) S + 16 i <= 64  <=>  S <= 16 for i < 4; i = 4 needs no S
+    assert st == [17, 17, 17, 17, math.inf]
+    assert mm.plan(16, 0, st) == 0
+    assert mm.plan(17, 0, st) == 4
+    assert mm.plan(10**6, 4, st) == 4
+    tight = MemoryModel(**SMALL)
+    st = tight.thresholds(mem - 1)
+    assert st[4] == 0
+    with pytest.raises(DeviceMemoryError, match="device_memory_bytes"):
+        tight.plan(17, 0, st)
+
+
+def test_gqa_batch_and_element_size_enter_the_row_size():
+    mm = MemoryModel(**dict(SMALL, batch=3, elem_bytes=4, num_kv_heads=5, head_dim_v=4))
+    assert mm.row_bytes == 3 * 5 * (8 + 4) * 4
+
+
+@pytest.mark.parametrize("offload_all", [False, True])
+def test_prediction_matches_real_allocations_within_5_percent(offload_all):
+    model = tiny_llama(layers=3)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    cache = sc.SpeContextCache(model.config, max_cache_len=100, chunk_tokens=50)
+    manager = enable_offload(cache, model, 1 << 40, budget=16)
+    forward = torch.compile(model.forward, backend="specontext",
+                            options={"budget": 16, "device_memory_bytes": 1 << 40})
+    with torch.no_grad():
+        forward(input_ids=ids, cache=cache, use_cache=True)
+        mm = manager.prepare()
+        if offload_all:
+            manager.prepare(mm.device_bytes(41, 3))
+        forward(input_ids=ids[:, :1], cache=cache, use_cache=True)
+    n = len(manager.offloaded)
+    assert n == (3 if offload_all else 0)
+    capacity = cache.layers[0].keys.shape[2]
+    real = (cache.kv_bytes + sum(b.nbytes for b in manager.buffers.values())
+            + cache.query_state.numel() * cache.query_state.element_size()
+            + cache.query_valid.numel() * cache.query_valid.element_size()
+            + manager.selection.numel() * manager.selection.element_size())
+    predicted = mm.allocated_bytes(capacity, n)
+    assert abs(predicted - real) <= 0.05 * real, (predicted, real)

@@ -1,0 +1,307 @@
+"""KV offload on tiny random Llamas: exactness, elastic loading, faults, schedule, trace.
+
+Every run compiles the same model twice (offload off / on) with a budget smaller than the
+context, so the selection really changes between steps and layers really leave the
+(emulated) device tier during decoding.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import specontext_compile as sc
+from specontext_compile.runtime.offload import OffloadCopyError, enable_offload
+from specontext_compile.passes.schedule import CostModel
+from specontext_compile.passes.sites import is_op
+from _tiny import tiny_llama
+
+PROMPT, STEPS, CAP = 60, 50, 128
+OPTS = {"budget": 16, "recent_window": 4, "sink_tokens": 2}
+
+
+def _ids(seed=0):
+    return torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(forward, cache, ids, steps, after_step=None):
+    """Prefill then greedy decode; logits of every call. ``after_step(i)`` runs after each
+    decode call (i = 0 for the first decode step)."""
+    out = []
+    with torch.no_grad():
+        logits = forward(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        out.append(logits)
+        for i in range(steps):
+            logits = forward(input_ids=logits.argmax(-1, keepdim=True), cache=cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+            if after_step is not None:
+                after_step(i)
+    return out
+
+
+def _reference(model, ids, steps=STEPS):
+    forward = torch.compile(model.forward, backend="specontext", options=OPTS)
+    out = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, steps)
+    torch._dynamo.reset()
+    return out
+
+
+class _Offloaded:
+    """Compiled forward with offload + a cache whose device tier is sized after prefill."""
+
+    def __init__(self, model, size_fn, **manager_kwargs):
+        self.forward = torch.compile(model.forward, backend="specontext",
+                                     options=dict(OPTS, device_memory_bytes=1 << 40))
+        self.cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+        self.manager = enable_offload(self.cache, model, 1 << 40, OPTS["budget"], **manager_kwargs)
+        self.size_fn = size_fn
+        self._sized = False
+
+    def __call__(self, **kwargs):
+        out = self.forward(**kwargs)
+        if not self._sized:  # after prefill: the stores exist, size the device tier
+            mm = self.manager.prepare()
+            self.manager.prepare(self.size_fn(mm))
+            self._sized = True
+        return out
+
+
+def _progressive(mm):
+    # one layer must go at the first decode step (61 tokens), more as the output grows
+    return mm.device_bytes(PROMPT, 0)
+
+
+def _all_at_once(mm):
+    return mm.device_bytes(PROMPT + 1, mm.num_layers)
+
+
+def _assert_same(a_list, b_list):
+    for step, (a, b) in enumerate(zip(a_list, b_list)):
+        torch.testing.assert_close(a, b, atol=0, rtol=0, msg=f"decode call {step}")
+
+
+@pytest.mark.parametrize("size_fn", [_progressive, _all_at_once], ids=["progressive", "all"])
+def test_offload_on_vs_off_identical_logits_for_50_steps(size_fn):
+    model, ids = tiny_llama(layers=3), _ids()
+    ref = _reference(model, ids)
+    run = _Offloaded(model, size_fn)
+    out = _run(run, run.cache, ids, STEPS)
+    _assert_same(out, ref)  # same selection, same arithmetic: bit-identical
+    m = run.manager
+    assert m.offloaded == [2, 1, 0][: len(m.offloaded)], "last layers go first"
+    assert len(m.offloaded) >= 2
+    for length, layer in m.offload_events:  # every offload happened at its threshold
+        i = m.offloaded.index(layer)
+        assert length >= m.thresholds[i]
+    assert counters["specontext"]["offloaded_attention_calls"] > STEPS
+    if size_fn is _all_at_once:
+        assert [e[0] for e in m.offload_events] == [PROMPT + 1] * 3
+    else:
+        # by hand: a token of one layer is 2 heads x (16 + 16) x 4 B = 256 B; the device
+        # tier holds 3 layers x 60 tokens; an offloaded layer costs 16 rows + a 256 B slot
+        # map. ST[0] = 61; ST[1]: 2 S + 16 + 1 <= 180 -> S <= 81 -> 82; ST[2]: 147 (> 110)
+        assert m.thresholds[:3] == [61, 82, 147]
+        assert m.offload_events == [(61, 2), (82, 1)]
+
+
+def test_offloaded_attention_reads_the_device_buffer():
+    """Corrupting an offloaded layer's buffer changes the output: attention reads it."""
+    model, ids = tiny_llama(layers=2), _ids(1)
+    run = _Offloaded(model, _all_at_once)
+    _run(run, run.cache, ids, 3)
+    buf = run.manager.buffers[1]
+    with torch.no_grad():
+        clean = run.forward(input_ids=ids[:, :1], cache=run.cache, use_cache=True).logits
+        run.manager.rollback()
+        buf.values.mul_(-1.0)  # slots stay "loaded", so no copy repairs them
+        bad = run.forward(input_ids=ids[:, :1], cache=run.cache, use_cache=True).logits
+    assert (clean - bad).abs().max() > 1e-3
+
+
+def test_elastic_loading_buffer_matches_host_tier_and_moves_only_the_difference():
+    model, ids = tiny_llama(layers=3), _ids(2)
+    run = _Offloaded(model, _all_at_once)
+    m = run.manager
+    row_bytes = 2 * 16 * 4  # K and V of one head: head_dim 16, fp32
+    prev = {}
+    checked = []
+
+    def check(step):
+        sel = m.selection
+        stats = m.stats[-1]
+        for layer_idx, buf in m.buffers.items():
+            layer = run.cache.layers[layer_idx]
+            slots = buf.slots_of(sel)
+            valid = sel >= 0
+            assert bool((slots[valid] >= 0).all()), "every selected token is on the device tier"
+            b, h, _ = sel.shape
+            for bi in range(b):
+                for hi in range(h):
+                    pos = sel[bi, hi][valid[bi, hi]]
+                    sl = slots[bi, hi][valid[bi, hi]]
+                    torch.testing.assert_close(buf.keys[bi, hi, sl], layer.keys[bi, hi, pos], atol=0, rtol=0)
+                    torch.testing.assert_close(buf.values[bi, hi, sl], layer.values[bi, hi, pos], atol=0, rtol=0)
+            now = [set(sel[bi, hi][valid[bi, hi]].tolist()) for bi in range(b) for hi in range(h)]
+            before = prev.get(layer_idx, [set()] * len(now))
+            diff_rows = sum(len(n - p) for n, p in zip(now, before))
+            assert stats.per_layer_rows.get(layer_idx, 0) == diff_rows, f"step {step} layer {layer_idx}"
+            prev[layer_idx] = now
+        assert stats.bytes_elastic == sum(stats.per_layer_rows.values()) * row_bytes
+        assert stats.bytes_full_reload == int((sel >= 0).sum()) * row_bytes * len(m.buffers)
+        checked.append(step)
+
+    _run(run, run.cache, ids, 30, after_step=check)
+    assert len(checked) == 30
+    later = m.stats[1:]
+    elastic = sum(s.bytes_elastic for s in later)
+    full = sum(s.bytes_full_reload for s in later)
+    assert 0 < elastic < 0.5 * full  # tiny random model: selections overlap a lot
+
+
+def test_without_elastic_loading_every_step_reloads_the_selection_and_stays_exact():
+    model, ids = tiny_llama(layers=2), _ids(3)
+    ref = _reference(model, ids, 12)
+    run = _Offloaded(model, _all_at_once, elastic=False)
+    _assert_same(_run(run, run.cache, ids, 12), ref)
+    for s in run.manager.stats:
+        assert s.bytes_elastic == s.bytes_full_reload > 0
+
+
+def test_slowed_copy_gives_identical_results():
+    model, ids = tiny_llama(layers=3), _ids(4)
+    ref = _reference(model, ids, 15)
+    run = _Offloaded(model, _all_at_once)
+    run.manager.fault_hook = lambda layer: time.sleep(0.01)
+    _assert_same(_run(run, run.cache, ids, 15), ref)
+
+
+def test_failing_copy_raises_at_the_wait_keeps_host_tier_and_recovers_after_rollback():
+    model, ids = tiny_llama(layers=3), _ids(5)
+    ref = _reference(model, ids, 12)
+    run = _Offloaded(model, _all_at_once)
+    m = run.manager
+    out = _run(run, run.cache, ids, 5)
+    state = {"fail": True}
+
+    def fail_once(layer):
+        if layer == 1 and state["fail"]:
+            state["fail"] = False
+            raise OSError("injected DMA failure")
+
+    m.fault_hook = fail_once
+    cached = int(run.cache.layers[0].cumulative_length)
+    host = [(l.keys[:, :, :cached].clone(), l.values[:, :, :cached].clone()) for l in run.cache.layers]
+    nxt = out[-1].argmax(-1, keepdim=True)
+    with torch.no_grad():
+        with pytest.raises(OffloadCopyError, match="prefetch of layer 1 failed.*host tier is intact"):
+            run.forward(input_ids=nxt, cache=run.cache, use_cache=True)
+        for layer, (k, v) in zip(run.cache.layers, host):
+            assert torch.equal(layer.keys[:, :, :cached], k) and torch.equal(layer.values[:, :, :cached], v)
+        with pytest.raises(OffloadCopyError, match="rollback"):  # no silent decoding on
+            run.forward(input_ids=nxt, cache=run.cache, use_cache=True)
+        m.rollback()
+        assert [int(l.cumulative_length) for l in run.cache.layers] == [cached] * 3
+        logits = run.forward(input_ids=nxt, cache=run.cache, use_cache=True).logits[:, -1]
+        out.append(logits)
+        for _ in range(6):
+            logits = run.forward(input_ids=logits.argmax(-1, keepdim=True), cache=run.cache, use_cache=True).logits[:, -1]
+            out.append(logits)
+    _assert_same(out, ref)
+    assert counters["specontext"]["offload_copy_failures"] == 1
+
+
+def test_schedule_pass_places_prefetch_early_and_wait_right_before_attention():
+    model, ids = tiny_llama(layers=4), _ids(6)
+    run = _Offloaded(model, _all_at_once)
+    _run(run, run.cache, ids, 2)
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert len(decode) == 1
+    gm = decode[0].graph_module
+    schedule = gm.meta["specontext_offload_schedule"]
+    assert schedule.layers == [0, 1, 2, 3] and schedule.lead >= 1
+    nodes = list(gm.graph.nodes)
+    ops = torch.ops.specontext
+    name = lambda n: next((k for k in ("offload_plan", "offload_prefetch", "offload_wait",  # noqa: E731
+                                       "sparse_attention_offloaded", "kv_write")
+                           if n.op == "call_function" and is_op(n, getattr(ops, k))), None)
+    pos = {n: i for i, n in enumerate(nodes)}
+    plans = [n for n in nodes if name(n) == "offload_plan"]
+    prefetch = {n.args[-1]: n for n in nodes if name(n) == "offload_prefetch"}
+    waits = {n.args[-1]: n for n in nodes if name(n) == "offload_wait"}
+    attn = {n.args[-1]: n for n in nodes if name(n) == "sparse_attention_offloaded"}
+    writes = [n for n in nodes if name(n) == "kv_write"]
+    assert len(plans) == 1 and len(prefetch) == len(waits) == len(attn) == 4
+    for layer in range(4):
+        assert pos[plans[0]] < pos[prefetch[layer]] < pos[waits[layer]] < pos[attn[layer]]
+        assert waits[layer].next is attn[layer]  # waits as late as possible
+        assert pos[prefetch[layer]] < pos[writes[max(0, layer - schedule.lead)]]  # issued early
+        if layer - schedule.lead > 0:  # ... but not before it needs to be
+            assert pos[prefetch[layer]] > pos[writes[layer - schedule.lead - 1]]
+
+
+def test_default_path_has_no_offload_ops():
+    model, ids = tiny_llama(layers=2), _ids(7)
+    forward = torch.compile(model.forward, backend="specontext", options=OPTS)
+    _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP), ids, 2)
+    code = "\n".join(r.graph_module.code for r in sc.compile_reports())
+    assert "offload" not in code and "specontext.sparse_attention" in code
+
+
+@pytest.mark.parametrize("copy_s,compute_s,cap,expected", [
+    (1e-3, 3e-4, 8, 4), (1e-3, 3e-4, 3, 3), (1e-5, 1e-3, 4, 1)])
+def test_cost_model_lead(copy_s, compute_s, cap, expected):
+    bw = 1e9
+    cost = CostModel(bandwidth=bw, layer_bytes=compute_s * bw, load_bytes=copy_s * bw, copy_latency=0.0)
+    assert cost.lead(cap) == expected
+
+
+def test_trace_shows_copies_on_the_worker_overlapping_compute(tmp_path):
+    model, ids = tiny_llama(layers=3), _ids(8)
+    path = tmp_path / "trace.json"
+    run = _Offloaded(model, _all_at_once, trace_path=str(path))
+    run.manager.fault_hook = lambda layer: time.sleep(0.005)  # copies long enough to see
+    _run(run, run.cache, ids, 4)
+    trace = json.loads(path.read_text())
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    copies = [e for e in spans if e["cat"] == "copy" and e["name"].startswith("copy")]
+    compute = [e for e in spans if e["cat"] == "compute"]
+    waits = [e for e in spans if e["cat"] == "wait"]
+    assert len(copies) == 3 and len(waits) == 3 and len(compute) >= 2
+    assert {e["tid"] for e in copies}.isdisjoint({e["tid"] for e in compute})
+    overlap = any(c["ts"] < k["ts"] + k["dur"] and k["ts"] < c["ts"] + c["dur"] for c in copies for k in compute)
+    assert overlap, "a copy on the worker overlaps a layer's compute on the main thread"
+
+
+def test_offload_options_are_validated():
+    with pytest.raises(ValueError, match="device_memory_bytes"):
+        sc.SpeContextConfig(device_memory_bytes=0)
+    with pytest.raises(ValueError, match="device_memory_bytes"):
+        sc.SpeContextConfig(device_memory_bytes=True)
+    with pytest.raises(ValueError, match="offload_trace"):
+        sc.SpeContextConfig(offload_trace="t.json")
+    assert sc.SpeContextConfig(device_memory_bytes=1 << 30).device_memory_bytes == 1 << 30
+
+
+def test_compile_helper_attaches_offload_and_generates_the_same_text():
+    model, ids = tiny_llama(layers=2), _ids(9)
+    sc.compile(model, **OPTS)
+    ref = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    sc.api.restore(model)
+    torch._dynamo.reset()
+    counters.clear()
+    from specontext_compile.runtime.offload import model_weight_bytes
+    from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
+
+    # hand-sized device tier: weights x1.3 + retrieval state + selection + 65 tokens of KV
+    # in both layers (2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B per token), so the
+    # plan must offload the last layer when the cache reaches 66 tokens (ST[0] = 66)
+    fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8
+    mem = -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
+    sc.compile(model, device_memory_bytes=mem, **OPTS)
+    out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    assert counters["specontext"]["offloaded_layers"] == 1
+    # decode steps j = 1..19 reach 60 + j tokens; j >= 6 (>= 66 tokens) run offloaded
+    assert counters["specontext"]["offloaded_attention_calls"] == 14
