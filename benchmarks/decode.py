@@ -1,0 +1,684 @@
+"""Decode speed, throughput and memory of specontext against dense peers, side by side.
+
+One process, one run. For every (model, context, batch) configuration and every contender
+it measures, on the same prompt and the same machine:
+
+* ``prefill_s``: seconds of the batch-1 dense prefill (Hugging Face eager, SDPA); the other
+  contenders start from a copy of that KV cache (see "What is shared" below);
+* ``first_step_s``: the first decode call of this shape (includes compilation for the
+  compiled contenders: inductor compiles once per shape, specontext traces once per shape);
+* decode ms/token over ``--steps`` steps after ``--warmup`` steps: median, p10/p90, min, max;
+* ``tokens_per_s``: ``batch * 1000 / median ms``;
+* ``peak_rss_bytes``: the process's peak resident memory during this contender's decode
+  (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; falls back to the
+  process-lifetime peak where that is not allowed), and ``kv_bytes``: bytes the cache holds;
+* ``floor_ms``: (bytes of weights + bytes of KV this step must read) / copy bandwidth
+  measured at the start of the same run (a large ``copy_``, bytes read + written).
+
+Contenders: ``hf-eager`` (``DynamicCache``, dense SDPA), ``hf-static-inductor`` (``StaticCache``
++ ``torch.compile(model.forward)`` with inductor, dense), ``specontext-<budget>``
+(``torch.compile(model.forward, backend="specontext")`` with a ``SpeContextCache``).
+
+Models: ``smollm2-135m`` (real weights, the first tokens of ``pydoc_data.topics``) for
+``--contexts``; a random-weight model of the same shape with more positions for
+``--random-contexts`` (decode speed does not depend on weight values: its KV cache is filled
+with random values instead of a prefill); ``tiny`` (a small random Llama, for smoke tests).
+
+What is shared: batch rows are the same prompt (equal length; the prefilled KV is copied
+into every row), so prefill runs once per context at batch 1. Every ratio is computed
+within this run.
+
+    python -m benchmarks.decode                       # full matrix (see docs/benchmarks.md)
+    python -m benchmarks.decode --quick               # smoke test, about a minute
+    python -m benchmarks.decode --model tiny --quick --json /tmp/b.json --no-plots
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+CONTENDERS = ("hf-eager", "hf-static-inductor", "specontext-512", "specontext-1024",
+              "specontext-2048")
+DOCS = Path(__file__).resolve().parent.parent / "docs"
+
+
+# --------------------------------------------------------------------------- machine
+
+
+def measure_copy_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Bytes/s of a large ``copy_`` (bytes read + bytes written), best of ``repeats``."""
+    n = megabytes * 2**20 // 4
+    src = torch.rand(n)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # touch pages
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / best
+
+
+def _status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def reset_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS counter of this process; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident bytes since the last :func:`reset_peak_rss` (or process start)."""
+    kib = _status_kib("VmHWM")
+    if kib is None:
+        import resource
+
+        kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kib * 1024
+
+
+def rss_bytes() -> int:
+    """Current resident bytes of this process (0 where unknown)."""
+    return (_status_kib("VmRSS") or 0) * 1024
+
+
+def machine_info() -> dict:
+    """CPU, cores, memory and library versions, for the record."""
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    mem = _meminfo_total()
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "memory_bytes": mem, "python": platform.python_version(), "torch": torch.__version__,
+        "transformers": transformers.__version__, "platform": platform.platform(),
+        "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
+    }
+
+
+def _meminfo_total() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# --------------------------------------------------------------------------- models
+
+
+def tiny_config():
+    """A small random Llama (4 layers, GQA 6/2, head_dim 16) for smoke tests."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=512, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+        num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1 << 16,
+        attn_implementation="sdpa", tie_word_embeddings=True,
+    )
+
+
+def random_model(config, seed: int = 0):
+    """An eval-mode random-weight causal LM of ``config`` (fp32, CPU)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+def random_like(model, max_positions: int):
+    """A random-weight model of ``model``'s shape with at least ``max_positions`` positions."""
+    config = model.config.__class__.from_dict(model.config.to_dict())
+    config.max_position_embeddings = max(config.max_position_embeddings, max_positions)
+    return random_model(config, seed=1)
+
+
+def real_text_ids(tokenizer, tokens: int) -> torch.Tensor:
+    """``[1, tokens]`` ids: the first ``tokens`` tokens of ``pydoc_data.topics`` (real text)."""
+    import pydoc_data.topics
+
+    text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    if ids.shape[1] < tokens:
+        raise ValueError(f"pydoc_data.topics has {ids.shape[1]} tokens, fewer than {tokens}")
+    return ids[:, :tokens]
+
+
+# --------------------------------------------------------------------------- caches
+
+
+def kv_layout(config) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of a decoder config."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", heads), head_dim
+
+
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The key/value tensors a Hugging Face cache holds."""
+    out = []
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                out.append(t)
+    return out
+
+
+def cache_bytes(cache) -> int:
+    """Bytes held by a cache's key/value tensors (allocated, not only written)."""
+    return sum(t.numel() * t.element_size() for t in cache_tensors(cache))
+
+
+def make_cache(kind: str, config, capacity: int):
+    """An empty cache for a contender kind."""
+    from transformers import DynamicCache, StaticCache
+
+    if kind == "hf-eager":
+        return DynamicCache(config=config)
+    if kind == "hf-static-inductor":
+        return StaticCache(config, max_cache_len=capacity)
+    from specontext_compile import SpeContextCache
+
+    return SpeContextCache(config, max_cache_len=capacity)
+
+
+def fill_cache(cache, source: list[tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
+    """Write ``source`` (per layer ``(keys, values)`` ``[1, kv, n, d]``) into every row."""
+    for layer, (k, v) in enumerate(source):
+        cache.update(k.expand(batch, -1, -1, -1).contiguous(),
+                     v.expand(batch, -1, -1, -1).contiguous(), layer)
+
+
+# --------------------------------------------------------------------------- contenders
+
+
+class Forwards:
+    """One forward per contender, compiled once and reused across shapes (compile and
+    recompile time show up in ``first_step_s``)."""
+
+    def __init__(self, model):
+        self.model = model
+        self._fns: dict[str, object] = {}
+
+    def get(self, name: str):
+        if name not in self._fns:
+            if name == "hf-eager":
+                self._fns[name] = self.model.forward
+            elif name == "hf-static-inductor":
+                self._fns[name] = torch.compile(self.model.forward, backend="inductor")
+            else:
+                budget = parse_budget(name)
+                self._fns[name] = torch.compile(
+                    self.model.forward, backend="specontext", options={"budget": budget})
+        return self._fns[name]
+
+
+def parse_budget(name: str) -> int:
+    """Budget of ``specontext-<budget>``."""
+    try:
+        prefix, budget = name.rsplit("-", 1)
+        if prefix != "specontext":
+            raise ValueError
+        return int(budget)
+    except ValueError:
+        raise ValueError(f"unknown contender {name!r}: use {', '.join(CONTENDERS)} or "
+                         "specontext-<budget>") from None
+
+
+def check_contenders(names: list[str]) -> list[str]:
+    for name in names:
+        if name not in ("hf-eager", "hf-static-inductor"):
+            parse_budget(name)
+    return names
+
+
+def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
+                elem: int = 4) -> tuple[int, int]:
+    """(weight bytes, KV bytes) a decode step of ``name`` must read at ``context`` tokens.
+
+    Dense reads every cached key and value of every layer. specontext reads, per layer,
+    ``min(budget, context)`` selected keys and values, plus the full key store of each
+    retrieval layer (the lagged-query head scores every cached token).
+    """
+    from specontext_compile.config import default_retrieval_layers
+
+    layers, kv_heads, head_dim = kv_layout(config)
+    per_token = kv_heads * head_dim * elem  # one of K or V, one layer
+    if name.startswith("specontext"):
+        selected = min(parse_budget(name), context)
+        retrieval = len(default_retrieval_layers(layers))
+        kv = batch * (layers * 2 * selected + retrieval * context) * per_token
+    else:
+        kv = batch * layers * 2 * context * per_token
+    return weight_bytes, kv
+
+
+def param_bytes(model) -> int:
+    """Bytes of the model's distinct parameters and buffers (tied weights counted once)."""
+    seen, total = set(), 0
+    for t in list(model.parameters()) + list(model.buffers()):
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _step(forward, tokens, cache):
+    out = forward(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def run_contender(name, forwards, config, source, first_token, context, batch, steps, warmup,
+                  bar=None) -> dict:
+    """Decode ``warmup + steps`` tokens (after one first call) with one contender."""
+    gc.collect()
+    rss0 = rss_bytes()
+    exact_peak = reset_peak_rss()
+    capacity = context + 1 + warmup + steps + 1
+    cache = make_cache(name, config, capacity)
+    with torch.no_grad():
+        fill_cache(cache, source, batch)
+        tok = first_token.expand(batch, 1).contiguous()
+        forward = forwards.get(name)
+        t0 = time.perf_counter()
+        tok = _step(forward, tok, cache)
+        first = time.perf_counter() - t0
+        times = []
+        for i in range(warmup + steps):
+            t0 = time.perf_counter()
+            tok = _step(forward, tok, cache)
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                times.append(dt)
+            if bar is not None:
+                bar.update(1)
+    kv = cache_bytes(cache)
+    peak = peak_rss_bytes()
+    sites = None
+    if name.startswith("specontext"):
+        from specontext_compile import compile_reports
+
+        decode = [r for r in compile_reports() if r.result.phase == "decode"]
+        sites = f"{decode[-1].sites_rewritten}/{decode[-1].sites_total}" if decode else None
+    del cache
+    gc.collect()
+    ms = sorted(1000 * t for t in times)
+    q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) >= 2 else [ms[0]] * 9
+    median = statistics.median(ms)
+    return {
+        "first_step_s": first, "steps": len(ms), "warmup": warmup,
+        "ms_median": median, "ms_p10": q[0], "ms_p90": q[-1], "ms_min": ms[0], "ms_max": ms[-1],
+        "tokens_per_s": batch * 1000.0 / median, "kv_bytes": kv,
+        "peak_rss_bytes": peak, "rss_before_bytes": rss0, "peak_rss_exact": exact_peak,
+        "sites_rewritten": sites,
+    }
+
+
+# --------------------------------------------------------------------------- runs
+
+
+@dataclasses.dataclass
+class Group:
+    """Contexts measured with one model."""
+
+    label: str  # "smollm2-135m (real weights)", ...
+    weights: str  # "real" or "random"
+    contexts: list[int]
+    batches: list[int]
+
+
+def prefill_source(model, ids):
+    """Dense eager prefill (batch 1): (seconds, per-layer (K, V), first decoded token)."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        out = model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=1)
+        seconds = time.perf_counter() - t0
+    source = [(layer.keys, layer.values) for layer in cache.layers]
+    return seconds, source, out.logits[:, -1].argmax(-1, keepdim=True)
+
+
+def random_source(config, context: int, seed: int = 0):
+    """Random per-layer (K, V) of ``context`` tokens, for random-weight models."""
+    layers, kv_heads, head_dim = kv_layout(config)
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(1, kv_heads, context, head_dim, generator=g),
+             torch.randn(1, kv_heads, context, head_dim, generator=g)) for _ in range(layers)]
+
+
+def run_group(model, tokenizer, group: Group, contenders, steps, warmup, bandwidth, bar,
+              rows: list[dict], on_row=None) -> list[dict]:
+    """Append every (context, batch, contender) row of one model group to ``rows``;
+    ``on_row(rows)`` is called after each (to save partial results)."""
+    forwards = Forwards(model)
+    weight_bytes = param_bytes(model)
+    for context in group.contexts:
+        if group.weights == "real" and tokenizer is not None:
+            ids = real_text_ids(tokenizer, context)
+            prefill_s, source, first = prefill_source(model, ids)
+        else:
+            prefill_s, source = None, random_source(model.config, context)
+            first = torch.tensor([[1]])
+        for batch in group.batches:
+            for name in contenders:
+                if bar is not None:
+                    bar.set_postfix_str(f"{group.weights} ctx={context} b={batch} {name}")
+                result = run_contender(name, forwards, model.config, source, first, context,
+                                       batch, steps, warmup, bar)
+                wb, kvb = floor_bytes(name, model.config, weight_bytes, context, batch)
+                floor_ms = 1000.0 * (wb + kvb) / bandwidth
+                rows.append({
+                    "model": group.label, "weights": group.weights, "context": context,
+                    "batch": batch, "contender": name,
+                    "prefill_s": prefill_s if name == "hf-eager" else None,
+                    **result,
+                    "floor_weight_bytes": wb, "floor_kv_bytes": kvb, "floor_ms": floor_ms,
+                    "x_floor": result["ms_median"] / floor_ms,
+                })
+                if on_row is not None:
+                    on_row(rows)
+        del source
+        gc.collect()
+    return rows
+
+
+def add_ratios(rows: list[dict]) -> dict:
+    """Pairwise speed-ups within each (model, context, batch): ``ratios[key][a][b]`` =
+    ms/token of b / ms/token of a (> 1: a is faster)."""
+    groups: dict[str, dict[str, float]] = {}
+    for row in rows:
+        key = f"{row['weights']}/ctx={row['context']}/batch={row['batch']}"
+        groups.setdefault(key, {})[row["contender"]] = row["ms_median"]
+    ratios = {key: {a: {b: mb / ma for b, mb in ms.items()} for a, ma in ms.items()}
+              for key, ms in groups.items()}
+    for row in rows:
+        key = f"{row['weights']}/ctx={row['context']}/batch={row['batch']}"
+        mine = ratios[key][row["contender"]]
+        row["speedup_vs_hf_eager"] = mine.get("hf-eager")
+        row["speedup_vs_hf_static_inductor"] = mine.get("hf-static-inductor")
+    return ratios
+
+
+# --------------------------------------------------------------------------- output
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    """The results as a Markdown table."""
+    head = ("| weights | ctx | batch | contender | prefill s | first step s | ms/token median "
+            "[p10-p90] | tok/s | floor ms | x floor | vs eager | vs inductor | KV MB | "
+            "peak RSS MB |")
+    lines = [head, "|" + "---|" * 14]
+    for r in rows:
+        lines.append(
+            f"| {r['weights']} | {r['context']} | {r['batch']} | {r['contender']} | "
+            f"{_fmt(r['prefill_s'], '.2f')} | {r['first_step_s']:.2f} | "
+            f"{r['ms_median']:.1f} [{r['ms_p10']:.1f}-{r['ms_p90']:.1f}] | "
+            f"{r['tokens_per_s']:.1f} | {r['floor_ms']:.1f} | {r['x_floor']:.2f} | "
+            f"{_fmt(r['speedup_vs_hf_eager'], '.2f')} | "
+            f"{_fmt(r['speedup_vs_hf_static_inductor'], '.2f')} | "
+            f"{r['kv_bytes'] / 2**20:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+    return "\n".join(lines)
+
+
+def write_plots(rows: list[dict], directory: Path, prefix: str) -> list[str]:
+    """ms/token vs context per contender (one panel per batch), floors dashed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install -e .[bench]): no plots", file=sys.stderr)
+        return []
+    directory.mkdir(parents=True, exist_ok=True)
+    batches = sorted({r["batch"] for r in rows})
+    contenders = list(dict.fromkeys(r["contender"] for r in rows))
+    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.5), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, batch in zip(axes[0], batches):
+        for i, name in enumerate(contenders):
+            pts = sorted((r["context"], r["ms_median"], r["floor_ms"], r["weights"])
+                         for r in rows if r["batch"] == batch and r["contender"] == name)
+            if not pts:
+                continue
+            color = colors[i % len(colors)]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
+            if name in ("hf-eager",) or name.startswith("specontext"):
+                label = "floor (dense)" if name == "hf-eager" else f"floor ({name})"
+                ax.plot([p[0] for p in pts], [p[2] for p in pts], "x--", color=color,
+                        alpha=0.6, label=label)
+            for p in pts:
+                if p[3] == "random":
+                    ax.annotate("rw", (p[0], p[1]), fontsize=6, alpha=0.6)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context tokens (rw = random weights)")
+        ax.set_ylabel("decode ms/token (median)")
+        ax.set_title(f"batch {batch}")
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    path = directory / f"{prefix}.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [str(path)]
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    doc = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(
+        prog="python -m benchmarks.decode", description=doc[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=doc[-1])
+    parser.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "tiny"),
+                        help="real SmolLM2-135M, or a tiny random Llama (smoke tests)")
+    parser.add_argument("--contexts", type=int, nargs="*", default=None,
+                        help="prompt tokens, real weights, run in this order "
+                             "(default 8192 4096 2048)")
+    parser.add_argument("--random-contexts", type=int, nargs="*", default=None,
+                        help="contexts on the random-weight model of the same shape "
+                             "(default 16384 32768)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="batch sizes for --contexts, in this order (default 1 8 4)")
+    parser.add_argument("--random-batches", type=int, nargs="+", default=None,
+                        help="batch sizes for --random-contexts (default 1)")
+    parser.add_argument("--contenders", nargs="+", default=None,
+                        help=f"subset of {' '.join(CONTENDERS)} (any specontext-<budget>)")
+    parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 20)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3)")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke test: small contexts, batch 1 and 2, 4 steps")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="results file (default docs/benchmarks_decode.json; "
+                             "quick: out/benchmarks_decode_quick.json)")
+    parser.add_argument("--plot-dir", type=Path, default=None,
+                        help="where plots go (default docs/; quick: out/)")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--table-from", type=Path, default=None, metavar="JSON",
+                        help="print the table of an earlier run's JSON (also a partial one), "
+                             "redraw its plots into --plot-dir unless --no-plots, and exit")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--keep-compile-cache", action="store_true",
+                        help="reuse inductor's on-disk cache (default: a fresh one, so "
+                             "first_step_s shows real compile times)")
+    args = parser.parse_args(argv)
+    tiny = args.model == "tiny"
+    quick = args.quick
+    if args.contexts is None:
+        args.contexts = ([320, 640] if tiny else [2048]) if quick else (
+            [512, 1024, 2048] if tiny else [8192, 4096, 2048])  # most important first
+    if args.random_contexts is None:
+        args.random_contexts = [] if (quick or tiny) else [16384, 32768]
+    if args.batches is None:
+        args.batches = [1, 2] if quick else [1, 8, 4]
+    if args.random_batches is None:
+        args.random_batches = [1]
+    if args.contenders is None:
+        if quick:
+            args.contenders = (["hf-eager", "specontext-256", "specontext-512"] if tiny
+                               else ["hf-eager", "specontext-1024"])
+        else:
+            args.contenders = list(CONTENDERS)
+    if args.steps is None:
+        args.steps = 4 if quick else 20
+    if args.warmup is None:
+        args.warmup = 1 if quick else 3
+    if args.json is None:
+        args.json = (Path("out/benchmarks_decode_quick.json") if quick
+                     else DOCS / "benchmarks_decode.json")
+    if args.plot_dir is None:
+        args.plot_dir = Path("out") if quick else DOCS
+    check_contenders(args.contenders)
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if any(c < 2 for c in args.contexts + args.random_contexts) or any(b < 1 for b in args.batches):
+        parser.error("contexts must be >= 2 tokens and batches >= 1")
+    return args
+
+
+def _result(args, argv, info, bandwidth, started, rows, complete: bool) -> dict:
+    command = "python -m benchmarks.decode " + " ".join(sys.argv[1:] if argv is None else argv)
+    return {
+        "command": command.strip(), "complete": complete, "machine": info,
+        "copy_bandwidth_bytes_per_s": bandwidth, "model": args.model, "steps": args.steps,
+        "warmup": args.warmup, "contenders": args.contenders,
+        "fresh_inductor_cache": not args.keep_compile_cache,
+        "seconds_total": time.time() - started,
+        "notes": [
+            "batch rows share one prompt: prefill runs once per context at batch 1 (hf-eager, "
+            "SDPA) and its KV is copied into every contender's cache and row",
+            "weights=random: a random-weight model of SmolLM2's shape; decode speed does not "
+            "depend on weight values; KV filled with random values, no prefill",
+            "first_step_s includes compilation for compiled contenders: inductor and dynamo "
+            "compile at the first shape and recompile (automatic dynamic shapes) when the "
+            "batch or cache length first changes",
+            "floor_ms = (weight bytes + KV bytes the step must read) / copy bandwidth",
+        ],
+        "rows": rows, "ratios": add_ratios(rows),
+    }
+
+
+def main(argv=None) -> int:
+    """Run the benchmark (see the module docstring); returns the exit status."""
+    args = parse_args(argv)
+    if args.table_from is not None:
+        result = json.loads(args.table_from.read_text())
+        rows = result["rows"]
+        add_ratios(rows)
+        if not args.no_plots:
+            write_plots(rows, args.plot_dir, args.table_from.stem)
+        print(format_table(rows))
+        print(f"complete: {result.get('complete')}; copy bandwidth "
+              f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
+              f"command: {result['command']}")
+        return 0
+    if not args.keep_compile_cache and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        import tempfile
+
+        # honest compile times: no inductor artefacts from earlier runs
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench-inductor-")
+    from tqdm.auto import tqdm
+
+    import specontext_compile  # noqa: F401  (registers the backend's ops)
+
+    started = time.time()
+    bandwidth = measure_copy_bandwidth(64 if args.quick else 512)
+    print(f"copy bandwidth: {bandwidth / 1e9:.1f} GB/s (read + write, best of 5)", flush=True)
+    info = machine_info()
+
+    if args.model == "tiny":
+        model, tokenizer = random_model(tiny_config()), None
+        groups = [Group("tiny (random weights)", "random", args.contexts, args.batches)]
+    else:
+        from specontext_compile.models import load_model
+
+        model, tokenizer = load_model("smollm2-135m")
+        groups = [Group("smollm2-135m (real weights)", "real", args.contexts, args.batches)]
+    if args.random_contexts and args.model != "tiny":
+        groups.append(Group("smollm2-135m shape, random weights", "random",
+                            args.random_contexts, args.random_batches))
+    groups = [g for g in groups if g.contexts]
+    per_row = args.warmup + args.steps + 1
+    total = sum(len(g.contexts) * len(g.batches) for g in groups) * len(args.contenders) * per_row
+    bar = None if args.no_progress else tqdm(total=total, desc="decode steps", unit="step")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(rows, complete=False):
+        result = _result(args, argv, info, bandwidth, started, rows, complete)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        return result
+
+    rows: list[dict] = []
+    try:
+        for group in groups:
+            if group.weights == "random" and args.model != "tiny":
+                if bar is not None:
+                    bar.write("random-weight model of SmolLM2's shape for contexts "
+                              f"{group.contexts}: decode speed does not depend on weight values "
+                              "(KV filled with random values, no prefill)")
+                model = random_like(model, max(group.contexts) + per_row + 2)
+                gc.collect()
+            run_group(model, tokenizer if group.weights == "real" else None, group,
+                      args.contenders, args.steps, args.warmup, bandwidth, bar, rows, save)
+    finally:
+        if bar is not None:
+            bar.close()
+    result = save(rows, complete=True)
+    plots = [] if args.no_plots else write_plots(rows, args.plot_dir, "benchmarks_decode" + (
+        "_quick" if args.quick else ""))
+    print(format_table(rows))
+    if any(r["weights"] == "random" for r in rows):
+        print("weights=random rows: random-weight model (decode speed does not depend on "
+              "weight values)")
+    print(f"copy bandwidth {bandwidth / 1e9:.1f} GB/s; total {result['seconds_total']:.0f} s; "
+          f"JSON: {args.json}" + (f"; plots: {', '.join(plots)}" if plots else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,293 @@
+"""End-to-end decode throughput on one GPU: dense SDPA / FlexAttention vs specontext.
+
+A random-weight model of Llama-3-8B's shape (32 layers, 32 query / 8 KV heads, head_dim
+128, hidden 4096, MLP 14336, vocab 128256; no download, decode speed does not depend on
+weight values) in bf16. Workloads are ``[input, output]`` pairs such as ``[2k, 16k]`` and
+``[2k, 32k]``: generating all output tokens would take too long, so each workload is
+truncated to a window of ``--window`` decode steps timed at the end of the generation
+(KV length ``input + output - window``), with the KV cache filled with random values
+instead of a prefill. For every workload and batch size (1..32) and every contender:
+
+* ``sdpa``: Hugging Face eager decoding with a ``StaticCache`` and dense SDPA;
+* ``flex``: the same with ``attn_implementation="flex_attention"`` (when available);
+* ``specontext``: ``torch.compile(model.forward, backend="specontext", budget=2048)`` with a
+  ``SpeContextCache`` (generated Triton kernels on CUDA);
+
+it reports the median decode ms/step (CUDA-synchronised wall time), tokens/s
+(``batch * 1000 / ms``), the peak device memory and the KV bytes held. Configurations whose
+KV cache would not fit in free device memory are skipped with the reason; once
+``--time-budget`` seconds have passed the rest are skipped too, so one call stays under
+8 minutes. The table is printed last.
+
+    python benchmarks/gpu_end_to_end.py                     # on a CUDA machine
+    python benchmarks/gpu_end_to_end.py --dry-run           # tiny shapes on CPU
+    python benchmarks/gpu_end_to_end.py --batches 1 8 32 --json out/gpu_e2e.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+LLAMA3_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+    max_position_embeddings=131072, tie_word_embeddings=False,
+)
+TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def parse_workload(text: str) -> tuple[int, int]:
+    """``"2048:16384"`` -> (input tokens, output tokens)."""
+    try:
+        inp, out = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"workload {text!r} is not INPUT:OUTPUT") from None
+    if inp < 1 or out < 1:
+        raise argparse.ArgumentTypeError(f"workload {text!r}: both sides must be >= 1")
+    return inp, out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    doc = __doc__.split("\n\n")
+    parser = argparse.ArgumentParser(
+        prog="python benchmarks/gpu_end_to_end.py", description=doc[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="\n\n".join(doc[1:]))
+    parser.add_argument("--dry-run", action="store_true",
+                        help="tiny model and shapes on CPU (exercises the script, no GPU)")
+    parser.add_argument("--workloads", type=parse_workload, nargs="+", default=None,
+                        help="INPUT:OUTPUT token pairs (default 2048:16384 2048:32768)")
+    parser.add_argument("--batches", type=int, nargs="+", default=None,
+                        help="batch sizes (default 1 4 8 16 32)")
+    parser.add_argument("--contenders", nargs="+", default=["sdpa", "flex", "specontext"],
+                        choices=["sdpa", "flex", "specontext"])
+    parser.add_argument("--budget", type=int, default=None, help="specontext budget (2048)")
+    parser.add_argument("--window", type=int, default=None, help="timed decode steps (16)")
+    parser.add_argument("--warmup", type=int, default=None, help="untimed steps (3)")
+    parser.add_argument("--time-budget", type=float, default=420.0,
+                        help="seconds after which remaining configurations are skipped")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    dry = args.dry_run
+    default_workloads = [(32, 96), (32, 160)] if dry else [(2048, 16384), (2048, 32768)]
+    args.workloads = args.workloads or default_workloads
+    args.batches = args.batches or ([1, 2] if dry else [1, 4, 8, 16, 32])
+    args.budget = args.budget or (64 if dry else 2048)
+    args.window = args.window or (3 if dry else 16)
+    args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
+    if any(b < 1 for b in args.batches) or args.window < 1 or args.budget < 1:
+        parser.error("batches, --window and --budget must be >= 1")
+    return args
+
+
+def build_model(dry: bool, device: torch.device, dtype: torch.dtype, attn: str):
+    """Random-weight Llama of Llama-3-8B's shape (or tiny), built directly on ``device``."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**(TINY if dry else LLAMA3_8B), attn_implementation=attn)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def kv_bytes_needed(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
+    """Bytes of a K+V cache of ``tokens`` positions for every layer."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return (2 * config.num_hidden_layers * batch * config.num_key_value_heads * tokens
+            * config.head_dim * elem)
+
+
+def fill_random(cache, config, batch: int, tokens: int, device, dtype) -> None:
+    """Write ``tokens`` random key/value positions into every layer of ``cache``."""
+    shape = (batch, config.num_key_value_heads, tokens, config.head_dim)
+    for layer in range(config.num_hidden_layers):
+        k = torch.randn(shape, device=device, dtype=dtype)
+        v = torch.randn(shape, device=device, dtype=dtype)
+        cache.update(k, v, layer)
+        del k, v
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_one(name, model, forward, args, batch, context, device, dtype) -> dict:
+    """Time ``warmup + window`` decode steps of one contender at one shape."""
+    from transformers import StaticCache
+
+    import specontext_compile as sc
+
+    capacity = context + args.warmup + args.window + 2
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    if name == "specontext":
+        cache = sc.SpeContextCache(model.config, max_cache_len=capacity)
+    else:
+        cache = StaticCache(model.config, max_cache_len=capacity)
+    fill_random(cache, model.config, batch, context, device, dtype)
+    token = torch.ones((batch, 1), dtype=torch.long, device=device)
+    times = []
+    with torch.no_grad():
+        t_first = time.perf_counter()
+        for i in range(1 + args.warmup + args.window):
+            _sync(device)
+            t0 = time.perf_counter()
+            out = forward(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            _sync(device)
+            if i == 0:
+                first = time.perf_counter() - t_first
+            elif i > args.warmup:
+                times.append(time.perf_counter() - t0)
+    ms = 1000.0 * statistics.median(times)
+    kv = sum(t.numel() * t.element_size() for layer in cache.layers
+             for t in (layer.keys, layer.values))
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    del cache, out
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"ms_median": ms, "ms_min": 1000.0 * min(times), "ms_max": 1000.0 * max(times),
+            "tokens_per_s": batch * 1000.0 / ms, "first_step_s": first, "kv_bytes": kv,
+            "peak_device_bytes": peak}
+
+
+def _sites_rewritten() -> str | None:
+    """``"rewritten/total"`` attention sites of the latest specontext decode graph."""
+    from specontext_compile import compile_reports
+
+    decode = [r for r in compile_reports() if r.result.phase == "decode"]
+    return f"{decode[-1].sites_rewritten}/{decode[-1].sites_total}" if decode else None
+
+
+def flex_available() -> str | None:
+    """None when FlexAttention can be used, else why not."""
+    try:
+        from torch.nn.attention.flex_attention import flex_attention  # noqa: F401
+    except ImportError as err:
+        return f"FlexAttention not importable: {err}"
+    return None
+
+
+def _num(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Rows as a Markdown table (speed-up vs sdpa at the same shape)."""
+    base = {(r["input"], r["output"], r["batch"]): r["ms_median"]
+            for r in rows if r["contender"] == "sdpa" and r.get("ms_median")}
+    lines = ["| [in, out] | KV len | batch | contender | ms/step | tok/s | vs sdpa | "
+             "first step s | KV GB | peak mem GB | note |", "|" + "---|" * 11]
+    for r in rows:
+        ms = r.get("ms_median")
+        ref = base.get((r["input"], r["output"], r["batch"]))
+        peak = r.get("peak_device_bytes")
+        cells = [
+            f"[{r['input']}, {r['output']}]", str(r["context"]), str(r["batch"]), r["contender"],
+            _num(ms, ".2f"), _num(r.get("tokens_per_s"), ".0f"),
+            _num(ref / ms if ms and ref else None, ".2f"), _num(r.get("first_step_s"), ".1f"),
+            _num(r["kv_bytes"] / 1e9 if "kv_bytes" in r else None, ".2f"),
+            _num(peak / 1e9 if peak else None, ".1f"), r.get("note", ""),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """Run the end-to-end GPU benchmark (see the module docstring)."""
+    args = parse_args(argv)
+    started = time.time()
+    if args.dry_run:
+        device, dtype = torch.device("cpu"), torch.float32
+    else:
+        if not torch.cuda.is_available():
+            print("gpu_end_to_end: no CUDA device; use --dry-run to exercise the script on CPU",
+                  file=sys.stderr)
+            return 2
+        device, dtype = torch.device("cuda"), torch.bfloat16
+    import specontext_compile  # noqa: F401  (registers the backend and its ops)
+
+    print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
+          f"random weights ({'tiny' if args.dry_run else 'Llama-3-8B shape'}), {dtype}; "
+          "decode speed does not depend on weight values; KV filled with random values",
+          flush=True)
+    model = build_model(args.dry_run, device, dtype, "sdpa")
+    config = model.config
+    forwards = {"sdpa": model.forward}
+    flex_reason = flex_available() if "flex" in args.contenders else None
+    if args.dry_run and "flex" in args.contenders:
+        flex_reason = "skipped in --dry-run (FlexAttention compiles per shape)"
+    rows: list[dict] = []
+    for inp, out in args.workloads:
+        context = inp + out - args.window
+        for batch in args.batches:
+            for name in args.contenders:
+                row = {"input": inp, "output": out, "context": context, "batch": batch,
+                       "contender": name, "budget": args.budget if name == "specontext" else None}
+                rows.append(row)
+                need = kv_bytes_needed(config, batch, context + args.window + 8, dtype)
+                if time.time() - started > args.time_budget:
+                    row["note"] = "skipped: time budget spent"
+                    continue
+                if name == "flex" and flex_reason:
+                    row["note"] = flex_reason
+                    continue
+                if device.type == "cuda":
+                    free, _ = torch.cuda.mem_get_info(device)
+                    if need > 0.9 * free:
+                        row["note"] = f"skipped: KV {need / 1e9:.0f} GB > free {free / 1e9:.0f} GB"
+                        continue
+                try:
+                    if name not in forwards:
+                        if name == "flex":
+                            model.set_attn_implementation("flex_attention")
+                            forwards[name] = model.forward
+                        else:
+                            forwards[name] = torch.compile(
+                                model.forward, backend="specontext",
+                                options={"budget": args.budget})
+                    if name == "flex":
+                        model.set_attn_implementation("flex_attention")
+                    else:
+                        model.set_attn_implementation("sdpa")
+                    row.update(run_one(name, model, forwards[name], args, batch, context,
+                                       device, dtype))
+                    if name == "specontext":
+                        row["sites_rewritten"] = _sites_rewritten()
+                except Exception as err:  # a contender failing must not lose the table
+                    first_line = (str(err).splitlines() or [""])[0][:120]
+                    row["note"] = f"error: {type(err).__name__}: {first_line}"
+                if "note" in row:  # free what the failed attempt held (after its traceback)
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                print(f"[{time.time() - started:5.0f} s] [{inp}, {out}] batch {batch} {name}: "
+                      + (f"{row['ms_median']:.2f} ms/step" if "ms_median" in row else row["note"]),
+                      flush=True)
+    model.set_attn_implementation("sdpa")
+    result = {"device": str(device), "dtype": str(dtype), "dry_run": args.dry_run,
+              "budget": args.budget, "window": args.window, "warmup": args.warmup,
+              "seconds_total": time.time() - started, "rows": rows}
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Where the time of one specontext decode step goes (torch.profiler, CPU).
+
+Prefills SmolLM2-135M (or the tiny random model) with ``--context`` tokens of real text,
+copies the KV into a ``SpeContextCache``, compiles ``model.forward`` with
+``backend="specontext"`` at ``--budget``, warms up, then profiles ``--steps`` decode steps.
+Every operator called directly by the step is put in one bucket:
+
+* ``selection`` (``specontext::speculative_select``: lagged-query scores + top-k),
+* ``sparse attention`` (``specontext::sparse_attention``), split into its gathers
+  (``index_select``), the two matmuls, softmax, masks and the rest,
+* ``KV write`` / ``record query``, the weight matmuls by role (Q/K/V/O projections, MLP,
+  LM head), norms, rotary embedding and the rest,
+* ``python/framework``: step wall time minus the time inside operators (dynamo guards,
+  the FX graph's Python, HF's Python, dispatch between ops), also shown per layer.
+
+    python -m benchmarks.profile_decode --context 8192 --budget 1024 --steps 5
+    python -m benchmarks.profile_decode --dense      # the same for HF eager dense decoding
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.decode import (fill_cache, kv_layout, prefill_source, random_model,
+                               random_source, real_text_ids, tiny_config)
+
+ATTENTION_PARTS = {
+    "aten::index_select": "gathers (index_select)", "aten::matmul": "matmuls (QK, PV)",
+    "aten::bmm": "matmuls (QK, PV)", "aten::softmax": "softmax", "aten::_softmax": "softmax",
+    "aten::gather": "masks", "aten::masked_fill": "masks", "aten::ge": "masks",
+    "aten::le": "masks", "aten::__and__": "masks", "aten::bitwise_and": "masks",
+    "aten::add": "masks", "aten::lt": "masks",
+}
+
+
+def _linear_role(event, config) -> str:
+    """Classify an ``aten::linear`` by its weight shape."""
+    shapes = getattr(event, "input_shapes", None) or []
+    weight = shapes[1] if len(shapes) > 1 else []
+    if len(weight) != 2:
+        return "weights: other linear"
+    out_dim, in_dim = weight
+    if out_dim == config.vocab_size:
+        return "weights: LM head"
+    if config.intermediate_size in (out_dim, in_dim):
+        return "weights: MLP (gate/up/down)"
+    return "weights: Q/K/V/O projections"
+
+
+def _bucket(event, config) -> str:
+    name = event.name
+    if name.startswith("specontext::speculative_select"):
+        return "selection (speculative_select)"
+    if name.startswith("specontext::sparse_attention"):
+        return "sparse attention"
+    if name.startswith("specontext::kv_write"):
+        return "KV write"
+    if name.startswith("specontext::record_query"):
+        return "record query"
+    if name in ("aten::scaled_dot_product_attention",):
+        return "dense attention (SDPA)"
+    if name in ("aten::linear", "aten::mm", "aten::addmm"):
+        return _linear_role(event, config)
+    if name in ("aten::cat", "aten::index_copy_") and "DynamicCache" not in name:
+        return "KV append / cat"
+    if name in ("aten::rms_norm", "aten::pow", "aten::mean", "aten::rsqrt"):
+        return "norms"
+    if name in ("aten::neg", "aten::slice", "aten::cos", "aten::sin"):
+        return "rotary / slicing"
+    return f"other ({name})"
+
+
+def profile_steps(model, forward, cache, token, steps: int):
+    """Profile ``steps`` decode calls; returns (profiler, wall seconds per step)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    walls = []
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            with record_function("decode_step"):
+                out = forward(input_ids=token, cache=cache, use_cache=True, logits_to_keep=1)
+                token = out.logits[:, -1].argmax(-1, keepdim=True)
+            walls.append(time.perf_counter() - t0)
+    return prof, walls
+
+
+def _is_op(event) -> bool:
+    return event.name.startswith(("aten::", "specontext::"))
+
+
+def _top_level(event) -> bool:
+    """An operator inside a ``decode_step`` that no other operator called."""
+    parent = event.cpu_parent
+    while parent is not None:
+        if _is_op(parent):
+            return False
+        if parent.name == "decode_step":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def breakdown(prof, config, steps: int) -> dict:
+    """Per-step milliseconds by bucket, sparse attention split into parts."""
+    buckets: dict[str, float] = collections.defaultdict(float)
+    parts: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.Counter()
+    in_ops = 0.0
+    for event in prof.events():
+        if not _is_op(event) or not _top_level(event):
+            continue
+        ms = event.cpu_time_total / 1000.0
+        key = _bucket(event, config)
+        buckets[key] += ms / steps
+        calls[key] += 1
+        in_ops += ms / steps
+        if key == "sparse attention":
+            stack = list(event.cpu_children)
+            own = ms
+            for child in stack:
+                part = ATTENTION_PARTS.get(child.name, "other ops")
+                parts[part] += child.cpu_time_total / 1000.0 / steps
+                own -= child.cpu_time_total / 1000.0
+            parts["op body outside aten (Python of the op, dispatch)"] += own / steps
+    return {"buckets": dict(buckets), "calls_per_step": {k: v / steps for k, v in calls.items()},
+            "sparse_attention_parts": dict(parts), "ms_in_ops": in_ops}
+
+
+def main(argv=None) -> int:
+    """Profile and print the breakdown (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.profile_decode",
+                                     description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=__doc__.split("\n\n")[-1])
+    parser.add_argument("--model", default="smollm2-135m", choices=("smollm2-135m", "tiny"))
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5, help="profiled decode steps")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--dense", action="store_true",
+                        help="profile HF eager dense decoding (DynamicCache) instead")
+    parser.add_argument("--random-kv", action="store_true",
+                        help="fill the KV cache with random values instead of a prefill "
+                             "(minutes faster at long contexts; step time does not depend on "
+                             "the values)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads (default: torch's; 1 gives steadier "
+                             "shares on a loaded machine)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace")
+    args = parser.parse_args(argv)
+
+    import specontext_compile as sc
+    from transformers import DynamicCache
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    if args.model == "tiny":
+        model = random_model(tiny_config())
+        source, first = random_source(model.config, args.context), torch.tensor([[1]])
+    else:
+        from specontext_compile.models import load_model
+
+        model, tokenizer = load_model("smollm2-135m")
+        if args.random_kv:
+            source, first = random_source(model.config, args.context), torch.tensor([[1]])
+        else:
+            _, source, first = prefill_source(model, real_text_ids(tokenizer, args.context))
+    capacity = args.context + args.warmup + args.steps + 2
+    if args.dense:
+        cache, forward = DynamicCache(config=model.config), model.forward
+    else:
+        cache = sc.SpeContextCache(model.config, max_cache_len=capacity)
+        forward = torch.compile(model.forward, backend="specontext",
+                                options={"budget": args.budget})
+    with torch.no_grad():
+        fill_cache(cache, source, args.batch)
+        token = first.expand(args.batch, 1).contiguous()
+        for _ in range(args.warmup):
+            token = forward(input_ids=token, cache=cache, use_cache=True,
+                            logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    prof, walls = profile_steps(model, forward, cache, token, args.steps)
+    result = breakdown(prof, model.config, args.steps)
+    layers = kv_layout(model.config)[0]
+    wall_ms = 1000.0 * sum(walls) / len(walls)
+    result.update({
+        "context": args.context, "batch": args.batch, "budget": None if args.dense else args.budget,
+        "contender": "hf-eager" if args.dense else f"specontext-{args.budget}",
+        "threads": torch.get_num_threads(), "wall_ms_per_step": wall_ms,
+        "python_framework_ms": wall_ms - result["ms_in_ops"],
+        "python_framework_ms_per_layer": (wall_ms - result["ms_in_ops"]) / layers,
+    })
+    print(f"{result['contender']}, context {args.context}, batch {args.batch}: "
+          f"{wall_ms:.1f} ms/step (profiled, {args.steps} steps)")
+    for key, ms in sorted(result["buckets"].items(), key=lambda kv: -kv[1]):
+        if ms >= 0.05:
+            print(f"  {key:<45} {ms:7.2f} ms  ({result['calls_per_step'][key]:.0f} calls)")
+    for key, ms in sorted(result["sparse_attention_parts"].items(), key=lambda kv: -kv[1]):
+        print(f"    sparse attention / {key:<40} {ms:7.2f} ms")
+    print(f"  {'python/framework (wall - ops)':<45} {result['python_framework_ms']:7.2f} ms "
+          f"({result['python_framework_ms_per_layer']:.2f} ms per layer)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.trace:
+        prof.export_chrome_trace(str(args.trace))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

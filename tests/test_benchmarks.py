@@ -1,0 +1,87 @@
+"""Smoke tests of the benchmark scripts (tiny random models, CPU, well under a minute)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
+from benchmarks import decode, gpu_end_to_end  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny shapes: one intra-op thread is faster and steadier on a loaded machine."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_quick_on_tiny_model_writes_sane_json(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = decode.main(["--model", "tiny", "--quick", "--contexts", "1200", "--batches", "1", "2",
+                      "--contenders", "hf-eager", "specontext-256", "--steps", "3", "--warmup", "0",
+                      "--json", str(out), "--no-plots", "--no-progress"])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["complete"] is True
+    for key in ("command", "machine", "copy_bandwidth_bytes_per_s", "rows", "ratios", "notes"):
+        assert key in result
+    assert result["copy_bandwidth_bytes_per_s"] > 1e8
+    rows = result["rows"]
+    assert {(r["batch"], r["contender"]) for r in rows} == {
+        (1, "hf-eager"), (1, "specontext-256"), (2, "hf-eager"), (2, "specontext-256")}
+    for r in rows:
+        for key in ("ms_median", "ms_p10", "ms_p90", "tokens_per_s", "floor_ms", "kv_bytes",
+                    "peak_rss_bytes", "first_step_s", "x_floor"):
+            assert math.isfinite(r[key]) and r[key] > 0, (key, r)
+        assert r["steps"] == 3 and r["context"] == 1200
+        assert r["ms_min"] <= r["ms_median"] <= r["ms_max"]
+        assert r["tokens_per_s"] == pytest.approx(r["batch"] * 1000 / r["ms_median"])
+        assert r["speedup_vs_hf_eager"] > 0
+    sparse = [r for r in rows if r["contender"] == "specontext-256"]
+    assert all(r["sites_rewritten"] == "4/4" for r in sparse)
+    # the sparse step reads fewer KV bytes than the dense one at the same shape
+    dense = {r["batch"]: r for r in rows if r["contender"] == "hf-eager"}
+    assert all(r["floor_kv_bytes"] < dense[r["batch"]]["floor_kv_bytes"] for r in sparse)
+    # KV held grows with the batch
+    assert dense[2]["kv_bytes"] > dense[1]["kv_bytes"]
+    key = "random/ctx=1200/batch=1"
+    assert result["ratios"][key]["hf-eager"]["hf-eager"] == pytest.approx(1.0)
+
+
+def test_decode_rejects_unknown_contender():
+    with pytest.raises(ValueError, match="unknown contender"):
+        decode.main(["--model", "tiny", "--quick", "--contenders", "vllm"])
+
+
+def test_gpu_script_dry_run(tmp_path, capsys):
+    out = tmp_path / "gpu.json"
+    rc = gpu_end_to_end.main(["--dry-run", "--workloads", "32:96", "--batches", "2",
+                              "--window", "2", "--warmup", "0",
+                              "--contenders", "sdpa", "specontext", "--json", str(out)])
+    assert rc == 0
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert printed[-1].startswith("| [32, 96]")  # the table comes last
+    result = json.loads(out.read_text())
+    assert result["dry_run"] is True
+    rows = result["rows"]
+    assert [r["contender"] for r in rows] == ["sdpa", "specontext"]
+    for r in rows:
+        assert "note" not in r, r
+        assert r["ms_median"] > 0 and r["tokens_per_s"] > 0 and r["kv_bytes"] > 0
+        assert r["context"] == 32 + 96 - result["window"]
+    assert all(r["sites_rewritten"] == "2/2" for r in rows if r["contender"] == "specontext")
+
+
+def test_gpu_script_help():
+    with pytest.raises(SystemExit) as exc:
+        gpu_end_to_end.parse_args(["--help"])
+    assert exc.value.code == 0
