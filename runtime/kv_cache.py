@@ -24,7 +24,7 @@ import torch
 from transformers.cache_utils import Cache, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
-from . import ops
+from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
 from .retrieval import MAX_RETRIEVAL_LAYERS
 
 logger = logging.getLogger(__name__)
@@ -106,6 +106,28 @@ class SpeContextLayer(StaticLayer):
         self.cumulative_length.zero_()
 
 
+def _layer_windows(config) -> list[int]:
+    """Per decoder layer: 0 = full causal attention, ``w`` = sliding window of ``w`` tokens,
+    -1 = another kind (chunked, shared, ...) that the sparse rewrite leaves dense. Follows
+    Hugging Face's own cache layout (``get_layer_types_and_kwargs``)."""
+    try:
+        from transformers.cache_utils import get_layer_types_and_kwargs
+
+        types, kwargs = get_layer_types_and_kwargs(config)
+    except (ImportError, AttributeError, TypeError):  # older transformers / minimal configs
+        window = getattr(config, "sliding_window", None)
+        return [int(window) if window else 0] * config.num_hidden_layers
+    windows = []
+    for kind, extra in zip(types, kwargs):
+        if kind == "full_attention":
+            windows.append(0)
+        elif kind == "sliding_attention" and extra.get("sliding_window"):
+            windows.append(int(extra["sliding_window"]))
+        else:
+            windows.append(-1)
+    return windows
+
+
 class SpeContextCache(Cache):
     """Hugging Face cache backed by the specontext KV store.
 
@@ -134,6 +156,9 @@ class SpeContextCache(Cache):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.query_state: torch.Tensor | None = None
         self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
+        self.layer_windows = _layer_windows(config)
+        # a str attribute stays a graph constant (list ints become symbols under dynamic=True)
+        self._layer_windows_text = ",".join(map(str, self.layer_windows))
 
     def _init_retrieval_state(self, like: torch.Tensor) -> None:
         b = like.shape[0]
@@ -145,7 +170,7 @@ class SpeContextCache(Cache):
         if layer_idx == 0:
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0]:
                 self._init_retrieval_state(key_states)
-            torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid)
+            torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid, self._layer_windows_text)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:

@@ -30,7 +30,7 @@ from .sparse_attention import mask_is_causal_only, sparse_attention_reference
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["kv_write", "retrieval_anchor", "record_query", "speculative_select", "sparse_attention"]
+__all__ = ["kv_write", "record_query", "retrieval_anchor", "sparse_attention", "speculative_select"]
 
 _HEAD = LaggedQueryHead()
 
@@ -79,14 +79,19 @@ def _(key_cache, value_cache, length, key, value) -> None:
 
 
 @torch.library.custom_op("specontext::retrieval_anchor", mutates_args=("query_state", "query_valid"))
-def retrieval_anchor(query_state: torch.Tensor, query_valid: torch.Tensor) -> None:
+def retrieval_anchor(
+    query_state: torch.Tensor, query_valid: torch.Tensor, layer_windows: str | None = None
+) -> None:
     """No-op in eager mode. It puts the retrieval state tensors into the traced graph at the
-    start of layer 0, where the backend inserts the selection node."""
-    return None
+    start of layer 0, where the backend inserts the selection node. ``layer_windows``: one
+    comma-separated int per decoder layer (0 = full attention, ``w > 0`` = sliding window of
+    ``w`` tokens, -1 = another attention kind), a string so that it stays a graph constant
+    even under ``dynamic=True`` (ints may become symbols)."""
+    return
 
 
 @retrieval_anchor.register_fake
-def _(query_state, query_valid) -> None:
+def _(query_state, query_valid, layer_windows=None) -> None:
     return None
 
 
@@ -115,8 +120,10 @@ def speculative_select(
     sink: int,
     window: int,
     scale: float,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
-    """The speculative-selection node (SpeContext section 4), once per decode step.
+    """The speculative-selection node (SpeContext section 4), once per decode step (once per
+    distinct sliding window when layers differ, e.g. Gemma's alternating layers).
 
     Args:
         query_state: ``[slots, batch, num_heads, 1, head_dim]``: slot ``i`` holds the query
@@ -127,6 +134,8 @@ def speculative_select(
             ``[batch, num_kv_heads, capacity, head_dim]``, in slot order.
         length: written tokens *before* this step (int64 scalar, the same for all layers).
         q_len: tokens in this step; budget, sink, window: see ``SpeContextConfig``.
+        sliding_window: 0 = full attention; else select only inside the window of the
+            step's rows (see :func:`~specontext_compile.runtime.selection.select_tokens`).
 
     Returns:
         int64 ``[batch, num_kv_heads, min(budget, capacity)]`` positions valid after this
@@ -147,11 +156,11 @@ def speculative_select(
             counters["specontext"]["selection_recency_fallback"] += 1
         scores = torch.arange(cached, dtype=torch.float32, device=key_cache.device)
         scores = scores.expand(b, num_kv, cached)
-    return select_tokens(scores, total, q_len, slots, sink, window)
+    return select_tokens(scores, total, q_len, slots, sink, window, sliding_window)
 
 
 @speculative_select.register_fake
-def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale):
+def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0):
     key_cache = key_caches[0]
     slots = torch.sym_max(1, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
@@ -167,9 +176,12 @@ def sparse_attention(
     attn_mask: torch.Tensor | None,
     scale: float,
     kernel: str = "torch",
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
-    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes.
+    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes,
+    ``soft_cap`` and ``sliding_window`` (those two always take the torch path).
     ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
     ``kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``)."""
     counters["specontext"]["sparse_attention_calls"] += 1
@@ -178,7 +190,8 @@ def sparse_attention(
         probe.values.append(
             selection_recall(query, key_cache, indices, int(length), scale, attn_mask)
         )
-    if _use_triton(kernel, query) and mask_is_causal_only(attn_mask, indices, length, query.shape[2]):
+    plain = soft_cap is None and sliding_window == 0
+    if plain and _use_triton(kernel, query) and mask_is_causal_only(attn_mask, indices, length, query.shape[2]):
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
@@ -186,7 +199,7 @@ def sparse_attention(
             query, key_cache, value_cache, indices, length, scale=scale, check_indices=False
         )
     return sparse_attention_reference(
-        query, key_cache, value_cache, indices, length, attn_mask, scale
+        query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window
     )
 
 
@@ -207,6 +220,7 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 
 
 @sparse_attention.register_fake
-def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch"):
+def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
+      soft_cap=None, sliding_window=0):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

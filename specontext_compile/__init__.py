@@ -5,11 +5,19 @@ Importing this package registers the ``specontext::`` custom ops; it changes no 
 state.
 """
 
+from .api import compile
 from .backend import CompileReport, compile_reports, specontext_backend
 from .config import SpeContextConfig
+from .explain import explain
 from .runtime.kv_cache import SpeContextCache
-from .api import compile
 
-__all__ = ["compile", "specontext_backend", "SpeContextConfig", "SpeContextCache",
-           "CompileReport", "compile_reports"]
+__all__ = [
+           "CompileReport",
+           "SpeContextCache",
+           "SpeContextConfig",
+           "compile",
+           "compile_reports",
+           "explain",
+           "specontext_backend",
+]
 __version__ = "0.1.0"

@@ -13,7 +13,7 @@ from .runtime.kv_cache import SpeContextCache
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile", "restore", "generation_compile_config", "make_cache"]
+__all__ = ["compile", "generation_compile_config", "make_cache", "restore"]
 
 
 def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
@@ -61,6 +61,12 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
             input_ids = args[0] if args else kwargs.get("input_ids")
             kwargs["cache"] = make_cache(
                 model, input_ids, kwargs.get("max_new_tokens"), kwargs.get("max_length"))
+            if options.get("device_memory_bytes") is not None:  # KV offload (docs/offload.md)
+                from .runtime.offload import enable_offload
+
+                enable_offload(kwargs["cache"], model, options["device_memory_bytes"],
+                               options.get("budget", SpeContextConfig.budget),
+                               trace_path=options.get("offload_trace"))
         return original_generate(*args, **kwargs)
 
     model.generate = generate

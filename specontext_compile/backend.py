@@ -9,18 +9,20 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
 
 from .config import SpeContextConfig
-from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
+from .passes.dump import GraphDumper
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
+from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["specontext_backend", "CompileReport", "compile_reports", "clear_compile_reports"]
+__all__ = ["CompileReport", "clear_compile_reports", "compile_reports", "specontext_backend"]
 
 _REPORTS: collections.deque = collections.deque(maxlen=64)
 
@@ -90,7 +92,15 @@ def specontext_backend(
         config.budget, config.sink_tokens, config.recent_window,
         config.retrieval_layers, config.max_sparse_q_len, config.kernel,
     )
+    dumper = GraphDumper.from_option(config.dump_dir)
+    before = dumper.snapshot(gm.graph) if dumper is not None else None
     result = rewrite(gm.graph)
+    if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
+        from .passes.schedule import OffloadSchedulePass
+
+        gm.meta["specontext_offload_schedule"] = OffloadSchedulePass(config.budget)(gm.graph)
+    if dumper is not None:
+        dumper.write(before, gm.graph, result.phase, f"# pass {rewrite.uuid()}\n")
     gm.recompile()
     counters["specontext"]["graphs"] += 1
     counters["specontext"]["sites_total"] += result.total

@@ -13,6 +13,10 @@ import logging
 import sys
 from pathlib import Path
 
+from . import distill_cmd
+
+from .explain_cli import add_explain_parser, cmd_explain
+
 __all__ = ["main"]
 
 
@@ -78,10 +82,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specontext", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
+    add_explain_parser(sub)
+    distill_cmd.add_parser(sub)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        if args.command == "explain":
+            return cmd_explain(args)
+        if args.command == "distill":
+            return distill_cmd.run(args)
         return _cmd_run(args)
     except ValueError as err:
         print(f"specontext: error: {err}", file=sys.stderr)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["SpeContextConfig", "MAX_RETRIEVAL_LAYERS", "default_retrieval_layers"]
+__all__ = ["MAX_RETRIEVAL_LAYERS", "SpeContextConfig", "default_retrieval_layers"]
 
 _INNER = ("eager", "inductor")
 _KERNELS = ("auto", "torch", "triton")
@@ -42,6 +42,15 @@ class SpeContextConfig:
             CUDA, the torch path elsewhere), ``"torch"``, or ``"triton"`` (on CPU this needs
             ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter; small
             shapes only, for testing).
+        device_memory_bytes: size of the device tier in bytes; enables KV offload to a host
+            tier with elastic loading and prefetch (docs/offload.md). None (default) = off:
+            every layer stays on the device and the graph is unchanged. On CPU it emulates a
+            small device tier. Needs a cache with an offload manager
+            (``specontext_compile.compile`` attaches one).
+        offload_trace: path of a Chrome-trace JSON of the latest decode step (offload only).
+        dump_dir: folder for graph dumps before/after the passes (text and DOT, see
+            ``passes/dump.py``); None falls back to ``$SPECONTEXT_DUMP_DIR``, else no dumps.
+            Does not change the rewrite (not part of the pass uuid).
     """
 
     budget: int = 1024
@@ -51,6 +60,9 @@ class SpeContextConfig:
     max_sparse_q_len: int = 16
     inner: str = "eager"
     kernel: str = "auto"
+    device_memory_bytes: int | None = None
+    offload_trace: str | None = None
+    dump_dir: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_sparse_q_len"):
@@ -77,6 +89,16 @@ class SpeContextConfig:
         object.__setattr__(self, "retrieval_layers", layers)
         if self.kernel not in _KERNELS:
             raise ValueError(f"specontext option 'kernel' must be one of {_KERNELS}, got {self.kernel!r}")
+        dm = self.device_memory_bytes
+        if dm is not None and (not isinstance(dm, int) or isinstance(dm, bool) or dm < 1):
+            raise ValueError(
+                f"specontext option 'device_memory_bytes' must be None or an int >= 1 (bytes of "
+                f"the device tier), got {dm!r}")
+        if self.offload_trace is not None and (dm is None or not isinstance(self.offload_trace, str)):
+            raise ValueError("specontext option 'offload_trace' must be a file path (str) and needs "
+                             "device_memory_bytes (offload) to be set")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            raise ValueError(f"specontext option 'dump_dir' must be None or a folder path (str), got {self.dump_dir!r}")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 
