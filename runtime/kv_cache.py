@@ -63,8 +63,9 @@ class SpeContextLayer(StaticLayer):
         self.is_initialized = True
 
     def _initial_capacity(self, first_write: int) -> int:
-        need = first_write + (self.chunk_tokens if not self.max_cache_len else 0)
-        return _round_up(max(self.max_cache_len, need), self.chunk_tokens)
+        if self.max_cache_len:  # sized by the caller: allocate exactly that
+            return max(self.max_cache_len, first_write)
+        return _round_up(first_write + self.chunk_tokens, self.chunk_tokens)
 
     def reserve(self, total_tokens: int) -> None:
         """Grow the store (eager only) so it holds ``total_tokens``; keeps written tokens."""

@@ -127,7 +127,7 @@ def test_hf_default_compile_mode_is_accepted_with_a_warning(caplog):
 def test_compiled_capacity_overflow_is_a_clear_error():
     model = tiny_llama(layers=1)
     compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8})
-    cache = sc.SpeContextCache(model.config, max_cache_len=8, chunk_tokens=8)
+    cache = sc.SpeContextCache(model.config, max_cache_len=16, chunk_tokens=8)  # exactly 16 slots
     ids = torch.randint(0, 128, (1, 15))
     with torch.no_grad():
         compiled(input_ids=ids, cache=cache, use_cache=True)  # fills 15 of 16 slots
@@ -166,7 +166,7 @@ def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 1]]]), torch.tensor(2), None, 0.3, "triton")
+        torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 2]]]), torch.tensor(3), None, 0.3, "triton")
 
 
 def test_batched_left_padded_generation_is_exact_at_full_budget():

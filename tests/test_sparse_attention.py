@@ -116,3 +116,24 @@ def test_mask_is_causal_only_detects_padding():
     assert not mask_is_causal_only(mask, idx, torch.tensor(length), 1)
     additive = torch.where(mask, 0.0, float("-inf"))
     assert not mask_is_causal_only(additive, idx, torch.tensor(length), 1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_full_selection_takes_the_dense_path_and_matches(case):
+    b, hkv, g, d, length, capacity, q_len, _, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, hkv * g, q_len, d, generator=gen)
+    key_cache = torch.randn(b, hkv, capacity, d, generator=gen)
+    value_cache = torch.randn(b, hkv, capacity, d, generator=gen)
+    key_cache[:, :, length:] = float("nan")
+    value_cache[:, :, length:] = float("nan")
+    indices = random_selection(gen, b, hkv, length, budget=length + 3)  # every written token
+    from torch._dynamo.utils import counters
+
+    before = counters["specontext"]["dense_prefix_calls"]
+    out = torch.ops.specontext.sparse_attention(
+        query, key_cache, value_cache, indices, torch.tensor(length), None, d**-0.5)
+    assert counters["specontext"]["dense_prefix_calls"] == before + 1
+    ref = dense_reference(query, key_cache, value_cache, indices, length, d**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
