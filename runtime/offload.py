@@ -38,7 +38,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .memory_model import INF, MemoryModel
-from .sparse_attention import causal_limit_mask
+from .sparse_attention import attend_gathered
 from .streams import CopyStream, CopyTicket
 from .trace import TraceRecorder
 
@@ -213,19 +213,6 @@ def _gather_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return buf.reshape(b * h * n, dim).index_select(0, (base + slots).reshape(-1)).view(b, h, k, dim)
 
 
-def _mask_at(attn_mask: torch.Tensor, positions: torch.Tensor, num_kv: int) -> torch.Tensor:
-    """HF mask ``[batch|1, 1|heads, q_len, capacity]`` at ``positions`` ``[b, kv, k]``,
-    as ``[b, kv, groups|1, q_len, k]``."""
-    b, h, k = positions.shape
-    mh, q_len = attn_mask.shape[1], attn_mask.shape[2]
-    if mh == 1:
-        src = attn_mask.expand(b, h, q_len, attn_mask.shape[-1])
-        return src.gather(3, positions.unsqueeze(2).expand(b, h, q_len, k)).unsqueeze(2)
-    groups = mh // num_kv
-    src = attn_mask.expand(b, mh, q_len, attn_mask.shape[-1]).view(b, h, groups, q_len, -1)
-    return src.gather(4, positions.view(b, h, 1, 1, k).expand(b, h, groups, q_len, k))
-
-
 def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, length: torch.Tensor,
                   attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
                   sliding_window: int = 0) -> torch.Tensor:
@@ -234,10 +221,6 @@ def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, 
     through the slot map. Same operations, in the same order, as
     :func:`~.sparse_attention.sparse_attention_reference` after its gather, so the result is
     identical to reading the full store. Returns ``[batch, heads, q_len, head_dim_v]``."""
-    b, num_heads, q_len, head_dim = query.shape
-    num_kv = buf.keys.shape[1]
-    groups = num_heads // num_kv
-    safe = indices.clamp(min=0)
     slots = buf.slots_of(indices)
     missing = (indices >= 0) & (slots < 0)
     if bool(missing.any()):
@@ -245,25 +228,7 @@ def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, 
                            "(prefetch/wait were not run for this layer)")
     slots = slots.clamp(min=0)
     keys, values = _gather_rows(buf.keys, slots), _gather_rows(buf.values, slots)
-    q = query.reshape(b, num_kv, groups * q_len, head_dim)
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    if soft_cap is not None:
-        logits = torch.tanh(logits / soft_cap) * soft_cap
-    logits = logits.view(b, num_kv, groups, q_len, -1)
-    if sliding_window:
-        allowed = causal_limit_mask(indices, length, q_len, sliding_window).unsqueeze(2)
-    else:
-        allowed = causal_limit_mask(indices, length, q_len).unsqueeze(2)
-    if attn_mask is not None:
-        gathered = _mask_at(attn_mask, safe, num_kv)
-        if gathered.dtype == torch.bool:
-            allowed = allowed & gathered
-        else:
-            logits = logits + gathered.float()
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
-    out = torch.matmul(probs.view(b, num_kv, groups * q_len, -1), values)
-    return out.view(b, num_heads, q_len, values.shape[-1]).to(query.dtype)
+    return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window)
 
 
 @dataclasses.dataclass

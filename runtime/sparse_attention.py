@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["causal_limit_mask", "dense_prefix_attention", "mask_is_causal_only", "sparse_attention_reference"]
+__all__ = ["attend_gathered", "causal_limit_mask", "dense_prefix_attention", "mask_is_causal_only",
+           "sparse_attention_reference"]
 
 
 def causal_limit_mask(
@@ -162,11 +163,34 @@ def sparse_attention_reference(
     num_kv = key_cache.shape[1]
     if num_heads % num_kv:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv}")
-    groups = num_heads // num_kv
     scale = head_dim**-0.5 if scale is None else scale
     safe_idx = indices.clamp(min=0)
     keys = _gather_tokens(key_cache, safe_idx)  # [b, kv, k, d]
     values = _gather_tokens(value_cache, safe_idx)
+    return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window)
+
+
+def attend_gathered(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    length: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The part of sparse attention after the gather (shared by the offloaded path).
+
+    ``keys``/``values`` ``[batch, num_kv_heads, budget, dim]`` are the rows of the positions
+    in ``indices`` (any source: the store, or an offload device buffer); the other arguments
+    and the result are as in :func:`sparse_attention_reference`.
+    """
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv = keys.shape[1]
+    groups = num_heads // num_kv
+    safe_idx = indices.clamp(min=0)
     q = query.reshape(b, num_kv, groups * q_len, head_dim)
     logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
     if soft_cap is not None:

@@ -13,7 +13,7 @@ import logging
 import sys
 from pathlib import Path
 
-from . import distill_cmd
+from . import cli_distill
 
 from .explain_cli import add_explain_parser, cmd_explain
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     add_explain_parser(sub)
-    distill_cmd.add_parser(sub)
+    cli_distill.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "explain":
             return cmd_explain(args)
         if args.command == "distill":
-            return distill_cmd.run(args)
+            return cli_distill.run(args)
         return _cmd_run(args)
     except ValueError as err:
         print(f"specontext: error: {err}", file=sys.stderr)
