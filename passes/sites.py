@@ -222,7 +222,7 @@ def _check_constants(site: AttentionSite, args: dict) -> str | None:
     if site.q_len is None or site.head_dim is None:
         return "query length or head_dim is dynamic (prefill graphs stay dense)"
     if args.get("is_causal", False) and site.q_len != 1:
-        return "is_causal=True with a multi-token query (prefill-style call)"
+        return f"prefill ({site.q_len} query tokens, is_causal=True): dense and exact by design"
     if _strip_prefix_slice(args["key"]) is not args["key"]:
         return "key is a cropped prefix of the store (prefill-style call)"
     scale = args.get("scale")
