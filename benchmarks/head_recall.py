@@ -101,9 +101,15 @@ def main() -> None:
             for j in (0, 2, 8, 15, 29):
                 evaluate(f"embedding head, layer {j} Q/K", embedding_head_scores(model, ids, j, length), step, length)
             if i > 0:
+                lagged = {
+                    j: group_max_softmax(steps[i - 1][j][0], step[j][1], scale)[0] for j in range(layers)
+                }
                 for j in (2, 4, 8, 12, 20):
-                    q_prev = steps[i - 1][j][0]
-                    evaluate(f"lagged query, layer {j}", group_max_softmax(q_prev, step[j][1], scale)[0], step, length)
+                    evaluate(f"lagged query, layer {j}", lagged[j], step, length)
+                five = [lagged[j] for j in (2, 4, 8, 12, 20)]
+                evaluate("lagged queries 2,4,8,12,20 summed", sum(five), step, length)
+                evaluate("lagged queries 2,4,8,12,20 max", torch.stack(five).amax(0), step, length)
+                evaluate("lagged queries, all layers summed", sum(lagged.values()), step, length)
             oracle = torch.stack([group_max_softmax(*step[l], scale)[0] for l in range(layers)]).mean(0)
             evaluate("oracle: one selection for all layers", oracle, step, length)
     print(f"attention recall, SmolLM2-135M, {args.tokens} tokens, budget {args.budget}, "

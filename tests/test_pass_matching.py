@@ -15,7 +15,6 @@ class HandWritten(torch.nn.Module):
         self.variant, self.heads, self.kv_heads, self.dim = variant, heads, kv_heads, dim
         self.q = torch.nn.Linear(16, heads * dim, bias=False)
         self.kv = torch.nn.Linear(16, 2 * kv_heads * dim, bias=False)
-        self.side = None
 
     def forward(self, x, cache):
         b, s, _ = x.shape

@@ -60,16 +60,22 @@ def random_selection(gen, b, hkv, length, budget):
     return idx
 
 
-@settings(max_examples=60, deadline=None)
-@given(cases())
-def test_sparse_attention_matches_float64_reference(case):
-    b, hkv, g, d, length, capacity, q_len, budget, seed = case
-    gen = torch.Generator().manual_seed(seed)
+def random_inputs(gen, b, hkv, g, d, length, capacity, q_len):
+    """query, key and value caches; the unwritten slots (>= length) poisoned with NaN."""
     query = torch.randn(b, hkv * g, q_len, d, generator=gen)
     key_cache = torch.randn(b, hkv, capacity, d, generator=gen)
     value_cache = torch.randn(b, hkv, capacity, d, generator=gen)
     key_cache[:, :, length:] = float("nan")  # unwritten slots must never be read
     value_cache[:, :, length:] = float("nan")
+    return query, key_cache, value_cache
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases())
+def test_sparse_attention_matches_float64_reference(case):
+    b, hkv, g, d, length, capacity, q_len, budget, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    query, key_cache, value_cache = random_inputs(gen, b, hkv, g, d, length, capacity, q_len)
     indices = random_selection(gen, b, hkv, length, budget)
     scale = 1 / math.sqrt(d)
     out = torch.ops.specontext.sparse_attention(
@@ -123,11 +129,7 @@ def test_mask_is_causal_only_detects_padding():
 def test_full_selection_takes_the_dense_path_and_matches(case):
     b, hkv, g, d, length, capacity, q_len, _, seed = case
     gen = torch.Generator().manual_seed(seed)
-    query = torch.randn(b, hkv * g, q_len, d, generator=gen)
-    key_cache = torch.randn(b, hkv, capacity, d, generator=gen)
-    value_cache = torch.randn(b, hkv, capacity, d, generator=gen)
-    key_cache[:, :, length:] = float("nan")
-    value_cache[:, :, length:] = float("nan")
+    query, key_cache, value_cache = random_inputs(gen, b, hkv, g, d, length, capacity, q_len)
     indices = random_selection(gen, b, hkv, length, budget=length + 3)  # every written token
     from torch._dynamo.utils import counters
 
