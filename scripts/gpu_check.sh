@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Every check and timing that needs a CUDA GPU, in one call of under 9 minutes:
+#   1. pytest on the device: tests/test_cuda.py (backend end to end with the generated
+#      Triton kernels, bf16, offload with pinned memory + CUDA stream) and the codegen tests
+#      (which run on CUDA when it is there);
+#   2. benchmarks/gpu_kernels.py: kernel correctness vs float64 on the device, copy
+#      bandwidth, sparse kernel vs SDPA / FlexAttention at 8K..128K;
+#   3. benchmarks/gpu_end_to_end.py: decode step of a Llama-3-8B-shaped model, dense vs
+#      specontext (budget 2048).
+# Logs and JSON go to $OUT (default out/gpu). Stages have their own time limits, so a failing
+# stage never hides the others. STAGES="tests kernels e2e" picks stages.
+#   bash scripts/gpu_check.sh              # on a CUDA machine with torch + triton installed
+#   DRY=1 bash scripts/gpu_check.sh        # on CPU: exercises the script (interpreter, tiny)
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out/gpu}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PY:-python3}
+STAGES=${STAGES:-"tests kernels e2e"}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # pinned versions carried as wheels
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+if ! "$PY" -c "import specontext_compile.runtime" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >"$OUT/install.log" 2>&1 \
+    || { echo "install failed:"; tail -20 "$OUT/install.log"; exit 1; }
+fi
+"$PY" - <<'EOF' 2>&1 | tee "$OUT/env.txt"
+import torch, transformers, platform
+try:
+    import triton; tv = triton.__version__
+except ImportError:
+    tv = "missing"
+dev = torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA"
+print(f"python {platform.python_version()} torch {torch.__version__} transformers "
+      f"{transformers.__version__} triton {tv} device {dev}")
+EOF
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.mem \
+  --format=csv >>"$OUT/env.txt" 2>&1
+
+status=0
+if [ -n "${DRY:-}" ]; then export TRITON_INTERPRET=1; fi
+if [[ " $STAGES " == *" tests "* ]]; then
+  echo "== tests"
+  xdist=(); "$PY" -c "import xdist" 2>/dev/null && [ -z "${DRY:-}" ] && xdist=(-n 6)
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_cuda.py \
+    tests/test_codegen_attention.py tests/test_codegen_offsets.py tests/test_codegen_retrieval.py \
+    2>&1 | tee "$OUT/pytest.log" | tail -25
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [[ " $STAGES " == *" kernels "* ]]; then
+  echo "== kernels"
+  args=(--lengths 8192 32768 131072 --batches 1 8 32 --time-budget 110)
+  [ -n "${DRY:-}" ] && args=(--dry-run)
+  timeout 200 "$PY" benchmarks/gpu_kernels.py "${args[@]}" --output "$OUT/gpu_kernels.json" \
+    2>&1 | tee "$OUT/gpu_kernels.log" | tail -30
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [[ " $STAGES " == *" e2e "* ]]; then
+  echo "== end to end"
+  args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa specontext --time-budget 150)
+  [ -n "${DRY:-}" ] && args=(--dry-run)
+  timeout 220 "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
+    2>&1 | tee "$OUT/gpu_e2e.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+echo "gpu_check: exit $status"
+exit $status
