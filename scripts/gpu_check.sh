@@ -44,24 +44,24 @@ if [ -n "${DRY:-}" ]; then export TRITON_INTERPRET=1; fi
 if [[ " $STAGES " == *" tests "* ]]; then
   echo "== tests"
   xdist=(); "$PY" -c "import xdist" 2>/dev/null && [ -z "${DRY:-}" ] && xdist=(-n 6)
-  timeout 240 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_cuda.py \
+  timeout 180 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_cuda.py \
     tests/test_codegen_attention.py tests/test_codegen_offsets.py tests/test_codegen_retrieval.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [[ " $STAGES " == *" kernels "* ]]; then
   echo "== kernels"
-  args=(--lengths 8192 32768 131072 --batches 1 8 32 --time-budget 110)
+  args=(--lengths 8192 32768 131072 --batches 1 8 32 --time-budget 100)
   [ -n "${DRY:-}" ] && args=(--dry-run)
-  timeout 200 "$PY" benchmarks/gpu_kernels.py "${args[@]}" --output "$OUT/gpu_kernels.json" \
+  timeout 170 "$PY" benchmarks/gpu_kernels.py "${args[@]}" --output "$OUT/gpu_kernels.json" \
     2>&1 | tee "$OUT/gpu_kernels.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 if [[ " $STAGES " == *" e2e "* ]]; then
   echo "== end to end"
-  args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa specontext --time-budget 150)
+  args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa specontext --time-budget 120)
   [ -n "${DRY:-}" ] && args=(--dry-run)
-  timeout 220 "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
+  timeout 190 "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
     2>&1 | tee "$OUT/gpu_e2e.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
