@@ -136,7 +136,7 @@ class SparseAttentionPass:
         for s in decode:
             self._rewrite_site(graph, s, selections[s.window or 0], self.kernel)
         result.rewritten = len(decode)
-        graph.eliminate_dead_code()
+        graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
 
@@ -161,3 +161,20 @@ class SparseAttentionPass:
         site.node.replace_all_uses_with(sparse)
         graph.erase_node(site.node)
         site.node = sparse
+
+
+def keeps_side_effects(node: fx.Node) -> bool:
+    """Dead-code test for :meth:`torch.fx.Graph.eliminate_dead_code`: FX's own purity test,
+    plus any op whose schema mutates an argument. torch 2.11 treats a call through an
+    ``OpOverloadPacket`` (``torch.ops.specontext.kv_write(...)``, as dynamo records it) as
+    pure, so without this the decode graph lost every KV-store write (seen on CUDA)."""
+    if node.is_impure():
+        return True
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, name)._schema for name in target.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    else:
+        return False
+    return any(schema.is_mutable for schema in schemas)

@@ -21,15 +21,16 @@ def _ids(n: int, seed: int) -> torch.Tensor:
 
 
 def _decode(forward, ids, steps, cache):
-    """Prefill, then greedy decode; the last-position logits of every call."""
+    """Prefill, then teacher-forced decode of ``steps`` fixed random tokens (both runs see
+    the same inputs, so an argmax tie cannot make them diverge); last-position logits of
+    every call."""
+    tokens = _ids(steps, 123)
     out = []
     with torch.no_grad():
-        logits = forward(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
-        out.append(logits.float())
-        for _ in range(steps):
-            logits = forward(input_ids=logits.argmax(-1, keepdim=True), cache=cache,
-                             use_cache=True).logits[:, -1]
-            out.append(logits.float())
+        out.append(forward(input_ids=ids, cache=cache, use_cache=True).logits[:, -1].float())
+        for i in range(steps):
+            logits = forward(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits
+            out.append(logits[:, -1].float())
     return out
 
 
@@ -48,7 +49,7 @@ def test_full_budget_matches_eager_with_triton_kernels(dtype, tol):
     sparse = _decode(_compiled(model, budget=128), ids, STEPS,
                      sc.SpeContextCache(model.config, max_cache_len=128))
     for step, (a, b) in enumerate(zip(sparse, eager)):
-        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=f"step {step}")
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, step=step: f"step {step}: {m}")
     assert counters["specontext"]["sparse_attention_calls"] == 3 * STEPS
 
 
@@ -65,7 +66,7 @@ def test_small_budget_triton_equals_torch_path():
                   sc.SpeContextCache(model.config, max_cache_len=200))
     assert counters["specontext"]["triton_attention_calls"] > 0
     for step, (a, b) in enumerate(zip(tri, ref)):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=f"step {step}")
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
 
 
 def test_compiled_decode_does_not_recompile_per_step():

@@ -142,3 +142,24 @@ def test_dynamic_shapes_with_symbolic_sizes_stay_exact():
     for r in reports:
         assert all(reason for _, reason in r.result.fallbacks())
         assert r.result.rewritten + len(r.result.fallbacks()) == r.result.total
+
+
+def test_dead_code_elimination_keeps_store_writes_even_where_fx_calls_them_pure(monkeypatch):
+    """torch 2.11's FX took ``torch.ops.specontext.kv_write(...)`` (an op packet, as dynamo
+    records it) for pure and dropped every KV write of the decode graph; the pass's own test
+    keeps any op whose schema mutates, and still drops unused pure ops."""
+    import specontext_compile.runtime.ops  # noqa: F401  (registers the ops)
+    from specontext_compile.passes.sparse_rewrite import keeps_side_effects
+    from torch import fx
+
+    graph = fx.Graph()
+    k, v, n, nk, nv = (graph.placeholder(name) for name in ("k", "v", "n", "nk", "nv"))
+    write = graph.call_function(torch.ops.specontext.kv_write, (k, v, n, nk, nv))
+    unused = graph.call_function(torch.ops.aten.add.Tensor, (k, v))
+    graph.output(None)
+    monkeypatch.setattr(fx.Node, "is_impure", lambda self, *a, **kw: self.op in ("placeholder", "output"))
+    graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
+    nodes = list(graph.nodes)
+    assert write in nodes and unused not in nodes
+    graph.eliminate_dead_code()  # FX alone (as on torch 2.11) would drop the write
+    assert write not in list(graph.nodes)
