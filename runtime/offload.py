@@ -328,6 +328,7 @@ class OffloadManager:
         layer = self.cache.layers[0]
         if not layer.is_initialized:
             raise RuntimeError("the KV stores do not exist yet: run prefill before prepare()")
+        check_offload_device(layer.keys.device)
         b, h, capacity, dk = layer.keys.shape
         slots = min(self.budget, capacity)
         qs = self.cache.query_state
@@ -506,6 +507,22 @@ class OffloadManager:
         }
 
 
+def check_offload_device(device: torch.device) -> None:
+    """Refuse KV offload where it is known not to work yet.
+
+    Raises:
+        NotImplementedError: on CUDA. When a layer's store moves to pinned host memory,
+            dynamo re-traces the model and Hugging Face's attention code hands the host store
+            to SDPA next to a device query, which fails before the rewrite pass runs (seen on
+            an H200, docs/gpu.md). The CPU-emulated tiers (device "cpu") work and are tested.
+    """
+    if torch.device(device).type == "cuda":
+        raise NotImplementedError(
+            "specontext KV offload (device_memory_bytes) does not run on CUDA yet: the host "
+            "tier breaks dynamo's re-trace (docs/gpu.md). Drop device_memory_bytes to keep the "
+            "whole KV cache on the GPU, or run on CPU where the two tiers are emulated.")
+
+
 def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: int, budget: int,
                    **kwargs: Any) -> OffloadManager:
     """Attach an :class:`OffloadManager` to ``cache`` (as ``cache.offload``).
@@ -515,6 +532,9 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
     does both. ``model`` gives ``M_O`` (its weights); ``kwargs`` go to
     :class:`OffloadManager`.
     """
+    param = next(model.parameters(), None) if model is not None else None
+    if param is not None:
+        check_offload_device(param.device)
     weight_bytes = model_weight_bytes(model) if model is not None else 0
     manager = OffloadManager(cache, device_memory_bytes, budget, weight_bytes, **kwargs)
     cache.offload = manager

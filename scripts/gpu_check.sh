@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every check and timing that needs a CUDA GPU, in one call of under 9 minutes:
 #   1. pytest on the device: tests/test_cuda.py (backend end to end with the generated
-#      Triton kernels, bf16, offload with pinned memory + CUDA stream) and the codegen tests
+#      Triton kernels, bf16, offload refused with a clear error) and the codegen tests
 #      (which run on CUDA when it is there);
 #   2. benchmarks/gpu_kernels.py: kernel correctness vs float64 on the device, copy
 #      bandwidth, sparse kernel vs SDPA / FlexAttention at 8K..128K;

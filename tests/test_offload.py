@@ -305,3 +305,11 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     assert counters["specontext"]["offloaded_layers"] == 1
     # decode steps j = 1..19 reach 60 + j tokens; j >= 6 (>= 66 tokens) run offloaded
     assert counters["specontext"]["offloaded_attention_calls"] == 14
+
+
+def test_offload_is_refused_on_cuda_devices_with_the_fix_named():
+    from specontext_compile.runtime.offload import check_offload_device
+
+    check_offload_device(torch.device("cpu"))  # the emulated tiers: allowed
+    with pytest.raises(NotImplementedError, match="Drop device_memory_bytes"):
+        check_offload_device(torch.device("cuda", 0))
