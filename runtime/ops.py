@@ -19,6 +19,7 @@ sparse_attention       attention of one layer over the selected tokens only
 from __future__ import annotations
 
 import logging
+import weakref
 
 import torch
 from torch._dynamo.utils import counters
@@ -196,7 +197,7 @@ def sparse_attention(
         # the budget covers the context: exact dense attention, contiguous reads, no gather
         counters["specontext"]["dense_prefix_calls"] += 1
         return dense_prefix_attention(query, key_cache, value_cache, int(length), attn_mask, scale)
-    if plain and _use_triton(kernel, query) and mask_is_causal_only(attn_mask, indices, length, query.shape[2]):
+    if plain and _use_triton(kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
@@ -206,6 +207,48 @@ def sparse_attention(
     return sparse_attention_reference(
         query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window
     )
+
+
+class _MaskCheck:
+    """The last decode-step answer of :func:`mask_is_causal_only` (weak references: a new
+    step's mask or selection is a new object, so a stale answer is never reused)."""
+
+    def __init__(self) -> None:
+        self.mask = self.indices = None
+        self.versions: tuple[int, int] | None = None
+        self.ok = False
+
+    def lookup(self, attn_mask: torch.Tensor, indices: torch.Tensor) -> bool | None:
+        if self.mask is None or self.mask() is not attn_mask or self.indices() is not indices:
+            return None
+        return self.ok if self.versions == (attn_mask._version, indices._version) else None
+
+    def store(self, attn_mask: torch.Tensor, indices: torch.Tensor, ok: bool) -> None:
+        self.mask, self.indices = weakref.ref(attn_mask), weakref.ref(indices)
+        self.versions, self.ok = (attn_mask._version, indices._version), ok
+
+
+_MASK_CHECK = _MaskCheck()
+
+
+def _mask_allows_selection(attn_mask, indices: torch.Tensor, length: torch.Tensor, q_len: int) -> bool:
+    """:func:`mask_is_causal_only`, read back once per decode step instead of once per layer.
+
+    Every layer of a step gets the same mask and selection objects, and at ``q_len == 1``
+    the answer does not depend on the layer (selected positions are written positions, and
+    all layers hold the same length), so the first layer's answer serves the others: one
+    device sync per step on accelerators instead of one per layer."""
+    if attn_mask is None:
+        return True
+    if q_len != 1:
+        return mask_is_causal_only(attn_mask, indices, length, q_len)
+    ok = _MASK_CHECK.lookup(attn_mask, indices)
+    if ok is not None:
+        counters["specontext"]["mask_check_reused"] += 1
+        return ok
+    ok = mask_is_causal_only(attn_mask, indices, length, q_len)
+    _MASK_CHECK.store(attn_mask, indices, ok)
+    return ok
 
 
 def _covers_context(indices: torch.Tensor, length: torch.Tensor) -> bool:

@@ -162,6 +162,28 @@ def test_triton_kernels_run_end_to_end_under_the_interpreter(monkeypatch):
     assert counters["specontext"]["triton_attention_calls"] == 2 * 4
 
 
+def test_padding_mask_is_checked_once_per_decode_step_and_never_reused_across_steps(monkeypatch):
+    """The Triton path needs the mask to hide nothing at the selected positions; the check
+    (a device sync on GPUs) runs for the first layer of a step and is reused by the others,
+    and a new step (new mask and selection objects) is checked again."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    checks = []
+    real = ops.mask_is_causal_only
+    monkeypatch.setattr(ops, "mask_is_causal_only", lambda *a: checks.append(1) or real(*a))
+    model = tiny_llama(layers=3)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "kernel": "triton"})
+    decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=48))
+    assert counters["specontext"]["triton_attention_calls"] == 3 * 4
+    assert len(checks) == 4 and counters["specontext"]["mask_check_reused"] == 2 * 4
+    mask = torch.ones(1, 1, 1, 48, dtype=torch.bool)
+    idx = torch.tensor([[[0, 5, 44]]])
+    assert ops._mask_allows_selection(mask, idx, torch.tensor(45), 1)
+    mask[..., 5] = False  # same objects, mutated: the version changes, so it is re-checked
+    assert not ops._mask_allows_selection(mask, idx, torch.tensor(45), 1)
+
+
 def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
