@@ -12,6 +12,8 @@ instead of a prefill. For every workload and batch size (1..32) and every conten
 * ``flex``: the same with ``attn_implementation="flex_attention"`` (when available);
 * ``specontext``: ``torch.compile(model.forward, backend="specontext", budget=2048)`` with a
   ``SpeContextCache`` (generated Triton kernels on CUDA);
+* ``specontext-inductor``: the same with ``inner="inductor"`` (the rewritten graph compiled by
+  inductor, our ops as opaque calls), opt-in: it compiles the whole model per batch size;
 
 it reports the median decode ms/step (CUDA-synchronised wall time), tokens/s
 (``batch * 1000 / ms``), the peak device memory and the KV bytes held. Configurations whose
@@ -71,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batches", type=int, nargs="+", default=None,
                         help="batch sizes (default 1 4 8 16 32)")
     parser.add_argument("--contenders", nargs="+", default=["sdpa", "flex", "specontext"],
-                        choices=["sdpa", "flex", "specontext"])
+                        choices=["sdpa", "flex", "specontext", "specontext-inductor"])
     parser.add_argument("--budget", type=int, default=None, help="specontext budget (2048)")
     parser.add_argument("--window", type=int, default=None, help="timed decode steps (16)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (3)")
@@ -133,7 +135,7 @@ def run_one(name, model, forward, args, batch, context, device, dtype) -> dict:
     capacity = context + args.warmup + args.window + 2
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if name == "specontext":
+    if name.startswith("specontext"):
         cache = sc.SpeContextCache(model.config, max_cache_len=capacity)
     else:
         cache = StaticCache(model.config, max_cache_len=capacity)
@@ -237,7 +239,8 @@ def main(argv=None) -> int:
         for batch in args.batches:
             for name in args.contenders:
                 row = {"input": inp, "output": out, "context": context, "batch": batch,
-                       "contender": name, "budget": args.budget if name == "specontext" else None}
+                       "contender": name,
+                       "budget": args.budget if name.startswith("specontext") else None}
                 rows.append(row)
                 need = kv_bytes_needed(config, batch, context + args.window + 8, dtype)
                 if time.time() - started > args.time_budget:
@@ -257,16 +260,17 @@ def main(argv=None) -> int:
                             model.set_attn_implementation("flex_attention")
                             forwards[name] = model.forward
                         else:
+                            inner = "inductor" if name.endswith("inductor") else "eager"
                             forwards[name] = torch.compile(
                                 model.forward, backend="specontext",
-                                options={"budget": args.budget})
+                                options={"budget": args.budget, "inner": inner})
                     if name == "flex":
                         model.set_attn_implementation("flex_attention")
                     else:
                         model.set_attn_implementation("sdpa")
                     row.update(run_one(name, model, forwards[name], args, batch, context,
                                        device, dtype))
-                    if name == "specontext":
+                    if name.startswith("specontext"):
                         row["sites_rewritten"] = _sites_rewritten()
                 except Exception as err:  # a contender failing must not lose the table
                     first_line = (str(err).splitlines() or [""])[0][:120]
