@@ -335,3 +335,26 @@ def test_inductor_inner_matches_eager_inner(tmp_path):
     for a, b in zip(runs["inductor"][0], runs["eager"][0]):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(runs["inductor"][1], runs["eager"][1])  # K written under functionalization too
+
+
+def test_kv_head_mapping_rules():
+    from specontext_compile.runtime.draft_retrieval import map_to_target_heads
+
+    s = torch.rand(2, 4, 5)
+    torch.testing.assert_close(map_to_target_heads(s, 4), s)  # one to one
+    torch.testing.assert_close(map_to_target_heads(s[:, :1], 3), s[:, :1].expand(2, 3, 5))  # broadcast
+    torch.testing.assert_close(map_to_target_heads(s[:, :2], 4), s[:, [0, 0, 1, 1]])  # blocks
+    torch.testing.assert_close(map_to_target_heads(s, 2), torch.stack([s[:, :2].amax(1), s[:, 2:].amax(1)], 1))
+    torch.testing.assert_close(map_to_target_heads(s[:, :3], 2), s[:, :3].amax(1, keepdim=True).expand(2, 2, 5))
+
+
+def test_cache_built_for_another_head_keeps_attention_dense(tmp_path):
+    model = tiny_llama(layers=2)
+    one, other = write_head(tmp_path / "one", model), write_head(tmp_path / "other", model, seed=1)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(8))
+    compiled = torch.compile(model.forward, backend="specontext", options=options(one, budget=8))
+    decode_logits(model, compiled, ids, 2, sc.SpeContextCache(model.config, max_cache_len=48, retrieval_head=str(other)))
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert decode and decode[0].sites_rewritten == 0
+    assert all("the cache's draft head is" in reason for _, reason in decode[0].result.fallbacks())
+    assert counters["specontext"]["draft_selection_calls"] == 0
