@@ -15,7 +15,8 @@ included: it writes the head's K of the step's tokens into the head's own key ca
 the ``input_ids`` of the token embedding that flows into layer 0 (see
 :func:`.sites.find_token_embedding`) and layer 0's written length; step 1 inserts
 ``specontext::draft_select`` (consuming the step's draft query) instead of
-``speculative_select``.
+``speculative_select``. A fused head also gets ``specontext::draft_record`` after its last
+auxiliary layer (see :meth:`SparseAttentionPass._insert_draft_step`).
 
 Sites that do not match stay dense; their reasons are returned and logged.
 """
@@ -31,7 +32,8 @@ import torch
 from torch import fx
 
 from ..config import default_retrieval_layers
-from .sites import KV_WRITE, AttentionSite, find_attention_sites, find_token_embedding, is_op
+from .sites import (KV_WRITE, AttentionSite, decoder_layer_outputs, find_attention_sites,
+                    find_token_embedding, is_op)
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +46,7 @@ RECORD = torch.ops.specontext.record_query.default
 DRAFT_ANCHOR = torch.ops.specontext.draft_anchor
 DRAFT_STEP = torch.ops.specontext.draft_step.default
 DRAFT_SELECT = torch.ops.specontext.draft_select.default
+DRAFT_RECORD = torch.ops.specontext.draft_record.default
 
 
 @dataclasses.dataclass
@@ -125,7 +128,7 @@ class SparseAttentionPass:
                     graph.call_function(RECORD, (query_state, query_valid, driver.query, slot))
         else:
             result.selection_head = f"draft:{self.retrieval_head}"
-            draft = self._insert_draft_step(graph)
+            draft = self._insert_draft_step(graph, resolved[0].q_len)
             if isinstance(draft, str):
                 logger.info("specontext: the draft head does not run in this graph: %s", draft)
         for s in resolved:
@@ -140,7 +143,7 @@ class SparseAttentionPass:
         if self.retrieval_head is None:
             reason = self._drivers_unusable(drivers)
         else:
-            reason = draft if isinstance(draft, str) else self._draft_unusable(draft, decode)
+            reason = draft if isinstance(draft, str) else (draft[2] or self._draft_unusable(draft, decode))
         if reason is not None:
             for s in decode:
                 s.reason = reason
@@ -155,7 +158,7 @@ class SparseAttentionPass:
                         first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale,
                         window))
             else:
-                step, write = draft
+                step, write, _ = draft
                 with graph.inserting_after(step):
                     selections[window] = graph.call_function(DRAFT_SELECT, (
                         step, step.args[0], step.args[1], write.args[0], write.args[2],
@@ -169,9 +172,19 @@ class SparseAttentionPass:
         graph.lint()
         return result
 
-    def _insert_draft_step(self, graph: fx.Graph) -> tuple[fx.Node, fx.Node] | str:
-        """Insert ``draft_step`` after the draft anchor (and its inputs); returns ``(step, layer-0
-        kv_write)`` or the reason it cannot be (then nothing is inserted)."""
+    def _insert_draft_step(self, graph: fx.Graph, q_len: int | None):
+        """Insert ``draft_step`` (and, for a fused head, ``draft_record``); returns ``(step,
+        layer-0 kv_write, reason decode sites stay dense or None)``, or the reason nothing
+        could be inserted.
+
+        Embedding-only head, or a fused head on a one-token step: ``draft_step`` goes after
+        the draft anchor and its inputs, before layer 0's ``kv_write`` (it reads the count
+        before the step); a fused head reads the recorded previous-step hidden states, and
+        ``draft_record`` keeps this step's after the last auxiliary layer. A fused head on a
+        longer step (prefill) needs this step's hidden states: ``draft_step`` then runs after
+        the last auxiliary layer (``after_write``), followed by ``draft_record``; such a step
+        cannot select before layer 0, so its sites stay dense.
+        """
         from ..runtime.draft_retrieval import head_spec
 
         anchors = [n for n in graph.nodes if is_op(n, DRAFT_ANCHOR)]
@@ -180,7 +193,7 @@ class SparseAttentionPass:
                     "(expected one): build the cache with SpeContextCache(config, max_cache_len=..., "
                     "retrieval_head=DIR) (specontext_compile.compile and make_cache do it)")
         anchor = anchors[0]
-        draft_keys, draft_length, head = anchor.args[:3]
+        draft_keys, draft_length, aux_state, aux_valid, head = anchor.args[:5]
         if head != self.retrieval_head:
             return (f"the cache's draft head is {head} but the backend's retrieval_head is "
                     f"{self.retrieval_head}: build the cache with the same folder")
@@ -198,18 +211,41 @@ class SparseAttentionPass:
             return (f"the head has no embedding of its own and the target's is {weight_val.shape[1]} "
                     f"wide, not the head's hidden size {spec.hidden}")
         length = write.args[2]
-        # after the anchor and every input (a fresh cache moves layer 0's length in-graph),
-        # before layer 0's kv_write (so ``length`` is still the count before this step)
-        last = max((anchor, ids, weight, length), key=lambda n: order[n])
-        if order[last] > order[write]:
-            return f"{last.name} (an input of the draft head) is computed after layer 0's KV write"
-        with graph.inserting_after(last):
-            step = graph.call_function(DRAFT_STEP, (draft_keys, draft_length, length, ids, weight, head))
-        return step, write
+        base = (draft_keys, draft_length, length, ids, weight, head)
+        if spec.variant == "embedding" or q_len == 1:
+            # after the anchor and every input (a fresh cache moves layer 0's length in-graph),
+            # before layer 0's kv_write (so ``length`` is still the count before this step)
+            last = max((anchor, ids, weight, length), key=lambda n: order[n])
+            if order[last] > order[write]:
+                return f"{last.name} (an input of the draft head) is computed after layer 0's KV write"
+        if spec.variant == "embedding":
+            with graph.inserting_after(last):
+                step = graph.call_function(DRAFT_STEP, (*base, None, None, [], False))
+            return step, write, None
+        outputs, reason = decoder_layer_outputs(graph, spec.aux_layer_ids)
+        if reason is not None:
+            return f"fused draft head: {reason}"
+        widths = [o.meta.get("example_value", o.meta.get("val")).shape[-1] for o in outputs]
+        if sum(widths) != spec.aux_width:
+            return (f"fused draft head: its auxiliary input is {spec.aux_width} wide, the outputs of "
+                    f"layers {list(spec.aux_layer_ids)} are {widths}")
+        last_out = max(outputs, key=lambda n: order[n])
+        if q_len == 1:
+            with graph.inserting_after(last):
+                step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, [], False))
+            with graph.inserting_after(last_out):
+                graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
+            return step, write, None
+        with graph.inserting_after(last_out):
+            step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, list(outputs), True))
+        with graph.inserting_after(step):
+            graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
+        return step, write, (f"fused draft head: a step of {q_len} tokens needs its own hidden "
+                             "states, known only after the auxiliary layers (too late to select)")
 
     @staticmethod
-    def _draft_unusable(draft: tuple[fx.Node, fx.Node], decode: list[AttentionSite]) -> str | None:
-        step, write = draft
+    def _draft_unusable(draft: tuple, decode: list[AttentionSite]) -> str | None:
+        step, write, _ = draft
         if any(n.op != "placeholder" for n in (step.args[0], step.args[1], write.args[0], write.args[2])):
             return "the KV store is allocated inside this graph (first call on a fresh cache)"
         num_kv = write.args[0].meta.get("example_value", write.args[0].meta.get("val")).shape[1]

@@ -5,7 +5,8 @@ The paper's retrieval head is a pruned EAGLE-3 draft attention
 ``[token embedding ++ fused auxiliary hidden states]`` with RoPE. With the backend option
 ``retrieval_head=DIR`` the selection node scores past tokens with that head instead of the
 training-free lagged-query head (:mod:`.retrieval`). This module holds what that needs besides
-the ops (``specontext::draft_anchor``, ``draft_step``, ``draft_select`` in :mod:`.ops`):
+the ops (``specontext::draft_anchor``, ``draft_step``, ``draft_record``, ``draft_select`` in
+:mod:`.ops`):
 
 * :func:`head_spec` reads and checks a head folder (``config.json`` + ``model.safetensors``);
 * :class:`DraftKeyCache`, the head's **own key cache** ``[batch, head_kv_heads, capacity,
@@ -14,11 +15,15 @@ the ops (``specontext::draft_anchor``, ``draft_step``, ``draft_select`` in :mod:
 * :func:`load_head`, the loaded head per (folder, target embedding, dtype, device);
 * :func:`draft_scores`, the head's per-target-KV-head scores.
 
-Only the **embedding-only** variant runs end to end (``specontext_variant: "embedding"`` in
-``config.json``, as ``specontext distill --variant embedding`` writes it: the fused half of
-the input is zero, so no auxiliary hidden state is needed). A fused head (a real EAGLE-3
-draft, or ``--variant fused``) needs the target's hidden states of the previous step at its
-auxiliary layers; :func:`head_spec` rejects it with a ``ValueError`` naming the fix.
+Both variants run. **Embedding-only** heads (``specontext_variant: "embedding"`` in
+``config.json``, as ``specontext distill --variant embedding`` writes them) get zero
+auxiliary hidden states. **Fused** heads (a real EAGLE-3 draft, or ``--variant fused``) get,
+for each token, the target's hidden states of the *previous* token at the output of the
+decoder layers ``aux_layer_ids`` (``hidden_states[j + 1]`` in Hugging Face's numbering, the
+convention of :mod:`.distill`; for the last layer, the output *before* the final norm, which
+Hugging Face's last entry includes), concatenated in that order; the first token of a fresh
+cache gets zeros. The backend records the last token's ones after each step
+(``specontext::draft_record``) for the next step.
 
 KV-head mapping (the head's KV heads ``Hd`` vs the target's ``Ht``), on the per-head scores
 ``softmax(q . K * head_dim**-0.5)`` max over the query heads of each head KV group (the
@@ -63,7 +68,10 @@ class HeadSpec:
         vocab_size: the target vocabulary the head embeds (``None`` when not stated).
         has_embedding: whether ``model.safetensors`` holds ``embed_tokens.weight`` (else
             the target's token embedding is used, and must be ``hidden`` wide).
-        variant: ``"embedding"`` (the only one the backend runs).
+        variant: ``"embedding"`` or ``"fused"``.
+        aux_layer_ids: decoder layers whose outputs a fused head reads.
+        aux_width: width of the auxiliary input (``fc.weight``'s columns, ``3 * target
+            hidden`` for EAGLE-3).
     """
 
     path: str
@@ -74,9 +82,13 @@ class HeadSpec:
     vocab_size: int | None
     has_embedding: bool
     variant: str
+    aux_layer_ids: tuple[int, ...] = ()
+    aux_width: int = 0
 
     def describe(self) -> str:
-        return (f"draft head {self.path} ({self.variant}-only EAGLE-3 layout, {self.num_heads} heads / "
+        kind = ("embedding-only" if self.variant == "embedding"
+                else f"fused, aux layers {list(self.aux_layer_ids)}")
+        return (f"draft head {self.path} ({kind}, EAGLE-3 layout, {self.num_heads} heads / "
                 f"{self.num_kv_heads} KV heads, head_dim {self.head_dim})")
 
 
@@ -121,22 +133,30 @@ def head_spec(path: str | os.PathLike) -> HeadSpec:
     except (ValueError, KeyError, TypeError) as err:
         raise ValueError(f"specontext option 'retrieval_head': {folder / 'config.json'} is not an "
                          f"EAGLE-3 config ({err!r})") from err
-    variant = config.get("specontext_variant", "fused")
-    if variant != "embedding":
+    variant = config.get("specontext_variant") or "fused"
+    nested = config.get("eagle_config") or {}
+    aux_ids = tuple(config.get("eagle_aux_hidden_state_layer_ids")
+                    or nested.get("eagle_aux_hidden_state_layer_ids") or ())
+    if variant not in ("embedding", "fused") or (variant == "fused" and not aux_ids):
         raise ValueError(
-            f"specontext option 'retrieval_head': {folder} is a fused head (it needs the target's "
-            "auxiliary hidden states of the previous step), which the backend does not run yet; "
-            "use an embedding-only head (`specontext distill --variant embedding`, config.json "
-            "'specontext_variant': 'embedding') or leave retrieval_head unset (lagged-query head)")
+            f"specontext option 'retrieval_head': {folder / 'config.json'} names no usable variant "
+            f"({variant!r}, auxiliary layers {list(aux_ids)}); a fused head needs "
+            "eagle_aux_hidden_state_layer_ids, an embedding-only one 'specontext_variant': 'embedding'")
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        has_embedding = "embed_tokens.weight" in f.keys()
+        names = set(f.keys())
+        if "fc.weight" not in names:
+            raise ValueError(f"specontext option 'retrieval_head': {folder} has no fc.weight "
+                             "(not an EAGLE-3 head checkpoint)")
+        aux_width = int(f.get_slice("fc.weight").get_shape()[1])
+    has_embedding = "embed_tokens.weight" in names
     spec = HeadSpec(
         path=str(folder), num_heads=heads,
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
         vocab_size=config.get("vocab_size"), has_embedding=has_embedding, variant=variant,
+        aux_layer_ids=aux_ids, aux_width=aux_width,
     )
     _SPECS[key] = spec
     return spec
@@ -211,6 +231,8 @@ class DraftKeyCache:
     backend (eager prefill of Hugging Face's compile path), its tokens get no K: ``length``
     then stays behind the target's and every later selection falls back to the most recent
     tokens (counter ``draft_recency_fallback``); it is never scored from unwritten slots.
+    ``aux_state`` ``[batch, 1, aux_width]`` and ``aux_valid`` (int64 scalar, 0 until
+    recorded): the last token's auxiliary hidden states (fused heads; unused otherwise).
 
     Args:
         spec: the head (see :func:`head_spec`).
@@ -221,6 +243,8 @@ class DraftKeyCache:
         self.head = spec.path  # str: stays a graph constant on the draft anchor
         self.keys: torch.Tensor | None = None
         self.length = torch.zeros((), dtype=torch.long)
+        self.aux_state: torch.Tensor | None = None
+        self.aux_valid = torch.zeros((), dtype=torch.long)
 
     def prepare(self, like: torch.Tensor, capacity: int, compiling: bool) -> None:
         """Allocate (first use, or a new batch size) or grow (eager only) the store so it
@@ -229,14 +253,17 @@ class DraftKeyCache:
         if self.keys is None or self.keys.shape[0] != b:
             self.keys = like.new_zeros((b, self.spec.num_kv_heads, capacity, self.spec.head_dim))
             self.length = torch.zeros((), dtype=torch.long, device=like.device)
+            self.aux_state = like.new_zeros((b, 1, max(1, self.spec.aux_width)))
+            self.aux_valid = torch.zeros((), dtype=torch.long, device=like.device)
         elif not compiling and self.keys.shape[2] < capacity:
             new = self.keys.new_zeros((*self.keys.shape[:2], capacity, self.keys.shape[-1]))
             new[:, :, : self.keys.shape[2]].copy_(self.keys)
             self.keys = new
 
     def reset(self) -> None:
-        """Forget every position (the store is kept)."""
+        """Forget every position and the recorded hidden states (the stores are kept)."""
         self.length.zero_()
+        self.aux_valid.zero_()
 
     @property
     def nbytes(self) -> int:

@@ -188,7 +188,8 @@ class SpeContextCache(Cache):
                 capacity = (first.max_cache_len if first.is_initialized
                             else first._initial_capacity(key_states.shape[-2]))
                 self.draft.prepare(key_states, capacity, is_torchdynamo_compiling())
-                torch.ops.specontext.draft_anchor(self.draft.keys, self.draft.length, self.draft.head)
+                torch.ops.specontext.draft_anchor(self.draft.keys, self.draft.length, self.draft.aux_state,
+                                                  self.draft.aux_valid, self.draft.head)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:

@@ -51,10 +51,12 @@ class SpeContextConfig:
         retrieval_head: folder of a draft retrieval head (``config.json`` +
             ``model.safetensors``, EAGLE-3 layout; SpeContext section 4) that the selection
             uses instead of the training-free lagged-query head (``retrieval_layers`` is then
-            unused). Only embedding-only heads run (``specontext distill --variant
-            embedding``); a fused head is a ``ValueError``. The ``SpeContextCache`` must be
-            built with the same folder (``specontext_compile.compile`` does it). The stored
-            value is the resolved absolute path. Not with ``device_memory_bytes`` yet.
+            unused): embedding-only heads (``specontext distill --variant embedding``) and
+            fused ones (the target's previous-token hidden states at the head's auxiliary
+            layers, recorded in the graph). The ``SpeContextCache`` must be built with the
+            same folder (``specontext_compile.compile`` does it). Stored resolved (absolute).
+            A bad folder is a ``ValueError`` naming the fix. Not with ``device_memory_bytes``
+            yet.
         dump_dir: folder for graph dumps before/after the passes (text and DOT, see
             ``passes/dump.py``); None falls back to ``$SPECONTEXT_DUMP_DIR``, else no dumps.
             Does not change the rewrite (not part of the pass uuid).

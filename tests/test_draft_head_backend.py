@@ -21,14 +21,17 @@ from specontext_compile.runtime.eagle3 import Eagle3RetrievalHead, load_eagle3_h
 ATOL, RTOL = 1e-4, 1e-4
 
 
-def write_head(folder, model, heads=2, kv_heads=2, head_dim=16, seed=0, variant="embedding", embed=False):
-    """A random embedding-only head for ``model`` (its embedding is the target's unless
-    ``embed``), saved with ``save_head``; returns the folder."""
+def write_head(folder, model, heads=2, kv_heads=2, head_dim=16, seed=0, variant="embedding", embed=False,
+               aux=(0, 1, 2)):
+    """A random head for ``model`` (embedding-only, or ``variant="fused"`` reading the outputs
+    of layers ``aux``; its embedding is the target's unless ``embed``), saved with
+    ``save_head``; returns the folder."""
     cfg = model.config
     hidden = cfg.hidden_size
     gen = torch.Generator().manual_seed(seed)
+    fc = torch.randn(hidden, 3 * hidden, generator=gen) * 0.2 if variant == "fused" else torch.zeros(hidden, 3 * hidden)
     tensors = {
-        "fc.weight": torch.zeros(hidden, 3 * hidden),
+        "fc.weight": fc,
         "midlayer.input_layernorm.weight": 1 + 0.1 * torch.randn(hidden, generator=gen),
         "midlayer.hidden_norm.weight": torch.ones(hidden),
         "midlayer.self_attn.q_proj.weight": torch.randn(heads * head_dim, 2 * hidden, generator=gen) * 0.3,
@@ -38,7 +41,7 @@ def write_head(folder, model, heads=2, kv_heads=2, head_dim=16, seed=0, variant=
         "hidden_size": hidden, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
         "head_dim": head_dim, "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.vocab_size,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}, "specontext_variant": variant,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux)}, "specontext_variant": variant,
     }
     head = Eagle3RetrievalHead(config, tensors, model.model.embed_tokens.weight.detach())
     save_head(head, config, folder, {"test": True})
@@ -68,12 +71,15 @@ def spy_selections(monkeypatch):
     return seen
 
 
-def reference_head_scores(model, folder, ids):
+def reference_head_scores(model, folder, ids, aux=None):
     """Hand-computed draft-head attention of every position over every earlier one:
-    ``[batch, head_kv_heads, T, T]`` group-max softmax weights (causal)."""
+    ``[batch, head_kv_heads, T, T]`` group-max softmax weights (causal), and the head's K.
+    ``aux``: each position's auxiliary hidden states (already the previous token's); zeros
+    when None."""
     head, _ = load_eagle3_head(folder, model.model.embed_tokens.weight.detach())
     t = ids.shape[1]
-    q, k = head(ids, torch.zeros(1, t, 3 * head.hidden), torch.arange(t)[None])
+    aux = torch.zeros(1, t, head.fc.shape[1]) if aux is None else aux
+    q, k = head(ids, aux, torch.arange(t)[None])
     groups = head.num_heads // head.num_kv_heads
     logits = (q @ k.repeat_interleave(groups, 1).transpose(-1, -2)) * head.head_dim**-0.5  # [1, Hq, T, T]
     causal = torch.ones(t, t, dtype=torch.bool).triu(1)
@@ -187,8 +193,8 @@ def test_bad_head_paths_are_value_errors_naming_the_fix(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no config.json.*specontext distill"):
         SpeContextConfig.from_options({"retrieval_head": str(tmp_path / "empty")})
-    fused = write_head(tmp_path / "fused", model, variant="fused")
-    with pytest.raises(ValueError, match="fused head.*--variant embedding"):
+    fused = write_head(tmp_path / "fused", model, variant="fused", aux=())
+    with pytest.raises(ValueError, match="a fused head needs eagle_aux_hidden_state_layer_ids"):
         SpeContextConfig(retrieval_head=str(fused))
     good = write_head(tmp_path / "good", model)
     (good / "model.safetensors").unlink()
@@ -287,7 +293,8 @@ def test_cli_run_accepts_retrieval_head(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_smollm2_with_an_embedding_only_head(smollm2, tmp_path):
+@pytest.mark.parametrize("variant", ["embedding", "fused"])
+def test_smollm2_with_a_draft_head(smollm2, tmp_path, variant):
     from test_smollm2 import real_prompt
 
     model, tokenizer = smollm2
@@ -297,8 +304,11 @@ def test_smollm2_with_an_embedding_only_head(smollm2, tmp_path):
     groups = cfg.num_attention_heads // kv
     q_rows = torch.cat([attn.q_proj.weight[h * groups * d:(h * groups + 1) * d] for h in range(kv)])
     zeros = torch.zeros(kv * d, cfg.hidden_size)
+    if variant == "fused":  # the fused half of the input then moves Q and K
+        zeros = torch.randn(kv * d, cfg.hidden_size, generator=torch.Generator().manual_seed(1)) * 0.02
+    fc = torch.randn(cfg.hidden_size, 3 * cfg.hidden_size, generator=torch.Generator().manual_seed(0)) * 0.02
     tensors = {
-        "fc.weight": torch.zeros(cfg.hidden_size, 3 * cfg.hidden_size),
+        "fc.weight": fc if variant == "fused" else torch.zeros_like(fc),
         "midlayer.input_layernorm.weight": model.model.layers[8].input_layernorm.weight.detach(),
         "midlayer.hidden_norm.weight": torch.ones(cfg.hidden_size),
         "midlayer.self_attn.q_proj.weight": torch.cat([q_rows.detach(), zeros], 1),
@@ -306,7 +316,7 @@ def test_smollm2_with_an_embedding_only_head(smollm2, tmp_path):
     }
     config = {"hidden_size": cfg.hidden_size, "num_attention_heads": kv, "num_key_value_heads": kv,
               "head_dim": d, "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.vocab_size,
-              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": 100000.0, "specontext_variant": "embedding",
+              "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": 100000.0, "specontext_variant": variant,
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [2, 15, 28]}}
     save_head(Eagle3RetrievalHead(config, tensors, model.model.embed_tokens.weight.detach()), config, tmp_path, {})
     ids = real_prompt(tokenizer, 300)
@@ -319,11 +329,12 @@ def test_smollm2_with_an_embedding_only_head(smollm2, tmp_path):
     assert counters["specontext"]["draft_selection_calls"] == 10
     assert counters["specontext"]["draft_recency_fallback"] == 0
     assert int(cache.draft.length) == 310
+    assert int(cache.draft.aux_valid) == (variant == "fused")  # recorded only for fused heads
 
 
 def test_inductor_inner_matches_eager_inner(tmp_path):
     model = tiny_llama(layers=2)
-    folder = write_head(tmp_path, model)
+    folder = write_head(tmp_path, model, variant="fused", aux=(0, 1, 0))
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(7))
     runs = {}
     for inner in ("eager", "inductor"):
@@ -358,3 +369,96 @@ def test_cache_built_for_another_head_keeps_attention_dense(tmp_path):
     assert decode and decode[0].sites_rewritten == 0
     assert all("the cache's draft head is" in reason for _, reason in decode[0].result.fallbacks())
     assert counters["specontext"]["draft_selection_calls"] == 0
+
+
+def previous_token_aux(hidden_states, layers):
+    """EAGLE-3 input from HF ``hidden_states`` ``[1, T, hidden]`` per layer output: layer
+    ``j``'s output is ``hidden_states[j + 1]``; position ``i`` gets position ``i - 1``'s."""
+    aux = torch.cat([hidden_states[j + 1] for j in layers], -1)
+    return torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
+
+
+def test_fused_head_full_budget_is_exact_and_keys_use_previous_hidden_states(tmp_path):
+    model = tiny_llama(layers=4)  # aux layers before the last (HF's last entry is after the norm)
+    folder = write_head(tmp_path, model, heads=4, kv_heads=2, variant="fused", aux=(0, 1, 2))
+    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(9))
+    eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))
+    compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=64))
+    cache = sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
+    sparse = decode_logits(model, compiled, ids, 20, cache)
+    for step, (a, b) in enumerate(zip(sparse, eager)):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert [(r.sites_total, r.sites_rewritten) for r in decode] == [(4, 4)]
+    assert counters["specontext"]["draft_selection_calls"] == 20
+    # every K from the dense model's hidden states (exact at this budget), previous token's
+    tokens = torch.cat([ids] + [x.argmax(-1, keepdim=True) for x in sparse[:-1]], 1)
+    with torch.no_grad():
+        hs = model(tokens, output_hidden_states=True).hidden_states
+    _, k = reference_head_scores(model, folder, tokens, previous_token_aux(hs, (0, 1, 2)))
+    assert int(cache.draft.length) == tokens.shape[1] == 57
+    torch.testing.assert_close(cache.draft.keys[:, :, :57], k, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.draft.aux_state, torch.cat([hs[j + 1][:, -1:] for j in (0, 1, 2)], -1),
+                               atol=1e-4, rtol=1e-4)
+
+
+def test_fused_head_small_budget_selection_equals_the_hand_computed_one(tmp_path, monkeypatch):
+    seen = spy_selections(monkeypatch)
+    model = tiny_llama(layers=4)
+    layers = (0, 2, 1)  # any order: concatenated as listed
+    folder = write_head(tmp_path, model, heads=2, kv_heads=1, variant="fused", aux=layers)
+    prompt = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(10))
+    budget, sink, window = 16, 2, 4
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options=options(folder, budget=budget, sink_tokens=sink, recent_window=window))
+    cache = sc.SpeContextCache(model.config, max_cache_len=80, retrieval_head=str(folder))
+    tokens, states = [prompt], []
+    with torch.no_grad():  # the backend's own hidden states (sparse ones) feed the reference
+        out = compiled(input_ids=prompt, cache=cache, use_cache=True, output_hidden_states=True)
+        for _ in range(6):
+            states.append(out.hidden_states)
+            tokens.append(out.logits[:, -1].argmax(-1, keepdim=True))
+            out = compiled(input_ids=tokens[-1], cache=cache, use_cache=True, output_hidden_states=True)
+        states.append(out.hidden_states)
+    ids = torch.cat(tokens, 1)
+    hs = [torch.cat([s[i] for s in states], 1) for i in range(5)]
+    probs, _ = reference_head_scores(model, folder, ids, previous_token_aux(hs, layers))
+    assert len(seen) == 4 * 6
+    for step in range(6):
+        indices, length = seen[4 * step]
+        total = 61 + step
+        expected = reference_selection(to_target_heads(probs[:, :, total - 1, :total], 2)[0], total, budget, sink, window)
+        assert [set(indices[0, h].tolist()) for h in range(2)] == expected, f"step {step}"
+
+
+def test_fused_head_on_a_one_layer_model_stays_dense_with_a_reason(tmp_path):
+    model = tiny_llama(layers=1)
+    folder = write_head(tmp_path, model, variant="fused", aux=(0,))
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(11))
+    compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=8))
+    decode_logits(model, compiled, ids, 1, sc.SpeContextCache(model.config, max_cache_len=40, retrieval_head=str(folder)))
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert decode and decode[0].sites_rewritten == 0
+    assert all("cannot tell decoder layers apart" in reason for _, reason in decode[0].result.fallbacks())
+
+
+def test_fused_head_multi_token_step_stays_dense_and_keeps_the_key_cache_whole(tmp_path):
+    model = tiny_llama(layers=3)
+    folder = write_head(tmp_path, model, variant="fused", aux=(1, 0, 1))
+    ids = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(12))
+    compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=64),
+                             dynamic=False)  # a static graph per step length
+    cache = sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
+    with torch.no_grad():
+        compiled(input_ids=ids[:, :40], cache=cache, use_cache=True)
+        compiled(input_ids=ids[:, 40:43], cache=cache, use_cache=True)  # 3 tokens: a "decode" step
+        compiled(input_ids=ids[:, 43:44], cache=cache, use_cache=True)
+        compiled(input_ids=ids[:, 44:45], cache=cache, use_cache=True)
+        hs = model(ids, output_hidden_states=True).hidden_states
+    three = [r for r in sc.compile_reports() if r.result.phase == "decode" and r.result.sites[0].q_len == 3]
+    assert three and three[0].sites_rewritten == 0
+    assert all("a step of 3 tokens" in reason for _, reason in three[0].result.fallbacks())
+    assert counters["specontext"]["draft_selection_calls"] == 2
+    _, k = reference_head_scores(model, folder, ids, previous_token_aux(hs, (1, 0, 1)))
+    assert int(cache.draft.length) == 45
+    torch.testing.assert_close(cache.draft.keys[:, :, :45], k, atol=1e-4, rtol=1e-4)
