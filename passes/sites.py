@@ -26,7 +26,8 @@ from torch import fx
 
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops used below)
 
-__all__ = ["SDPA_TARGETS", "AttentionSite", "find_attention_sites", "is_op", "layer_windows"]
+__all__ = ["SDPA_TARGETS", "AttentionSite", "decoder_layer_outputs", "find_attention_sites",
+           "find_token_embedding", "is_op", "layer_windows"]
 
 SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
 KV_WRITE = torch.ops.specontext.kv_write
@@ -383,3 +384,99 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
             _match_eager(site, by_key, by_value, order, windows)
             sites.append(site)
     return sites
+
+
+_EMBEDDING_TARGETS = (torch.nn.functional.embedding, torch.ops.aten.embedding.default)
+
+
+def _is_embedding(node: fx.Node) -> bool:
+    return node.op == "call_function" and (
+        node.target in _EMBEDDING_TARGETS
+        or getattr(node.target, "overloadpacket", None) is torch.ops.aten.embedding)
+
+
+def _embedding_args(node: fx.Node) -> tuple:
+    """``(indices, weight)`` of an embedding call (F.embedding(input, weight) or
+    aten.embedding(weight, indices))."""
+    if node.target is torch.nn.functional.embedding:
+        return _arg(node, 0, "input"), _arg(node, 1, "weight")
+    return _arg(node, 1, "indices"), _arg(node, 0, "weight")
+
+
+def find_token_embedding(graph: fx.Graph, first_write: fx.Node, vocab_size: int | None) -> tuple:
+    """The token embedding that feeds the first decoder layer.
+
+    Candidates are the embedding calls from which ``first_write``'s new keys (layer 0's
+    ``kv_write``, argument 3) are computed; a candidate must index a ``[vocab_size, hidden]``
+    table (when ``vocab_size`` is known: this tells token from learned position embeddings,
+    GPT-2's ``wte`` from ``wpe``) with an integer ``[batch, q_len]`` tensor.
+
+    Returns:
+        ``(input_ids node, weight node, None)`` for exactly one candidate, else
+        ``(None, None, reason)``.
+    """
+    frontier, seen, found = [first_write.args[3]], set(), []
+    while frontier:
+        n = frontier.pop()
+        if not isinstance(n, fx.Node) or n in seen:
+            continue
+        seen.add(n)
+        if _is_embedding(n):
+            found.append(n)
+        frontier.extend(n.all_input_nodes)
+    matches = []
+    for n in found:
+        ids, weight = _embedding_args(n)
+        ids_val, w_val = _val(ids), _val(weight)
+        if ids_val is None or w_val is None or ids_val.dim() != 2 or ids_val.dtype.is_floating_point:
+            continue
+        if w_val.dim() != 2 or (vocab_size is not None and w_val.shape[0] != vocab_size):
+            continue
+        matches.append((ids, weight))
+    if len(matches) != 1:
+        return None, None, (
+            f"found {len(matches)} token embeddings ({len(found)} embedding calls) feeding layer 0 "
+            f"with a vocabulary of {vocab_size}; the draft head needs exactly one (its input_ids)")
+    return (*matches[0], None)
+
+
+def decoder_layer_outputs(graph: fx.Graph, layers: tuple[int, ...]) -> tuple[list | None, str | None]:
+    """The output (residual stream after the layer, ``[batch, q_len, hidden]``) of each
+    decoder layer in ``layers``.
+
+    A decoder layer is told by the module stack (``nn_module_stack``) of its KV write: the
+    outermost module that holds this write and no other (so models with one layer are not
+    handled). Its output is the one node inside that module used by a node outside it (the
+    graph's output node aside: stores allocated in prefill graphs are returned there).
+
+    Returns:
+        ``(nodes, None)`` in ``layers`` order, or ``(None, reason)``.
+    """
+    writes = [n for n in graph.nodes if is_op(n, KV_WRITE)]
+    stacks = [list((n.meta.get("nn_module_stack") or {}).keys()) for n in writes]
+    if len(writes) < 2 or not all(stacks):
+        return None, f"cannot tell decoder layers apart ({len(writes)} KV writes with module stacks)"
+    modules = []
+    for i, stack in enumerate(stacks):
+        others = {k for j, other in enumerate(stacks) if j != i for k in other}
+        key = next((k for k in stack if k not in others), None)
+        if key is None:
+            return None, f"the KV write of layer {i} shares every module with another layer"
+        modules.append(key)
+    outputs = []
+    for j in layers:
+        if not 0 <= j < len(modules):
+            return None, f"auxiliary layer {j} is not one of the model's {len(modules)} decoder layers"
+        key = modules[j]
+
+        def inside(n, key=key):
+            return key in (n.meta.get("nn_module_stack") or {})
+
+        found = [n for n in graph.nodes
+                 if inside(n) and any(u.op != "output" and not inside(u) for u in n.users)]
+        val = _val(found[0]) if len(found) == 1 else None
+        if val is None or val.dim() != 3:
+            return None, (f"found no single [batch, q_len, hidden] output of decoder layer {j} "
+                          f"({len(found)} candidates)")
+        outputs.append(found[0])
+    return outputs, None

@@ -9,6 +9,15 @@ For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) q
 3. record each retrieval layer's query with ``specontext::record_query`` (for the next
    step's selection) — also in prefill graphs, whose attention stays dense and exact.
 
+With a draft retrieval head (option ``retrieval_head``), step 3 is replaced by
+``specontext::draft_step`` right after ``specontext::draft_anchor`` (every graph, prefill
+included: it writes the head's K of the step's tokens into the head's own key cache), fed
+the ``input_ids`` of the token embedding that flows into layer 0 (see
+:func:`.sites.find_token_embedding`) and layer 0's written length; step 1 inserts
+``specontext::draft_select`` (consuming the step's draft query) instead of
+``speculative_select``. A fused head also gets ``specontext::draft_record`` after its last
+auxiliary layer (see :meth:`SparseAttentionPass._insert_draft_step`).
+
 Sites that do not match stay dense; their reasons are returned and logged.
 """
 
@@ -23,7 +32,8 @@ import torch
 from torch import fx
 
 from ..config import default_retrieval_layers
-from .sites import AttentionSite, find_attention_sites, is_op
+from .sites import (KV_WRITE, AttentionSite, decoder_layer_outputs, find_attention_sites,
+                    find_token_embedding, is_op)
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +43,10 @@ ANCHOR = torch.ops.specontext.retrieval_anchor
 SELECT = torch.ops.specontext.speculative_select.default
 SPARSE = torch.ops.specontext.sparse_attention.default
 RECORD = torch.ops.specontext.record_query.default
+DRAFT_ANCHOR = torch.ops.specontext.draft_anchor
+DRAFT_STEP = torch.ops.specontext.draft_step.default
+DRAFT_SELECT = torch.ops.specontext.draft_select.default
+DRAFT_RECORD = torch.ops.specontext.draft_record.default
 
 
 @dataclasses.dataclass
@@ -45,6 +59,7 @@ class RewriteResult:
     retrieval_layers: tuple[int, ...] = ()
     selection_inserted: bool = False
     selections: list[fx.Node] = dataclasses.field(default_factory=list)
+    selection_head: str = "lagged-query"  # or "draft:<folder>" (option retrieval_head)
 
     @property
     def total(self) -> int:
@@ -69,18 +84,19 @@ class SparseAttentionPass:
         retrieval_layers: layers whose previous-step queries drive the selection; negative
             counts from the end; None = :func:`default_retrieval_layers`.
         max_sparse_q_len: longest step (tokens) rewritten as sparse; longer = prefill.
+        retrieval_head: resolved folder of a draft retrieval head, or None (lagged query).
     """
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
                  retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
-                 kernel: str = "auto"):
+                 kernel: str = "auto", retrieval_head: str | None = None):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
-        self.kernel = kernel
+        self.kernel, self.retrieval_head = kernel, retrieval_head
 
     def uuid(self) -> str:
         cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
-               self.max_sparse_q_len, self.kernel)
+               self.max_sparse_q_len, self.kernel, self.retrieval_head)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
@@ -104,11 +120,17 @@ class SparseAttentionPass:
             return result
         anchor = anchors[0]
         query_state, query_valid = anchor.args[:2]
-        drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
-        result.retrieval_layers = tuple(d.layer for d in drivers)
-        for slot, driver in enumerate(drivers):
-            with graph.inserting_before(driver.node):
-                graph.call_function(RECORD, (query_state, query_valid, driver.query, slot))
+        if self.retrieval_head is None:
+            drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
+            result.retrieval_layers = tuple(d.layer for d in drivers)
+            for slot, driver in enumerate(drivers):
+                with graph.inserting_before(driver.node):
+                    graph.call_function(RECORD, (query_state, query_valid, driver.query, slot))
+        else:
+            result.selection_head = f"draft:{self.retrieval_head}"
+            draft = self._insert_draft_step(graph, resolved[0].q_len)
+            if isinstance(draft, str):
+                logger.info("specontext: the draft head does not run in this graph: %s", draft)
         for s in resolved:
             if s.reason is None and s.q_len > self.max_sparse_q_len:
                 s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
@@ -118,19 +140,29 @@ class SparseAttentionPass:
         result.phase = "decode" if decode else "prefill"
         if not decode:
             return result
-        reason = self._drivers_unusable(drivers)
+        if self.retrieval_head is None:
+            reason = self._drivers_unusable(drivers)
+        else:
+            reason = draft if isinstance(draft, str) else (draft[2] or self._draft_unusable(draft, decode))
         if reason is not None:
             for s in decode:
                 s.reason = reason
             return result
-        first = drivers[0]
         selections: dict[int, fx.Node] = {}
         for window in sorted({s.window or 0 for s in decode}, reverse=True):
-            with graph.inserting_after(anchor):
-                selections[window] = graph.call_function(SELECT, (
-                    query_state, query_valid, [d.key_cache for d in drivers], first.length,
-                    first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale,
-                    window))
+            if self.retrieval_head is None:
+                first = drivers[0]
+                with graph.inserting_after(anchor):
+                    selections[window] = graph.call_function(SELECT, (
+                        query_state, query_valid, [d.key_cache for d in drivers], first.length,
+                        first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale,
+                        window))
+            else:
+                step, write, _ = draft
+                with graph.inserting_after(step):
+                    selections[window] = graph.call_function(DRAFT_SELECT, (
+                        step, step.args[0], step.args[1], write.args[0], write.args[2],
+                        decode[0].q_len, self.budget, self.sink_tokens, self.recent_window, window))
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
         for s in decode:
@@ -139,6 +171,87 @@ class SparseAttentionPass:
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
+
+    def _insert_draft_step(self, graph: fx.Graph, q_len: int | None):
+        """Insert ``draft_step`` (and, for a fused head, ``draft_record``); returns ``(step,
+        layer-0 kv_write, reason decode sites stay dense or None)``, or the reason nothing
+        could be inserted.
+
+        Embedding-only head, or a fused head on a one-token step: ``draft_step`` goes after
+        the draft anchor and its inputs, before layer 0's ``kv_write`` (it reads the count
+        before the step); a fused head reads the recorded previous-step hidden states, and
+        ``draft_record`` keeps this step's after the last auxiliary layer. A fused head on a
+        longer step (prefill) needs this step's hidden states: ``draft_step`` then runs after
+        the last auxiliary layer (``after_write``), followed by ``draft_record``; such a step
+        cannot select before layer 0, so its sites stay dense.
+        """
+        from ..runtime.draft_retrieval import head_spec
+
+        anchors = [n for n in graph.nodes if is_op(n, DRAFT_ANCHOR)]
+        if len(anchors) != 1:
+            return (f"retrieval_head is set but the graph has {len(anchors)} draft-head key caches "
+                    "(expected one): build the cache with SpeContextCache(config, max_cache_len=..., "
+                    "retrieval_head=DIR) (specontext_compile.compile and make_cache do it)")
+        anchor = anchors[0]
+        draft_keys, draft_length, aux_state, aux_valid, head = anchor.args[:5]
+        if head != self.retrieval_head:
+            return (f"the cache's draft head is {head} but the backend's retrieval_head is "
+                    f"{self.retrieval_head}: build the cache with the same folder")
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        writes = [n for n in graph.nodes if is_op(n, KV_WRITE) and order[n] > order[anchor]]
+        if not writes:
+            return "no KV write follows the draft anchor"
+        write = writes[0]
+        spec = head_spec(self.retrieval_head)
+        ids, weight, reason = find_token_embedding(graph, write, spec.vocab_size)
+        if reason is not None:
+            return reason
+        weight_val = weight.meta.get("example_value", weight.meta.get("val"))
+        if not spec.has_embedding and weight_val.shape[1] != spec.hidden:
+            return (f"the head has no embedding of its own and the target's is {weight_val.shape[1]} "
+                    f"wide, not the head's hidden size {spec.hidden}")
+        length = write.args[2]
+        base = (draft_keys, draft_length, length, ids, weight, head)
+        if spec.variant == "embedding" or q_len == 1:
+            # after the anchor and every input (a fresh cache moves layer 0's length in-graph),
+            # before layer 0's kv_write (so ``length`` is still the count before this step)
+            last = max((anchor, ids, weight, length), key=lambda n: order[n])
+            if order[last] > order[write]:
+                return f"{last.name} (an input of the draft head) is computed after layer 0's KV write"
+        if spec.variant == "embedding":
+            with graph.inserting_after(last):
+                step = graph.call_function(DRAFT_STEP, (*base, None, None, [], False))
+            return step, write, None
+        outputs, reason = decoder_layer_outputs(graph, spec.aux_layer_ids)
+        if reason is not None:
+            return f"fused draft head: {reason}"
+        widths = [o.meta.get("example_value", o.meta.get("val")).shape[-1] for o in outputs]
+        if sum(widths) != spec.aux_width:
+            return (f"fused draft head: its auxiliary input is {spec.aux_width} wide, the outputs of "
+                    f"layers {list(spec.aux_layer_ids)} are {widths}")
+        last_out = max(outputs, key=lambda n: order[n])
+        if q_len == 1:
+            with graph.inserting_after(last):
+                step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, [], False))
+            with graph.inserting_after(last_out):
+                graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
+            return step, write, None
+        with graph.inserting_after(last_out):
+            step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, list(outputs), True))
+        with graph.inserting_after(step):
+            graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
+        return step, write, (f"fused draft head: a step of {q_len} tokens needs its own hidden "
+                             "states, known only after the auxiliary layers (too late to select)")
+
+    @staticmethod
+    def _draft_unusable(draft: tuple, decode: list[AttentionSite]) -> str | None:
+        step, write, _ = draft
+        if any(n.op != "placeholder" for n in (step.args[0], step.args[1], write.args[0], write.args[2])):
+            return "the KV store is allocated inside this graph (first call on a fresh cache)"
+        num_kv = write.args[0].meta.get("example_value", write.args[0].meta.get("val")).shape[1]
+        if len({s.q_len for s in decode}) != 1 or any(s.num_kv_heads != num_kv for s in decode):
+            return "decode sites differ in query length or KV heads from layer 0 (one shared selection)"
+        return None
 
     @staticmethod
     def _drivers_unusable(drivers: list[AttentionSite]) -> str | None:

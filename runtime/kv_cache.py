@@ -13,6 +13,9 @@ Face's mask (built for ``capacity`` positions, like its ``StaticCache``) hides u
 slots. The backend's pass rewrites the attention that reads the store into sparse attention.
 The cache also carries the retrieval state (the retrieval layers' last query rows, one slot
 per layer), which enters traced graphs through ``specontext::retrieval_anchor`` at layer 0.
+Built with ``retrieval_head=DIR`` it also owns the draft head's key cache
+(:class:`~specontext_compile.runtime.draft_retrieval.DraftKeyCache`, attribute ``draft``),
+which enters traced graphs through ``specontext::draft_anchor`` right after that anchor.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
+from .draft_retrieval import DraftKeyCache, head_spec
 from .retrieval import MAX_RETRIEVAL_LAYERS
 
 logger = logging.getLogger(__name__)
@@ -138,14 +142,20 @@ class SpeContextCache(Cache):
         max_cache_len: tokens to preallocate per layer (prompt + new tokens); required for
             compiled decoding past the first chunk, see the module docstring.
         chunk_tokens: eager growth step in tokens (default 1024).
+        retrieval_head: folder of a draft retrieval head (the backend option of the same
+            name); the cache then keeps the head's key cache (``draft``). Must name the same
+            folder as the backend's option, else the backend keeps attention dense.
 
     Raises:
-        ValueError: on a non-positive ``max_cache_len`` or ``chunk_tokens``.
+        ValueError: on a non-positive ``max_cache_len`` or ``chunk_tokens``, or a bad
+            ``retrieval_head`` (see
+            :func:`~specontext_compile.runtime.draft_retrieval.head_spec`).
     """
 
     is_compileable = True
 
-    def __init__(self, config, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(self, config, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 retrieval_head: str | None = None):
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len must be >= 1 or None, got {max_cache_len}")
         if chunk_tokens < 1:
@@ -160,6 +170,7 @@ class SpeContextCache(Cache):
         self.layer_windows = _layer_windows(config)
         # a str attribute stays a graph constant (list ints become symbols under dynamic=True)
         self._layer_windows_text = ",".join(map(str, self.layer_windows))
+        self.draft = DraftKeyCache(head_spec(retrieval_head)) if retrieval_head is not None else None
 
     def _init_retrieval_state(self, like: torch.Tensor) -> None:
         b = like.shape[0]
@@ -172,6 +183,13 @@ class SpeContextCache(Cache):
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0]:
                 self._init_retrieval_state(key_states)
             torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid, self._layer_windows_text)
+            if self.draft is not None:
+                first = self.layers[0]
+                capacity = (first.max_cache_len if first.is_initialized
+                            else first._initial_capacity(key_states.shape[-2]))
+                self.draft.prepare(key_states, capacity, is_torchdynamo_compiling())
+                torch.ops.specontext.draft_anchor(self.draft.keys, self.draft.length, self.draft.aux_state,
+                                                  self.draft.aux_valid, self.draft.head)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -187,6 +205,8 @@ class SpeContextCache(Cache):
         """Forget all tokens and the retrieval state."""
         super().reset()
         self.query_valid.zero_()
+        if self.draft is not None:
+            self.draft.reset()
 
     @property
     def kv_bytes(self) -> int:

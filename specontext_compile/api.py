@@ -17,12 +17,20 @@ __all__ = ["compile", "generation_compile_config", "make_cache", "restore"]
 
 
 def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
-               max_new_tokens: int | None = None, max_length: int | None = None) -> SpeContextCache:
+               max_new_tokens: int | None = None, max_length: int | None = None,
+               retrieval_head: str | None = None) -> SpeContextCache:
     """A :class:`SpeContextCache` sized for one ``generate`` call.
 
     Capacity = prompt tokens + ``max_new_tokens`` (or the generation config's
     ``max_length``), so compiled decoding never has to grow the store.
+    ``retrieval_head``: the draft head folder whose key cache the cache keeps; None takes
+    the one ``model`` was compiled with by :func:`compile` (if any).
+
+    Raises:
+        ValueError: a bad ``retrieval_head`` (see ``SpeContextConfig.retrieval_head``).
     """
+    if retrieval_head is None:
+        retrieval_head = getattr(model, "_specontext_options", {}).get("retrieval_head")
     gen = getattr(model, "generation_config", None)
     prompt = 0 if input_ids is None else input_ids.shape[-1]
     if max_new_tokens is None and gen is not None:
@@ -31,7 +39,7 @@ def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         total = prompt + max_new_tokens
     else:
         total = max(prompt + 1, max_length or getattr(gen, "max_length", 0) or 0)
-    return SpeContextCache(model.config, max_cache_len=total + 1)
+    return SpeContextCache(model.config, max_cache_len=total + 1, retrieval_head=retrieval_head)
 
 
 def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: Any) -> torch.nn.Module:
@@ -50,6 +58,7 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
         ValueError: for unknown options or bad values (before anything is compiled).
     """
     SpeContextConfig.from_options(options)
+    model._specontext_options = dict(options)
     if getattr(model, "_specontext_original", None) is None:
         model._specontext_original = (model.forward, model.generate)
     original_forward, original_generate = model._specontext_original
@@ -60,7 +69,8 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
         if kwargs.get("cache") is None and kwargs.get("past_key_values") is None:
             input_ids = args[0] if args else kwargs.get("input_ids")
             kwargs["cache"] = make_cache(
-                model, input_ids, kwargs.get("max_new_tokens"), kwargs.get("max_length"))
+                model, input_ids, kwargs.get("max_new_tokens"), kwargs.get("max_length"),
+                options.get("retrieval_head"))
             if options.get("device_memory_bytes") is not None:  # KV offload (docs/offload.md)
                 from .runtime.offload import enable_offload
 
@@ -79,6 +89,8 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     if original is not None:
         model.forward, model.generate = original
         del model._specontext_original
+    if hasattr(model, "_specontext_options"):
+        del model._specontext_options
     return model
 
 

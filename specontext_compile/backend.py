@@ -60,8 +60,8 @@ def _log_result(result: RewriteResult) -> None:
         logger.info("specontext: no attention site in this graph; passed through unchanged")
         return
     logger.info(
-        "specontext: %s graph, %d/%d attention sites rewritten (retrieval layers %s)",
-        result.phase, result.rewritten, result.total, result.retrieval_layers,
+        "specontext: %s graph, %d/%d attention sites rewritten (selection head %s, retrieval layers %s)",
+        result.phase, result.rewritten, result.total, result.selection_head, result.retrieval_layers,
     )
     for layer, reason in result.fallbacks():
         logger.info("specontext: site of layer %s stays dense: %s", layer, reason)
@@ -90,7 +90,7 @@ def specontext_backend(
         logger.warning("specontext: compile mode %r is ignored", mode)
     rewrite = SparseAttentionPass(
         config.budget, config.sink_tokens, config.recent_window,
-        config.retrieval_layers, config.max_sparse_q_len, config.kernel,
+        config.retrieval_layers, config.max_sparse_q_len, config.kernel, config.retrieval_head,
     )
     dumper = GraphDumper.from_option(config.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None

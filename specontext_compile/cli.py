@@ -1,7 +1,7 @@
 """Command line: ``specontext run`` (the main job) and friends.
 
 ``python -m specontext_compile run --model smollm2-135m --prompt-file FILE --budget 1024
---max-new-tokens 128 [--json OUT]``
+--max-new-tokens 128 [--retrieval-head DIR] [--json OUT]``
 """
 
 from __future__ import annotations
@@ -31,12 +31,15 @@ def _add_run(sub) -> None:
     run.add_argument("--recent-window", type=int, default=64)
     run.add_argument("--retrieval-layers", type=lambda s: tuple(int(x) for x in s.split(",")),
                      default=None, help="comma-separated layers of the lagged-query head")
+    run.add_argument("--retrieval-head", default=None, metavar="DIR",
+                     help="draft retrieval head folder (config.json + model.safetensors, e.g. from "
+                          "`specontext distill --variant embedding`) used instead of the lagged query")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
     run.add_argument("-v", "--verbose", action="store_true")
 
 
-def _print_report(report) -> None:
+def _print_report(report, retrieval_head: str | None = None) -> None:
     print("=" * 72)
     print(report.text.strip())
     print("=" * 72)
@@ -46,7 +49,8 @@ def _print_report(report) -> None:
         ("new tokens", report.new_tokens),
         ("budget (tokens / KV head)", report.budget),
         ("attention sites rewritten", f"{report.sites_rewritten} / {report.sites_total}"),
-        ("retrieval layers (lagged query)", ",".join(map(str, report.retrieval_layers))),
+        ("selection head", f"draft head {retrieval_head}" if retrieval_head else "lagged query"),
+        ("retrieval layers (lagged query)", ",".join(map(str, report.retrieval_layers)) or "-"),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),
         ("decode ms/token, specontext", f"{report.decode_ms_sparse:.1f}"),
@@ -63,15 +67,21 @@ def _cmd_run(args) -> int:
     from .models import load_model
     from .report import run_report
 
+    from .config import SpeContextConfig
+
     text = args.prompt_file.read_text(encoding="utf-8")
+    head = None
+    if args.retrieval_head is not None:  # checked before the model loads
+        head = SpeContextConfig(retrieval_head=args.retrieval_head).retrieval_head
     model, tokenizer = load_model(args.model)
+    options = {"retrieval_head": head} if head else {}
     report = run_report(
         model, tokenizer, text, model_name=args.model, budget=args.budget,
         max_new_tokens=args.max_new_tokens, recall_samples=args.recall_samples,
         sink_tokens=args.sink_tokens, recent_window=args.recent_window,
-        retrieval_layers=args.retrieval_layers,
+        retrieval_layers=args.retrieval_layers, **options,
     )
-    _print_report(report)
+    _print_report(report, head)
     if args.json:
         args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
         print(f"figures written to {args.json}")

@@ -48,6 +48,15 @@ class SpeContextConfig:
             small device tier. Needs a cache with an offload manager
             (``specontext_compile.compile`` attaches one).
         offload_trace: path of a Chrome-trace JSON of the latest decode step (offload only).
+        retrieval_head: folder of a draft retrieval head (``config.json`` +
+            ``model.safetensors``, EAGLE-3 layout; SpeContext section 4) that the selection
+            uses instead of the training-free lagged-query head (``retrieval_layers`` is then
+            unused): embedding-only heads (``specontext distill --variant embedding``) and
+            fused ones (the target's previous-token hidden states at the head's auxiliary
+            layers, recorded in the graph). The ``SpeContextCache`` must be built with the
+            same folder (``specontext_compile.compile`` does it). Stored resolved (absolute).
+            A bad folder is a ``ValueError`` naming the fix. Not with ``device_memory_bytes``
+            yet.
         dump_dir: folder for graph dumps before/after the passes (text and DOT, see
             ``passes/dump.py``); None falls back to ``$SPECONTEXT_DUMP_DIR``, else no dumps.
             Does not change the rewrite (not part of the pass uuid).
@@ -62,6 +71,7 @@ class SpeContextConfig:
     kernel: str = "auto"
     device_memory_bytes: int | None = None
     offload_trace: str | None = None
+    retrieval_head: str | None = None
     dump_dir: str | None = None
 
     def __post_init__(self) -> None:
@@ -97,6 +107,15 @@ class SpeContextConfig:
         if self.offload_trace is not None and (dm is None or not isinstance(self.offload_trace, str)):
             raise ValueError("specontext option 'offload_trace' must be a file path (str) and needs "
                              "device_memory_bytes (offload) to be set")
+        if self.retrieval_head is not None:
+            from .runtime.draft_retrieval import head_spec
+
+            spec = head_spec(self.retrieval_head)  # ValueError naming the fix
+            object.__setattr__(self, "retrieval_head", spec.path)
+            if dm is not None:
+                raise ValueError("specontext options 'retrieval_head' and 'device_memory_bytes' cannot be "
+                                 "combined yet (the offload schedule reads the lagged-query selection); "
+                                 "unset one of them")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise ValueError(f"specontext option 'dump_dir' must be None or a folder path (str), got {self.dump_dir!r}")
         if self.inner not in _INNER:

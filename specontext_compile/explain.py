@@ -3,8 +3,9 @@
 Runs one prefill and one decode step of ``model`` through ``torch.compile(...,
 backend="specontext")`` with a :class:`SpeContextCache` and reports, per compiled graph,
 every attention site (layer, pattern, heads, KV heads, head_dim, sliding window, soft cap,
-rewritten or the reason it stays dense), the rewrite counters, and where the selection
-node(s) sit. The model's weights and its own ``forward`` are not changed.
+rewritten or the reason it stays dense), the rewrite counters, where the selection
+node(s) sit and which retrieval head scores them (lagged query or a draft head).
+The model's weights and its own ``forward`` are not changed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from .runtime.kv_cache import SpeContextCache
 __all__ = ["Explanation", "SiteRow", "explain"]
 
 _SELECT = torch.ops.specontext.speculative_select.default
+_DRAFT_SELECT = torch.ops.specontext.draft_select.default
 _SPARSE = torch.ops.specontext.sparse_attention.default
 
 
@@ -49,12 +51,14 @@ class Explanation:
     """What :func:`explain` found. ``rows``: every site of every graph compiled for the
     call; ``counters``: ``torch._dynamo`` counters of the specontext backend accumulated by
     the call; ``selections``: per decode graph, where each selection node sits;
-    ``pass_uuids``: the identity of the pass per graph; ``reports``: the raw reports."""
+    ``pass_uuids``: the identity of the pass per graph; ``heads``: per decode graph, the
+    retrieval head its selection uses; ``reports``: the raw reports."""
 
     rows: list[SiteRow]
     counters: dict[str, int]
     selections: list[str]
     pass_uuids: list[str]
+    heads: list[str] = dataclasses.field(default_factory=list)
     reports: list[CompileReport] = dataclasses.field(repr=False, default_factory=list)
 
     def table(self) -> str:
@@ -71,12 +75,14 @@ class Explanation:
         lines.append("")
         lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
         lines += [f"selection: {s}" for s in self.selections] or ["selection: none inserted"]
+        lines += [f"selection head: {h}" for h in self.heads]
         lines += [f"pass: {u}" for u in sorted(set(self.pass_uuids))]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [dataclasses.asdict(r) for r in self.rows], "counters": self.counters,
-                "selections": self.selections, "pass_uuids": sorted(set(self.pass_uuids))}
+                "selections": self.selections, "pass_uuids": sorted(set(self.pass_uuids)),
+                "heads": self.heads}
 
 
 def _s(x) -> str:
@@ -90,14 +96,14 @@ def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     writes = [n for n in nodes if is_op(n, KV_WRITE)]
     sparse = [n for n in nodes if n.target is _SPARSE]
     out = []
-    for sel in (n for n in nodes if n.target is _SELECT):
+    for sel in (n for n in nodes if n.target in (_SELECT, _DRAFT_SELECT)):
         window = sel.args[9] if len(sel.args) > 9 else 0
         users = [u for u in sel.users if u.target is _SPARSE]
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"
         first_write = f"before the first kv_write (node {where[writes[0]]})" if writes else ""
         out.append(
-            f"graph {index}: {sel.name} at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
+            f"graph {index}: {sel.name} ({sel.target.name()}) at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
             f"window={window or 'full'}; feeds {len(users)} of {len(sparse)} sparse_attention nodes, "
             f"first at node {first_sparse}")
     return out
@@ -131,15 +137,18 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
     before = {id(r) for r in compile_reports()}
     start = dict(counters["specontext"])
     forward = torch.compile(model.forward, backend="specontext", options=options)
-    cache = SpeContextCache(model.config, max_cache_len=input_ids.shape[1] + decode_steps + 1)
+    cache = SpeContextCache(model.config, max_cache_len=input_ids.shape[1] + decode_steps + 1,
+                            retrieval_head=options.get("retrieval_head"))
     with torch.no_grad():
         logits = forward(input_ids=input_ids, cache=cache, use_cache=True, **kwargs).logits
         for _ in range(decode_steps):
             nxt = logits[:, -1:].argmax(-1)
             logits = forward(input_ids=nxt, cache=cache, use_cache=True).logits
     reports = [r for r in compile_reports() if id(r) not in before]
-    rows, selections = [], []
+    rows, selections, heads = [], [], []
     for index, report in enumerate(reports):
+        if report.result.phase == "decode":
+            heads.append(f"graph {index}: {_head_text(report)}")
         for site in report.result.sites:
             rows.append(SiteRow(
                 graph=index, phase=report.result.phase, layer=site.layer, pattern=site.pattern,
@@ -148,4 +157,17 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
                 rewritten=site.reason is None, reason=site.reason))
         selections += _selection_placement(index, report.graph_module)
     delta = {k: v - start.get(k, 0) for k, v in counters["specontext"].items() if v - start.get(k, 0)}
-    return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], reports)
+    return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], heads, reports)
+
+
+def _head_text(report: CompileReport) -> str:
+    """Which retrieval head drives the selection of ``report``'s graph, in words."""
+    result = report.result
+    if result.selection_head.startswith("draft:"):
+        from .runtime.draft_retrieval import head_spec
+
+        text = head_spec(result.selection_head.split(":", 1)[1]).describe()
+    else:
+        text = f"lagged query of layers {','.join(map(str, result.retrieval_layers))} (training-free)"
+    return text if result.selection_inserted else f"{text}; no selection inserted"
+

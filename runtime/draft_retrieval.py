@@ -1,0 +1,270 @@
+"""The draft retrieval head as the backend's selection (SpeContext, arXiv 2512.00722, §4).
+
+The paper's retrieval head is a pruned EAGLE-3 draft attention
+(:class:`~specontext_compile.runtime.eagle3.Eagle3RetrievalHead`): queries and keys of
+``[token embedding ++ fused auxiliary hidden states]`` with RoPE. With the backend option
+``retrieval_head=DIR`` the selection node scores past tokens with that head instead of the
+training-free lagged-query head (:mod:`.retrieval`). This module holds what that needs besides
+the ops (``specontext::draft_anchor``, ``draft_step``, ``draft_record``, ``draft_select`` in
+:mod:`.ops`):
+
+* :func:`head_spec` reads and checks a head folder (``config.json`` + ``model.safetensors``);
+* :class:`DraftKeyCache`, the head's **own key cache** ``[batch, head_kv_heads, capacity,
+  head_dim]`` (one per :class:`~specontext_compile.runtime.kv_cache.SpeContextCache`), plus
+  ``length``: how many positions ``0 .. length-1`` hold the head's K;
+* :func:`load_head`, the loaded head per (folder, target embedding, dtype, device);
+* :func:`draft_scores`, the head's per-target-KV-head scores.
+
+Both variants run. **Embedding-only** heads (``specontext_variant: "embedding"`` in
+``config.json``, as ``specontext distill --variant embedding`` writes them) get zero
+auxiliary hidden states. **Fused** heads (a real EAGLE-3 draft, or ``--variant fused``) get,
+for each token, the target's hidden states of the *previous* token at the output of the
+decoder layers ``aux_layer_ids`` (``hidden_states[j + 1]`` in Hugging Face's numbering, the
+convention of :mod:`.distill`; for the last layer, the output *before* the final norm, which
+Hugging Face's last entry includes), concatenated in that order; the first token of a fresh
+cache gets zeros. The backend records the last token's ones after each step
+(``specontext::draft_record``) for the next step.
+
+KV-head mapping (the head's KV heads ``Hd`` vs the target's ``Ht``), on the per-head scores
+``softmax(q . K * head_dim**-0.5)`` max over the query heads of each head KV group (the
+paper's GQA rule, :func:`~specontext_compile.runtime.retrieval.group_max_softmax`):
+
+* ``Hd == Ht``: head KV head ``i`` scores target KV head ``i``;
+* ``Hd == 1`` or ``Ht % Hd == 0``: head KV head ``i`` scores target KV heads
+  ``i*Ht/Hd .. (i+1)*Ht/Hd - 1`` (broadcast to all of them when ``Hd == 1``);
+* ``Hd % Ht == 0``: target KV head ``j`` takes the element-wise max over head KV heads
+  ``j*Hd/Ht .. (j+1)*Hd/Ht - 1``;
+* otherwise: the max over all head KV heads, broadcast to every target KV head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from .retrieval import group_max_softmax
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DraftKeyCache", "HeadSpec", "draft_scores", "head_spec", "load_head",
+           "map_to_target_heads", "normalize_head_path"]
+
+_LOADED: dict[tuple, torch.nn.Module] = {}  # filled on use, never at import
+_MAX_LOADED = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+    """What the backend needs to know about a head folder before loading its weights.
+
+    Attributes:
+        path: the resolved folder (str; the identity used in graphs and caches).
+        num_heads, num_kv_heads, head_dim, hidden: the head's attention shapes.
+        vocab_size: the target vocabulary the head embeds (``None`` when not stated).
+        has_embedding: whether ``model.safetensors`` holds ``embed_tokens.weight`` (else
+            the target's token embedding is used, and must be ``hidden`` wide).
+        variant: ``"embedding"`` or ``"fused"``.
+        aux_layer_ids: decoder layers whose outputs a fused head reads.
+        aux_width: width of the auxiliary input (``fc.weight``'s columns, ``3 * target
+            hidden`` for EAGLE-3).
+    """
+
+    path: str
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab_size: int | None
+    has_embedding: bool
+    variant: str
+    aux_layer_ids: tuple[int, ...] = ()
+    aux_width: int = 0
+
+    def describe(self) -> str:
+        kind = ("embedding-only" if self.variant == "embedding"
+                else f"fused, aux layers {list(self.aux_layer_ids)}")
+        return (f"draft head {self.path} ({kind}, EAGLE-3 layout, {self.num_heads} heads / "
+                f"{self.num_kv_heads} KV heads, head_dim {self.head_dim})")
+
+
+def normalize_head_path(path: str | os.PathLike) -> str:
+    """The resolved absolute folder, as a str (what graphs and caches compare)."""
+    return str(Path(path).expanduser().resolve())
+
+
+_SPECS: dict[tuple, HeadSpec] = {}
+
+
+def head_spec(path: str | os.PathLike) -> HeadSpec:
+    """Read and check the head folder ``path``.
+
+    Raises:
+        ValueError: the folder or one of ``config.json`` / ``model.safetensors`` is missing,
+            the config is not an EAGLE-3 one, or the head is a fused one (the message says
+            what to do instead).
+    """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"specontext option 'retrieval_head' must be a folder path (str), got {path!r}")
+    folder = Path(normalize_head_path(path))
+    if not folder.is_dir():
+        raise ValueError(
+            f"specontext option 'retrieval_head': {folder} is not a folder; pass the folder written by "
+            "`specontext distill` (config.json + model.safetensors) or leave it unset for the "
+            "lagged-query head")
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise ValueError(
+                f"specontext option 'retrieval_head': {folder} holds no {name}; a retrieval head folder "
+                "needs config.json and model.safetensors in the EAGLE-3 layout (write one with "
+                "`specontext distill --variant embedding`)")
+    stamp = tuple((folder / n).stat().st_mtime_ns for n in ("config.json", "model.safetensors"))
+    key = (str(folder), stamp)
+    if key in _SPECS:
+        return _SPECS[key]
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+    except (ValueError, KeyError, TypeError) as err:
+        raise ValueError(f"specontext option 'retrieval_head': {folder / 'config.json'} is not an "
+                         f"EAGLE-3 config ({err!r})") from err
+    variant = config.get("specontext_variant") or "fused"
+    nested = config.get("eagle_config") or {}
+    aux_ids = tuple(config.get("eagle_aux_hidden_state_layer_ids")
+                    or nested.get("eagle_aux_hidden_state_layer_ids") or ())
+    if variant not in ("embedding", "fused") or (variant == "fused" and not aux_ids):
+        raise ValueError(
+            f"specontext option 'retrieval_head': {folder / 'config.json'} names no usable variant "
+            f"({variant!r}, auxiliary layers {list(aux_ids)}); a fused head needs "
+            "eagle_aux_hidden_state_layer_ids, an embedding-only one 'specontext_variant': 'embedding'")
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+        if "fc.weight" not in names:
+            raise ValueError(f"specontext option 'retrieval_head': {folder} has no fc.weight "
+                             "(not an EAGLE-3 head checkpoint)")
+        aux_width = int(f.get_slice("fc.weight").get_shape()[1])
+    has_embedding = "embed_tokens.weight" in names
+    spec = HeadSpec(
+        path=str(folder), num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
+        vocab_size=config.get("vocab_size"), has_embedding=has_embedding, variant=variant,
+        aux_layer_ids=aux_ids, aux_width=aux_width,
+    )
+    _SPECS[key] = spec
+    return spec
+
+
+def load_head(path: str, embedding: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """The :class:`~specontext_compile.runtime.eagle3.Eagle3RetrievalHead` of ``path`` in
+    ``dtype`` on ``device``; ``embedding`` (the target's ``[vocab, hidden]`` token embedding)
+    is used when the checkpoint has none. Loaded once per (folder, files' mtimes, embedding
+    storage, dtype, device); at most 8 are kept.
+
+    Raises:
+        ValueError: see :func:`head_spec` and
+            :func:`~specontext_compile.runtime.eagle3.load_eagle3_head`.
+    """
+    from .eagle3 import load_eagle3_head
+
+    spec = head_spec(path)
+    folder = Path(spec.path)
+    stamp = tuple((folder / n).stat().st_mtime_ns for n in ("config.json", "model.safetensors"))
+    emb_key = None if spec.has_embedding else (embedding.data_ptr(), tuple(embedding.shape), embedding.dtype)
+    key = (spec.path, stamp, emb_key, dtype, str(device))
+    head = _LOADED.get(key)
+    if head is None:
+        head, _ = load_eagle3_head(folder, None if spec.has_embedding else embedding.detach())
+        head = head.to(device=device, dtype=dtype)
+        if len(_LOADED) >= _MAX_LOADED:
+            _LOADED.pop(next(iter(_LOADED)))
+        _LOADED[key] = head
+        logger.info("specontext: loaded %s", spec.describe())
+    return head
+
+
+def map_to_target_heads(scores: torch.Tensor, target_kv_heads: int) -> torch.Tensor:
+    """Map ``[batch, head_kv_heads, n]`` scores to ``[batch, target_kv_heads, n]`` (rules in
+    the module docstring)."""
+    b, hd, n = scores.shape
+    ht = target_kv_heads
+    if hd == ht:
+        return scores
+    if ht % hd == 0:
+        return scores.repeat_interleave(ht // hd, dim=1)
+    if hd % ht == 0:
+        return scores.view(b, ht, hd // ht, n).amax(dim=2)
+    return scores.amax(dim=1, keepdim=True).expand(b, ht, n)
+
+
+def draft_scores(query: torch.Tensor, keys: torch.Tensor, target_kv_heads: int) -> torch.Tensor:
+    """Scores of the draft head for the target's KV heads.
+
+    Args:
+        query: ``[batch, head_heads, 1, head_dim]``, the head's query of the step's last token.
+        keys: ``[batch, head_kv_heads, n, head_dim]``, the head's keys of positions ``0..n-1``
+            (every position the last token may attend to, itself included).
+        target_kv_heads: the target's KV heads.
+
+    Returns:
+        float32 ``[batch, target_kv_heads, n]``: per head KV group, the max over its query
+        heads of ``softmax(q . K * head_dim**-0.5)``, mapped by :func:`map_to_target_heads`.
+    """
+    scores = group_max_softmax(query, keys, query.shape[-1] ** -0.5)
+    return map_to_target_heads(scores, target_kv_heads)
+
+
+class DraftKeyCache:
+    """The draft head's key cache, owned by a ``SpeContextCache`` built with ``retrieval_head``.
+
+    ``keys``: ``[batch, head_kv_heads, capacity, head_dim]`` in the target's dtype (allocated
+    at the first layer-0 update, capacity = the target's layer-0 store). ``length``: int64
+    scalar; positions ``0 .. length-1`` hold the head's K (written by
+    ``specontext::draft_step`` in compiled graphs only). When a step is run without the
+    backend (eager prefill of Hugging Face's compile path), its tokens get no K: ``length``
+    then stays behind the target's and every later selection falls back to the most recent
+    tokens (counter ``draft_recency_fallback``); it is never scored from unwritten slots.
+    ``aux_state`` ``[batch, 1, aux_width]`` and ``aux_valid`` (int64 scalar, 0 until
+    recorded): the last token's auxiliary hidden states (fused heads; unused otherwise).
+
+    Args:
+        spec: the head (see :func:`head_spec`).
+    """
+
+    def __init__(self, spec: HeadSpec):
+        self.spec = spec
+        self.head = spec.path  # str: stays a graph constant on the draft anchor
+        self.keys: torch.Tensor | None = None
+        self.length = torch.zeros((), dtype=torch.long)
+        self.aux_state: torch.Tensor | None = None
+        self.aux_valid = torch.zeros((), dtype=torch.long)
+
+    def prepare(self, like: torch.Tensor, capacity: int, compiling: bool) -> None:
+        """Allocate (first use, or a new batch size) or grow (eager only) the store so it
+        holds ``capacity`` positions; ``like`` is the target's layer-0 key states."""
+        b = like.shape[0]
+        if self.keys is None or self.keys.shape[0] != b:
+            self.keys = like.new_zeros((b, self.spec.num_kv_heads, capacity, self.spec.head_dim))
+            self.length = torch.zeros((), dtype=torch.long, device=like.device)
+            self.aux_state = like.new_zeros((b, 1, max(1, self.spec.aux_width)))
+            self.aux_valid = torch.zeros((), dtype=torch.long, device=like.device)
+        elif not compiling and self.keys.shape[2] < capacity:
+            new = self.keys.new_zeros((*self.keys.shape[:2], capacity, self.keys.shape[-1]))
+            new[:, :, : self.keys.shape[2]].copy_(self.keys)
+            self.keys = new
+
+    def reset(self) -> None:
+        """Forget every position and the recorded hidden states (the stores are kept)."""
+        self.length.zero_()
+        self.aux_valid.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.keys is None else self.keys.numel() * self.keys.element_size()
