@@ -1,7 +1,7 @@
 """``specontext explain``: the attention-site table of a model (see :mod:`.explain`).
 
 ``specontext explain --model tiny:mistral [--attn sdpa] [--budget 64] [--prompt-tokens 32]
-[--dump-dir DIR] [--json OUT]``. ``--model`` takes what ``specontext run`` takes
+[--retrieval-head DIR] [--dump-dir DIR] [--json OUT]``. ``--model`` takes what ``specontext run`` takes
 (``smollm2-135m``, a ``.gguf`` file, a local Hugging Face folder) or ``tiny:<family>``, a tiny
 random model of one of :data:`specontext_compile.tiny_models.FAMILIES` (no download).
 """
@@ -23,6 +23,8 @@ def add_explain_parser(sub) -> None:
     p.add_argument("--budget", type=int, default=1024, help="selected tokens per KV head")
     p.add_argument("--prompt-tokens", type=int, default=32, help="length of the random prompt")
     p.add_argument("--decode-steps", type=int, default=1)
+    p.add_argument("--retrieval-head", default=None, metavar="DIR",
+                   help="draft retrieval head folder (EAGLE-3 layout) for the selection")
     p.add_argument("--dump-dir", default=None, help="write graph dumps (text + DOT) here")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -48,6 +50,8 @@ def cmd_explain(args) -> int:
     vocab = model.config.get_text_config().vocab_size
     ids = torch.randint(0, vocab, (1, args.prompt_tokens), generator=torch.Generator().manual_seed(0))
     options = {"budget": args.budget}
+    if args.retrieval_head:
+        options["retrieval_head"] = args.retrieval_head
     if args.dump_dir:
         options["dump_dir"] = args.dump_dir
     result = explain(model, ids, decode_steps=args.decode_steps, **options)

@@ -292,6 +292,17 @@ def test_cli_run_accepts_retrieval_head(tmp_path, monkeypatch):
     assert cli.main(["run", "--prompt-file", str(prompt), "--retrieval-head", str(tmp_path / "nope")]) == 2
 
 
+def test_cli_explain_names_the_draft_head(tmp_path, capsys):
+    from specontext_compile import cli
+    from specontext_compile.tiny_models import tiny_family
+
+    folder = write_head(tmp_path / "head", tiny_family("llama", "sdpa"))
+    assert cli.main(["explain", "--model", "tiny:llama", "--budget", "16", "--prompt-tokens", "40",
+                     "--retrieval-head", str(folder)]) == 0
+    printed = capsys.readouterr().out
+    assert "draft head" in printed and "lagged query" not in printed
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["embedding", "fused"])
 def test_smollm2_with_a_draft_head(smollm2, tmp_path, variant):
