@@ -83,3 +83,28 @@ def test_offload_on_cuda_is_refused_with_a_clear_error():
     sc.compile(model, budget=16, recent_window=4, sink_tokens=2, device_memory_bytes=1 << 20)
     with pytest.raises(NotImplementedError, match="Drop device_memory_bytes"):
         model.generate(_ids(60, 9), max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize("variant", ["embedding", "fused"])
+def test_draft_head_selection_on_cuda(tmp_path, variant):
+    """The draft retrieval head (its own key cache, draft ops) on the device: exact with a
+    budget that covers the context, and the same logits as the torch kernel at a small one."""
+    from test_draft_head_backend import write_head
+
+    model = tiny_llama(layers=3)
+    folder = write_head(tmp_path / "head", model, variant=variant)
+    model = model.to(CUDA)
+    ids = _ids(45, 3)
+    eager = _decode(model.forward, ids, STEPS, DynamicCache(config=model.config))
+    full = _decode(_compiled(model, budget=128, retrieval_head=str(folder)), ids, STEPS,
+                   sc.SpeContextCache(model.config, max_cache_len=128, retrieval_head=str(folder)))
+    for step, (a, b) in enumerate(zip(full, eager)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
+    runs = {}
+    for kernel in ("torch", "triton"):
+        torch._dynamo.reset()
+        opts = dict(budget=16, sink_tokens=2, recent_window=4, kernel=kernel, retrieval_head=str(folder))
+        runs[kernel] = _decode(_compiled(model, **opts), ids, STEPS,
+                               sc.SpeContextCache(model.config, max_cache_len=128, retrieval_head=str(folder)))
+    for step, (a, b) in enumerate(zip(runs["triton"], runs["torch"])):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
