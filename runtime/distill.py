@@ -301,9 +301,26 @@ def chunks_from_texts(tokenizer, texts: list[str], chunk_tokens: int, max_chunks
     return out
 
 
+def _load_teacher(path: Path, key: dict) -> list[TeacherBatch] | None:
+    """The cached teacher batches of ``path`` when its key matches ``key``, else None."""
+    if not Path(path).is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    if saved.get("key") != key:
+        logger.info("teacher cache %s was made from other chunks or settings: recomputing", path)
+        return None
+    logger.info("teacher targets read from %s", path)
+    return [TeacherBatch(**b) for b in saved["batches"]]
+
+
 def distill(model, tokenizer, texts: list[str], config: DistillConfig, out_dir: Path,
-            max_chunks: int = 24, progress_factory=None, extra_meta: dict | None = None) -> dict:
+            max_chunks: int = 24, progress_factory=None, extra_meta: dict | None = None,
+            teacher_cache: Path | None = None) -> dict:
     """The whole recipe: teacher targets from ``texts``, training, and the saved head.
+
+    ``teacher_cache``: a file for the teacher targets (most of the cost: one target forward
+    per chunk). Reused when it holds the same chunks, rows and auxiliary layers, else
+    (re)written, so training both variants or several position schemes pays the teacher once.
 
     Returns the training record written into the head's ``config.json``
     (chunks, tokens, first/last loss, settings).
@@ -314,12 +331,19 @@ def distill(model, tokenizer, texts: list[str], config: DistillConfig, out_dir: 
     chunks = chunks_from_texts(tokenizer, texts, config.chunk_tokens, max_chunks)
     if not chunks:
         raise ValueError(f"the training texts hold fewer than {config.chunk_tokens} tokens")
-    bar = progress_factory(len(chunks), "teacher") if progress_factory else None
-    batches = []
-    for chunk in chunks:
-        batches.append(teacher_batch(model, chunk, config))
-        if bar is not None:
-            bar.update(1)
+    key = {"chunk_tokens": config.chunk_tokens, "query_rows": config.query_rows,
+           "aux_layers": list(config.aux_layers), "ids": torch.cat(chunks).tolist()}
+    batches = _load_teacher(teacher_cache, key) if teacher_cache is not None else None
+    if batches is None:
+        bar = progress_factory(len(chunks), "teacher") if progress_factory else None
+        batches = []
+        for chunk in chunks:
+            batches.append(teacher_batch(model, chunk, config))
+            if bar is not None:
+                bar.update(1)
+        if teacher_cache is not None:
+            torch.save({"key": key, "batches": [dataclasses.asdict(b) for b in batches]}, teacher_cache)
+            logger.info("teacher targets of %d chunks saved to %s", len(batches), teacher_cache)
     bar = progress_factory(config.steps, "train") if progress_factory else None
     head, head_config, losses = train_head(model, batches, config, bar)
     window = max(1, len(losses) // 10)

@@ -19,6 +19,8 @@ def add_parser(sub) -> None:
     p.add_argument("--chunks", type=int, default=24, help="training chunks")
     p.add_argument("--chunk-tokens", type=int, default=768, help="tokens per training chunk")
     p.add_argument("--query-rows", type=int, default=48, help="teacher query rows per chunk")
+    p.add_argument("--teacher-cache", type=Path, default=None,
+                   help="file for the teacher targets: reused when it matches, else written")
     p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
     p.add_argument("--seed", type=int, default=0, help="seed of the initial fc and the random positions")
     p.add_argument("--positions", choices=("contiguous", "random", "random_span"), default="contiguous",
@@ -49,7 +51,7 @@ def run(args) -> int:
                            loss_sink=args.loss_sink, loss_window=args.loss_window)  # ValueError: cli.main
     meta = distill(model, tokenizer, texts, config, args.out, args.chunks,
                    progress_factory=lambda n, desc: tqdm(total=n, desc=desc, leave=False),
-                   extra_meta={"text_files": [p.name for p in args.text]})
+                   extra_meta={"text_files": [str(p) for p in args.text]}, teacher_cache=args.teacher_cache)
     print(json.dumps(meta, indent=2), file=sys.stdout)
     print(f"head written to {args.out}")
     return 0

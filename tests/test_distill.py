@@ -136,3 +136,22 @@ def test_chunks_are_taken_round_robin():
 def test_bad_length_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
         D.DistillConfig(chunk_tokens=768, query_rows=48, **kwargs)
+
+
+def test_teacher_cache_is_reused_only_when_it_matches(tmp_path, monkeypatch):
+    class Tok:
+        def __call__(self, text, return_tensors):
+            return type("Enc", (), {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])})
+
+    model = tiny_llama(layers=2)
+    cfg = D.DistillConfig(chunk_tokens=40, query_rows=8, init_layer=1, aux_layers=(0, 1, 1), steps=2)
+    cache = tmp_path / "teacher.pt"
+    first = D.distill(model, Tok(), ["abc" * 30], cfg, tmp_path / "a", max_chunks=2, teacher_cache=cache)
+    assert cache.is_file()
+    calls = []
+    real = D.teacher_batch
+    monkeypatch.setattr(D, "teacher_batch", lambda *a: calls.append(1) or real(*a))
+    again = D.distill(model, Tok(), ["abc" * 30], cfg, tmp_path / "b", max_chunks=2, teacher_cache=cache)
+    assert calls == [] and again["loss_first"] == pytest.approx(first["loss_first"])
+    D.distill(model, Tok(), ["xyz" * 30], cfg, tmp_path / "c", max_chunks=2, teacher_cache=cache)
+    assert len(calls) == 2  # other text: recomputed
