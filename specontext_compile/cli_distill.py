@@ -43,12 +43,12 @@ def run(args) -> int:
     from .models import load_model
     from .runtime.distill import DistillConfig, distill
 
-    model, tokenizer = load_model(args.model)
-    texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]
     config = DistillConfig(variant=args.variant, steps=args.steps, chunk_tokens=args.chunk_tokens,
                            query_rows=args.query_rows, lr=args.lr, seed=args.seed, positions=args.positions,
                            max_position=args.max_position, rope=args.rope, rope_factor=args.rope_factor,
-                           loss_sink=args.loss_sink, loss_window=args.loss_window)  # ValueError: cli.main
+                           loss_sink=args.loss_sink, loss_window=args.loss_window)  # ValueError (before loading anything): cli.main
+    model, tokenizer = load_model(args.model)
+    texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]
     meta = distill(model, tokenizer, texts, config, args.out, args.chunks,
                    progress_factory=lambda n, desc: tqdm(total=n, desc=desc, leave=False),
                    extra_meta={"text_files": [str(p) for p in args.text]}, teacher_cache=args.teacher_cache)

@@ -50,3 +50,29 @@ def test_shipped_head_scores_a_decode_step(name):
     scores = DraftHead(head, fused=name.endswith("fused")).scores(step, 0)
     assert scores.shape == (KV_HEADS, n) and bool(torch.isfinite(scores).all())
     torch.testing.assert_close(scores.sum(-1), torch.ones(KV_HEADS))
+
+
+def test_head_fidelity_scores_a_distilled_head_on_a_tiny_model():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
+    from benchmarks import head_fidelity
+
+    from _tiny import tiny_llama
+    from specontext_compile.runtime import distill as D
+
+    model = tiny_llama(layers=2)
+    gen = torch.Generator().manual_seed(0)
+    cfg = D.DistillConfig(chunk_tokens=40, query_rows=8, init_layer=1, aux_layers=(0, 1, 1), steps=3,
+                          rope="linear", rope_factor=2.0)
+    batch = D.teacher_batch(model, torch.randint(0, 128, (1, 40), generator=gen), cfg)
+    head, _, _ = D.train_head(model, [batch], cfg)
+    policies = {**head_fidelity.BASELINES, "head": DraftHead(head, fused=True)}
+    policies["lagged query x5 (ours)"] = type(policies["lagged query x5 (ours)"])(layers=(0, 1))
+    ids = torch.randint(0, 128, (1, 80), generator=gen)
+    table = head_fidelity.evaluate(model, ids, 60, 4, [16, 32], policies, sink=2, window=4)
+    assert set(table) == set(policies)
+    for per in table.values():
+        assert set(per) == {16, 32} and all(0.0 < r <= 1.0 + 1e-9 for r in per.values())
+        assert per[32] >= per[16] - 1e-9
