@@ -212,8 +212,9 @@ def training_positions(tokens: int, config: DistillConfig, generator: torch.Gene
 
 
 def _excluded(t: int, rows: int, config: DistillConfig) -> torch.Tensor:
-    """bool ``[R, T]``: keys a query row does not rank (later tokens, itself when a window is
-    left out, the first ``loss_sink`` tokens, the ``loss_window`` tokens before it)."""
+    """bool ``[R, T]``: keys a query row does not rank: later tokens; and, when ``loss_sink``
+    or ``loss_window`` is set, the row itself (a decode step ranks only cached tokens), the
+    first ``loss_sink`` tokens and the ``loss_window`` tokens before the row."""
     key = torch.arange(t)[None, :]
     row = torch.arange(t - rows, t)[:, None]
     out = key > row
