@@ -11,6 +11,27 @@ Two variants, both written in the EAGLE-3 layout (``config.json`` + ``model.safe
 so :func:`~specontext_compile.runtime.eagle3.load_eagle3_head` loads them:
 ``embedding`` (the fused-hidden half of the input is zero) and ``fused`` (the target's hidden
 states after three layers, of the *previous* token, as EAGLE-3 uses them).
+
+Length generalisation (a head trained on short chunks must score 8K contexts):
+
+* ``positions="random"``: the teacher is always the target's real attention at the chunk's
+  real positions, but the *head's* RoPE positions of each training step are a sorted random
+  subset of ``[0, max_position)`` (randomised positional encodings, Ruoss et al. 2023): the
+  order of tokens is kept and the head sees relative distances up to ``max_position``, so it
+  has to rank by content rather than by a distance it never saw. At inference the head runs
+  at the true positions (nothing in ``config.json`` changes). The price: every distance is
+  stretched (by ``max_position / chunk_tokens`` on average), so the head's recency prior is
+  learnt on distances longer than the real ones. ``positions="random_span"`` draws the
+  stretch per step instead: a span uniform in ``[chunk_tokens, max_position]``, a random
+  offset, and a sorted random subset of that span, so short (near-true) and long distances
+  are both seen.
+* ``rope="linear"`` (position interpolation, factor ``rope_factor``), ``rope="dynamic"``
+  (untouched up to the chunk length, compressed beyond) or ``rope="none"`` (no RoPE): written
+  to ``config.json`` as ``rope_scaling`` and honoured by
+  :class:`~specontext_compile.runtime.eagle3.Eagle3RetrievalHead` at training and inference.
+* ``loss_sink`` / ``loss_window``: the selection always keeps the first ``loss_sink`` tokens
+  and the ``loss_window`` most recent ones, so the loss can leave them out and match the
+  teacher's distribution renormalised over the tokens the head actually has to rank.
 """
 
 from __future__ import annotations
@@ -24,31 +45,85 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .eagle3 import Eagle3RetrievalHead
+from .eagle3 import ROPE_TYPES, Eagle3RetrievalHead
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DistillConfig", "TeacherBatch", "teacher_batch", "train_head", "save_head"]
+__all__ = ["DistillConfig", "TeacherBatch", "chunks_from_texts", "distill", "save_head", "teacher_batch",
+           "train_head", "training_positions"]
+
+POSITION_SCHEMES = ("contiguous", "random", "random_span")
 
 
 @dataclasses.dataclass(frozen=True)
 class DistillConfig:
-    """Training settings (token counts, steps; defaults sized for 2 CPU cores)."""
+    """Training settings (token counts, steps; defaults sized for 2 CPU cores).
 
-    variant: str = "fused"  # "embedding" or "fused"
+    Attributes:
+        variant: ``"embedding"`` (token embedding only) or ``"fused"`` (plus the target's
+            auxiliary hidden states of the previous token).
+        chunk_tokens: tokens per training chunk (the teacher's context length).
+        query_rows: teacher query rows per chunk (the last ones: most context).
+        init_layer: target layer whose Q/K projections initialise the head.
+        aux_layers: target layers whose outputs feed the fused variant.
+        steps, lr, seed: optimisation (Adam) settings; ``seed`` also drives the random positions.
+        positions: ``"contiguous"`` (head RoPE at the chunk's true positions),
+            ``"random"`` (a sorted random subset of ``[0, max_position)`` per step) or
+            ``"random_span"`` (a random span in ``[chunk_tokens, max_position]`` per step).
+        max_position: upper end (exclusive, tokens) of the random positions.
+        rope: ``"default"``, ``"linear"``, ``"dynamic"`` or ``"none"`` (see the module doc);
+            saved as the head's ``rope_scaling``.
+        rope_factor: position-interpolation factor for ``rope="linear"`` (>= 1).
+        loss_sink, loss_window: tokens at the start / before each query row left out of the
+            loss (0, 0 = every causal token counts).
+    """
+
+    variant: str = "fused"
     chunk_tokens: int = 768
-    query_rows: int = 48  # teacher rows per chunk (the last ones: most context)
-    init_layer: int = 8  # target layer whose Q/K projections initialise the head
+    query_rows: int = 48
+    init_layer: int = 8
     aux_layers: tuple[int, int, int] = (2, 15, 28)
     steps: int = 200
     lr: float = 3e-3
     seed: int = 0
+    positions: str = "contiguous"
+    max_position: int = 8192
+    rope: str = "default"
+    rope_factor: float = 1.0
+    loss_sink: int = 0
+    loss_window: int = 0
 
     def __post_init__(self) -> None:
         if self.variant not in ("embedding", "fused"):
             raise ValueError(f"variant must be 'embedding' or 'fused', got {self.variant!r}")
         if self.query_rows < 1 or self.chunk_tokens <= self.query_rows or self.steps < 1:
             raise ValueError("need chunk_tokens > query_rows >= 1 and steps >= 1")
+        if self.positions not in POSITION_SCHEMES:
+            raise ValueError(f"positions must be one of {POSITION_SCHEMES}, got {self.positions!r}")
+        if self.positions != "contiguous" and self.max_position < self.chunk_tokens:
+            raise ValueError(f"random positions need max_position >= chunk_tokens "
+                             f"({self.max_position} < {self.chunk_tokens})")
+        if self.rope not in ROPE_TYPES:
+            raise ValueError(f"rope must be one of {ROPE_TYPES}, got {self.rope!r}")
+        if self.rope_factor < 1.0 or (self.rope != "linear" and self.rope_factor != 1.0):
+            raise ValueError(f"rope_factor must be >= 1 and is only used by rope='linear' "
+                             f"(got {self.rope_factor} with rope={self.rope!r})")
+        if self.loss_sink < 0 or self.loss_window < 0:
+            raise ValueError("loss_sink and loss_window must be >= 0")
+        if self.chunk_tokens - self.query_rows <= self.loss_sink + self.loss_window:
+            raise ValueError("the first query row must see tokens outside the sinks and the window: "
+                             "need chunk_tokens - query_rows > loss_sink + loss_window")
+
+    @property
+    def rope_scaling(self) -> dict | None:
+        """The ``rope_scaling`` entry written to the head's ``config.json`` (None = plain)."""
+        if self.rope == "default":
+            return None
+        if self.rope == "linear":
+            return {"rope_type": "linear", "factor": float(self.rope_factor)}
+        if self.rope == "dynamic":
+            return {"rope_type": "dynamic", "original_max_position_embeddings": self.chunk_tokens}
+        return {"rope_type": "none"}
 
 
 @dataclasses.dataclass
@@ -115,18 +190,54 @@ def _initial_tensors(model, config: DistillConfig) -> tuple[dict, dict]:
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers)},
         "specontext_variant": config.variant,
     }
+    if config.rope_scaling is not None:
+        head_config["rope_scaling"] = config.rope_scaling
     return tensors, head_config
 
 
-def _loss(head: Eagle3RetrievalHead, batch: TeacherBatch, fused: bool) -> torch.Tensor:
+def training_positions(tokens: int, config: DistillConfig, generator: torch.Generator) -> torch.Tensor:
+    """Head RoPE positions of one training step, int64 ``[1, tokens]``, strictly increasing:
+    ``0..tokens-1`` (``"contiguous"``); a sorted random subset of ``[0, max_position)``
+    (``"random"``); or, for ``"random_span"``, a span ``S`` uniform in
+    ``[tokens, max_position]``, an offset uniform in ``[0, max_position - S]`` and a sorted
+    random subset of ``[offset, offset + S)`` that always holds both ends."""
+    if config.positions == "contiguous":
+        return torch.arange(tokens)[None]
+    if config.positions == "random":
+        return torch.randperm(config.max_position, generator=generator)[:tokens].sort().values[None]
+    span = int(torch.randint(tokens, config.max_position + 1, (), generator=generator))
+    offset = int(torch.randint(0, config.max_position - span + 1, (), generator=generator))
+    inner = torch.randperm(span - 2, generator=generator)[: tokens - 2].sort().values + 1
+    return (offset + torch.cat([torch.tensor([0]), inner, torch.tensor([span - 1])]))[None]
+
+
+def _excluded(t: int, rows: int, config: DistillConfig) -> torch.Tensor:
+    """bool ``[R, T]``: keys a query row does not rank: later tokens; and, when ``loss_sink``
+    or ``loss_window`` is set, the row itself (a decode step ranks only cached tokens), the
+    first ``loss_sink`` tokens and the ``loss_window`` tokens before the row."""
+    key = torch.arange(t)[None, :]
+    row = torch.arange(t - rows, t)[:, None]
+    out = key > row
+    if config.loss_sink or config.loss_window:
+        out = out | (key < config.loss_sink) | (key >= row - config.loss_window)
+    return out
+
+
+def _loss(head: Eagle3RetrievalHead, batch: TeacherBatch, config: DistillConfig,
+          positions: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || head) averaged over KV heads and query rows, over the keys each row ranks.
+
+    ``positions`` ``[1, T]`` are the head's RoPE positions for this step.
+    """
     t, rows = batch.input_ids.shape[1], batch.teacher.shape[1]
-    aux = batch.aux_hidden if fused else torch.zeros_like(batch.aux_hidden)
-    q, k = head(batch.input_ids, aux, torch.arange(t)[None])
+    aux = batch.aux_hidden if config.variant == "fused" else torch.zeros_like(batch.aux_hidden)
+    q, k = head(batch.input_ids, aux, positions)
     logits = (q[0, :, -rows:] @ k[0].transpose(-1, -2)) * head.head_dim**-0.5  # [kv, R, T]
-    causal = torch.arange(t)[None, :] > torch.arange(t - rows, t)[:, None]
-    logp = torch.log_softmax(logits.masked_fill(causal, float("-inf")), -1)
-    teacher = batch.teacher
-    return (teacher * (teacher.clamp_min(1e-12).log() - logp.masked_fill(causal, 0.0))).sum(-1).mean()
+    excluded = _excluded(t, rows, config)
+    logp = torch.log_softmax(logits.masked_fill(excluded, float("-inf")), -1)
+    teacher = batch.teacher.masked_fill(excluded, 0.0)
+    teacher = teacher / teacher.sum(-1, keepdim=True).clamp_min(1e-12)
+    return (teacher * (teacher.clamp_min(1e-12).log() - logp.masked_fill(excluded, 0.0))).sum(-1).mean()
 
 
 def train_head(model, batches: list[TeacherBatch], config: DistillConfig, progress=None):
@@ -140,10 +251,12 @@ def train_head(model, batches: list[TeacherBatch], config: DistillConfig, progre
     for p in trainable:
         p.requires_grad_(True)
     opt = torch.optim.Adam(trainable, lr=config.lr)
+    gen = torch.Generator().manual_seed(config.seed)
     losses = []
     for step in range(config.steps):
         batch = batches[step % len(batches)]
-        loss = _loss(head, batch, config.variant == "fused")
+        positions = training_positions(batch.input_ids.shape[1], config, gen)
+        loss = _loss(head, batch, config, positions)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -172,20 +285,43 @@ def save_head(head: Eagle3RetrievalHead, head_config: dict, folder: Path, meta: 
 
 
 def chunks_from_texts(tokenizer, texts: list[str], chunk_tokens: int, max_chunks: int) -> list[torch.Tensor]:
-    """Split tokenised texts into ``[1, chunk_tokens]`` chunks (at most ``max_chunks``)."""
-    out = []
+    """Split tokenised texts into ``[1, chunk_tokens]`` chunks (at most ``max_chunks``),
+    taken round-robin over the texts (the first chunk of every text, then the second, ...)
+    so that a few long texts do not crowd out the others."""
+    per_text = []
     for text in texts:
         ids = tokenizer(text, return_tensors="pt").input_ids
-        for start in range(0, ids.shape[1] - chunk_tokens + 1, chunk_tokens):
-            out.append(ids[:, start : start + chunk_tokens])
-            if len(out) >= max_chunks:
-                return out
+        per_text.append([ids[:, s : s + chunk_tokens] for s in range(0, ids.shape[1] - chunk_tokens + 1, chunk_tokens)])
+    out = []
+    for i in range(max((len(c) for c in per_text), default=0)):
+        for chunks in per_text:
+            if i < len(chunks):
+                out.append(chunks[i])
+                if len(out) >= max_chunks:
+                    return out
     return out
 
 
+def _load_teacher(path: Path, key: dict) -> list[TeacherBatch] | None:
+    """The cached teacher batches of ``path`` when its key matches ``key``, else None."""
+    if not Path(path).is_file():
+        return None
+    saved = torch.load(path, weights_only=True)
+    if saved.get("key") != key:
+        logger.info("teacher cache %s was made from other chunks or settings: recomputing", path)
+        return None
+    logger.info("teacher targets read from %s", path)
+    return [TeacherBatch(**b) for b in saved["batches"]]
+
+
 def distill(model, tokenizer, texts: list[str], config: DistillConfig, out_dir: Path,
-            max_chunks: int = 24, progress_factory=None, extra_meta: dict | None = None) -> dict:
+            max_chunks: int = 24, progress_factory=None, extra_meta: dict | None = None,
+            teacher_cache: Path | None = None) -> dict:
     """The whole recipe: teacher targets from ``texts``, training, and the saved head.
+
+    ``teacher_cache``: a file for the teacher targets (most of the cost: one target forward
+    per chunk). Reused when it holds the same chunks, rows and auxiliary layers, else
+    (re)written, so training both variants or several position schemes pays the teacher once.
 
     Returns the training record written into the head's ``config.json``
     (chunks, tokens, first/last loss, settings).
@@ -196,17 +332,24 @@ def distill(model, tokenizer, texts: list[str], config: DistillConfig, out_dir: 
     chunks = chunks_from_texts(tokenizer, texts, config.chunk_tokens, max_chunks)
     if not chunks:
         raise ValueError(f"the training texts hold fewer than {config.chunk_tokens} tokens")
-    bar = progress_factory(len(chunks), "teacher") if progress_factory else None
-    batches = []
-    for chunk in chunks:
-        batches.append(teacher_batch(model, chunk, config))
-        if bar is not None:
-            bar.update(1)
+    key = {"chunk_tokens": config.chunk_tokens, "query_rows": config.query_rows,
+           "aux_layers": list(config.aux_layers), "ids": torch.cat(chunks).tolist()}
+    batches = _load_teacher(teacher_cache, key) if teacher_cache is not None else None
+    if batches is None:
+        bar = progress_factory(len(chunks), "teacher") if progress_factory else None
+        batches = []
+        for chunk in chunks:
+            batches.append(teacher_batch(model, chunk, config))
+            if bar is not None:
+                bar.update(1)
+        if teacher_cache is not None:
+            torch.save({"key": key, "batches": [dataclasses.asdict(b) for b in batches]}, teacher_cache)
+            logger.info("teacher targets of %d chunks saved to %s", len(batches), teacher_cache)
     bar = progress_factory(config.steps, "train") if progress_factory else None
     head, head_config, losses = train_head(model, batches, config, bar)
     window = max(1, len(losses) // 10)
     meta = {
-        **dataclasses.asdict(config), "chunks": len(chunks),
+        **dataclasses.asdict(config), "rope_scaling": config.rope_scaling, "chunks": len(chunks),
         "tokens": len(chunks) * config.chunk_tokens,
         "loss_first": sum(losses[:window]) / window, "loss_last": sum(losses[-window:]) / window,
         **(extra_meta or {}),

@@ -13,6 +13,11 @@ the auxiliary layer ids ``eagle_aux_hidden_state_layer_ids``, top level or under
 ``midlayer.self_attn.{q,k,v,o}_proj.weight`` (Q/K/V take ``embedding ++ fused hidden``,
 ``2*hidden`` wide), ``midlayer.post_attention_layernorm.weight``, ``midlayer.mlp.*``,
 ``norm.weight``, ``lm_head.weight``, ``d2t``, ``t2d`` and optionally ``embed_tokens.weight``.
+
+Position handling (ours, for heads distilled by :mod:`.distill`): an optional
+``rope_scaling`` entry in ``config.json`` (see :func:`rope_positions`) stretches or removes the
+head's RoPE so a head trained on short chunks can run on longer contexts. Absent or
+``{"rope_type": "default"}`` means plain RoPE at the true positions, as in EAGLE-3.
 """
 
 from __future__ import annotations
@@ -26,7 +31,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Eagle3RetrievalHead", "PruneReport", "load_eagle3_head"]
+__all__ = ["ROPE_TYPES", "Eagle3RetrievalHead", "PruneReport", "load_eagle3_head", "rope_positions",
+           "validate_rope_scaling"]
 
 KEPT = ("fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
         "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight")
@@ -51,8 +57,70 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
 
 
+ROPE_TYPES = ("default", "linear", "dynamic", "none")
+
+
+def validate_rope_scaling(rope_scaling: dict | None) -> dict | None:
+    """Check a ``rope_scaling`` entry; returns it unchanged (None = plain RoPE).
+
+    Accepted forms:
+
+    * ``{"rope_type": "default"}`` — plain RoPE at the true positions.
+    * ``{"rope_type": "linear", "factor": f}`` — position interpolation: positions divided by
+      ``f >= 1`` at training and inference alike (the head's RoPE wavelengths are ``f`` times
+      longer, so ``f`` times the training length stays inside the angles it was trained on).
+    * ``{"rope_type": "dynamic", "original_max_position_embeddings": L}`` — untouched up to
+      ``L`` positions, beyond that positions scaled by ``L / (max position + 1)`` so the
+      furthest key is at most ``L`` away (training-free stretch of a head trained on ``L``).
+    * ``{"rope_type": "none"}`` — no RoPE at all (content-only attention; recency is left to
+      the selection's recent window).
+
+    Raises:
+        ValueError: an unknown ``rope_type`` or a missing / out-of-range parameter.
+    """
+    if rope_scaling is None:
+        return None
+    if not isinstance(rope_scaling, dict):
+        raise ValueError(f"rope_scaling must be a dict or None, got {type(rope_scaling).__name__}")
+    kind = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if kind not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling rope_type must be one of {ROPE_TYPES}, got {kind!r}")
+    factor = rope_scaling.get("factor")
+    if kind == "linear" and not (isinstance(factor, (int, float)) and factor >= 1.0):
+        raise ValueError(f"linear rope_scaling needs a number factor >= 1, got {factor!r}")
+    original = rope_scaling.get("original_max_position_embeddings")
+    if kind == "dynamic" and not (isinstance(original, int) and original >= 1):
+        raise ValueError(f"dynamic rope_scaling needs an integer original_max_position_embeddings >= 1, "
+                         f"got {original!r}")
+    return rope_scaling
+
+
+def rope_positions(positions: torch.Tensor, rope_scaling: dict | None) -> torch.Tensor | None:
+    """Float positions fed to RoPE under ``rope_scaling`` (None when RoPE is off).
+
+    Args:
+        positions: int64 ``[batch, seq]`` true token positions (0-based).
+        rope_scaling: a dict accepted by :func:`validate_rope_scaling`, or None.
+
+    Returns:
+        float32 ``[batch, seq]`` positions, or None for ``rope_type == "none"``.
+    """
+    pos = positions.float()
+    kind = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+    if kind == "none":
+        return None
+    if kind == "linear":
+        return pos / float(rope_scaling["factor"])
+    if kind == "dynamic":
+        original = int(rope_scaling["original_max_position_embeddings"])
+        span = float(positions.max()) + 1.0 if positions.numel() else 0.0
+        return pos * (original / span) if span > original else pos
+    return pos
+
+
 def _rotate(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """RoPE (rotate-half convention) of ``x`` ``[batch, heads, seq, head_dim]``."""
+    """RoPE (rotate-half convention) of ``x`` ``[batch, heads, seq, head_dim]`` at (possibly
+    fractional) ``positions`` ``[batch, seq]``."""
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d)
     angles = positions.float()[..., None] * inv_freq  # [batch, seq, d/2]
@@ -84,6 +152,7 @@ class Eagle3RetrievalHead(torch.nn.Module):
         self.head_dim = config.get("head_dim") or self.hidden // self.num_heads
         self.eps = config.get("rms_norm_eps", 1e-6)
         self.rope_theta = config.get("rope_theta", 10000.0)
+        self.rope_scaling = validate_rope_scaling(config.get("rope_scaling"))
         self.aux_layer_ids = tuple(_aux_layers(config))
         embedding = tensors.get("embed_tokens.weight", target_embedding)
         if embedding is None:
@@ -114,7 +183,7 @@ class Eagle3RetrievalHead(torch.nn.Module):
             input_ids: int64 ``[batch, seq]``.
             aux_hidden: ``[batch, seq, 3 * target_hidden]``: the target's auxiliary hidden
                 states (layers ``aux_layer_ids``) of the *previous* step's tokens.
-            positions: int64 ``[batch, seq]``.
+            positions: int64 ``[batch, seq]`` true positions (``rope_scaling`` is applied here).
 
         Returns:
             ``(query [batch, num_heads, seq, head_dim], key [batch, num_kv_heads, seq, head_dim])``.
@@ -125,7 +194,10 @@ class Eagle3RetrievalHead(torch.nn.Module):
         x = torch.cat([emb, fused], dim=-1)
         q = (x @ self.q_proj.T).view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
         k = (x @ self.k_proj.T).view(b, s, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        return _rotate(q, positions, self.rope_theta), _rotate(k, positions, self.rope_theta)
+        pos = rope_positions(positions, self.rope_scaling)
+        if pos is None:
+            return q, k
+        return _rotate(q, pos, self.rope_theta), _rotate(k, pos, self.rope_theta)
 
 
 def _aux_layers(config: dict) -> list[int]:

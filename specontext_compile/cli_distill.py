@@ -19,6 +19,22 @@ def add_parser(sub) -> None:
     p.add_argument("--chunks", type=int, default=24, help="training chunks")
     p.add_argument("--chunk-tokens", type=int, default=768, help="tokens per training chunk")
     p.add_argument("--query-rows", type=int, default=48, help="teacher query rows per chunk")
+    p.add_argument("--teacher-cache", type=Path, default=None,
+                   help="file for the teacher targets: reused when it matches, else written")
+    p.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate")
+    p.add_argument("--seed", type=int, default=0, help="seed of the initial fc and the random positions")
+    p.add_argument("--positions", choices=("contiguous", "random", "random_span"), default="contiguous",
+                   help="head RoPE positions while training: the chunk's own; a sorted random subset "
+                        "of [0, --max-position) per step; or of a random span up to --max-position")
+    p.add_argument("--max-position", type=int, default=8192,
+                   help="upper end of the random positions (tokens)")
+    p.add_argument("--rope", choices=("default", "linear", "dynamic", "none"), default="default",
+                   help="the head's RoPE, saved as rope_scaling in config.json")
+    p.add_argument("--rope-factor", type=float, default=1.0, help="position-interpolation factor (--rope linear)")
+    p.add_argument("--loss-sink", type=int, default=0,
+                   help="first tokens left out of the loss (the selection keeps them anyway)")
+    p.add_argument("--loss-window", type=int, default=0,
+                   help="recent tokens before each query row left out of the loss (kept anyway)")
 
 
 def run(args) -> int:
@@ -27,13 +43,15 @@ def run(args) -> int:
     from .models import load_model
     from .runtime.distill import DistillConfig, distill
 
+    config = DistillConfig(variant=args.variant, steps=args.steps, chunk_tokens=args.chunk_tokens,
+                           query_rows=args.query_rows, lr=args.lr, seed=args.seed, positions=args.positions,
+                           max_position=args.max_position, rope=args.rope, rope_factor=args.rope_factor,
+                           loss_sink=args.loss_sink, loss_window=args.loss_window)  # ValueError (before loading anything): cli.main
     model, tokenizer = load_model(args.model)
     texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]
-    config = DistillConfig(variant=args.variant, steps=args.steps, chunk_tokens=args.chunk_tokens,
-                           query_rows=args.query_rows)
     meta = distill(model, tokenizer, texts, config, args.out, args.chunks,
                    progress_factory=lambda n, desc: tqdm(total=n, desc=desc, leave=False),
-                   extra_meta={"text_files": [p.name for p in args.text]})
+                   extra_meta={"text_files": [str(p) for p in args.text]}, teacher_cache=args.teacher_cache)
     print(json.dumps(meta, indent=2), file=sys.stdout)
     print(f"head written to {args.out}")
     return 0

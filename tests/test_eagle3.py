@@ -109,3 +109,53 @@ def test_no_embedding_needs_the_target_one(tmp_path):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match="config.json is missing"):
         load_eagle3_head(tmp_path)
+
+
+def _with_rope_scaling(folder, rope_scaling):
+    config = json.loads((folder / "config.json").read_text())
+    config["rope_scaling"] = rope_scaling
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("scaling,expected", [
+    ({"rope_type": "linear", "factor": 4.0}, lambda p: p / 4),
+    ({"rope_type": "dynamic", "original_max_position_embeddings": 8}, lambda p: p * 8 / (p.max() + 1)),
+    ({"rope_type": "dynamic", "original_max_position_embeddings": 64}, lambda p: p),
+    ({"rope_type": "default"}, lambda p: p),
+])
+def test_rope_scaling_rotates_at_the_scaled_positions(tmp_path, scaling, expected):
+    from specontext_compile.runtime.eagle3 import Eagle3RetrievalHead, _rotate
+
+    write_checkpoint(tmp_path)
+    plain, _ = load_eagle3_head(tmp_path)
+    _with_rope_scaling(tmp_path, scaling)
+    scaled, _ = load_eagle3_head(tmp_path)
+    ids, aux, pos = torch.tensor([[3, 7, 11, 2]]), torch.randn(1, 4, 3 * H), torch.tensor([[0, 5, 9, 15]])
+    q, k = scaled(ids, aux, pos)
+    # at position 0 RoPE is the identity: rotate those to the positions the scaling should give
+    q0, k0 = plain(ids, aux, torch.zeros_like(pos))
+    torch.testing.assert_close(k, _rotate(k0, expected(pos.float()), 10000.0), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(q, _rotate(q0, expected(pos.float()), 10000.0), atol=1e-5, rtol=1e-5)
+
+
+def test_rope_none_is_position_free(tmp_path):
+    write_checkpoint(tmp_path)
+    _with_rope_scaling(tmp_path, {"rope_type": "none"})
+    head, _ = load_eagle3_head(tmp_path)
+    ids, aux = torch.tensor([[3, 7, 11]]), torch.randn(1, 3, 3 * H)
+    for a, b in zip(head(ids, aux, torch.tensor([[0, 1, 2]])), head(ids, aux, torch.tensor([[100, 4000, 9000]]))):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("scaling,match", [
+    ({"rope_type": "yarn", "factor": 4.0}, "rope_type"),
+    ({"rope_type": "linear", "factor": 0.5}, "factor"),
+    ({"rope_type": "linear"}, "factor"),
+    ({"rope_type": "dynamic"}, "original_max_position_embeddings"),
+    ("linear", "dict"),
+])
+def test_bad_rope_scaling_is_named(tmp_path, scaling, match):
+    write_checkpoint(tmp_path)
+    _with_rope_scaling(tmp_path, scaling)
+    with pytest.raises(ValueError, match=match):
+        load_eagle3_head(tmp_path)
