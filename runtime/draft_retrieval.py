@@ -93,8 +93,22 @@ class HeadSpec:
 
 
 def normalize_head_path(path: str | os.PathLike) -> str:
-    """The resolved absolute folder, as a str (what graphs and caches compare)."""
-    return str(Path(path).expanduser().resolve())
+    """The resolved absolute folder, as a str (what graphs and caches compare). A name of a
+    head shipped in the package (``specontext_compile.runtime.heads.available()``, e.g.
+    ``"smollm2-135m-fused"``) that is not also a folder here stands for that head's folder."""
+    folder = Path(path).expanduser()
+    if not folder.exists() and isinstance(path, str):
+        from .heads import available, path_of
+
+        if path in available():
+            folder = path_of(path)
+    return str(folder.resolve())
+
+
+def _shipped() -> list[str]:
+    from .heads import available
+
+    return available()
 
 
 _SPECS: dict[tuple, HeadSpec] = {}
@@ -114,8 +128,8 @@ def head_spec(path: str | os.PathLike) -> HeadSpec:
     if not folder.is_dir():
         raise ValueError(
             f"specontext option 'retrieval_head': {folder} is not a folder; pass the folder written by "
-            "`specontext distill` (config.json + model.safetensors) or leave it unset for the "
-            "lagged-query head")
+            "`specontext distill` (config.json + model.safetensors), the name of a shipped head "
+            f"({', '.join(_shipped())}), or leave it unset for the lagged-query head")
     for name in ("config.json", "model.safetensors"):
         if not (folder / name).is_file():
             raise ValueError(

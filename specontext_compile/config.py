@@ -48,7 +48,7 @@ class SpeContextConfig:
             small device tier. Needs a cache with an offload manager
             (``specontext_compile.compile`` attaches one).
         offload_trace: path of a Chrome-trace JSON of the latest decode step (offload only).
-        retrieval_head: folder of a draft retrieval head (``config.json`` +
+        retrieval_head: folder (or shipped name, e.g. ``"smollm2-135m-fused"``) of a draft retrieval head (``config.json`` +
             ``model.safetensors``, EAGLE-3 layout; SpeContext section 4) that the selection
             uses instead of the training-free lagged-query head (``retrieval_layers`` is then
             unused): embedding-only heads (``specontext distill --variant embedding``) and

@@ -76,3 +76,13 @@ def test_head_fidelity_scores_a_distilled_head_on_a_tiny_model():
     for per in table.values():
         assert set(per) == {16, 32} and all(0.0 < r <= 1.0 + 1e-9 for r in per.values())
         assert per[32] >= per[16] - 1e-9
+
+
+def test_shipped_head_names_are_accepted_as_the_retrieval_head_option():
+    from specontext_compile.config import SpeContextConfig
+    from specontext_compile.runtime.heads import available, path_of
+
+    for name in available():
+        assert SpeContextConfig(retrieval_head=name).retrieval_head == str(path_of(name).resolve())
+    with pytest.raises(ValueError, match="smollm2-135m-fused"):  # the error lists the shipped heads
+        SpeContextConfig(retrieval_head="smollm2-135m-nope")
