@@ -108,17 +108,23 @@ def reference_selection(row_scores, total, budget, sink, window):
     return out
 
 
-def test_full_budget_is_exact_over_prefill_and_20_steps(tmp_path):
-    model = tiny_llama(layers=4)
-    folder = write_head(tmp_path, model)
-    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(0))
+def assert_exact_with_full_budget(model, folder, seed):
+    """Prefill + 20 greedy steps with a budget covering the context equal eager dense; returns
+    (decode-graph compile reports, prompt ids, sparse logits per call, cache)."""
+    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(seed))
     eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))
     compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=64))
     cache = sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
     sparse = decode_logits(model, compiled, ids, 20, cache)
     for step, (a, b) in enumerate(zip(sparse, eager)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
-    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    return [r for r in sc.compile_reports() if r.result.phase == "decode"], ids, sparse, cache
+
+
+def test_full_budget_is_exact_over_prefill_and_20_steps(tmp_path):
+    model = tiny_llama(layers=4)
+    folder = write_head(tmp_path, model)
+    decode, *_ = assert_exact_with_full_budget(model, folder, seed=0)
     assert len(decode) == 1 and (decode[0].sites_total, decode[0].sites_rewritten) == (4, 4)
     assert decode[0].result.selection_head == f"draft:{folder.resolve()}"
     assert decode[0].result.retrieval_layers == ()  # no lagged-query recording
@@ -392,14 +398,7 @@ def previous_token_aux(hidden_states, layers):
 def test_fused_head_full_budget_is_exact_and_keys_use_previous_hidden_states(tmp_path):
     model = tiny_llama(layers=4)  # aux layers before the last (HF's last entry is after the norm)
     folder = write_head(tmp_path, model, heads=4, kv_heads=2, variant="fused", aux=(0, 1, 2))
-    ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(9))
-    eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))
-    compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=64))
-    cache = sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
-    sparse = decode_logits(model, compiled, ids, 20, cache)
-    for step, (a, b) in enumerate(zip(sparse, eager)):
-        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
-    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    decode, ids, sparse, cache = assert_exact_with_full_budget(model, folder, seed=9)
     assert [(r.sites_total, r.sites_rewritten) for r in decode] == [(4, 4)]
     assert counters["specontext"]["draft_selection_calls"] == 20
     # every K from the dense model's hidden states (exact at this budget), previous token's
