@@ -181,6 +181,8 @@ def main() -> None:
                         help="teacher-forced decode steps per policy run (agreement / nll)")
     parser.add_argument("--policies", nargs="+", default=list(SHORT), choices=list(SHORT))
     parser.add_argument("--plots", type=Path, default=None, help="folder for fidelity_{agreement,nll}_<ctx>.png")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the policies already in --out (agreement/nll runs; saved after each policy)")
     parser.add_argument("--plots-from", type=Path, default=None,
                         help="only redraw the --plots of a JSON written by an agreement/nll run")
     args = parser.parse_args()
@@ -222,10 +224,22 @@ def _decode_main(args, model, ids, policies) -> None:
     metrics = [m for m in ("recall", "agreement", "nll_delta") if m in args.metrics or
                (m == "nll_delta" and "nll" in args.metrics)]
     table = {}
+    if args.resume and args.out and args.out.exists():
+        table = {int(c): v for c, v in json.loads(args.out.read_text()).items()}
+
+    def save(partial=None, context=None):
+        if partial is not None:
+            table[context] = partial
+        if args.out:
+            args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
+
     for context in args.contexts:
         budgets = [b for b in args.budgets if b < context]
+        done = table.get(context)
+        if done:  # JSON keys are strings
+            done["policies"] = {k: {int(b): r for b, r in per.items()} for k, per in done["policies"].items()}
         res = sweep(model, ids, context, args.decode_tokens, budgets, policies, args.sink, args.window,
-                    args.h2o_queries)
+                    args.h2o_queries, done=done, on_policy=lambda part, c=context: save(part, c))
         table[context] = res
         for metric in metrics:
             print(f"\n### context {context} tokens, {args.decode_tokens} decode tokens: {DECODE_METRICS[metric]}"
@@ -235,8 +249,7 @@ def _decode_main(args, model, ids, policies) -> None:
             for name, per in res["policies"].items():
                 fmt = "{:+.3f}" if metric == "nll_delta" else "{:.3f}"
                 print(f"| {name} | " + " | ".join(fmt.format(per[b][metric]) for b in budgets) + " |", flush=True)
-        if args.out:
-            args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
+        save()
         if args.plots:
             plot_decode(res, context, args.plots)
 

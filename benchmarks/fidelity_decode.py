@@ -292,8 +292,14 @@ def run_policy(model, ids: torch.Tensor, pre: Prefill, context: int, steps: int,
 
 
 def sweep(model, ids: torch.Tensor, context: int, steps: int, budgets: Sequence[int], policies: dict,
-          sink: int = 4, window: int = 64, h2o_queries: int = 256) -> dict:
+          sink: int = 4, window: int = 64, h2o_queries: int = 256, done: dict | None = None,
+          on_policy=None) -> dict:
     """Every policy x budget at one context against one dense run.
+
+    Args:
+        done: results of an earlier sweep of the same settings (this function's return
+            value): its policies are kept and not run again.
+        on_policy: called with the partial result after every policy (e.g. to save it).
 
     Returns:
         ``{"dense_nll": float, "policies": {name: {budget: {"recall", "agreement",
@@ -304,7 +310,14 @@ def sweep(model, ids: torch.Tensor, context: int, steps: int, budgets: Sequence[
                        desc=f"context {context}: dense")
     dense_nll = float(dense.nll.mean())
     out = {"dense_nll": dense_nll, "steps": steps, "policies": {}}
+    if done and done.get("steps") == steps:
+        if abs(done["dense_nll"] - dense_nll) > 1e-6:
+            raise ValueError("the earlier sweep had another dense run; not resuming")
+        out["policies"].update({k: v for k, v in done["policies"].items() if k in policies})
     for name, policy in policies.items():
+        if name in out["policies"]:
+            logger.info("context %d %s: kept from the earlier sweep", context, name)
+            continue
         if isinstance(policy, P.DraftHead):
             logger.warning("skipping %s: draft heads are not run inside the model yet", name)
             continue
@@ -320,4 +333,6 @@ def sweep(model, ids: torch.Tensor, context: int, steps: int, budgets: Sequence[
             for r, b in enumerate(budgets)
         }
         logger.info("context %d %s: %s", context, name, out["policies"][name])
+        if on_policy is not None:
+            on_policy(out)
     return out

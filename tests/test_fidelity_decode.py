@@ -195,3 +195,14 @@ def test_plots_are_written(model, ids, tmp_path):
     paths = plot_decode(res, 2048, tmp_path)
     assert [p.name for p in paths] == ["fidelity_agreement_2k.png", "fidelity_nll_2k.png"]
     assert all(p.stat().st_size > 1000 for p in paths)
+
+
+def test_sweep_resumes_and_reports_each_policy(model, ids):
+    first = FD.sweep(model, ids, CONTEXT, 4, [8], {"streaming": P.StreamingLLM()}, sink=2, window=2,
+                     h2o_queries=16)
+    partial = []
+    both = {"streaming": P.StreamingLLM(), "oracle": P.OracleTopK()}
+    second = FD.sweep(model, ids, CONTEXT, 4, [8], both, sink=2, window=2, h2o_queries=16, done=first,
+                      on_policy=lambda part: partial.append(list(part["policies"])))
+    assert second["policies"]["streaming"] == first["policies"]["streaming"]
+    assert partial == [["streaming", "oracle"]]  # only the oracle ran
