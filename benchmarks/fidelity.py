@@ -10,8 +10,16 @@ steps 1.. (step 0 has no previous query for the lagged-query head).
 
     python -m benchmarks.fidelity --contexts 2048 4096 8192 --budgets 256 512 1024 2048
 
-Writes a markdown table to stdout and, with ``--out``, JSON. Greedy agreement and NLL per
-policy need the policy inside the model's attention and are not measured here yet.
+Writes a markdown table to stdout and, with ``--out``, JSON.
+
+With ``--metrics agreement nll`` (and optionally ``recall``) each policy runs *inside* the
+model's attention instead (:mod:`benchmarks.fidelity_decode`): ``--decode-tokens``
+teacher-forced steps after a dense prefill, reporting greedy agreement with a dense run, the
+NLL delta (nats/token) and the in-run recall, per policy and budget; ``--plots DIR`` writes
+agreement / NLL-delta plots per context:
+
+    python -m benchmarks.fidelity --contexts 8192 --decode-tokens 256 \
+        --metrics recall agreement nll --out out/fidelity_decode.json --plots docs
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ POLICIES = {
     "oracle top-k (per layer)": P.OracleTopK(),
     "random": P.RandomTokens(),
 }
+SHORT = dict(zip(["ours", "ours-l8", "streaming", "quest", "h2o", "oracle", "random"], POLICIES))
+DECODE_METRICS = {"recall": "recall (in-run)", "agreement": "greedy agreement", "nll_delta": "NLL delta (nats/token)"}
 
 
 def record(model, ids: torch.Tensor, context: int, steps: int, h2o_queries: int, aux_layers=()):
@@ -165,9 +175,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--heads", type=Path, nargs="*", default=[],
                         help="EAGLE-3-layout head folders (e.g. from `specontext distill`) to compare too")
+    parser.add_argument("--metrics", nargs="+", default=["recall"], choices=["recall", "agreement", "nll"],
+                        help="agreement / nll run every policy inside the model's attention")
+    parser.add_argument("--decode-tokens", type=int, default=256,
+                        help="teacher-forced decode steps per policy run (agreement / nll)")
+    parser.add_argument("--policies", nargs="+", default=list(SHORT), choices=list(SHORT))
+    parser.add_argument("--plots", type=Path, default=None, help="folder for fidelity_{agreement,nll}_<ctx>.png")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the policies already in --out (agreement/nll runs; saved after each policy)")
+    parser.add_argument("--plots-from", type=Path, default=None,
+                        help="only redraw the --plots of a JSON written by an agreement/nll run")
     args = parser.parse_args()
+    if args.plots_from:
+        for context, res in json.loads(args.plots_from.read_text()).items():
+            plot_decode(res, int(context), args.plots or Path("docs"))
+        return
     model, tok = load_model("smollm2-135m")
-    policies = dict(POLICIES)
+    policies = {SHORT[k]: POLICIES[SHORT[k]] for k in args.policies}
     for folder in args.heads:
         from specontext_compile.runtime.eagle3 import load_eagle3_head
 
@@ -176,6 +200,9 @@ def main() -> None:
         policies[f"distilled head {folder.name}"] = P.DraftHead(head, fused=fused)
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))
     ids = tok(text, return_tensors="pt").input_ids
+    if {"agreement", "nll"} & set(args.metrics):
+        _decode_main(args, model, ids, policies)
+        return
     table = {}
     for context in args.contexts:
         budgets = [b for b in args.budgets if b < context]
@@ -188,6 +215,75 @@ def main() -> None:
             print(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |", flush=True)
     if args.out:
         args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
+
+
+def _decode_main(args, model, ids, policies) -> None:
+    """Policies inside attention: tables per metric, JSON after every context, plots."""
+    from benchmarks.fidelity_decode import sweep
+
+    metrics = [m for m in ("recall", "agreement", "nll_delta") if m in args.metrics or
+               (m == "nll_delta" and "nll" in args.metrics)]
+    table = {}
+    if args.resume and args.out and args.out.exists():
+        table = {int(c): v for c, v in json.loads(args.out.read_text()).items()}
+
+    def save(partial=None, context=None):
+        if partial is not None:
+            table[context] = partial
+        if args.out:
+            args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
+
+    for context in args.contexts:
+        budgets = [b for b in args.budgets if b < context]
+        done = table.get(context)
+        if done:  # JSON keys are strings
+            done["policies"] = {k: {int(b): r for b, r in per.items()} for k, per in done["policies"].items()}
+        res = sweep(model, ids, context, args.decode_tokens, budgets, policies, args.sink, args.window,
+                    args.h2o_queries, done=done, on_policy=lambda part, c=context: save(part, c))
+        table[context] = res
+        for metric in metrics:
+            print(f"\n### context {context} tokens, {args.decode_tokens} decode tokens: {DECODE_METRICS[metric]}"
+                  + (f" (dense NLL {res['dense_nll']:.3f})" if metric == "nll_delta" else "") + "\n")
+            print("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+            print("|---|" + "---|" * len(budgets))
+            for name, per in res["policies"].items():
+                fmt = "{:+.3f}" if metric == "nll_delta" else "{:.3f}"
+                print(f"| {name} | " + " | ".join(fmt.format(per[b][metric]) for b in budgets) + " |", flush=True)
+        save()
+        if args.plots:
+            plot_decode(res, context, args.plots)
+
+
+def plot_decode(res: dict, context: int, folder: Path) -> list[Path]:
+    """Greedy agreement and NLL delta vs budget per policy (one sweep result of
+    :func:`benchmarks.fidelity_decode.sweep`), as ``folder/fidelity_{agreement,nll}_<ctx>.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    label = f"{context // 1024}k" if context % 1024 == 0 else str(context)
+    paths = []
+    for metric, ylabel, stem in (("agreement", "greedy agreement with dense", "agreement"),
+                                 ("nll_delta", "NLL delta vs dense (nats/token)", "nll")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, per in res["policies"].items():
+            budgets = sorted(per, key=int)
+            ax.plot([int(b) for b in budgets], [per[b][metric] for b in budgets], marker="o", label=name)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tokens per KV head)")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"SmolLM2-135M, context {context}, {res['steps']} teacher-forced tokens")
+        if metric == "nll_delta":
+            ax.axhline(0, color="grey", lw=0.5)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"fidelity_{stem}_{label}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
 
 
 if __name__ == "__main__":
