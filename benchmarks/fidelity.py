@@ -208,13 +208,18 @@ def main() -> None:
         budgets = [b for b in args.budgets if b < context]
         table[context] = evaluate(model, ids, context, args.steps, budgets, args.sink, args.window,
                                   args.h2o_queries, policies)
-        print(f"\n### context {context} tokens: attention recall (steps 1..{args.steps - 1})\n")
-        print("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
-        print("|---|" + "---|" * len(budgets))
-        for name, per in table[context].items():
-            print(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |", flush=True)
+        print_recall_table(context, args.steps, budgets, table[context])
     if args.out:
         args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
+
+
+def print_recall_table(context: int, steps: int, budgets: list[int], per_policy: dict) -> None:
+    """Markdown table of recall per policy (rows) and budget (columns) for one context."""
+    print(f"\n### context {context} tokens: attention recall (steps 1..{steps - 1})\n")
+    print("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
+    print("|---|" + "---|" * len(budgets))
+    for name, per in per_policy.items():
+        print(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |", flush=True)
 
 
 def _decode_main(args, model, ids, policies) -> None:

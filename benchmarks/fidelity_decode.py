@@ -108,11 +108,14 @@ class Prefill:
     cache: DynamicCache
     last_queries: dict[int, torch.Tensor]
     accumulated: dict[int, torch.Tensor]
+    aux: torch.Tensor | None = None  # [1, context, len(aux_layers) * hidden], each token's own
 
 
-def prefill(model, ids: torch.Tensor, context: int, h2o_queries: int = 256) -> Prefill:
+def prefill(model, ids: torch.Tensor, context: int, h2o_queries: int = 256,
+            aux_layers: Sequence[int] = ()) -> Prefill:
     """Dense prefill of ``ids[:, :context]`` (``[1, tokens]`` int64), recording what the
-    policies need (see :class:`Prefill`)."""
+    policies need (see :class:`Prefill`); with ``aux_layers``, also the hidden states after
+    those decoder layers for every prompt token (draft heads' fused input)."""
     from benchmarks.fidelity import prompt_accumulation
 
     prompt_q: dict[int, torch.Tensor] = {}
@@ -128,12 +131,51 @@ def prefill(model, ids: torch.Tensor, context: int, h2o_queries: int = 256) -> P
     cache = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
-            model(ids[:, :context], cache=cache, use_cache=True)
+            out = model(ids[:, :context], cache=cache, use_cache=True,
+                        output_hidden_states=bool(aux_layers))
     finally:
         model.set_attn_implementation("sdpa")
+    aux = _aux_states(out, aux_layers) if aux_layers else None
     scale = model.model.layers[0].self_attn.scaling
     acc = {l: a.float() for l, a in prompt_accumulation(prompt_q, keys, context, scale).items()}
-    return Prefill(cache, {l: q[:, :, -1:].clone() for l, q in prompt_q.items()}, acc)
+    return Prefill(cache, {l: q[:, :, -1:].clone() for l, q in prompt_q.items()}, acc, aux)
+
+
+def _aux_states(out, aux_layers: Sequence[int]) -> torch.Tensor:
+    """``[batch, tokens, len(aux_layers) * hidden]``: hidden states after decoder layers
+    ``aux_layers`` (HF ``hidden_states[j + 1]``), the convention of runtime/distill.py."""
+    return torch.cat([out.hidden_states[j + 1] for j in aux_layers], -1).detach()
+
+
+class _DraftKeys:
+    """A draft head's own key cache per batch row (SpeContext section 4): prompt keys from
+    the dense prefill, then one key per decode step from the policy run's own previous-token
+    hidden states (EAGLE-3 feeds the previous token's states; zeros for the first token and
+    for embedding-only heads)."""
+
+    def __init__(self, policy: P.DraftHead, pre: Prefill, ids: torch.Tensor, context: int, rows: int):
+        self.policy = policy
+        aux = pre.aux if policy.fused else torch.zeros_like(pre.aux)
+        shifted = torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
+        with torch.no_grad():
+            _, k = policy.head(ids[:, :context], shifted, torch.arange(context)[None])
+        self.keys = [k.clone() for _ in range(rows)]  # each [1, head_kv, tokens, head_dim]
+        self.prev_aux = aux[:, -1:].expand(rows, -1, -1).clone()  # last prompt token's states
+
+    def scores(self, row: int, token: torch.Tensor, position: int) -> torch.Tensor:
+        """``[head_kv_heads, position]``: softmax of this step's head query over the head
+        keys of the cached tokens; appends this step's key (used from the next step on)."""
+        aux = self.prev_aux[row : row + 1] if self.policy.fused else torch.zeros_like(self.prev_aux[:1])
+        with torch.no_grad():
+            q, k = self.policy.head(token, aux, torch.tensor([[position]]))
+        keys = self.keys[row]
+        logits = (q[0, :, -1:] @ keys[0].transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
+        self.keys[row] = torch.cat([keys, k], 2)
+        return torch.softmax(logits.float(), -1)
+
+    def record(self, out) -> None:
+        """Keep this step's hidden states (every row) for the next step's head input."""
+        self.prev_aux = _aux_states(out, self.policy.head.aux_layer_ids)[:, -1:]
 
 
 class _PreallocatedLayer(DynamicLayer):
@@ -196,6 +238,9 @@ class _Run:
                 full[:, :, : a.shape[1]] = a
                 self.acc[l] = full
         self.shared_mask: torch.Tensor | None = None
+        self.draft: _DraftKeys | None = None  # set by run_policy for draft heads
+        self.token: torch.Tensor | None = None  # [1, 1] this step's input token
+        self.position = 0
         self.recall_sum = torch.zeros(rows, dtype=torch.float64)
         self.recall_terms = 0
 
@@ -209,6 +254,11 @@ class _Run:
             kv = self.cache.layers[0].keys.shape[1]
             if budget is None or budget >= n_after:
                 masks.append(torch.ones(kv, n_after, dtype=torch.bool))
+                continue
+            if self.draft is not None:
+                scores = self.draft.scores(r, self.token, self.position)
+                sel = select_tokens(scores[None], n_after, 1, budget, self.sink, self.window)[0]
+                masks.append(selection_mask(sel, n_after))
                 continue
             step = P.DecodeStep(
                 queries=[q[r : r + 1] if j == layer else None for j in range(layers)],
@@ -274,6 +324,10 @@ def run_policy(model, ids: torch.Tensor, pre: Prefill, context: int, steps: int,
     cache = _run_cache(pre.cache, rows, context + steps)
     scale = model.model.layers[0].self_attn.scaling
     run = _Run(policy, budgets, pre, cache, context + steps, sink, window, scale)
+    if isinstance(policy, P.DraftHead):
+        if pre.aux is None:
+            raise ValueError("draft heads need a prefill with aux_layers (the head's aux_layer_ids)")
+        run.draft = _DraftKeys(policy, pre, ids, context, rows)
     AttentionInterface.register(ATTN_NAME, run.attention)
     model.set_attn_implementation(ATTN_NAME)
     argmax = torch.zeros(rows, steps, dtype=torch.long)
@@ -281,8 +335,12 @@ def run_policy(model, ids: torch.Tensor, pre: Prefill, context: int, steps: int,
     try:
         with torch.no_grad():
             for i in tqdm(range(steps), desc=desc, leave=False, disable=desc is None):
-                tok = ids[:, context + i : context + i + 1].expand(rows, 1)
-                logits = model(tok, cache=cache, use_cache=True).logits[:, -1].float()
+                run.token, run.position = ids[:, context + i : context + i + 1], context + i
+                tok = run.token.expand(rows, 1)
+                out = model(tok, cache=cache, use_cache=True, output_hidden_states=run.draft is not None)
+                if run.draft is not None:
+                    run.draft.record(out)
+                logits = out.logits[:, -1].float()
                 argmax[:, i] = logits.argmax(-1)
                 nll[:, i] = -torch.log_softmax(logits.double(), -1)[:, int(ids[0, context + i + 1])]
                 run.end_step()
@@ -305,7 +363,9 @@ def sweep(model, ids: torch.Tensor, context: int, steps: int, budgets: Sequence[
         ``{"dense_nll": float, "policies": {name: {budget: {"recall", "agreement",
         "nll_delta", "nll"}}}}``; NLLs in nats/token, means over the ``steps`` decode steps.
     """
-    pre = prefill(model, ids, context, h2o_queries)
+    aux_layers = next((tuple(p.head.aux_layer_ids) for p in policies.values()
+                       if isinstance(p, P.DraftHead)), ())
+    pre = prefill(model, ids, context, h2o_queries, aux_layers)
     dense = run_policy(model, ids, pre, context, steps, None, [None], sink, window,
                        desc=f"context {context}: dense")
     dense_nll = float(dense.nll.mean())
@@ -317,9 +377,6 @@ def sweep(model, ids: torch.Tensor, context: int, steps: int, budgets: Sequence[
     for name, policy in policies.items():
         if name in out["policies"]:
             logger.info("context %d %s: kept from the earlier sweep", context, name)
-            continue
-        if isinstance(policy, P.DraftHead):
-            logger.warning("skipping %s: draft heads are not run inside the model yet", name)
             continue
         res = run_policy(model, ids, pre, context, steps, policy, list(budgets), sink, window,
                          desc=f"context {context}: {name}")

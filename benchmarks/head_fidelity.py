@@ -25,7 +25,7 @@ from specontext_compile.runtime import policies as P
 from specontext_compile.runtime.selection import select_tokens
 from tqdm.auto import tqdm
 
-from benchmarks.fidelity import layer_probs, recall_of, record
+from benchmarks.fidelity import layer_probs, print_recall_table, recall_of, record
 from specontext_compile.models import load_model
 
 logger = logging.getLogger(__name__)
@@ -95,11 +95,7 @@ def main() -> None:
     for context in args.contexts:
         budgets = [b for b in args.budgets if b < context]
         table[context] = evaluate(model, ids, context, args.steps, budgets, policies)
-        print(f"\n### context {context} tokens: attention recall (steps 1..{args.steps - 1})\n")
-        print("| policy | " + " | ".join(f"budget {b}" for b in budgets) + " |")
-        print("|---|" + "---|" * len(budgets))
-        for name, per in table[context].items():
-            print(f"| {name} | " + " | ".join(f"{per[b]:.3f}" for b in budgets) + " |", flush=True)
+        print_recall_table(context, args.steps, budgets, table[context])
     if args.out:
         args.out.write_text(json.dumps({str(c): v for c, v in table.items()}, indent=2) + "\n")
 

@@ -206,3 +206,34 @@ def test_sweep_resumes_and_reports_each_policy(model, ids):
                       on_policy=lambda part: partial.append(list(part["policies"])))
     assert second["policies"]["streaming"] == first["policies"]["streaming"]
     assert partial == [["streaming", "oracle"]]  # only the oracle ran
+
+
+def _tiny_head(tmp_path, model, variant):
+    from test_draft_head_backend import write_head
+
+    from specontext_compile.runtime.eagle3 import load_eagle3_head
+
+    folder = write_head(tmp_path / variant, model, variant=variant, aux=(0, 1, 2))
+    head, _ = load_eagle3_head(folder, target_embedding=model.model.embed_tokens.weight.detach())
+    return P.DraftHead(head, fused=variant == "fused")
+
+
+@pytest.mark.parametrize("variant", ["fused", "embedding"])
+def test_draft_heads_run_inside_attention(model, ids, tmp_path, variant):
+    """A draft head as a policy: exact when the budget covers everything, and its first
+    decode step scores equal the recall harness's DraftHead scores (whole-sequence head
+    forward) on the same dense prompt."""
+    policy = _tiny_head(tmp_path, model, variant)
+    res = FD.sweep(model, ids, CONTEXT, STEPS, [CONTEXT + STEPS, 16], {"draft": policy}, sink=2, window=4)
+    full = res["policies"]["draft"][CONTEXT + STEPS]
+    assert full["agreement"] == 1.0 and abs(full["nll_delta"]) < 1e-5
+    assert 0.0 < res["policies"]["draft"][16]["recall"] < 1.0
+    pre = FD.prefill(model, ids, CONTEXT, 16, policy.head.aux_layer_ids)
+    keys = FD._DraftKeys(policy, pre, ids, CONTEXT, rows=1)
+    got = keys.scores(0, ids[:, CONTEXT : CONTEXT + 1], CONTEXT)
+    aux = torch.cat([pre.aux, pre.aux[:, -1:]], 1)  # the step token's own states are unused
+    shifted = torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
+    step = P.DecodeStep(queries=[], keys=[torch.zeros(1, 2, CONTEXT + 1, 1)], previous_queries=None,
+                        accumulated=None, scale=1.0, input_ids=ids[:, : CONTEXT + 1], aux_hidden=shifted)
+    torch.testing.assert_close(got, policy.scores(step, 0), atol=1e-5, rtol=1e-4)
+    assert keys.keys[0].shape[2] == CONTEXT + 1  # this step's key appended
