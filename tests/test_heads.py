@@ -9,7 +9,7 @@ from specontext_compile.runtime import heads
 from specontext_compile.runtime.eagle3 import load_eagle3_head
 from specontext_compile.runtime.policies import DecodeStep, DraftHead
 
-VOCAB, HIDDEN, KV_HEADS, HEAD_DIM, LAYERS, INTERMEDIATE = 49152, 576, 3, 64, 30, 1536
+VOCAB, HIDDEN, KV_HEADS, HEAD_DIM, LAYERS = 49152, 576, 3, 64, 30
 SHIPPED = ["smollm2-135m-embedding", "smollm2-135m-fused"]
 
 
@@ -33,10 +33,8 @@ def test_shipped_head_loads_with_the_target_embedding(name):
     # kept: fc + two norms + one Q and one K head per KV head; no embedding, nothing else stored
     kept = HIDDEN * 3 * HIDDEN + 2 * HIDDEN + 2 * KV_HEADS * HEAD_DIM * 2 * HIDDEN
     assert report.kept == report.total == kept and report.dropped == ()
-    # vs an EAGLE-3 draft of this width (embedding, one decoder layer with 9 query heads, LM head)
-    draft = (2 * VOCAB * HIDDEN + HIDDEN * 3 * HIDDEN + 9 * HEAD_DIM * 2 * HIDDEN
-             + 2 * KV_HEADS * HEAD_DIM * 2 * HIDDEN + 9 * HEAD_DIM * HIDDEN + 3 * HIDDEN * INTERMEDIATE + 5 * HIDDEN)
-    assert 1 - report.kept / draft > 0.9
+    # (vs an EAGLE-3 draft of this width, ~61.7M parameters, that is 97.7% pruned:
+    # runtime/heads/README.md)
 
 
 @pytest.mark.parametrize("name", SHIPPED)
