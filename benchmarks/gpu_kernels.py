@@ -264,25 +264,7 @@ def check_correctness(device, dry: bool) -> list[str]:
             device=device,
             **params,
         )
-        if case.rope_cache is not None:
-            out = codegen.sparse_mla_decode_attention(
-                case.query,
-                case.query_rope,
-                case.key_cache,
-                case.rope_cache,
-                case.indices,
-                case.valid_length,
-                **case.options,
-            )
-        else:
-            out = codegen.sparse_decode_attention(
-                case.query,
-                case.key_cache,
-                case.value_cache,
-                case.indices,
-                case.valid_length,
-                **case.options,
-            )
+        out = case.run()
         ratio = error_ratio(out.cpu(), case.reference().cpu(), case.value_scale, params["dtype"])
         status = "ok" if ratio <= ERROR_BOUND[params["dtype"]] else "FAIL"
         print(

@@ -82,7 +82,6 @@ def _error_grid(cases: int) -> list[dict]:
 
 def _measure(row: dict, seed0: int) -> float:
     from .accuracy import error_ratio
-    from .attention import sparse_decode_attention, sparse_mla_decode_attention
     from .testing import make_attention_case
 
     worst = 0.0
@@ -98,26 +97,7 @@ def _measure(row: dict, seed0: int) -> float:
             logit_scale=1.0 + 3 * (seed % 2),
             **params,
         )
-        kwargs = dict(case.options, num_splits=1 + seed % 3, block_n=16)
-        if case.rope_cache is not None:
-            out = sparse_mla_decode_attention(
-                case.query,
-                case.query_rope,
-                case.key_cache,
-                case.rope_cache,
-                case.indices,
-                case.valid_length,
-                **kwargs,
-            )
-        else:
-            out = sparse_decode_attention(
-                case.query,
-                case.key_cache,
-                case.value_cache,
-                case.indices,
-                case.valid_length,
-                **kwargs,
-            )
+        out = case.run(num_splits=1 + seed % 3, block_n=16)
         worst = max(worst, error_ratio(out, case.reference(), case.value_scale, row["dtype"]))
     return worst
 

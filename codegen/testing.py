@@ -88,6 +88,19 @@ class AttentionCase:
     rope_cache: torch.Tensor | None = None
     value_scale: float = 1.0  # max |v| over selected slots
 
+    def run(self, **kwargs) -> torch.Tensor:
+        """The generated kernel on this case (the MLA one when there is a rope part);
+        ``kwargs`` (``out``, ``num_splits``, ``block_n``, ...) override :attr:`options`."""
+        from .attention import sparse_decode_attention, sparse_mla_decode_attention
+
+        options = {**self.options, **kwargs}
+        if self.rope_cache is None:
+            return sparse_decode_attention(self.query, self.key_cache, self.value_cache,
+                                           self.indices, self.valid_length, **options)
+        return sparse_mla_decode_attention(self.query, self.query_rope, self.key_cache,
+                                           self.rope_cache, self.indices, self.valid_length,
+                                           **options)
+
     def reference(self) -> torch.Tensor:
         """float64 reference output."""
         if self.rope_cache is None:

@@ -81,29 +81,7 @@ def run_case(params: dict) -> None:
     case = make_attention_case(device=DEVICE, **params)
     shape = (*case.query.shape[:3], case.value_cache.shape[-1])
     out = torch.full(shape, float("nan"), dtype=case.query.dtype, device=DEVICE)
-    if case.rope_cache is None:
-        got = codegen.sparse_decode_attention(
-            case.query,
-            case.key_cache,
-            case.value_cache,
-            case.indices,
-            case.valid_length,
-            out=out,
-            **case.options,
-            **run,
-        )
-    else:
-        got = codegen.sparse_mla_decode_attention(
-            case.query,
-            case.query_rope,
-            case.key_cache,
-            case.rope_cache,
-            case.indices,
-            case.valid_length,
-            out=out,
-            **case.options,
-            **run,
-        )
+    got = case.run(out=out, **run)
     assert got.data_ptr() == out.data_ptr()
     assert not torch.isnan(got).any(), f"NaN in output for {params}"
     assert_within_bound(
