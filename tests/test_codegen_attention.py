@@ -7,7 +7,6 @@ property, so each value is exercised; inputs follow the kernel contract and ever
 kernel must not read is NaN, as is the output buffer before each run.
 """
 
-import os
 
 import pytest
 import torch
@@ -25,23 +24,7 @@ SETTINGS = {
 }
 
 
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter():
-    """Run kernels under the Triton interpreter on CPU; restore the environment afterwards.
-
-    The generated kernels avoid the jit functions of triton.language, so this works even when
-    triton was imported (e.g. by torch._dynamo) before the variable was set.
-    """
-    previous = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    assert codegen.triton_available()
-    yield
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 @st.composite

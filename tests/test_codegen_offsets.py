@@ -28,18 +28,7 @@ HEAD_DIM = 32
 gather_offsets = None  # placeholder for the generated jit helper, set by the probe test
 
 
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter():
-    """Triton interpreter on CPU for this module only (see test_codegen_attention.py)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    yield
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 def test_gather_offsets_helper_is_64_bit():

@@ -6,7 +6,6 @@ length, cache slots past it poisoned with NaN; ``select_topk`` keeps sinks and t
 window, never selects an invalid position and pads with -1.
 """
 
-import os
 
 import pytest
 import torch
@@ -23,18 +22,7 @@ SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def triton_interpreter():
-    """Triton interpreter on CPU for this module only (see test_codegen_attention.py)."""
-    previous = os.environ.get("TRITON_INTERPRET")
-    if DEVICE == "cpu":
-        os.environ["TRITON_INTERPRET"] = "1"
-    pytest.importorskip("triton")
-    yield
-    if previous is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = previous
+pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("group", [1, 3, 4, 6, 7, 8])
