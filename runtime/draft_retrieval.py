@@ -72,6 +72,8 @@ class HeadSpec:
         aux_layer_ids: decoder layers whose outputs a fused head reads.
         aux_width: width of the auxiliary input (``fc.weight``'s columns, ``3 * target
             hidden`` for EAGLE-3).
+        stamp: modification times (ns) of ``config.json`` and ``model.safetensors`` when
+            read; a rewritten head is read (and loaded) again.
     """
 
     path: str
@@ -84,6 +86,7 @@ class HeadSpec:
     variant: str
     aux_layer_ids: tuple[int, ...] = ()
     aux_width: int = 0
+    stamp: tuple[int, ...] = ()
 
     def describe(self) -> str:
         kind = ("embedding-only" if self.variant == "embedding"
@@ -170,7 +173,7 @@ def head_spec(path: str | os.PathLike) -> HeadSpec:
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
         vocab_size=config.get("vocab_size"), has_embedding=has_embedding, variant=variant,
-        aux_layer_ids=aux_ids, aux_width=aux_width,
+        aux_layer_ids=aux_ids, aux_width=aux_width, stamp=stamp,
     )
     _SPECS[key] = spec
     return spec
@@ -190,9 +193,8 @@ def load_head(path: str, embedding: torch.Tensor, dtype: torch.dtype, device: to
 
     spec = head_spec(path)
     folder = Path(spec.path)
-    stamp = tuple((folder / n).stat().st_mtime_ns for n in ("config.json", "model.safetensors"))
     emb_key = None if spec.has_embedding else (embedding.data_ptr(), tuple(embedding.shape), embedding.dtype)
-    key = (spec.path, stamp, emb_key, dtype, str(device))
+    key = (spec.path, spec.stamp, emb_key, dtype, str(device))
     head = _LOADED.get(key)
     if head is None:
         head, _ = load_eagle3_head(folder, None if spec.has_embedding else embedding.detach())
