@@ -211,7 +211,7 @@ def make_cache(kind: str, config, capacity: int):
 
     if kind == "hf-eager":
         return DynamicCache(config=config)
-    if kind == "hf-static-inductor":
+    if kind.startswith("hf-static-"):
         return StaticCache(config, max_cache_len=capacity)
     from specontext_compile import SpeContextCache
 
@@ -240,31 +240,56 @@ class Forwards:
         if name not in self._fns:
             if name == "hf-eager":
                 self._fns[name] = self.model.forward
-            elif name == "hf-static-inductor":
-                self._fns[name] = torch.compile(self.model.forward, backend="inductor")
+            elif name.startswith("hf-static-"):
+                self._fns[name] = torch.compile(self.model.forward, **HF_STATIC[name])
             else:
-                budget = parse_budget(name)
+                budget, options = parse_specontext(name)
                 self._fns[name] = torch.compile(
-                    self.model.forward, backend="specontext", options={"budget": budget})
+                    self.model.forward, backend="specontext", options={"budget": budget, **options})
         return self._fns[name]
 
 
-def parse_budget(name: str) -> int:
-    """Budget of ``specontext-<budget>``."""
+# HF StaticCache + inductor, as Hugging Face compiles decoding; "-cudagraphs" is HF's default
+# mode (CUDA graphs; on CPU inductor skips them), "-frozen" adds weight freezing (CPU: weights
+# pre-packed for oneDNN), so what freezing alone gives is visible for the dense peer too
+HF_STATIC = {
+    "hf-static-inductor": {"backend": "inductor"},
+    "hf-static-frozen": {"backend": "inductor", "options": {"freezing": True}},
+    "hf-static-cudagraphs": {"backend": "inductor", "mode": "reduce-overhead"},
+}
+# specontext-[<variant>-]<budget>; no variant = the backend's defaults
+SPECONTEXT_VARIANTS = {
+    "": {},
+    "eager": {"inner": "eager"},
+    "inductor": {"inner": "inductor"},
+    "opaque": {"inner": "inductor", "lower": False},  # inductor around our ops left opaque
+    "cudagraphs": {"inner": "inductor", "mode": "reduce-overhead"},
+}
+
+
+def parse_specontext(name: str) -> tuple[int, dict]:
+    """(budget, backend options) of ``specontext-[<variant>-]<budget>``."""
+    parts = name.split("-")
     try:
-        prefix, budget = name.rsplit("-", 1)
-        if prefix != "specontext":
+        if parts[0] != "specontext" or len(parts) not in (2, 3):
             raise ValueError
-        return int(budget)
-    except ValueError:
-        raise ValueError(f"unknown contender {name!r}: use {', '.join(CONTENDERS)} or "
-                         "specontext-<budget>") from None
+        variant = parts[1] if len(parts) == 3 else ""
+        return int(parts[-1]), dict(SPECONTEXT_VARIANTS[variant])
+    except (ValueError, KeyError):
+        raise ValueError(f"unknown contender {name!r}: use hf-eager, {', '.join(HF_STATIC)} or "
+                         f"specontext-[<variant>-]<budget> with variant one of "
+                         f"{[v for v in SPECONTEXT_VARIANTS if v]}") from None
+
+
+def parse_budget(name: str) -> int:
+    """Budget of ``specontext-[<variant>-]<budget>``."""
+    return parse_specontext(name)[0]
 
 
 def check_contenders(names: list[str]) -> list[str]:
     for name in names:
-        if name not in ("hf-eager", "hf-static-inductor"):
-            parse_budget(name)
+        if name != "hf-eager" and name not in HF_STATIC:
+            parse_specontext(name)
     return names
 
 

@@ -12,8 +12,11 @@ instead of a prefill. For every workload and batch size (1..32) and every conten
 * ``flex``: the same with ``attn_implementation="flex_attention"`` (when available);
 * ``specontext``: ``torch.compile(model.forward, backend="specontext", budget=2048)`` with a
   ``SpeContextCache`` (generated Triton kernels on CUDA);
-* ``specontext-inductor``: the same with ``inner="inductor"`` (the rewritten graph compiled by
-  inductor, our ops as opaque calls), opt-in: it compiles the whole model per batch size;
+* ``sdpa-cudagraphs``: the dense ``StaticCache`` + SDPA model compiled by inductor with CUDA
+  graphs (``mode="reduce-overhead"``, Hugging Face's default compile mode);
+* ``specontext-eager``: the op chain run one op at a time (``inner="eager"``: the state
+  before issue 11); ``specontext`` is the default (lowered ops compiled by inductor);
+  ``specontext-cudagraphs`` adds CUDA graphs (``mode="reduce-overhead"``);
 
 it reports the median decode ms/step (CUDA-synchronised wall time), tokens/s
 (``batch * 1000 / ms``), the peak device memory and the KV bytes held. Configurations whose
@@ -124,6 +127,14 @@ def fill_random(cache, config, batch: int, tokens: int, device, dtype) -> None:
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+SPECONTEXT_VARIANTS = {
+    "specontext": {},
+    "specontext-eager": {"inner": "eager"},
+    "specontext-inductor": {"inner": "inductor"},
+    "specontext-cudagraphs": {"mode": "reduce-overhead"},
+}
 
 
 def run_one(name, model, forward, args, batch, context, device, dtype) -> dict:
@@ -259,11 +270,12 @@ def main(argv=None) -> int:
                         if name == "flex":
                             model.set_attn_implementation("flex_attention")
                             forwards[name] = model.forward
+                        elif name == "sdpa-cudagraphs":
+                            forwards[name] = torch.compile(model.forward, mode="reduce-overhead")
                         else:
-                            inner = "inductor" if name.endswith("inductor") else "eager"
                             forwards[name] = torch.compile(
                                 model.forward, backend="specontext",
-                                options={"budget": args.budget, "inner": inner})
+                                options={"budget": args.budget, **SPECONTEXT_VARIANTS[name]})
                     if name == "flex":
                         model.set_attn_implementation("flex_attention")
                     else:

@@ -56,6 +56,10 @@ def _linear_role(event, config) -> str:
 
 def _bucket(event, config) -> str:
     name = event.name
+    if name.startswith("graph_") and "_cpp_" in name:
+        if any(k in name for k in ("index_select", "gather", "topk", "softmax")):
+            return "inductor C++ kernels: selection / attention (fused)"
+        return "inductor C++ kernels: weights, norms, rotary (fused)"
     if name.startswith("specontext::speculative_select"):
         return "selection (speculative_select)"
     if name.startswith("specontext::sparse_attention"):
@@ -93,7 +97,9 @@ def profile_steps(model, forward, cache, token, steps: int):
 
 
 def _is_op(event) -> bool:
-    return event.name.startswith(("aten::", "specontext::"))
+    """An operator or a kernel: aten/our ops, and inductor's generated C++ kernels (named
+    ``graph_<n>_cpp_fused_...`` with ``cpp.enable_kernel_profile``)."""
+    return event.name.startswith(("aten::", "specontext::", "mkldnn::", "mkl::", "graph_", "aoti_"))
 
 
 def _top_level(event) -> bool:
@@ -131,7 +137,8 @@ def breakdown(prof, config, steps: int) -> dict:
                 own -= child.cpu_time_total / 1000.0
             parts["op body outside aten (Python of the op, dispatch)"] += own / steps
     return {"buckets": dict(buckets), "calls_per_step": {k: v / steps for k, v in calls.items()},
-            "sparse_attention_parts": dict(parts), "ms_in_ops": in_ops}
+            "sparse_attention_parts": dict(parts), "ms_in_ops": in_ops,
+            "launches_per_step": sum(calls.values()) / steps}
 
 
 def main(argv=None) -> int:
@@ -148,6 +155,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dense", action="store_true",
                         help="profile HF eager dense decoding (DynamicCache) instead")
+    parser.add_argument("--inner", default="auto", choices=("auto", "eager", "inductor"),
+                        help="the backend's inner compiler (auto = inductor for decode graphs; eager "
+                             "= the op chain, the 'before' of issue 11)")
     parser.add_argument("--random-kv", action="store_true",
                         help="fill the KV cache with random values instead of a prefill "
                              "(minutes faster at long contexts; step time does not depend on "
@@ -181,8 +191,12 @@ def main(argv=None) -> int:
         cache, forward = DynamicCache(config=model.config), model.forward
     else:
         cache = sc.SpeContextCache(model.config, max_cache_len=capacity)
+        if args.inner != "eager":
+            import torch._inductor.config as inductor_config
+
+            inductor_config.cpp.enable_kernel_profile = True  # one profiler event per C++ kernel
         forward = torch.compile(model.forward, backend="specontext",
-                                options={"budget": args.budget})
+                                options={"budget": args.budget, "inner": args.inner})
     with torch.no_grad():
         fill_cache(cache, source, args.batch)
         token = first.expand(args.batch, 1).contiguous()
@@ -195,13 +209,15 @@ def main(argv=None) -> int:
     wall_ms = 1000.0 * sum(walls) / len(walls)
     result.update({
         "context": args.context, "batch": args.batch, "budget": None if args.dense else args.budget,
-        "contender": "hf-eager" if args.dense else f"specontext-{args.budget}",
+        "contender": "hf-eager" if args.dense else f"specontext-{args.inner}-{args.budget}",
         "threads": torch.get_num_threads(), "wall_ms_per_step": wall_ms,
         "python_framework_ms": wall_ms - result["ms_in_ops"],
         "python_framework_ms_per_layer": (wall_ms - result["ms_in_ops"]) / layers,
     })
     print(f"{result['contender']}, context {args.context}, batch {args.batch}: "
-          f"{wall_ms:.1f} ms/step (profiled, {args.steps} steps)")
+          f"{wall_ms:.1f} ms/step (profiled, {args.steps} steps), {result['launches_per_step']:.0f} "
+          f"ops/kernels launched per step, host (wall - ops/kernels) "
+          f"{wall_ms - result['ms_in_ops']:.1f} ms")
     for key, ms in sorted(result["buckets"].items(), key=lambda kv: -kv[1]):
         if ms >= 0.05:
             print(f"  {key:<45} {ms:7.2f} ms  ({result['calls_per_step'][key]:.0f} calls)")

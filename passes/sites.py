@@ -25,6 +25,7 @@ import torch
 from torch import fx
 
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops used below)
+from ..runtime.protocol import RetrievalAnchor
 
 __all__ = ["SDPA_TARGETS", "AttentionSite", "decoder_layer_outputs", "find_attention_sites",
            "find_token_embedding", "is_op", "layer_windows"]
@@ -149,10 +150,9 @@ def layer_windows(graph: fx.Graph) -> dict[fx.Node, int]:
     if len(anchors) != 1:
         return {}
     anchor = anchors[0]
-    text = anchor.args[2] if len(anchor.args) > 2 else anchor.kwargs.get("layer_windows")
-    if not isinstance(text, str) or not text:
+    windows = RetrievalAnchor.of(anchor).windows()
+    if windows is None:
         return {}
-    windows = [int(w) for w in text.split(",")]
     out, seen = {}, False
     for n in graph.nodes:
         seen = seen or n is anchor

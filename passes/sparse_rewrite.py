@@ -32,6 +32,7 @@ import torch
 from torch import fx
 
 from ..config import default_retrieval_layers
+from ..runtime.protocol import DraftAnchor, RetrievalAnchor
 from .sites import (KV_WRITE, AttentionSite, decoder_layer_outputs, find_attention_sites,
                     find_token_embedding, is_op)
 
@@ -47,6 +48,7 @@ DRAFT_ANCHOR = torch.ops.specontext.draft_anchor
 DRAFT_STEP = torch.ops.specontext.draft_step.default
 DRAFT_SELECT = torch.ops.specontext.draft_select.default
 DRAFT_RECORD = torch.ops.specontext.draft_record.default
+COUNT = torch.ops.specontext.count_step.default
 
 
 @dataclasses.dataclass
@@ -89,14 +91,15 @@ class SparseAttentionPass:
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
                  retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
-                 kernel: str = "auto", retrieval_head: str | None = None):
+                 kernel: str = "auto", retrieval_head: str | None = None, dense_shortcut: bool = True):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
+        self.dense_shortcut = dense_shortcut
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
         self.kernel, self.retrieval_head = kernel, retrieval_head
 
     def uuid(self) -> str:
         cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
-               self.max_sparse_q_len, self.kernel, self.retrieval_head)
+               self.max_sparse_q_len, self.kernel, self.retrieval_head, self.dense_shortcut)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
@@ -119,7 +122,8 @@ class SparseAttentionPass:
                     "reach this one)")
             return result
         anchor = anchors[0]
-        query_state, query_valid = anchor.args[:2]
+        anchored = RetrievalAnchor.of(anchor)
+        query_state, query_valid = anchored.query_state, anchored.query_valid
         if self.retrieval_head is None:
             drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
             result.retrieval_layers = tuple(d.layer for d in drivers)
@@ -166,8 +170,11 @@ class SparseAttentionPass:
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
         for s in decode:
-            self._rewrite_site(graph, s, selections[s.window or 0], self.kernel)
+            self._rewrite_site(graph, s, selections[s.window or 0], self.kernel, self.dense_shortcut)
         result.rewritten = len(decode)
+        dense = sum(self._dense_store(s) for s in decode)
+        with graph.inserting_after(anchor):
+            graph.call_function(COUNT, (anchored.stats, [1, len(decode), len(decode) - dense, dense]))
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
@@ -193,7 +200,9 @@ class SparseAttentionPass:
                     "(expected one): build the cache with SpeContextCache(config, max_cache_len=..., "
                     "retrieval_head=DIR) (specontext_compile.compile and make_cache do it)")
         anchor = anchors[0]
-        draft_keys, draft_length, aux_state, aux_valid, head = anchor.args[:5]
+        anchored = DraftAnchor.of(anchor)
+        draft_keys, draft_length, aux_state, aux_valid, head = (
+            anchored.draft_keys, anchored.draft_length, anchored.aux_state, anchored.aux_valid, anchored.head)
         if head != self.retrieval_head:
             return (f"the cache's draft head is {head} but the backend's retrieval_head is "
                     f"{self.retrieval_head}: build the cache with the same folder")
@@ -243,6 +252,14 @@ class SparseAttentionPass:
         return step, write, (f"fused draft head: a step of {q_len} tokens needs its own hidden "
                              "states, known only after the auxiliary layers (too late to select)")
 
+    def _dense_store(self, site: AttentionSite) -> bool:
+        """Whether the rewritten site attends densely over its store (decided from shapes:
+        the budget covers the store's capacity; see ``aten_step.sparse_attention``)."""
+        key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
+        capacity = key.shape[-2] if key is not None else None
+        return (self.dense_shortcut and site.soft_cap is None and not site.window
+                and isinstance(capacity, int) and self.budget >= capacity)
+
     @staticmethod
     def _draft_unusable(draft: tuple, decode: list[AttentionSite]) -> str | None:
         step, write, _ = draft
@@ -265,11 +282,12 @@ class SparseAttentionPass:
         return None
 
     @staticmethod
-    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, kernel: str) -> None:
+    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, kernel: str,
+                      dense_shortcut: bool) -> None:
         with graph.inserting_before(site.node):
             sparse = graph.call_function(SPARSE, (
                 site.query, site.key_cache, site.value_cache, selection, site.length,
-                site.attn_mask, site.scale, kernel, site.soft_cap, site.window or 0))
+                site.attn_mask, site.scale, kernel, site.soft_cap, site.window or 0, dense_shortcut))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
         site.node.replace_all_uses_with(sparse)
         graph.erase_node(site.node)

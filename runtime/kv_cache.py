@@ -29,6 +29,7 @@ from transformers.utils import is_torchdynamo_compiling
 
 from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
 from .draft_retrieval import DraftKeyCache, head_spec
+from .protocol import STATS, DraftAnchor, RetrievalAnchor
 from .retrieval import MAX_RETRIEVAL_LAYERS
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,18 @@ logger = logging.getLogger(__name__)
 __all__ = ["SpeContextCache", "SpeContextLayer"]
 
 DEFAULT_CHUNK_TOKENS = 1024
+
+
+def _static_address(*tensors: torch.Tensor) -> None:
+    """Tell dynamo that these CUDA tensors keep their address from step to step (as Hugging
+    Face's ``StaticCache`` does), so CUDA graphs (``mode="reduce-overhead"``) read and write
+    them in place instead of copying them in and out; without a guard, so a new cache does
+    not recompile (a moved address is re-recorded by CUDA graph trees)."""
+    if is_torchdynamo_compiling():
+        return
+    for t in tensors:
+        if t.is_cuda:
+            torch._dynamo.mark_static_address(t, guard=False)
 
 
 def _round_up(n: int, chunk: int) -> int:
@@ -64,6 +77,7 @@ class SpeContextLayer(StaticLayer):
         self.keys = key_states.new_zeros((b, h, self.max_cache_len, key_states.shape[-1]))
         self.values = value_states.new_zeros((b, h, self.max_cache_len, value_states.shape[-1]))
         self.cumulative_length = self.cumulative_length.to(self.device)
+        _static_address(self.keys, self.values, self.cumulative_length)
         self.is_initialized = True
 
     def _initial_capacity(self, first_write: int) -> int:
@@ -107,8 +121,12 @@ class SpeContextLayer(StaticLayer):
         return self.cumulative_length if self.is_initialized else 0
 
     def reset(self) -> None:
-        """Forget all tokens (the stores are kept)."""
+        """Forget all tokens; the stores are kept and zeroed (unwritten slots hold zeros, so
+        the dense-over-the-store shortcut never meets a stale non-finite value)."""
         self.cumulative_length.zero_()
+        if self.is_initialized:
+            self.keys.zero_()
+            self.values.zero_()
 
 
 def _layer_windows(config) -> list[int]:
@@ -167,6 +185,7 @@ class SpeContextCache(Cache):
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.query_state: torch.Tensor | None = None
         self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
+        self.stats = torch.zeros((len(STATS),), dtype=torch.long)  # path counters, kept by the step
         self.layer_windows = _layer_windows(config)
         # a str attribute stays a graph constant (list ints become symbols under dynamic=True)
         self._layer_windows_text = ",".join(map(str, self.layer_windows))
@@ -176,20 +195,22 @@ class SpeContextCache(Cache):
         b = like.shape[0]
         self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self.num_heads, 1, self.head_dim))
         self.query_valid = self.query_valid.to(like.device)
+        self.stats = self.stats.to(like.device)
+        _static_address(self.query_state, self.query_valid, self.stats)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """HF's cache update, plus the retrieval anchor at layer 0 (see module docstring)."""
         if layer_idx == 0:
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0]:
                 self._init_retrieval_state(key_states)
-            torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid, self._layer_windows_text)
+            RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats).emit()
             if self.draft is not None:
                 first = self.layers[0]
                 capacity = (first.max_cache_len if first.is_initialized
                             else first._initial_capacity(key_states.shape[-2]))
                 self.draft.prepare(key_states, capacity, is_torchdynamo_compiling())
-                torch.ops.specontext.draft_anchor(self.draft.keys, self.draft.length, self.draft.aux_state,
-                                                  self.draft.aux_valid, self.draft.head)
+                DraftAnchor(self.draft.keys, self.draft.length, self.draft.aux_state, self.draft.aux_valid,
+                            self.draft.head).emit()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
@@ -207,6 +228,13 @@ class SpeContextCache(Cache):
         self.query_valid.zero_()
         if self.draft is not None:
             self.draft.reset()
+
+    def path_counts(self) -> dict[str, int]:
+        """Path counters kept by the compiled decode step itself (names and meanings:
+        :data:`~specontext_compile.runtime.protocol.STATS`), e.g. ``{"decode_steps": 20,
+        "sparse_sites": 600, "gather_sites": 600, "dense_store_sites": 0}``; they count
+        every step run through the backend, whatever compiled it (one host read here)."""
+        return dict(zip(STATS, self.stats.tolist()))
 
     @property
     def kv_bytes(self) -> int:

@@ -160,10 +160,10 @@ def sparse_attention_offloaded(
 
 
 def _resident(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel, soft_cap, sliding_window):
-    """The ordinary sparse attention (extra arguments only when set: older op schemas)."""
-    extra = () if soft_cap is None and not sliding_window else (soft_cap, sliding_window)
+    """The ordinary sparse attention (the selection comes from a selection node, so the
+    static dense shortcut applies)."""
     return ops.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                kernel, *extra)
+                                kernel, soft_cap, sliding_window, True)
 
 
 @sparse_attention_offloaded.register_fake

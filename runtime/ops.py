@@ -10,6 +10,8 @@ op                     role
 =====================  ====================================================================
 kv_write               append this step's keys/values into a layer's preallocated KV store
 retrieval_anchor       marks, in the traced graph, where the retrieval state enters (layer 0)
+count_step             advances the cache's path counters once per decode step
+check_capacity         (compiled CPU steps) raises before a write would pass the store's end
 record_query           keeps layer ``j``'s last query row for the next step's selection
 speculative_select     the selection node: runs once per step, before the first layer
 sparse_attention       attention of one layer over the selected tokens only
@@ -28,19 +30,14 @@ import weakref
 import torch
 from torch._dynamo.utils import counters
 
-from . import draft_retrieval
+from . import aten_step, draft_retrieval
 from .probe import active_probe, selection_recall
-from .retrieval import LaggedQueryHead
-from .selection import select_tokens, selection_size
-from .sparse_attention import dense_prefix_attention, mask_is_causal_only, sparse_attention_reference
+from .sparse_attention import mask_is_causal_only
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["draft_anchor", "draft_record", "draft_select", "draft_step", "kv_write", "record_query", "retrieval_anchor",
+__all__ = ["count_step", "draft_anchor", "draft_record", "draft_select", "draft_step", "kv_write", "record_query", "retrieval_anchor",
            "sparse_attention", "speculative_select"]
-
-_HEAD = LaggedQueryHead()
-
 
 class CacheCapacityError(RuntimeError):
     """Raised when a write would pass the end of a preallocated KV store."""
@@ -62,22 +59,9 @@ def kv_write(
         CacheCapacityError: (CPU) when the write would pass ``capacity``; the cache is left
             untouched. Create the cache with a larger ``max_cache_len``.
     """
-    q_len, capacity = key.shape[-2], key_cache.shape[-2]
-    if key_cache.device.type == "cpu":
-        start = int(length)
-        if start + q_len > capacity:
-            raise CacheCapacityError(
-                f"SpeContextCache is full: {start} + {q_len} tokens > capacity {capacity}. "
-                "Create it with a larger max_cache_len (specontext_compile.compile sizes it "
-                "from max_new_tokens)."
-            )
-        key_cache[:, :, start : start + q_len].copy_(key)
-        value_cache[:, :, start : start + q_len].copy_(value)
-    else:  # no host sync on accelerators: positions stay on the device
-        pos = length + torch.arange(q_len, device=length.device)
-        key_cache.index_copy_(2, pos, key.to(key_cache.dtype))
-        value_cache.index_copy_(2, pos, value.to(value_cache.dtype))
-    length.add_(q_len)
+    if key_cache.device.type == "cpu":  # eager CPU only: the host is the device, no sync
+        check_capacity(length, key_cache, key)
+    aten_step.write_kv(key_cache, value_cache, length, key, value)
 
 
 @kv_write.register_fake
@@ -85,20 +69,53 @@ def _(key_cache, value_cache, length, key, value) -> None:
     return None
 
 
-@torch.library.custom_op("specontext::retrieval_anchor", mutates_args=("query_state", "query_valid"))
+@torch.library.custom_op("specontext::check_capacity", mutates_args=())
+def check_capacity(length: torch.Tensor, key_cache: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Raise ``CacheCapacityError`` when writing ``key`` ``[batch, num_kv_heads, q_len,
+    head_dim]`` at ``length`` would pass the end of ``key_cache`` (reads ``length`` on the
+    host: CPU graphs only). Returns an int64 zero that the layer-0 write adds to its
+    positions, so the check runs before any write of the step (see ``passes/lower.py``)."""
+    start, q_len, capacity = int(length), key.shape[-2], key_cache.shape[-2]
+    if start + q_len > capacity:
+        raise CacheCapacityError(
+            f"SpeContextCache is full: {start} + {q_len} tokens > capacity {capacity}. "
+            "Create it with a larger max_cache_len (specontext_compile.compile sizes it "
+            "from max_new_tokens).")
+    return torch.zeros((), dtype=torch.long, device=length.device)
+
+
+@check_capacity.register_fake
+def _(length, key_cache, key):
+    return length.new_empty(())
+
+
+@torch.library.custom_op("specontext::retrieval_anchor", mutates_args=("query_state", "query_valid", "stats"))
 def retrieval_anchor(
-    query_state: torch.Tensor, query_valid: torch.Tensor, layer_windows: str | None = None
+    query_state: torch.Tensor, query_valid: torch.Tensor, stats: torch.Tensor, layer_windows: str | None = None
 ) -> None:
-    """No-op in eager mode. It puts the retrieval state tensors into the traced graph at the
-    start of layer 0, where the backend inserts the selection node. ``layer_windows``: one
-    comma-separated int per decoder layer (0 = full attention, ``w > 0`` = sliding window of
-    ``w`` tokens, -1 = another attention kind), a string so that it stays a graph constant
-    even under ``dynamic=True`` (ints may become symbols)."""
+    """No-op in eager mode. It puts the retrieval state tensors and the path counters
+    ``stats`` into the traced graph at the start of layer 0, where the backend inserts the
+    selection node. Arguments: :class:`~specontext_compile.runtime.protocol.RetrievalAnchor`
+    (``layer_windows`` is a string so that it stays a graph constant even under
+    ``dynamic=True``, where ints may become symbols)."""
     return
 
 
 @retrieval_anchor.register_fake
-def _(query_state, query_valid, layer_windows=None) -> None:
+def _(query_state, query_valid, stats, layer_windows=None) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::count_step", mutates_args=("stats",))
+def count_step(stats: torch.Tensor, increments: list[int]) -> None:
+    """Advance the path counters ``stats`` (int64, see
+    :data:`~specontext_compile.runtime.protocol.STATS`) by ``increments`` (constants the
+    pass computed from static shapes), once per decode step, on the device (no host sync)."""
+    aten_step.count_step(stats, increments)
+
+
+@count_step.register_fake
+def _(stats, increments) -> None:
     return None
 
 
@@ -107,8 +124,7 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
     ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]``; mark it valid
     in ``query_valid`` (int64 ``[slots]``)."""
-    query_state[slot].copy_(query[:, :, -1:, :])
-    query_valid[slot] = 1
+    aten_step.record_query(query_state, query_valid, query, slot)
 
 
 @record_query.register_fake
@@ -149,28 +165,14 @@ def speculative_select(
         step's write (``-1`` = padding), shared by every layer of the step.
     """
     counters["specontext"]["selection_calls"] += 1
-    cached = int(length)
-    total = cached + q_len
-    key_cache = key_caches[0]
-    slots = selection_size(budget, key_cache.shape[-2])
-    b, num_kv = key_cache.shape[0], key_cache.shape[1]
-    if total > slots and bool(query_valid[: len(key_caches)].all()):
-        scores = sum(
-            _HEAD.scores(query_state[i], keys, cached, scale) for i, keys in enumerate(key_caches)
-        )
-    else:
-        if total > slots:
-            counters["specontext"]["selection_recency_fallback"] += 1
-        scores = torch.arange(cached, dtype=torch.float32, device=key_cache.device)
-        scores = scores.expand(b, num_kv, cached)
-    # ascending positions: the gathers then walk each store forward (measured 10-15% faster)
-    return select_tokens(scores, total, q_len, slots, sink, window, sliding_window).sort(-1).values
+    return aten_step.speculative_select(query_state, query_valid, key_caches, length, q_len, budget, sink,
+                                        window, scale, sliding_window)
 
 
 @speculative_select.register_fake
 def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0):
     key_cache = key_caches[0]
-    slots = torch.sym_max(1, torch.sym_min(budget, key_cache.shape[-2]))
+    slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
 
 
@@ -321,25 +323,18 @@ def draft_select(
         ``draft_recency_fallback``).
     """
     counters["specontext"]["draft_selection_calls"] += 1
-    cached = int(length)
-    total = cached + q_len
-    slots = selection_size(budget, key_cache.shape[-2])
-    b, num_kv = key_cache.shape[0], key_cache.shape[1]
-    if total > slots and int(draft_length) >= total:
-        scores = draft_retrieval.draft_scores(query, draft_keys[:, :, :total], num_kv)
-    else:
-        if total > slots:
-            counters["specontext"]["draft_recency_fallback"] += 1
-            if counters["specontext"]["draft_recency_fallback"] == 1:
-                logger.warning("specontext: the draft head's key cache lacks positions (a step ran "
-                               "without the backend, e.g. an eager prefill); selecting recent tokens")
-        scores = torch.arange(cached, dtype=torch.float32, device=key_cache.device).expand(b, num_kv, cached)
-    return select_tokens(scores, total, q_len, slots, sink, window, sliding_window).sort(-1).values
+    if key_cache.device.type == "cpu" and int(draft_length) < int(length) + q_len:  # eager CPU: no sync
+        counters["specontext"]["draft_recency_fallback"] += 1
+        if counters["specontext"]["draft_recency_fallback"] == 1:
+            logger.warning("specontext: the draft head's key cache lacks positions (a step ran "
+                           "without the backend, e.g. an eager prefill); selecting recent tokens")
+    return aten_step.draft_select(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink,
+                                  window, sliding_window)
 
 
 @draft_select.register_fake
 def _(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink, window, sliding_window=0):
-    slots = torch.sym_max(1, torch.sym_min(budget, key_cache.shape[-2]))
+    slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
 
 
@@ -355,12 +350,20 @@ def sparse_attention(
     kernel: str = "torch",
     soft_cap: float | None = None,
     sliding_window: int = 0,
+    dense_shortcut: bool = False,
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes,
     ``soft_cap`` and ``sliding_window`` (those two always take the torch path).
     ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
-    ``kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``)."""
+    ``kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``).
+    ``dense_shortcut``: the caller promises that a selection with a slot for every store
+    position holds every written position (true of the selection nodes' outputs); such a
+    step (a static fact: budget >= capacity) then runs dense SDPA over the store instead of
+    gathering (counter ``dense_prefix_calls``). The pass sets it unless the option
+    ``dense_shortcut`` is off (tests use that to run the gather path at full budget).
+    The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
+    read); the Triton path on a masked step checks the mask once per step (one host sync)."""
     counters["specontext"]["sparse_attention_calls"] += 1
     probe = active_probe()
     if probe is not None:
@@ -368,20 +371,19 @@ def sparse_attention(
             selection_recall(query, key_cache, indices, int(length), scale, attn_mask)
         )
     plain = soft_cap is None and sliding_window == 0
-    if plain and _covers_context(indices, length):
-        # the budget covers the context: exact dense attention, contiguous reads, no gather
+    if plain and dense_shortcut and aten_step.covers_store(indices, key_cache):
         counters["specontext"]["dense_prefix_calls"] += 1
-        return dense_prefix_attention(query, key_cache, value_cache, int(length), attn_mask, scale)
-    if plain and _use_triton(kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
+    elif plain and _use_triton(kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
         return sparse_decode_attention(
             query, key_cache, value_cache, indices, length, scale=scale, check_indices=False
         )
-    return sparse_attention_reference(
-        query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window
-    )
+    else:
+        counters["specontext"]["gather_attention_calls"] += 1
+    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
+                                      soft_cap, sliding_window, dense_shortcut)
 
 
 class _MaskCheck:
@@ -426,14 +428,6 @@ def _mask_allows_selection(attn_mask, indices: torch.Tensor, length: torch.Tenso
     return ok
 
 
-def _covers_context(indices: torch.Tensor, length: torch.Tensor) -> bool:
-    """(CPU, one shared length) True when every row selects all ``length`` written tokens:
-    selections hold unique positions ``< length``, so ``length`` valid entries are all."""
-    if length.device.type != "cpu" or length.dim() != 0 or int(length) > indices.shape[-1]:
-        return False
-    return bool(((indices >= 0).sum(-1) == length).all())
-
-
 def _use_triton(kernel: str, query: torch.Tensor) -> bool:
     """Whether to run the generated kernel (raises when ``"triton"`` cannot run here)."""
     if kernel == "torch":
@@ -452,6 +446,6 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 
 @sparse_attention.register_fake
 def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-      soft_cap=None, sliding_window=0):
+      soft_cap=None, sliding_window=0, dense_shortcut=False):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

@@ -5,8 +5,8 @@
 #      (which run on CUDA when it is there);
 #   2. benchmarks/gpu_kernels.py: kernel correctness vs float64 on the device, copy
 #      bandwidth, sparse kernel vs SDPA / FlexAttention at 8K..128K;
-#   3. benchmarks/gpu_end_to_end.py: decode step of a Llama-3-8B-shaped model, dense vs
-#      specontext (budget 2048).
+#   3. benchmarks/gpu_end_to_end.py: decode step of a Llama-3-8B-shaped model, dense (eager
+#      and CUDA graphs) vs specontext (op chain, compiled step, compiled step + CUDA graphs).
 # Logs and JSON go to $OUT (default out/gpu). Stages have their own time limits, so a failing
 # stage never hides the others. STAGES="tests kernels e2e" picks stages.
 #   bash scripts/gpu_check.sh              # on a CUDA machine with torch + triton installed
@@ -59,7 +59,8 @@ if [[ " $STAGES " == *" kernels "* ]]; then
 fi
 if [[ " $STAGES " == *" e2e "* ]]; then
   echo "== end to end"
-  args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa specontext --time-budget 120)
+  args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa sdpa-cudagraphs specontext-eager specontext
+        specontext-cudagraphs --time-budget 150)
   [ -n "${DRY:-}" ] && args=(--dry-run)
   timeout 190 "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
     2>&1 | tee "$OUT/gpu_e2e.log" | tail -20

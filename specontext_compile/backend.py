@@ -15,8 +15,11 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from .config import MODES as _MODES
 from .config import SpeContextConfig
 from .passes.dump import GraphDumper
+from .passes.gemv import rewrite_one_row_linears
+from .passes.lower import LowerResult, lower_to_aten
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 
@@ -35,6 +38,7 @@ class CompileReport:
     result: RewriteResult
     graph_module: torch.fx.GraphModule
     pass_uuid: str
+    lowered: LowerResult | None = None  # set when the graph was lowered to aten (inner="inductor")
 
     @property
     def sites_total(self) -> int:
@@ -79,18 +83,21 @@ def specontext_backend(
         gm: the graph dynamo captured.
         example_inputs: its example inputs.
         options: see :class:`~specontext_compile.config.SpeContextConfig`.
-        mode: accepted for HF ``CompileConfig`` compatibility (its default is
-            ``"reduce-overhead"``); ignored with a warning, since CUDA graphs do not apply.
+        mode: ``torch.compile``'s mode (Hugging Face's ``CompileConfig`` passes
+            ``"reduce-overhead"`` by default); the option ``mode`` overrides it. Any mode but
+            ``"default"`` compiles with inductor (see :func:`inductor_patches`).
 
     Raises:
         ValueError: for unknown options or bad values.
     """
     config = SpeContextConfig.from_options(options)
-    if mode not in (None, "default"):
-        logger.warning("specontext: compile mode %r is ignored", mode)
+    mode = config.mode or mode or "default"
+    if mode not in _MODES:
+        raise ValueError(f"specontext: unknown compile mode {mode!r}; valid modes are {_MODES}")
     rewrite = SparseAttentionPass(
         config.budget, config.sink_tokens, config.recent_window,
         config.retrieval_layers, config.max_sparse_q_len, config.kernel, config.retrieval_head,
+        config.dense_shortcut,
     )
     dumper = GraphDumper.from_option(config.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None
@@ -107,8 +114,49 @@ def specontext_backend(
     counters["specontext"]["sites_rewritten"] += result.rewritten
     _REPORTS.append(CompileReport(config, result, gm, rewrite.uuid()))
     _log_result(result)
-    if config.inner == "inductor":
-        from torch._inductor.compile_fx import compile_fx
+    inner = config.inner
+    if inner == "auto":  # offload stays on the eager op chain (its ops keep state outside the graph)
+        offload = "specontext_offload_schedule" in gm.meta
+        inner = "inductor" if (result.rewritten and not offload) or mode != "default" else "eager"
+    if inner == "eager" and mode == "default":
+        return gm.forward
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
+    if config.gemv if config.gemv is not None else not on_cuda:
+        counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
+    if config.lower:
+        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda)
+        counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
+        _REPORTS[-1].lowered = lowered
+    gm.recompile()
+    from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs)
-    return gm.forward
+    return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, example_inputs))
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule over a copy of ``gm``'s graph (nodes and their meta), same submodules."""
+    graph = torch.fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out)
+    copied = torch.fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    return copied
+
+
+def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[Any]) -> dict[str, Any]:
+    """Inductor settings for one graph: those of ``torch.compile``'s ``mode`` (``"reduce-overhead"``:
+    CUDA graphs, which inductor applies only to graphs on CUDA devices), plus weight freezing
+    (``config.freezing``; on CPU it pre-packs the weights of linear layers for oneDNN) — freezing
+    takes effect only when the graph is compiled with gradients off (``torch.no_grad()``, as
+    ``generate`` runs)."""
+    patches: dict[str, Any] = {}
+    if mode != "default":
+        from torch._inductor import list_mode_options
+
+        patches.update(list_mode_options(mode))
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    freezing = config.freezing if config.freezing is not None else not on_cuda
+    if freezing:
+        patches["freezing"] = True
+    return patches

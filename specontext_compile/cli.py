@@ -70,6 +70,13 @@ def _cmd_run(args) -> int:
     from .config import SpeContextConfig
 
     text = args.prompt_file.read_text(encoding="utf-8")
+    if args.json is not None:  # refuse an unwritable path before minutes of work
+        try:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            with open(args.json, "a", encoding="utf-8"):
+                pass
+        except OSError as exc:
+            raise SystemExit(f"specontext: cannot write --json {args.json}: {exc}; pick a writable path")
     head = None
     if args.retrieval_head is not None:  # checked before the model loads
         head = SpeContextConfig(retrieval_head=args.retrieval_head).retrieval_head

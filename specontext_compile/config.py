@@ -5,10 +5,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-__all__ = ["MAX_RETRIEVAL_LAYERS", "SpeContextConfig", "default_retrieval_layers"]
+__all__ = ["MAX_RETRIEVAL_LAYERS", "MODES", "SpeContextConfig", "default_retrieval_layers"]
 
-_INNER = ("eager", "inductor")
+_INNER = ("auto", "eager", "inductor")
 _KERNELS = ("auto", "torch", "triton")
+MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
 
 
@@ -36,8 +37,12 @@ class SpeContextConfig:
             layers spread over the first two thirds of the depth (2, 4, 8, 12, 20 of 30),
             the best measured on SmolLM2 (docs/design.md).
         max_sparse_q_len: steps with more query tokens than this stay dense (prefill).
-        inner: compiler for the rewritten graph: ``"eager"`` (run the FX graph as is,
-            the default on CPU) or ``"inductor"``.
+        inner: compiler for the rewritten graph: ``"auto"`` (default: inductor for decode
+            graphs, those with a rewritten site, where it removes the host from the step,
+            except with KV offload, whose ops keep state outside the graph;
+            prefill and pass-through graphs run eager, since compiling them costs time and
+            gains little), ``"inductor"`` (every graph) or ``"eager"`` (run the FX graph as
+            is, our ops called one by one: the debugging path).
         kernel: sparse attention implementation: ``"auto"`` (generated Triton kernels on
             CUDA, the torch path elsewhere), ``"torch"``, or ``"triton"`` (on CPU this needs
             ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter; small
@@ -60,6 +65,23 @@ class SpeContextConfig:
         dump_dir: folder for graph dumps before/after the passes (text and DOT, see
             ``passes/dump.py``); None falls back to ``$SPECONTEXT_DUMP_DIR``, else no dumps.
             Does not change the rewrite (not part of the pass uuid).
+        mode: ``torch.compile`` mode for the inner compiler (``"default"``,
+            ``"reduce-overhead"`` = CUDA graphs, ``"max-autotune"``,
+            ``"max-autotune-no-cudagraphs"``); None takes the mode given to
+            ``torch.compile`` (which refuses ``mode`` together with ``options``, hence this
+            option). Any mode but ``"default"`` compiles with inductor.
+        lower: with inductor, replace the ``specontext::`` ops by their sync-free aten bodies
+            before compiling (``passes/lower.py``), so inductor fuses them into the step
+            instead of calling them back as opaque ops. False keeps them opaque (debugging).
+        dense_shortcut: when the budget covers a layer's whole store (decided from shapes at
+            compile time), attend densely over the store (SDPA, contiguous reads) instead of
+            gathering every slot; exact either way. False always runs the gather path
+            (tests use it to check the sparse path at full budget, issue 12).
+        freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
+            None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
+        gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
+            multiply-and-sum that inductor vectorises (``passes/gemv.py``: the weights are
+            then read near the copy rate on CPU); None = on for CPU graphs, off on CUDA.
     """
 
     budget: int = 1024
@@ -67,12 +89,17 @@ class SpeContextConfig:
     recent_window: int = 64
     retrieval_layers: tuple[int, ...] | int | None = None
     max_sparse_q_len: int = 16
-    inner: str = "eager"
+    inner: str = "auto"
     kernel: str = "auto"
     device_memory_bytes: int | None = None
     offload_trace: str | None = None
     retrieval_head: str | None = None
     dump_dir: str | None = None
+    mode: str | None = None
+    lower: bool = True
+    dense_shortcut: bool = True
+    freezing: bool | None = None
+    gemv: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_sparse_q_len"):
@@ -118,6 +145,15 @@ class SpeContextConfig:
                                  "unset one of them")
         if self.dump_dir is not None and not isinstance(self.dump_dir, str):
             raise ValueError(f"specontext option 'dump_dir' must be None or a folder path (str), got {self.dump_dir!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"specontext option 'mode' must be None or one of {MODES}, got {self.mode!r}")
+        for name in ("lower", "dense_shortcut"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"specontext option {name!r} must be True or False, got {getattr(self, name)!r}")
+        for name in ("freezing", "gemv"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"specontext option {name!r} must be None, True or False, "
+                                 f"got {getattr(self, name)!r}")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 

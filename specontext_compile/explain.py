@@ -157,6 +157,8 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
                 rewritten=site.reason is None, reason=site.reason))
         selections += _selection_placement(index, report.graph_module)
     delta = {k: v - start.get(k, 0) for k, v in counters["specontext"].items() if v - start.get(k, 0)}
+    # what the compiled step counted itself (also when inductor runs it: no Python op calls)
+    delta.update({f"step.{k}": v for k, v in cache.path_counts().items() if v})
     return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], heads, reports)
 
 

@@ -9,8 +9,11 @@ Measures, in one process on the same machine (docs/report.md explains each figur
 - ``greedy_agreement``: teacher-forced agreement: the dense model is fed the sparse run's
   tokens and, at every decode step, its greedy choice is compared with the sparse one (both
   saw the same history, so one early difference does not count twice);
-- ``attention_recall``: at a few sampled decode steps of the sparse run, the share of each
-  layer/head's dense attention mass (over every cached token) that its selection covers.
+- ``attention_recall``: at a few sampled decode steps, the share of each layer/head's dense
+  attention mass (over every cached token) that its selection covers. The recall probe
+  lives in the ops' Python bodies, which the compiled (inductor) step no longer calls, so
+  it is measured on a second, teacher-forced pass of the same tokens through the eager op
+  chain (``inner="eager"``), whose selections are the same computation.
 """
 
 from __future__ import annotations
@@ -65,31 +68,21 @@ def build_prompt(tokenizer, text: str) -> torch.Tensor:
 
 
 class _StepTimer:
-    """Forward hooks that time every call of the model and switch the recall probe on."""
+    """Forward hooks that time every call of the model."""
 
-    def __init__(self, model: torch.nn.Module, probe_steps: set[int], bar: tqdm | None):
+    def __init__(self, model: torch.nn.Module, bar: tqdm | None):
         self.times: list[float] = []
-        self.recalls: list[float] = []
-        self.probe_steps, self.bar = probe_steps, bar
-        self._probe = None
+        self.bar = bar
         self._handles = [
             model.register_forward_pre_hook(self._before),
             model.register_forward_hook(self._after),
         ]
 
     def _before(self, module, args):
-        step = len(self.times)
-        if step in self.probe_steps:
-            self._probe = recall_probe()
-            self._record = self._probe.__enter__()
         self._t0 = time.perf_counter()
 
     def _after(self, module, args, output):
         self.times.append(time.perf_counter() - self._t0)
-        if self._probe is not None:
-            self._probe.__exit__(None, None, None)
-            self.recalls.append(self._record.mean())
-            self._probe = None
         if self.bar is not None:
             self.bar.update(1)
 
@@ -103,11 +96,11 @@ def _median_ms(times: list[float], skip: set[int]) -> float:
     return 1000.0 * statistics.median(kept) if kept else float("nan")
 
 
-def _sparse_generate(model, input_ids, max_new_tokens, options, probe_steps, warmup):
+def _sparse_generate(model, input_ids, max_new_tokens, options, warmup):
     api.compile(model, **options)
     cache = api.make_cache(model, input_ids, max_new_tokens)
     bar = tqdm(total=max_new_tokens, desc="sparse generate", leave=False)
-    timer = _StepTimer(model, probe_steps, bar)
+    timer = _StepTimer(model, bar)
     try:
         with torch.no_grad():
             out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False, cache=cache)
@@ -115,8 +108,29 @@ def _sparse_generate(model, input_ids, max_new_tokens, options, probe_steps, war
         timer.remove()
         bar.close()
         api.restore(model)
-    skip = {0, *range(1, 1 + warmup), *probe_steps}  # 0 = prefill
+    skip = {0, *range(1, 1 + warmup)}  # 0 = prefill
     return out[0, input_ids.shape[1]:], timer, _median_ms(timer.times, skip), cache.kv_bytes
+
+
+def _recall_teacher_forced(model, input_ids, tokens, options, probe_steps) -> list[float]:
+    """Mean selection recall at each decode call in ``probe_steps`` (call ``k`` feeds
+    ``tokens[k-1]``, as in the sparse run), through the eager op chain."""
+    if not probe_steps:
+        return []
+    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner="eager"))
+    cache = api.make_cache(model, input_ids, len(tokens), retrieval_head=options.get("retrieval_head"))
+    recalls = []
+    with torch.no_grad():
+        forward(input_ids=input_ids, cache=cache, use_cache=True)
+        for step in tqdm(range(1, max(probe_steps) + 1), desc="recall probe", leave=False):
+            token = tokens[step - 1].view(1, 1)
+            if step in probe_steps:
+                with recall_probe() as record:
+                    forward(input_ids=token, cache=cache, use_cache=True)
+                recalls.append(record.mean())
+            else:
+                forward(input_ids=token, cache=cache, use_cache=True)
+    return recalls
 
 
 def _dense_teacher_forced(model, input_ids, tokens, warmup):
@@ -143,9 +157,10 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
     n = max_new_tokens
     probe_steps = {1 + warmup + i * max(1, (n - 1 - warmup) // recall_samples) for i in range(recall_samples)}
     probe_steps = {s for s in probe_steps if s < n}
-    tokens, timer, ms_sparse, kv_bytes = _sparse_generate(model, input_ids, n, dict(options, budget=budget), probe_steps, warmup)
+    tokens, timer, ms_sparse, kv_bytes = _sparse_generate(model, input_ids, n, dict(options, budget=budget), warmup)
     decode_reports = [r for r in compile_reports() if r.result.phase == "decode"]
     last = decode_reports[-1] if decode_reports else None
+    recalls = _recall_teacher_forced(model, input_ids, tokens, dict(options, budget=budget), probe_steps)
     choices, ms_dense = _dense_teacher_forced(model, input_ids, tokens, warmup)
     decoded = list(zip(choices[1:], tokens[1:].tolist()))
     agreement = sum(a == b for a, b in decoded) / len(decoded) if decoded else float("nan")
@@ -156,7 +171,7 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         sites_rewritten=last.sites_rewritten if last else 0,
         retrieval_layers=last.result.retrieval_layers if last else (),
         greedy_agreement=agreement,
-        attention_recall=statistics.fmean(timer.recalls) if timer.recalls else float("nan"),
+        attention_recall=statistics.fmean(recalls) if recalls else float("nan"),
         decode_ms_sparse=ms_sparse, decode_ms_dense=ms_dense,
         speedup=ms_dense / ms_sparse if ms_sparse else float("nan"),
         kv_bytes=kv_bytes,

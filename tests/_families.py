@@ -36,7 +36,6 @@ def run_family(family: str, attn: str, **options) -> dict:
     Raises:
         ValueError: from transformers when ``family`` has no ``attn`` implementation.
     """
-    from torch._dynamo.utils import counters
     from transformers import DynamicCache
 
     import specontext_compile as sc
@@ -49,7 +48,7 @@ def run_family(family: str, attn: str, **options) -> dict:
     with torch.no_grad():
         first = compiled_forward(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
     seen = {id(r) for r in sc.compile_reports()}  # the report list is bounded: compare by identity
-    calls_before = counters["specontext"]["sparse_attention_calls"]
+    calls_before = cache.path_counts()["sparse_sites"]
     compiled = [first]
     with torch.no_grad():
         for step in range(DECODE_STEPS):
@@ -65,7 +64,7 @@ def run_family(family: str, attn: str, **options) -> dict:
         "decode_rewritten": sum(r.result.rewritten for r in decode_reports),
         "reasons": sorted({s.reason for s in sites if s.reason}),
         "unexplained": [s for s in sites if not s.reason and s.node.target is not torch.ops.specontext.sparse_attention.default],
-        "sparse_calls": counters["specontext"]["sparse_attention_calls"] - calls_before,
+        "sparse_calls": cache.path_counts()["sparse_sites"] - calls_before,  # counted by the compiled step
         "reports": decode_reports,
         "model": model,
     }

@@ -3,7 +3,7 @@
 import pytest
 import torch
 from _tiny import tiny_llama
-from specontext_compile.runtime import ops
+from specontext_compile.runtime import aten_step, ops
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
@@ -39,22 +39,22 @@ def test_all_sites_of_tiny_llama_rewritten_and_exact_with_full_budget(attn):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert len(decode) == 1 and decode[0].sites_total == 4 and decode[0].sites_rewritten == 4
-    assert counters["specontext"]["sparse_attention_calls"] == 4 * 20
+    assert cache.path_counts()["sparse_sites"] == 4 * 20  # counted by the compiled step itself
 
 
 def test_small_budget_attends_to_fewer_tokens(monkeypatch):
     attended = []
-    real = ops.sparse_attention_reference
+    real = aten_step.sparse_attention_reference
 
     def spy(query, key_cache, value_cache, indices, length, *args):
         attended.append(((indices >= 0).sum(-1).max().item(), int(length)))
         return real(query, key_cache, value_cache, indices, length, *args)
 
-    monkeypatch.setattr(ops, "sparse_attention_reference", spy)
+    monkeypatch.setattr(aten_step, "sparse_attention_reference", spy)
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model.forward, backend="specontext",
-                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2})
+                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager"})
     logits = decode_logits(model, compiled, ids, 5, sc.SpeContextCache(model.config, max_cache_len=100))
     assert attended and all(n == 16 and length > 90 for n, length in attended)
     assert all(torch.isfinite(x).all() for x in logits)
@@ -72,7 +72,7 @@ def test_dynamic_cache_stays_dense_with_reason():
     assert all(r.sites_rewritten == 0 for r in reports)
     reasons = {reason for r in reports for _, reason in r.result.fallbacks()}
     assert any("SpeContextCache" in reason for reason in reasons)
-    assert counters["specontext"]["sparse_attention_calls"] == 0
+    assert counters["specontext"]["sparse_attention_calls"] == 0 and counters["specontext"]["ops_lowered"] == 0
 
 
 def test_compile_helper_generate_runs_rewritten_graph_without_recompiles():
@@ -80,9 +80,10 @@ def test_compile_helper_generate_runs_rewritten_graph_without_recompiles():
     ids = torch.randint(0, 128, (1, 30))
     ref = model.generate(ids, max_new_tokens=50, min_new_tokens=50, do_sample=False)
     sc.compile(model, budget=128)
-    out = model.generate(ids, max_new_tokens=50, min_new_tokens=50, do_sample=False)
+    cache = sc.api.make_cache(model, ids, 50)
+    out = model.generate(ids, max_new_tokens=50, min_new_tokens=50, do_sample=False, cache=cache)
     assert torch.equal(out, ref)  # budget >= context: exact, same greedy text
-    assert counters["specontext"]["sparse_attention_calls"] == 2 * 49
+    assert cache.path_counts()["sparse_sites"] == 2 * 49
     assert counters["specontext"]["graphs"] == 2  # one prefill + one decode graph, 50 steps
     assert sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)) <= 2
 
@@ -95,7 +96,7 @@ def test_forward_compile_path_with_generate():
     cache = sc.SpeContextCache(model.config, max_cache_len=40)
     out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache)
     assert torch.equal(out, ref)
-    assert counters["specontext"]["sparse_attention_calls"] == 2 * 11
+    assert cache.path_counts()["sparse_sites"] == 2 * 11
 
 
 def test_generate_compile_config_path():
@@ -107,21 +108,7 @@ def test_generate_compile_config_path():
     out = model.generate(ids, max_new_tokens=12, do_sample=False, cache=cache, compile_config=config)
     assert torch.equal(out, ref)
     # prefill runs eagerly in HF's compile path; every decode step runs compiled and sparse
-    assert counters["specontext"]["sparse_attention_calls"] == 2 * 11
-
-
-def test_hf_default_compile_mode_is_accepted_with_a_warning(caplog):
-    from transformers import CompileConfig
-
-    model = tiny_llama(layers=2)
-    ids = torch.randint(0, 128, (1, 25))
-    config = CompileConfig(backend="specontext")  # mode="reduce-overhead", no options
-    config._compile_all_devices = True  # HF compiles only on accelerators otherwise
-    with caplog.at_level("WARNING", logger="specontext_compile.backend"):
-        model.generate(ids, max_new_tokens=4, do_sample=False,
-                       cache=sc.api.make_cache(model, ids, 4), compile_config=config)
-    assert "is ignored" in caplog.text
-    assert counters["specontext"]["sparse_attention_calls"] == 2 * 3
+    assert cache.path_counts()["sparse_sites"] == 2 * 11
 
 
 def test_compiled_capacity_overflow_is_a_clear_error():
@@ -155,7 +142,8 @@ def test_triton_kernels_run_end_to_end_under_the_interpreter(monkeypatch):
     runs = {}
     for kernel in ("torch", "triton"):
         torch._dynamo.reset()
-        compiled = torch.compile(model.forward, backend="specontext", options=dict(options, kernel=kernel))
+        compiled = torch.compile(model.forward, backend="specontext",
+                                 options=dict(options, kernel=kernel, inner="eager"))
         runs[kernel] = decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=48))
     for a, b in zip(runs["triton"], runs["torch"]):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
@@ -173,7 +161,8 @@ def test_padding_mask_is_checked_once_per_decode_step_and_never_reused_across_st
     model = tiny_llama(layers=3)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(model.forward, backend="specontext",
-                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "kernel": "triton"})
+                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "kernel": "triton",
+                                      "inner": "eager"})
     decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=48))
     assert counters["specontext"]["triton_attention_calls"] == 3 * 4
     assert len(checks) == 4 and counters["specontext"]["mask_check_reused"] == 2 * 4
@@ -199,6 +188,7 @@ def test_batched_left_padded_generation_is_exact_at_full_budget():
     ids[1, :7] = 0
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     sc.compile(model, budget=64)
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    cache = sc.api.make_cache(model, ids, 10)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0, cache=cache)
     assert torch.equal(out, ref)
-    assert counters["specontext"]["sparse_attention_calls"] == 2 * 9
+    assert cache.path_counts()["sparse_sites"] == 2 * 9

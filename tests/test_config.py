@@ -45,7 +45,7 @@ def test_retrieval_layers_normalised_and_defaults():
 
 def test_defaults_are_valid():
     config = SpeContextConfig.from_options(None)
-    assert config.budget == 1024 and config.inner == "eager"
+    assert config.budget == 1024 and config.inner == "auto"
 
 
 def test_graph_without_attention_passes_through_unchanged(caplog):

@@ -1,4 +1,5 @@
 """The backend on a CUDA device: generated Triton kernels end to end, bf16, no recompiles,
+sync-free inductor steps (with and without CUDA graphs),
 KV offload refused with a clear error (docs/gpu.md says why). Skipped where there is no CUDA device (CI); run
 on a GPU machine with ``pytest tests/test_cuda.py`` (``scripts/gpu_check.sh`` does)."""
 
@@ -35,7 +36,8 @@ def _decode(forward, ids, steps, cache):
 
 
 def _compiled(model, **options):
-    return torch.compile(model.forward, backend="specontext", options=options)
+    """The op chain run eagerly (its counters see every call) unless ``inner`` is given."""
+    return torch.compile(model.forward, backend="specontext", options={"inner": "eager", **options})
 
 
 # fp32: generated kernel uses IEEE fp32 dots (no tf32), so only summation order differs from
@@ -46,7 +48,7 @@ def test_full_budget_matches_eager_with_triton_kernels(dtype, tol):
     model = tiny_llama(layers=3).to(CUDA, dtype)
     ids = _ids(45, 0)
     eager = _decode(model.forward, ids, STEPS, DynamicCache(config=model.config))
-    sparse = _decode(_compiled(model, budget=128), ids, STEPS,
+    sparse = _decode(_compiled(model, budget=128, dense_shortcut=False), ids, STEPS,
                      sc.SpeContextCache(model.config, max_cache_len=128))
     for step, (a, b) in enumerate(zip(sparse, eager)):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, step=step: f"step {step}: {m}")
@@ -67,6 +69,39 @@ def test_small_budget_triton_equals_torch_path():
     assert counters["specontext"]["triton_attention_calls"] > 0
     for step, (a, b) in enumerate(zip(tri, ref)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_inductor_decode_steps_never_sync_with_the_host(mode):
+    """The default compiled step (lowered ops, inductor; with CUDA graphs for
+    "reduce-overhead"): decode steps after warm-up run under
+    ``torch.cuda.set_sync_debug_mode("error")`` (any device-to-host sync raises), the
+    step counted itself, and logits equal the eager op chain's."""
+    model = tiny_llama(layers=3).to(CUDA)
+    opts = dict(budget=32, sink_tokens=2, recent_window=8)
+    ids, tokens = _ids(100, 4), _ids(12, 5)
+    runs = {}
+    for inner in ("eager", "default"):
+        torch._dynamo.reset()
+        extra = {"inner": "eager"} if inner == "eager" else {"inner": "auto", "mode": mode}
+        forward = torch.compile(model.forward, backend="specontext", options={**opts, **extra})
+        cache = sc.SpeContextCache(model.config, max_cache_len=160)
+        out = []
+        with torch.no_grad():
+            forward(input_ids=ids, cache=cache, use_cache=True)
+            for i in range(12):
+                if inner != "eager" and i == 4:  # warm-up (compile, CUDA graph capture) done
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out.append(forward(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1].clone())
+                finally:
+                    if i == 11:
+                        torch.cuda.set_sync_debug_mode(0)
+        runs[inner] = out, cache.path_counts()
+    assert runs["default"][1]["decode_steps"] == 12 and runs["default"][1]["gather_sites"] == 3 * 12
+    for a, b in zip(runs["default"][0], runs["eager"][0]):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
 
 
 def test_compiled_decode_does_not_recompile_per_step():

@@ -61,17 +61,17 @@ def test_sliding_window_layers_select_only_inside_their_window(family, monkeypat
     """Budget 8 < window 24 < context, 4 sinks, 2 recent: sliding layers pick only among
     their window's positions; full layers (Gemma's global layers) keep the sinks 0..3
     outside it; one selection per distinct window."""
-    from specontext_compile.runtime import ops
+    from specontext_compile.runtime import aten_step
 
     seen = []
-    real = ops.sparse_attention_reference
+    real = aten_step.sparse_attention_reference
 
     def spy(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window):
         seen.append((indices.clone(), int(length), sliding_window))
         return real(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window)
 
-    monkeypatch.setattr(ops, "sparse_attention_reference", spy)
-    result = run_family(family, "eager", budget=8, sink_tokens=4, recent_window=2)
+    monkeypatch.setattr(aten_step, "sparse_attention_reference", spy)
+    result = run_family(family, "eager", budget=8, sink_tokens=4, recent_window=2, inner="eager")
     windows = {w for _, _, w in seen}
     assert windows == ({24} if family == "mistral" else {24, 0})
     for indices, length, window in seen:
@@ -90,7 +90,6 @@ def test_opt_through_generate_is_fully_rewritten_and_exact():
     """OPT's forward without ``attention_mask`` builds ``torch.ones(past + new)`` from the
     cache's tensor length: a data-dependent graph break that puts layer 1 in a graph with no
     selection (the 1/2 above). ``generate`` passes the mask, so the step is one graph."""
-    from torch._dynamo.utils import counters
 
     import specontext_compile as sc
 
@@ -98,8 +97,9 @@ def test_opt_through_generate_is_fully_rewritten_and_exact():
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
     ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
     sc.compile(model, budget=128)
-    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
+    cache = sc.api.make_cache(model, ids, 12)
+    out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
     assert torch.equal(out, ref)
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert [(r.sites_rewritten, r.sites_total) for r in decode] == [(2, 2)]
-    assert counters["specontext"]["sparse_attention_calls"] == 2 * 11
+    assert cache.path_counts()["sparse_sites"] == 2 * 11

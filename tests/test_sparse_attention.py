@@ -124,18 +124,53 @@ def test_mask_is_causal_only_detects_padding():
     assert not mask_is_causal_only(additive, idx, torch.tensor(length), 1)
 
 
+def full_selection(b, hkv, length, capacity):
+    """Every written position (shuffled order is not needed: the op takes any order) then
+    ``-1`` padding, one slot per store position: what a selection node returns when the
+    budget covers the store."""
+    row = torch.cat([torch.arange(length), torch.full((capacity - length,), -1)])
+    return row.expand(b, hkv, capacity).contiguous()
+
+
 @settings(max_examples=40, deadline=None)
 @given(cases())
-def test_full_selection_takes_the_dense_path_and_matches(case):
+def test_selection_covering_the_store_takes_the_dense_path_and_matches(case):
+    """With ``dense_shortcut`` (the pass's promise) a selection with a slot per store
+    position runs dense SDPA over the store; unwritten slots hold zeros, as the cache keeps
+    them (allocation and ``reset``), and are masked by the causal limit."""
+    from torch._dynamo.utils import counters
+
     b, hkv, g, d, length, capacity, q_len, _, seed = case
     gen = torch.Generator().manual_seed(seed)
     query, key_cache, value_cache = random_inputs(gen, b, hkv, g, d, length, capacity, q_len)
-    indices = random_selection(gen, b, hkv, length, budget=length + 3)  # every written token
+    key_cache[:, :, length:] = 0.0
+    value_cache[:, :, length:] = 0.0
+    indices = full_selection(b, hkv, length, capacity)
+    before = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
+    out = torch.ops.specontext.sparse_attention(
+        query, key_cache, value_cache, indices, torch.tensor(length), None, d**-0.5, "torch", None, 0, True)
+    after = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
+    assert after == (before[0] + 1, before[1])
+    ref = dense_reference(query, key_cache, value_cache, indices, length, d**-0.5)
+    torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(cases())
+def test_selection_covering_the_store_without_shortcut_gathers_and_matches(case):
+    """The same selection without the shortcut (the op's default) runs the gather path and
+    never reads an unwritten slot (poisoned with NaN)."""
     from torch._dynamo.utils import counters
 
-    before = counters["specontext"]["dense_prefix_calls"]
+    b, hkv, g, d, length, capacity, q_len, _, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    query, key_cache, value_cache = random_inputs(gen, b, hkv, g, d, length, capacity, q_len)
+    indices = full_selection(b, hkv, length, capacity)
+    before = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     out = torch.ops.specontext.sparse_attention(
         query, key_cache, value_cache, indices, torch.tensor(length), None, d**-0.5)
-    assert counters["specontext"]["dense_prefix_calls"] == before + 1
+    after = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
+    assert after == (before[0], before[1] + 1)
     ref = dense_reference(query, key_cache, value_cache, indices, length, d**-0.5)
+    assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)

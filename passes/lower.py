@@ -1,0 +1,139 @@
+"""Lowering: replace the ``specontext::`` op nodes of a rewritten graph by their aten bodies.
+
+After :class:`~.sparse_rewrite.SparseAttentionPass`, a decode graph holds our custom ops
+(opaque to every compiler: inductor would call each one back through the dispatcher, with
+its Python body, once per layer per step). For ``inner="inductor"`` this pass swaps each
+op node for a call of the op's own sync-free implementation in
+:mod:`~specontext_compile.runtime.aten_step`; AOTAutograd then traces *through* it, so
+inductor sees gathers, matmuls, softmax and top-k as aten ops and fuses them with the
+step, and the KV writes become ``index_copy_`` on graph inputs (re-inplaced by inductor,
+as for Hugging Face's ``StaticCache``). The anchors, no-ops that only carried state into
+the graph for the rewrite, are removed.
+
+Invariants:
+
+- **Same code, same numbers.** A lowered node calls exactly the function the op's eager
+  kernel calls (:mod:`..runtime.aten_step`), with the same arguments; only the Python
+  dispatch around it (counters, the recall probe, the Triton path) is gone.
+- **Only what has an aten body.** ``kv_write``, ``count_step``, ``record_query``, ``speculative_select``,
+  ``draft_select`` and torch-path ``sparse_attention`` are lowered; draft-head steps
+  (``draft_step``/``draft_record``: a loaded module), offload ops (runtime state outside
+  the graph) and ``sparse_attention`` with ``kernel="triton"`` stay ops. A graph with any
+  offload op is left as it is.
+- **Order is kept.** Nodes are replaced in place; mutations stay where the ops were.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+
+import torch
+from torch import fx
+
+from ..runtime import aten_step
+from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
+from ..runtime.protocol import op_arguments
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LowerResult", "lower_to_aten"]
+
+_OPS = torch.ops.specontext
+_LOWERED = {
+    _OPS.kv_write: aten_step.write_kv,
+    _OPS.count_step: aten_step.count_step,
+    _OPS.record_query: aten_step.record_query,
+    _OPS.speculative_select: aten_step.speculative_select,
+    _OPS.draft_select: aten_step.draft_select,
+}
+_ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
+_SPARSE = _OPS.sparse_attention
+
+
+@dataclasses.dataclass
+class LowerResult:
+    """What :func:`lower_to_aten` did: counts of lowered / removed / kept op nodes by op name."""
+
+    lowered: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    removed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    kept: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> reason
+
+
+def _packet(target):
+    if isinstance(target, torch._ops.OpOverload):
+        return target.overloadpacket
+    return target if isinstance(target, torch._ops.OpOverloadPacket) else None
+
+
+def _sparse_body(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
+                 soft_cap=None, sliding_window=0, dense_shortcut=False):
+    """``sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
+    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
+                                      soft_cap, sliding_window, dense_shortcut)
+
+
+def _is_triton(node: fx.Node) -> bool:
+    kernel = node.args[7] if len(node.args) > 7 else node.kwargs.get("kernel", "torch")
+    if kernel == "triton":
+        return True
+    if kernel != "auto":
+        return False
+    query = node.args[0].meta.get("example_value", node.args[0].meta.get("val"))
+    from ..codegen import triton_available
+
+    return query is not None and query.is_cuda and triton_available()
+
+
+def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
+    """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
+
+    ``check_capacity`` (CPU graphs): ``specontext::check_capacity`` (an op: it reads the
+    length on the host) goes before the first ``kv_write`` (layer 0) and its zero result is
+    added to that write's positions, so it raises ``CacheCapacityError`` before the step
+    writes anything; every later write depends on layer 0's store through the attention.
+    (Lowered writes past the store's end would stop the process in the compiled kernel's
+    bounds check.)
+
+    Returns:
+        :class:`LowerResult` with per-op counts and the reason for each op kind kept.
+    """
+    result = LowerResult()
+    nodes = [n for n in graph.nodes if n.op == "call_function"
+             and getattr(_packet(n.target), "_qualified_op_name", "").startswith("specontext::")]
+    names = {_packet(n.target)._qualified_op_name for n in nodes}
+    if any(name.startswith("specontext::offload") for name in names):
+        result.kept["*"] = "the graph offloads KV (offload ops keep runtime state outside the graph)"
+        return result
+    first_write = next((n for n in nodes if _packet(n.target) is _OPS.kv_write), None)
+    for node in nodes:
+        packet = _packet(node.target)
+        name = packet._qualified_op_name
+        if check_capacity and node is first_write:
+            args = op_arguments(node, _OPS.kv_write)
+            with graph.inserting_before(node):
+                checked = graph.call_function(_OPS.check_capacity.default,
+                                              (args["length"], args["key_cache"], args["key"]))
+            node.target = aten_step.write_kv
+            node.args, node.kwargs = (args["key_cache"], args["value_cache"], args["length"], args["key"],
+                                      args["value"], checked), {}
+            result.lowered[name] += 1
+            result.kept["specontext::check_capacity"] = "reads the length on the host (CPU), once per step"
+        elif packet in _ANCHORS:
+            graph.erase_node(node)
+            result.removed[name] += 1
+        elif packet in _LOWERED:
+            node.target = _LOWERED[packet]
+            result.lowered[name] += 1
+        elif packet is _SPARSE and not _is_triton(node):
+            node.target = _sparse_body
+            result.lowered[name] += 1
+        elif packet is _SPARSE:
+            result.kept[name] = "kernel='triton': the generated kernel is called as an op"
+        else:
+            result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"
+    graph.lint()
+    for name, reason in result.kept.items():
+        logger.info("specontext: %s stays an op: %s", name, reason)
+    return result

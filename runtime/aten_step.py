@@ -1,0 +1,240 @@
+"""The decode step's ops as sync-free aten code: one implementation for eager and compiled runs.
+
+Each function here is the body of one ``specontext::`` op (see :mod:`.ops`) written so that
+(1) it never reads a tensor value on the host — lengths, positions, causal limits and
+selection sizes stay tensors, and value-dependent branches are data-parallel ``where``s —
+and (2) it uses only aten ops with static shapes. Because of (1) a decode step can be
+captured in a CUDA graph; because of (2) the backend can *lower* the ops into the graph
+(:mod:`~specontext_compile.passes.lower`) so that inductor traces through them and fuses
+them with the rest of the step instead of calling opaque Python ops.
+
+Shapes are static: a selection always ranks every slot of the store (``capacity``), masking
+positions that are not written yet, instead of slicing to the written length (which would
+need the length on the host). Decisions that depend only on shapes (does the budget cover
+the whole store?) are taken at trace time.
+
+Source: SpeContext (arXiv 2512.00722) section 4 (selection per KV head, GQA group max).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .sparse_attention import sparse_attention_reference
+
+__all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax", "record_query", "select_positions", "sparse_attention",
+           "speculative_select", "write_kv"]
+
+_NEG = float("-inf")
+
+
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, length: torch.Tensor,
+             key: torch.Tensor, value: torch.Tensor, checked: torch.Tensor | None = None) -> None:
+    """Write ``key``/``value`` ``[batch, num_kv_heads, q_len, head_dim]`` at positions
+    ``length .. length+q_len-1`` of the stores ``[batch, num_kv_heads, capacity, head_dim]``
+    (``index_copy_``, positions computed on the device) and advance ``length`` (int64 scalar
+    tensor, tokens written) by ``q_len``. No capacity check: an out-of-range position is an
+    index error of ``index_copy_`` (eager) or of the compiled kernel's bounds check.
+    ``checked``: the int64 zero returned by ``specontext::check_capacity``, added to the
+    positions so that the check runs first (data dependence)."""
+    q_len = key.shape[-2]
+    pos = length + torch.arange(q_len, device=length.device)
+    if checked is not None:
+        pos = pos + checked
+    key_cache.index_copy_(2, pos, key.to(key_cache.dtype))
+    value_cache.index_copy_(2, pos, value.to(value_cache.dtype))
+    length.add_(q_len)
+
+
+def count_step(stats: torch.Tensor, increments: list[int]) -> None:
+    """``stats += increments`` (int64 path counters, see
+    :data:`~specontext_compile.runtime.protocol.STATS`), on the device."""
+    stats.add_(torch.tensor(increments, dtype=stats.dtype, device=stats.device))
+
+
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int) -> None:
+    """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
+    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]`` and mark the slot
+    valid in ``query_valid`` (int64 ``[slots]``)."""
+    query_state[slot].copy_(query[:, :, -1:, :])
+    query_valid[slot].fill_(1)
+
+
+def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
+                             scale: float) -> torch.Tensor:
+    """Per-KV-group attention weights of one query row over the allowed positions.
+
+    Args:
+        query: ``[batch, num_heads, 1, head_dim]``.
+        keys: ``[batch, num_kv_heads, capacity, head_dim]`` (disallowed slots may hold garbage).
+        allowed: bool ``[capacity]``: the positions the softmax runs over.
+        scale: softmax scale.
+
+    Returns:
+        float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
+        of ``softmax(q . K * scale)`` (paper section 4, GQA mapping); 0 where not allowed.
+    """
+    b, num_kv, _, d = keys.shape
+    q = query.reshape(b, num_kv, -1, d).to(keys.dtype)
+    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [b, kv, g, cap]
+    probs = torch.softmax(logits.masked_fill(~allowed, _NEG), dim=-1).amax(dim=2)
+    return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
+
+
+def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
+                        cached: torch.Tensor, scale: float) -> torch.Tensor:
+    """Scores of the training-free lagged-query head over every slot of the stores.
+
+    Per retrieval layer ``i``: ``softmax(q_i . K_i * scale)`` over the written positions
+    ``< cached`` (the others masked before the softmax, so garbage in unwritten slots never
+    matters), then the max over the query heads of each KV group (paper section 4, GQA);
+    summed over the layers. Until every used slot of ``query_valid`` is set (the first
+    decode step after a prefill run without the backend), recency scores (the position
+    itself) replace them, chosen with ``where`` on the device.
+
+    Args:
+        query_state: ``[slots, batch, num_heads, 1, head_dim]``.
+        query_valid: int64 ``[slots]``.
+        key_caches: the retrieval layers' key stores ``[batch, num_kv_heads, capacity, head_dim]``.
+        cached: int64 scalar tensor, tokens written before this step.
+        scale: softmax scale.
+
+    Returns:
+        float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` hold 0.
+    """
+    first = key_caches[0]
+    b, num_kv, capacity, d = first.shape
+    pos = torch.arange(capacity, device=first.device)
+    written = pos < cached
+    total = None
+    for i, keys in enumerate(key_caches):
+        probs = masked_group_max_softmax(query_state[i], keys, written, scale)
+        total = probs if total is None else total + probs
+    ready = (query_valid[: len(key_caches)] != 0).all()
+    recency = pos.to(torch.float32).expand(b, num_kv, capacity)
+    return torch.where(ready, total, recency)
+
+
+def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slots: int, sink: int,
+                     window: int, sliding_window: int = 0) -> torch.Tensor:
+    """Pick ``slots`` positions per KV head: sinks + recent window + top-k of ``scores``.
+
+    The same selection as :func:`~specontext_compile.runtime.selection.select_tokens`
+    (the set is equal; ties among equal scores may resolve otherwise), computed with static
+    shapes: every slot of the store is ranked, forced positions (the first ``sink`` visible
+    ones, the last ``max(window, q_len)``) rank first (``+inf``), positions no query row of
+    the step may see rank last (``-inf``) and come back as ``-1`` padding.
+
+    Args:
+        scores: ``[batch, num_kv_heads, capacity]`` float, higher = keep (values at
+            positions ``>= cached`` are ignored).
+        cached: int64 scalar tensor, tokens written before this step.
+        q_len: tokens in this step (always selected).
+        slots: selection size, ``<= capacity`` and ``>= q_len``.
+        sink, window: always-kept first / last positions, counted in ``slots`` (the window
+            is kept first when both do not fit).
+        sliding_window: 0 = full attention; else only the positions the step's rows see
+            (HF: ``q - w < p <= q``) are candidates, and no sinks are kept.
+
+    Returns:
+        int64 ``[batch, num_kv_heads, slots]`` ascending, ``-1`` padding first.
+
+    Raises:
+        ValueError: when ``slots < q_len`` or ``slots > capacity``.
+    """
+    b, num_kv, capacity = scores.shape
+    if slots < q_len or slots > capacity:
+        raise ValueError(f"a selection of {slots} tokens must hold the step's {q_len} tokens and fit "
+                         f"the store's {capacity} slots")
+    pos = torch.arange(capacity, device=scores.device)
+    total = cached + q_len
+    start = (total - q_len - sliding_window + 1).clamp(min=0) if sliding_window > 0 else torch.zeros_like(total)
+    visible = (pos >= start) & (pos < total)
+    recent = min(max(window, q_len), slots)
+    sinks = 0 if sliding_window > 0 else min(sink, slots - recent)
+    forced = visible & ((pos >= total - recent) | (pos < start + sinks))
+    rank = torch.where(visible, scores.float().nan_to_num(0.0), _NEG)
+    rank = torch.where(forced, float("inf"), rank)
+    values, top = rank.topk(slots, dim=-1, sorted=False)
+    top = torch.where(values == _NEG, -1, top)
+    return top.sort(dim=-1).values
+
+
+def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
+                       length: torch.Tensor, q_len: int, budget: int, sink: int, window: int, scale: float,
+                       sliding_window: int = 0) -> torch.Tensor:
+    """The selection node with the lagged-query head (``specontext::speculative_select``):
+    :func:`lagged_query_scores` then :func:`select_positions` with
+    ``slots = min(budget, capacity)``. ``length``: tokens written before this step.
+    Returns int64 ``[batch, num_kv_heads, slots]``."""
+    slots = max(q_len, min(budget, key_caches[0].shape[-2]))
+    scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale)
+    return select_positions(scores, length, q_len, slots, sink, window, sliding_window)
+
+
+def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: torch.Tensor,
+                 key_cache: torch.Tensor, length: torch.Tensor, q_len: int, budget: int, sink: int,
+                 window: int, sliding_window: int = 0) -> torch.Tensor:
+    """The selection node with a draft head (``specontext::draft_select``): the head's
+    query scores its own key cache over positions ``< length + q_len`` (causal: the step's
+    last token sees itself), mapped to the target's KV heads
+    (:func:`~specontext_compile.runtime.draft_retrieval.map_to_target_heads`), then
+    :func:`select_positions`. When the head's cache lacks a position (``draft_length <
+    length + q_len``: a step ran without the backend) recency scores are used instead,
+    chosen on the device. Returns int64 ``[batch, num_kv_heads, min(budget, capacity)]``."""
+    from .draft_retrieval import map_to_target_heads
+
+    b, num_kv, capacity = key_cache.shape[0], key_cache.shape[1], key_cache.shape[-2]
+    keys = draft_keys[:, :, :capacity]
+    pos = torch.arange(capacity, device=key_cache.device)
+    total = length + q_len
+    scores = masked_group_max_softmax(query, keys, pos < total, query.shape[-1] ** -0.5)
+    scores = map_to_target_heads(scores, num_kv)
+    recency = pos.to(torch.float32).expand(b, num_kv, capacity)
+    scores = torch.where(draft_length >= total, scores, recency)
+    slots = max(q_len, min(budget, capacity))
+    return select_positions(scores, length, q_len, slots, sink, window, sliding_window)
+
+
+def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """True when a selection has a slot for every position of the store (decided from
+    shapes alone): it then holds every written position and attention is dense."""
+    return indices.shape[-1] >= key_cache.shape[-2]
+
+
+def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale):
+    """SDPA over the whole store with the causal limit ``p <= length - q_len + r`` as a mask
+    (unwritten slots hidden without reading ``length`` on the host)."""
+    q_len, capacity = query.shape[2], key_cache.shape[-2]
+    rows = torch.arange(q_len, device=query.device).view(q_len, 1)
+    length = length.reshape(-1, 1, 1, 1) if length.dim() else length
+    allowed = torch.arange(capacity, device=query.device).view(1, capacity) <= length - q_len + rows
+    if attn_mask is None:
+        mask = allowed
+    elif attn_mask.dtype == torch.bool:
+        mask = allowed & attn_mask[..., :capacity]
+    else:
+        mask = torch.where(allowed, attn_mask[..., :capacity].to(query.dtype), float("-inf"))
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key_cache, value_cache, attn_mask=mask, scale=scale,
+        enable_gqa=query.shape[1] != key_cache.shape[1])
+    return out.nan_to_num(0.0)
+
+
+def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
+                     soft_cap: float | None = None, sliding_window: int = 0, dense_shortcut: bool = False
+                     ) -> torch.Tensor:
+    """Attention of one layer over the selected tokens (``specontext::sparse_attention``).
+
+    With ``dense_shortcut`` (the caller's promise that a selection with a slot for every
+    store position holds every written one, as the selection nodes' do) and such a
+    selection (:func:`covers_store`, a static fact), plain sites (no soft cap, no sliding window) run
+    SDPA over the store with the causal limit as a mask (contiguous reads, exact); otherwise
+    the gather path of
+    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` (shapes,
+    mask and ``-1`` padding semantics there). ``length`` counts this step's tokens."""
+    if dense_shortcut and soft_cap is None and sliding_window == 0 and covers_store(indices, key_cache):
+        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale)
+    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, scale,
+                                      soft_cap, sliding_window)

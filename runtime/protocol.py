@@ -1,0 +1,103 @@
+"""What the KV cache tells the pass through the traced graph: the anchors' typed arguments.
+
+``SpeContextCache`` calls ``specontext::retrieval_anchor`` (and, with a draft head,
+``specontext::draft_anchor``) at layer 0 so that its state tensors and constants enter the
+traced graph; the rewrite pass reads them back from the anchor nodes. Both sides go through
+the dataclasses here — never through positional indices — so a new field is added in one
+place. Field names are the op schemas' argument names.
+
+Meanings (one per name):
+
+- ``layer_windows``: one comma-separated int per decoder layer: 0 = full causal attention,
+  ``w > 0`` = a *sliding window* of ``w`` tokens (HF's ``sliding_window``), -1 = another
+  attention kind the rewrite leaves dense. (The always-kept last tokens of a selection are
+  the *recent window*, option ``recent_window``: a different thing.)
+- ``stats``: int64 ``[len(STATS)]`` path counters kept by the compiled step itself (see
+  :data:`STATS`), so a test can tell which path ran even when inductor compiled it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import fx
+
+__all__ = ["STATS", "DraftAnchor", "RetrievalAnchor", "op_arguments"]
+
+# Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
+# step by ``specontext::count_step`` with constants the pass computed from static shapes:
+STATS = (
+    "decode_steps",      # steps that ran a selection node (one per step, whatever the windows)
+    "sparse_sites",      # attention calls over a selection (every rewritten site, every step)
+    "gather_sites",      # ... of which gathered the selected rows
+    "dense_store_sites",  # ... of which attended densely over the store (budget >= capacity)
+)
+
+
+def op_arguments(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> dict[str, Any]:
+    """The arguments of a call of ``packet`` in ``node``, by schema name (defaults filled)."""
+    schema = packet.default._schema
+    values: dict[str, Any] = {}
+    for i, arg in enumerate(schema.arguments):
+        if i < len(node.args):
+            values[arg.name] = node.args[i]
+        elif arg.name in node.kwargs:
+            values[arg.name] = node.kwargs[arg.name]
+        elif arg.has_default_value():
+            values[arg.name] = arg.default_value
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalAnchor:
+    """Arguments of ``specontext::retrieval_anchor``: the lagged-query state
+    (``query_state`` ``[slots, batch, num_heads, 1, head_dim]``, ``query_valid`` int64
+    ``[slots]``), the per-layer sliding windows (str, see the module docstring) and the
+    path counters ``stats`` (int64 ``[len(STATS)]``). Values are tensors on the cache side
+    and FX nodes on the pass side."""
+
+    query_state: Any
+    query_valid: Any
+    layer_windows: str | None
+    stats: Any
+
+    def emit(self) -> None:
+        """Call the anchor op (cache side)."""
+        torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid, self.stats,
+                                              self.layer_windows)
+
+    @classmethod
+    def of(cls, node: fx.Node) -> RetrievalAnchor:
+        """Read an anchor node (pass side)."""
+        args = op_arguments(node, torch.ops.specontext.retrieval_anchor)
+        return cls(args["query_state"], args["query_valid"], args.get("layer_windows"), args["stats"])
+
+    def windows(self) -> list[int] | None:
+        """The per-layer sliding windows, or None when the cache sent none."""
+        text = self.layer_windows
+        return [int(w) for w in text.split(",")] if isinstance(text, str) and text else None
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftAnchor:
+    """Arguments of ``specontext::draft_anchor``: the draft head's key cache (``draft_keys``
+    ``[batch, head_kv_heads, capacity, head_dim]``, ``draft_length`` int64 scalar), the
+    recorded auxiliary hidden states (``aux_state`` ``[batch, 1, aux_width]``, ``aux_valid``
+    int64 scalar) and ``head``, the head's resolved folder (str)."""
+
+    draft_keys: Any
+    draft_length: Any
+    aux_state: Any
+    aux_valid: Any
+    head: str
+
+    def emit(self) -> None:
+        torch.ops.specontext.draft_anchor(self.draft_keys, self.draft_length, self.aux_state, self.aux_valid,
+                                          self.head)
+
+    @classmethod
+    def of(cls, node: fx.Node) -> DraftAnchor:
+        args = op_arguments(node, torch.ops.specontext.draft_anchor)
+        return cls(args["draft_keys"], args["draft_length"], args["aux_state"], args["aux_valid"], args["head"])
