@@ -3,7 +3,7 @@
 import pytest
 import torch
 from _tiny import tiny_llama
-from specontext_compile.runtime import aten_step, ops
+from specontext_compile.runtime import aten_step, ops, ops_attention
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
@@ -156,8 +156,8 @@ def test_padding_mask_is_checked_once_per_decode_step_and_never_reused_across_st
     and a new step (new mask and selection objects) is checked again."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     checks = []
-    real = ops.mask_is_causal_only
-    monkeypatch.setattr(ops, "mask_is_causal_only", lambda *a: checks.append(1) or real(*a))
+    real = ops_attention.mask_is_causal_only
+    monkeypatch.setattr(ops_attention, "mask_is_causal_only", lambda *a: checks.append(1) or real(*a))
     model = tiny_llama(layers=3)
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
     compiled = torch.compile(model.forward, backend="specontext",

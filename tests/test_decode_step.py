@@ -215,3 +215,46 @@ def test_only_one_row_linears_are_rewritten(shape, rewritten):
     gm.recompile()
     x, w = torch.randn(shape), torch.randn(5, shape[-1])
     torch.testing.assert_close(gm(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ what the lowering must not touch
+
+
+def test_lowering_leaves_a_graph_with_offload_ops_alone():
+    """Offload ops keep runtime state outside the graph: a graph holding one is not lowered
+    at all (its KV writes stay ops too), and the reason is recorded."""
+    from torch import fx
+
+    from specontext_compile.passes.lower import lower_to_aten
+    from specontext_compile.runtime import offload_ops  # noqa: F401  (registers the offload ops)
+
+    ops = torch.ops.specontext
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(ops.kv_write.default, (x, x, x, x, x))
+    graph.call_function(ops.offload_wait.default, (x, x, 0))
+    graph.output(None)
+    result = lower_to_aten(graph)
+    assert not result.lowered and "offloads KV" in result.kept["*"]
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets == [ops.kv_write.default, ops.offload_wait.default]
+
+
+def test_lowering_keeps_the_triton_kernel_and_draft_steps_as_ops():
+    from torch import fx
+
+    from specontext_compile.passes.lower import lower_to_aten
+
+    ops = torch.ops.specontext
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, 0.5, "triton"))
+    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, 0.5, "torch"))
+    graph.call_function(ops.draft_record.default, (x, x, [x]))
+    graph.output(None)
+    result = lower_to_aten(graph)
+    targets = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert targets[0] is ops.sparse_attention.default and targets[2] is ops.draft_record.default
+    assert targets[1] is not ops.sparse_attention.default  # the torch path was lowered
+    assert result.lowered["specontext::sparse_attention"] == 1
+    assert set(result.kept) == {"specontext::sparse_attention", "specontext::draft_record"}

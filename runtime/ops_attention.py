@@ -1,0 +1,132 @@
+"""The sparse-attention op (``specontext::sparse_attention``): the dense-store shortcut, the
+generated Triton kernel, and the torch path (:func:`.aten_step.sparse_attention`, beside its
+reference :func:`.sparse_attention.sparse_attention_reference`)."""
+
+from __future__ import annotations
+
+import logging
+import weakref
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import aten_step
+from .probe import active_probe, selection_recall
+from .sparse_attention import mask_is_causal_only
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["sparse_attention"]
+
+
+@torch.library.custom_op("specontext::sparse_attention", mutates_args=())
+def sparse_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    indices: torch.Tensor,
+    length: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    kernel: str = "torch",
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
+    dense_shortcut: bool = False,
+) -> torch.Tensor:
+    """Attention over the selected tokens; see
+    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes,
+    ``soft_cap`` and ``sliding_window`` (those two always take the torch path).
+    ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
+    ``kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``).
+    ``dense_shortcut``: the caller promises that a selection with a slot for every store
+    position holds every written position (true of the selection nodes' outputs); such a
+    step (a static fact: budget >= capacity) then runs dense SDPA over the store instead of
+    gathering (counter ``dense_prefix_calls``). The pass sets it unless the option
+    ``dense_shortcut`` is off (tests use that to run the gather path at full budget).
+    The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
+    read); the Triton path on a masked step checks the mask once per step (one host sync)."""
+    counters["specontext"]["sparse_attention_calls"] += 1
+    probe = active_probe()
+    if probe is not None:
+        probe.values.append(
+            selection_recall(query, key_cache, indices, int(length), scale, attn_mask)
+        )
+    plain = soft_cap is None and sliding_window == 0
+    if plain and dense_shortcut and aten_step.covers_store(indices, key_cache):
+        counters["specontext"]["dense_prefix_calls"] += 1
+    elif plain and _use_triton(kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
+        from ..codegen import sparse_decode_attention
+
+        counters["specontext"]["triton_attention_calls"] += 1
+        return sparse_decode_attention(
+            query, key_cache, value_cache, indices, length, scale=scale, check_indices=False
+        )
+    else:
+        counters["specontext"]["gather_attention_calls"] += 1
+    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
+                                      soft_cap, sliding_window, dense_shortcut)
+
+
+class _MaskCheck:
+    """The last decode-step answer of :func:`mask_is_causal_only` (weak references: a new
+    step's mask or selection is a new object, so a stale answer is never reused)."""
+
+    def __init__(self) -> None:
+        self.mask = self.indices = None
+        self.versions: tuple[int, int] | None = None
+        self.ok = False
+
+    def lookup(self, attn_mask: torch.Tensor, indices: torch.Tensor) -> bool | None:
+        if self.mask is None or self.mask() is not attn_mask or self.indices() is not indices:
+            return None
+        return self.ok if self.versions == (attn_mask._version, indices._version) else None
+
+    def store(self, attn_mask: torch.Tensor, indices: torch.Tensor, ok: bool) -> None:
+        self.mask, self.indices = weakref.ref(attn_mask), weakref.ref(indices)
+        self.versions, self.ok = (attn_mask._version, indices._version), ok
+
+
+_MASK_CHECK = _MaskCheck()
+
+
+def _mask_allows_selection(attn_mask, indices: torch.Tensor, length: torch.Tensor, q_len: int) -> bool:
+    """:func:`mask_is_causal_only`, read back once per decode step instead of once per layer.
+
+    Every layer of a step gets the same mask and selection objects, and at ``q_len == 1``
+    the answer does not depend on the layer (selected positions are written positions, and
+    all layers hold the same length), so the first layer's answer serves the others: one
+    device sync per step on accelerators instead of one per layer."""
+    if attn_mask is None:
+        return True
+    if q_len != 1:
+        return mask_is_causal_only(attn_mask, indices, length, q_len)
+    ok = _MASK_CHECK.lookup(attn_mask, indices)
+    if ok is not None:
+        counters["specontext"]["mask_check_reused"] += 1
+        return ok
+    ok = mask_is_causal_only(attn_mask, indices, length, q_len)
+    _MASK_CHECK.store(attn_mask, indices, ok)
+    return ok
+
+
+def _use_triton(kernel: str, query: torch.Tensor) -> bool:
+    """Whether to run the generated kernel (raises when ``"triton"`` cannot run here)."""
+    if kernel == "torch":
+        return False
+    from ..codegen import interpreter_enabled, triton_available
+
+    if kernel == "auto":
+        return query.is_cuda and triton_available()
+    if query.device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError(
+            "specontext kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's "
+            "interpreter); use kernel='torch' or 'auto' for real CPU runs"
+        )
+    return True
+
+
+@sparse_attention.register_fake
+def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
+      soft_cap=None, sliding_window=0, dense_shortcut=False):
+    b, h, q_len, _ = query.shape
+    return query.new_empty((b, h, q_len, value_cache.shape[-1]))

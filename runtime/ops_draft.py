@@ -1,0 +1,179 @@
+"""Draft-head ops (``specontext::``, option ``retrieval_head``): its anchor, its step (Q/K of
+the step's tokens into its own key cache), the recorded hidden states of fused heads, and its
+selection node. Reference helpers: :mod:`.draft_retrieval`; selection body: :mod:`.aten_step`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import aten_step, draft_retrieval
+from .ops_store import CacheCapacityError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["draft_anchor", "draft_record", "draft_select", "draft_step"]
+
+
+@torch.library.custom_op("specontext::draft_anchor",
+                         mutates_args=("draft_keys", "draft_length", "aux_state", "aux_valid"))
+def draft_anchor(draft_keys: torch.Tensor, draft_length: torch.Tensor, aux_state: torch.Tensor,
+                 aux_valid: torch.Tensor, head: str) -> None:
+    """No-op in eager mode. Puts the draft head's state into the traced graph at the start
+    of layer 0, right after ``retrieval_anchor``: its key cache (``draft_keys``
+    ``[batch, head_kv_heads, capacity, head_dim]``, ``draft_length`` int64 scalar) and the
+    recorded auxiliary hidden states (``aux_state`` ``[batch, 1, aux_width]``, ``aux_valid``
+    int64 scalar). ``head`` is the head's resolved folder (a graph constant the pass checks
+    against ``retrieval_head``)."""
+    return
+
+
+@draft_anchor.register_fake
+def _(draft_keys, draft_length, aux_state, aux_valid, head) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::draft_step", mutates_args=("draft_keys", "draft_length"))
+def draft_step(
+    draft_keys: torch.Tensor,
+    draft_length: torch.Tensor,
+    length: torch.Tensor,
+    input_ids: torch.Tensor,
+    embedding: torch.Tensor,
+    head: str,
+    aux_state: torch.Tensor | None,
+    aux_valid: torch.Tensor | None,
+    hidden: list[torch.Tensor],
+    after_write: bool,
+) -> torch.Tensor:
+    """The draft head on this step's tokens (SpeContext section 4).
+
+    Runs :class:`~specontext_compile.runtime.eagle3.Eagle3RetrievalHead` (loaded from the
+    folder ``head``, see :func:`~specontext_compile.runtime.draft_retrieval.load_head`) on
+    ``input_ids`` (int64 ``[batch, q_len]``) at the cache positions ``start .. start+q_len-1``
+    and writes its K into ``draft_keys`` ``[batch, head_kv_heads, capacity, head_dim]`` there.
+    ``start`` is ``length`` (the target's layer-0 written tokens, int64 scalar), minus
+    ``q_len`` when ``after_write`` (the op then runs after layer 0's ``kv_write``).
+    ``draft_length`` advances to ``start + q_len`` only when it was ``start`` (every earlier
+    position has its K); otherwise it stays behind and selections fall back to recency
+    (never scored from unwritten slots). ``embedding``: the target's ``[vocab, hidden]``
+    token embedding, used when the head has none.
+
+    Auxiliary hidden states: none (``aux_state`` None) = zeros (embedding-only head). Fused:
+    token ``i`` of the step gets the previous token's: ``aux_state`` ``[batch, 1,
+    aux_width]`` for the first (zeros unless ``aux_valid``), and for the others the
+    concatenation of ``hidden`` (this step's outputs ``[batch, q_len, target_hidden]`` of the
+    auxiliary layers) at row ``i - 1``; steps of more than one token need ``hidden``.
+
+    Returns:
+        ``[batch, head_heads, 1, head_dim]`` (``draft_keys``' dtype): the head's query of the
+        step's last token (prefill graphs ignore it).
+
+    Raises:
+        CacheCapacityError: (CPU) when the write would pass ``capacity``.
+        ValueError: a fused step of several tokens without ``hidden``.
+    """
+    b, q_len = input_ids.shape
+    capacity = draft_keys.shape[-2]
+    device, dtype = draft_keys.device, draft_keys.dtype
+    module = draft_retrieval.load_head(head, embedding, dtype, device)
+    start = length.to(device) - (q_len if after_write else 0)
+    positions = (start + torch.arange(q_len, device=device)).expand(b, q_len)
+    width = module.fc.shape[1]
+    if aux_state is None:
+        aux = torch.zeros((b, q_len, width), dtype=dtype, device=device)
+    else:
+        prev = aux_state.to(dtype) * (aux_valid != 0).to(dtype)
+        if q_len > 1:
+            if not hidden:
+                raise ValueError("a fused draft head needs this step's hidden states for a step of "
+                                 f"{q_len} tokens")
+            aux = torch.cat([prev, torch.cat(hidden, -1)[:, :-1].to(dtype)], 1)
+        else:
+            aux = prev
+    query, key = module(input_ids.to(device), aux, positions)
+    if device.type == "cpu":
+        cached = int(start)
+        if cached + q_len > capacity:
+            raise CacheCapacityError(
+                f"draft head key cache is full: {cached} + {q_len} tokens > capacity {capacity}. "
+                "Create the SpeContextCache with a larger max_cache_len.")
+        draft_keys[:, :, cached : cached + q_len].copy_(key)
+    else:
+        draft_keys.index_copy_(2, positions[0], key.to(dtype))
+    in_step = (draft_length == start).to(draft_length.dtype)
+    draft_length.copy_(in_step * (start + q_len) + (1 - in_step) * draft_length)
+    return query[:, :, -1:, :].contiguous()
+
+
+@draft_step.register_fake
+def _(draft_keys, draft_length, length, input_ids, embedding, head, aux_state, aux_valid, hidden,
+      after_write):
+    spec = draft_retrieval.head_spec(head)
+    return draft_keys.new_empty((input_ids.shape[0], spec.num_heads, 1, spec.head_dim))
+
+
+@torch.library.custom_op("specontext::draft_record", mutates_args=("aux_state", "aux_valid"))
+def draft_record(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+    """Keep the last row of the concatenated ``hidden`` (the auxiliary layers' outputs
+    ``[batch, q_len, target_hidden]``, in ``aux_layer_ids`` order) in ``aux_state``
+    ``[batch, 1, aux_width]`` and set ``aux_valid`` (fused draft heads: the next step's first
+    token reads it)."""
+    aux_state.copy_(torch.cat([h[:, -1:] for h in hidden], -1))
+    aux_valid.fill_(1)
+
+
+@draft_record.register_fake
+def _(aux_state, aux_valid, hidden) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::draft_select", mutates_args=())
+def draft_select(
+    query: torch.Tensor,
+    draft_keys: torch.Tensor,
+    draft_length: torch.Tensor,
+    key_cache: torch.Tensor,
+    length: torch.Tensor,
+    q_len: int,
+    budget: int,
+    sink: int,
+    window: int,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The selection node with the draft head (``retrieval_head``), once per decode step
+    (once per distinct sliding window).
+
+    Args:
+        query: ``[batch, head_heads, 1, head_dim]`` from ``draft_step`` of this step.
+        draft_keys, draft_length: the head's key cache (see ``draft_step``); positions
+            ``0 .. length+q_len-1`` are scored (causal: the step's last token attends to
+            itself and every earlier token).
+        key_cache: the target's layer-0 store ``[batch, num_kv_heads, capacity, head_dim]``
+            (only its shape is read: KV heads and capacity).
+        length: the target's written tokens before this step (int64 scalar).
+        q_len, budget, sink, window, sliding_window: as ``speculative_select``.
+
+    Returns:
+        int64 ``[batch, num_kv_heads, min(budget, capacity)]`` ascending positions
+        (``-1`` = padding): :func:`~specontext_compile.runtime.selection.select_tokens` of
+        :func:`~specontext_compile.runtime.draft_retrieval.draft_scores`; the most recent
+        tokens instead when the head's key cache misses a position (counter
+        ``draft_recency_fallback``).
+    """
+    counters["specontext"]["draft_selection_calls"] += 1
+    if key_cache.device.type == "cpu" and int(draft_length) < int(length) + q_len:  # eager CPU: no sync
+        counters["specontext"]["draft_recency_fallback"] += 1
+        if counters["specontext"]["draft_recency_fallback"] == 1:
+            logger.warning("specontext: the draft head's key cache lacks positions (a step ran "
+                           "without the backend, e.g. an eager prefill); selecting recent tokens")
+    return aten_step.draft_select(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink,
+                                  window, sliding_window)
+
+
+@draft_select.register_fake
+def _(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink, window, sliding_window=0):
+    slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
+    return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)

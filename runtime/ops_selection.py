@@ -1,0 +1,72 @@
+"""Selection ops (``specontext::``) of the training-free lagged-query head: recording each
+retrieval layer's query, and the selection node. Bodies: :mod:`.aten_step`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch._dynamo.utils import counters
+
+from . import aten_step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["record_query", "speculative_select"]
+
+
+@torch.library.custom_op("specontext::record_query", mutates_args=("query_state", "query_valid"))
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int) -> None:
+    """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
+    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]``; mark it valid
+    in ``query_valid`` (int64 ``[slots]``)."""
+    aten_step.record_query(query_state, query_valid, query, slot)
+
+
+@record_query.register_fake
+def _(query_state, query_valid, query, slot) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::speculative_select", mutates_args=())
+def speculative_select(
+    query_state: torch.Tensor,
+    query_valid: torch.Tensor,
+    key_caches: list[torch.Tensor],
+    length: torch.Tensor,
+    q_len: int,
+    budget: int,
+    sink: int,
+    window: int,
+    scale: float,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The speculative-selection node (SpeContext section 4), once per decode step (once per
+    distinct sliding window when layers differ, e.g. Gemma's alternating layers).
+
+    Args:
+        query_state: ``[slots, batch, num_heads, 1, head_dim]``: slot ``i`` holds the query
+            that retrieval layer ``i`` computed for the previous token.
+        query_valid: int64 ``[slots]``, 0 until slot ``i`` was recorded; until every used
+            slot is, the most recent tokens are selected instead.
+        key_caches: the retrieval layers' key stores, each
+            ``[batch, num_kv_heads, capacity, head_dim]``, in slot order.
+        length: written tokens *before* this step (int64 scalar, the same for all layers).
+        q_len: tokens in this step; budget, sink, window: see ``SpeContextConfig``.
+        sliding_window: 0 = full attention; else select only inside the window of the
+            step's rows (see :func:`~specontext_compile.runtime.selection.select_tokens`).
+
+    Returns:
+        int64 ``[batch, num_kv_heads, min(budget, capacity)]`` positions valid after this
+        step's write (``-1`` = padding), shared by every layer of the step.
+    """
+    counters["specontext"]["selection_calls"] += 1
+    return aten_step.speculative_select(query_state, query_valid, key_caches, length, q_len, budget, sink,
+                                        window, scale, sliding_window)
+
+
+@speculative_select.register_fake
+def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0):
+    key_cache = key_caches[0]
+    slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
+    return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)

@@ -1,0 +1,94 @@
+"""KV-store ops (``specontext::``): the write, the capacity check, the anchor that brings the
+cache's state into traced graphs, and the path counters. Bodies: :mod:`.aten_step`."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import aten_step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "retrieval_anchor"]
+
+
+class CacheCapacityError(RuntimeError):
+    """Raised when a write would pass the end of a preallocated KV store."""
+
+
+@torch.library.custom_op("specontext::kv_write", mutates_args=("key_cache", "value_cache", "length"))
+def kv_write(
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    length: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """Write ``key``/``value`` ``[batch, num_kv_heads, q_len, head_dim]`` at positions
+    ``length .. length+q_len-1`` of the caches ``[batch, num_kv_heads, capacity, head_dim]``
+    and advance ``length`` (int64 scalar) by ``q_len``.
+
+    Raises:
+        CacheCapacityError: (CPU) when the write would pass ``capacity``; the cache is left
+            untouched. Create the cache with a larger ``max_cache_len``.
+    """
+    if key_cache.device.type == "cpu":  # eager CPU only: the host is the device, no sync
+        check_capacity(length, key_cache, key)
+    aten_step.write_kv(key_cache, value_cache, length, key, value)
+
+
+@kv_write.register_fake
+def _(key_cache, value_cache, length, key, value) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::check_capacity", mutates_args=())
+def check_capacity(length: torch.Tensor, key_cache: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """Raise ``CacheCapacityError`` when writing ``key`` ``[batch, num_kv_heads, q_len,
+    head_dim]`` at ``length`` would pass the end of ``key_cache`` (reads ``length`` on the
+    host: CPU graphs only). Returns an int64 zero that the layer-0 write adds to its
+    positions, so the check runs before any write of the step (see ``passes/lower.py``)."""
+    start, q_len, capacity = int(length), key.shape[-2], key_cache.shape[-2]
+    if start + q_len > capacity:
+        raise CacheCapacityError(
+            f"SpeContextCache is full: {start} + {q_len} tokens > capacity {capacity}. "
+            "Create it with a larger max_cache_len (specontext_compile.compile sizes it "
+            "from max_new_tokens).")
+    return torch.zeros((), dtype=torch.long, device=length.device)
+
+
+@check_capacity.register_fake
+def _(length, key_cache, key):
+    return length.new_empty(())
+
+
+@torch.library.custom_op("specontext::retrieval_anchor", mutates_args=("query_state", "query_valid", "stats"))
+def retrieval_anchor(
+    query_state: torch.Tensor, query_valid: torch.Tensor, stats: torch.Tensor, layer_windows: str | None = None
+) -> None:
+    """No-op in eager mode. It puts the retrieval state tensors and the path counters
+    ``stats`` into the traced graph at the start of layer 0, where the backend inserts the
+    selection node. Arguments: :class:`~specontext_compile.runtime.protocol.RetrievalAnchor`
+    (``layer_windows`` is a string so that it stays a graph constant even under
+    ``dynamic=True``, where ints may become symbols)."""
+    return
+
+
+@retrieval_anchor.register_fake
+def _(query_state, query_valid, stats, layer_windows=None) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::count_step", mutates_args=("stats",))
+def count_step(stats: torch.Tensor, increments: list[int]) -> None:
+    """Advance the path counters ``stats`` (int64, see
+    :data:`~specontext_compile.runtime.protocol.STATS`) by ``increments`` (constants the
+    pass computed from static shapes), once per decode step, on the device (no host sync)."""
+    aten_step.count_step(stats, increments)
+
+
+@count_step.register_fake
+def _(stats, increments) -> None:
+    return None
