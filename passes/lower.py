@@ -18,7 +18,8 @@ Invariants:
 - **Only what has an aten body.** ``kv_write``, ``count_step``, ``record_query``, ``speculative_select``,
   ``draft_select`` and torch-path ``sparse_attention`` are lowered; draft-head steps
   (``draft_step``/``draft_record``: a loaded module), offload ops (runtime state outside
-  the graph) and ``sparse_attention`` with ``kernel="triton"`` stay ops. A graph with any
+  the graph) and ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated
+  kernel; ``"auto"`` is lowered) stay ops. A graph with any
   offload op is left as it is.
 - **Order is kept.** Nodes are replaced in place; mutations stay where the ops were.
 """
@@ -75,15 +76,10 @@ def _sparse_body(query, key_cache, value_cache, indices, length, attn_mask, scal
 
 
 def _is_triton(node: fx.Node) -> bool:
+    """Only an explicit ``kernel="triton"`` keeps our generated kernel as an op; ``"auto"`` is
+    lowered (inductor generates the gather and attention kernels, sync-free)."""
     kernel = node.args[7] if len(node.args) > 7 else node.kwargs.get("kernel", "torch")
-    if kernel == "triton":
-        return True
-    if kernel != "auto":
-        return False
-    query = node.args[0].meta.get("example_value", node.args[0].meta.get("val"))
-    from ..codegen import triton_available
-
-    return query is not None and query.is_cuda and triton_available()
+    return kernel == "triton"
 
 
 def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
