@@ -46,10 +46,9 @@ def _shape(node) -> tuple | None:
     val = node.meta.get("example_value", node.meta.get("val"))
     if not isinstance(val, torch.Tensor):
         return None
-    try:
-        return tuple(int(s) for s in val.shape)
-    except TypeError:  # symbolic
+    if not all(type(s) is int for s in val.shape):  # symbolic (SymInt): never specialise it
         return None
+    return tuple(val.shape)
 
 
 def rewrite_one_row_linears(graph: fx.Graph) -> int:

@@ -88,7 +88,8 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
     ``check_capacity`` (CPU graphs): ``specontext::check_capacity`` (an op: it reads the
     length on the host) goes before the first ``kv_write`` (layer 0) and its zero result is
     added to that write's positions, so it raises ``CacheCapacityError`` before the step
-    writes anything; every later write depends on layer 0's store through the attention.
+    writes any KV store; every later write depends on layer 0's store through the attention
+    (the path counters and the retrieval state may already have advanced for that step).
     (Lowered writes past the store's end would stop the process in the compiled kernel's
     bounds check.)
 

@@ -170,7 +170,7 @@ class SparseAttentionPass:
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
         for s in decode:
-            self._rewrite_site(graph, s, selections[s.window or 0], self.kernel, self.dense_shortcut)
+            self._rewrite_site(graph, s, selections[s.window or 0], self.kernel, self._dense_store(s))
         result.rewritten = len(decode)
         dense = sum(self._dense_store(s) for s in decode)
         with graph.inserting_after(anchor):
@@ -253,8 +253,10 @@ class SparseAttentionPass:
                              "states, known only after the auxiliary layers (too late to select)")
 
     def _dense_store(self, site: AttentionSite) -> bool:
-        """Whether the rewritten site attends densely over its store (decided from shapes:
-        the budget covers the store's capacity; see ``aten_step.sparse_attention``)."""
+        """Whether the rewritten site attends densely over its store, decided here from static
+        shapes (the budget covers the store's capacity) and passed to the op as its
+        ``dense_shortcut`` flag, so the path counters and the path taken agree (a symbolic
+        capacity gathers)."""
         key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
         capacity = key.shape[-2] if key is not None else None
         return (self.dense_shortcut and site.soft_cap is None and not site.window

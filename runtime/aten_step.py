@@ -49,7 +49,9 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, length: torch.T
 def count_step(stats: torch.Tensor, increments: list[int]) -> None:
     """``stats += increments`` (int64 path counters, see
     :data:`~specontext_compile.runtime.protocol.STATS`), on the device."""
-    stats.add_(torch.tensor(increments, dtype=stats.dtype, device=stats.device))
+    for i, step in enumerate(increments):  # python ints: no host-to-device copy
+        if step:
+            stats[i].add_(step)
 
 
 def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int) -> None:
@@ -165,7 +167,7 @@ def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key
                        sliding_window: int = 0) -> torch.Tensor:
     """The selection node with the lagged-query head (``specontext::speculative_select``):
     :func:`lagged_query_scores` then :func:`select_positions` with
-    ``slots = min(budget, capacity)``. ``length``: tokens written before this step.
+    ``slots = min(budget, capacity)`` (never below ``q_len``; the pass keeps longer steps dense). ``length``: tokens written before this step.
     Returns int64 ``[batch, num_kv_heads, slots]``."""
     slots = max(q_len, min(budget, key_caches[0].shape[-2]))
     scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale)

@@ -96,6 +96,7 @@ class SpeContextLayer(StaticLayer):
             new = old.new_zeros((*old.shape[:2], new_len, old.shape[-1]))
             new[:, :, : old.shape[2]].copy_(old)
             setattr(self, name, new)
+        _static_address(self.keys, self.values)
         self.max_cache_len = new_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -84,8 +84,9 @@ def specontext_backend(
         example_inputs: its example inputs.
         options: see :class:`~specontext_compile.config.SpeContextConfig`.
         mode: ``torch.compile``'s mode (Hugging Face's ``CompileConfig`` passes
-            ``"reduce-overhead"`` by default); the option ``mode`` overrides it. Any mode but
-            ``"default"`` compiles with inductor (see :func:`inductor_patches`).
+            ``"reduce-overhead"`` by default); the option ``mode`` overrides it. It applies to
+            the graphs inductor compiles (see :func:`inductor_patches`): decode graphs with
+            ``inner="auto"``, every graph with ``inner="inductor"``.
 
     Raises:
         ValueError: for unknown options or bad values.
@@ -117,8 +118,11 @@ def specontext_backend(
     inner = config.inner
     if inner == "auto":  # offload stays on the eager op chain (its ops keep state outside the graph)
         offload = "specontext_offload_schedule" in gm.meta
-        inner = "inductor" if (result.rewritten and not offload) or mode != "default" else "eager"
-    if inner == "eager" and mode == "default":
+        inner = "inductor" if result.rewritten and not offload else "eager"
+    if inner == "eager":
+        if mode != "default":
+            logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s graph runs "
+                        "eager", mode, result.phase)
         return gm.forward
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy

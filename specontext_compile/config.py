@@ -69,7 +69,7 @@ class SpeContextConfig:
             ``"reduce-overhead"`` = CUDA graphs, ``"max-autotune"``,
             ``"max-autotune-no-cudagraphs"``); None takes the mode given to
             ``torch.compile`` (which refuses ``mode`` together with ``options``, hence this
-            option). Any mode but ``"default"`` compiles with inductor.
+            option). It applies to the graphs inductor compiles (see ``inner``).
         lower: with inductor, replace the ``specontext::`` ops by their sync-free aten bodies
             before compiling (``passes/lower.py``), so inductor fuses them into the step
             instead of calling them back as opaque ops. False keeps them opaque (debugging).
