@@ -61,7 +61,8 @@ if [[ " $STAGES " == *" e2e "* ]]; then
   echo "== end to end"
   args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa sdpa-cudagraphs specontext-eager specontext
         specontext-cudagraphs --time-budget 150)
-  [ -n "${DRY:-}" ] && args=(--dry-run)
+  [ -n "${DRY:-}" ] && args=(--dry-run --contenders sdpa sdpa-cudagraphs specontext-eager specontext
+                              specontext-cudagraphs)
   timeout 190 "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
     2>&1 | tee "$OUT/gpu_e2e.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
