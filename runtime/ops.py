@@ -30,6 +30,7 @@ from .ops_attention import _mask_allows_selection, _use_triton, sparse_attention
 from .ops_draft import draft_anchor, draft_record, draft_select, draft_step
 from .ops_selection import record_query, speculative_select
 from .ops_store import CacheCapacityError, check_capacity, count_step, kv_write, retrieval_anchor
+from .sparse_attention import sparse_attention_reference  # noqa: F401  (the torch path's reference)
 
 __all__ = ["CacheCapacityError", "check_capacity", "count_step", "draft_anchor", "draft_record", "draft_select",
            "draft_step", "kv_write", "record_query", "retrieval_anchor", "sparse_attention", "speculative_select"]

@@ -4,7 +4,6 @@ reference :func:`.sparse_attention.sparse_attention_reference`)."""
 
 from __future__ import annotations
 
-import logging
 import weakref
 
 import torch
@@ -13,8 +12,6 @@ from torch._dynamo.utils import counters
 from . import aten_step
 from .probe import active_probe, selection_recall
 from .sparse_attention import mask_is_causal_only
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["sparse_attention"]
 
@@ -41,8 +38,9 @@ def sparse_attention(
     ``dense_shortcut``: the caller promises that a selection with a slot for every store
     position holds every written position (true of the selection nodes' outputs); such a
     step (a static fact: budget >= capacity) then runs dense SDPA over the store instead of
-    gathering (counter ``dense_prefix_calls``). The pass sets it unless the option
-    ``dense_shortcut`` is off (tests use that to run the gather path at full budget).
+    gathering (counter ``dense_prefix_calls``). The pass sets it for the sites whose budget
+    covers the store, unless the option ``dense_shortcut`` is off (tests use that to run the
+    gather path at full budget).
     The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
     read); the Triton path on a masked step checks the mask once per step (one host sync)."""
     counters["specontext"]["sparse_attention_calls"] += 1

@@ -3,14 +3,11 @@ retrieval layer's query, and the selection node. Bodies: :mod:`.aten_step`."""
 
 from __future__ import annotations
 
-import logging
 
 import torch
 from torch._dynamo.utils import counters
 
 from . import aten_step
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["record_query", "speculative_select"]
 

@@ -3,13 +3,10 @@ cache's state into traced graphs, and the path counters. Bodies: :mod:`.aten_ste
 
 from __future__ import annotations
 
-import logging
 
 import torch
 
 from . import aten_step
-
-logger = logging.getLogger(__name__)
 
 __all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "retrieval_anchor"]
 
@@ -35,7 +32,7 @@ def kv_write(
             untouched. Create the cache with a larger ``max_cache_len``.
     """
     if key_cache.device.type == "cpu":  # eager CPU only: the host is the device, no sync
-        check_capacity(length, key_cache, key)
+        _raise_if_full(length, key_cache, key)
     aten_step.write_kv(key_cache, value_cache, length, key, value)
 
 
@@ -50,13 +47,17 @@ def check_capacity(length: torch.Tensor, key_cache: torch.Tensor, key: torch.Ten
     head_dim]`` at ``length`` would pass the end of ``key_cache`` (reads ``length`` on the
     host: CPU graphs only). Returns an int64 zero that the layer-0 write adds to its
     positions, so the check runs before any write of the step (see ``passes/lower.py``)."""
+    _raise_if_full(length, key_cache, key)
+    return torch.zeros((), dtype=torch.long, device=length.device)
+
+
+def _raise_if_full(length: torch.Tensor, key_cache: torch.Tensor, key: torch.Tensor) -> None:
     start, q_len, capacity = int(length), key.shape[-2], key_cache.shape[-2]
     if start + q_len > capacity:
         raise CacheCapacityError(
             f"SpeContextCache is full: {start} + {q_len} tokens > capacity {capacity}. "
             "Create it with a larger max_cache_len (specontext_compile.compile sizes it "
             "from max_new_tokens).")
-    return torch.zeros((), dtype=torch.long, device=length.device)
 
 
 @check_capacity.register_fake

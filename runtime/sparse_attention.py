@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attend_gathered", "causal_limit_mask", "dense_prefix_attention", "mask_is_causal_only",
+__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only",
            "sparse_attention_reference"]
 
 
@@ -88,39 +88,6 @@ def mask_is_causal_only(
     allowed = causal_limit_mask(indices, length, q_len).unsqueeze(2)
     ok = gathered if gathered.dtype == torch.bool else gathered == 0
     return bool((ok | ~allowed).all())
-
-
-def dense_prefix_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    length: int,
-    attn_mask: torch.Tensor | None,
-    scale: float,
-) -> torch.Tensor:
-    """Dense attention over the written prefix ``[0, length)`` of the stores (contiguous
-    reads, no gather): what sparse attention equals when the selection holds every written
-    token. Same causal limit (row ``r`` sees ``p <= length - q_len + r``) and mask semantics
-    as :func:`sparse_attention_reference`; shapes as there. Rows that see nothing are zeros."""
-    q_len = query.shape[2]
-    keys, values = key_cache[:, :, :length], value_cache[:, :, :length]
-    mask = None if attn_mask is None else attn_mask[..., :length]
-    if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
-        mask = mask.to(query.dtype)  # SDPA wants the query's dtype for additive masks
-    if q_len > 1:
-        rows = torch.arange(q_len, device=query.device).view(q_len, 1)
-        causal = torch.arange(length, device=query.device).view(1, length) <= length - q_len + rows
-        if mask is None:
-            mask = causal
-        elif mask.dtype == torch.bool:
-            mask = mask & causal
-        else:
-            mask = mask.masked_fill(~causal, float("-inf"))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scale,
-        enable_gqa=query.shape[1] != keys.shape[1],
-    )
-    return out.nan_to_num(0.0)
 
 
 def sparse_attention_reference(
