@@ -10,7 +10,10 @@ layers attend to on average). Loss: KL(teacher || head softmax) per KV head and 
 Two variants, both written in the EAGLE-3 layout (``config.json`` + ``model.safetensors``)
 so :func:`~specontext_compile.runtime.eagle3.load_eagle3_head` loads them:
 ``embedding`` (the fused-hidden half of the input is zero) and ``fused`` (the target's hidden
-states after three layers, of the *previous* token, as EAGLE-3 uses them).
+states after three layers, of the *previous* token, as EAGLE-3 uses them). The layers are
+saved in EAGLE-3's numbering (the output of layer ``j`` is id ``j + 1``, the input of layer
+``j + 1``) with ``"specontext_aux_convention": "input"``; heads saved before that field existed
+name layer outputs and are still read that way (:mod:`.eagle3`).
 
 Length generalisation (a head trained on short chunks must score 8K contexts):
 
@@ -45,7 +48,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .eagle3 import ROPE_TYPES, Eagle3RetrievalHead
+from .eagle3 import CONVENTION_KEY, ROPE_TYPES, Eagle3RetrievalHead
+from .sparse_attention import query_key_logits
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +69,9 @@ class DistillConfig:
         chunk_tokens: tokens per training chunk (the teacher's context length).
         query_rows: teacher query rows per chunk (the last ones: most context).
         init_layer: target layer whose Q/K projections initialise the head.
-        aux_layers: target layers whose outputs feed the fused variant.
+        aux_layers: 0-based target layers whose outputs (Hugging Face ``hidden_states[j + 1]``)
+            feed the fused variant; saved in the EAGLE-3 numbering (id ``j + 1``, the input of
+            the next layer) with ``"specontext_aux_convention": "input"`` (see :mod:`.eagle3`).
         steps, lr, seed: optimisation (Adam) settings; ``seed`` also drives the random positions.
         positions: ``"contiguous"`` (head RoPE at the chunk's true positions),
             ``"random"`` (a sorted random subset of ``[0, max_position)`` per step) or
@@ -187,7 +193,10 @@ def _initial_tensors(model, config: DistillConfig) -> tuple[dict, dict]:
         "head_dim": d, "vocab_size": model.config.vocab_size, "draft_vocab_size": model.config.vocab_size,
         "rms_norm_eps": model.config.rms_norm_eps,
         "rope_theta": model.config.rope_parameters["rope_theta"],
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(config.aux_layers)},
+        # EAGLE-3 numbering (id j = the input of layer j = hidden_states[j]): the output of
+        # layer j, which the teacher records, is id j + 1; the field marks the convention
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [j + 1 for j in config.aux_layers]},
+        CONVENTION_KEY: "input",
         "specontext_variant": config.variant,
     }
     if config.rope_scaling is not None:
@@ -232,7 +241,7 @@ def _loss(head: Eagle3RetrievalHead, batch: TeacherBatch, config: DistillConfig,
     t, rows = batch.input_ids.shape[1], batch.teacher.shape[1]
     aux = batch.aux_hidden if config.variant == "fused" else torch.zeros_like(batch.aux_hidden)
     q, k = head(batch.input_ids, aux, positions)
-    logits = (q[0, :, -rows:] @ k[0].transpose(-1, -2)) * head.head_dim**-0.5  # [kv, R, T]
+    logits = query_key_logits(q[0, :, -rows:], k[0], head.head_dim**-0.5)  # [kv, R, T], fp16-safe
     excluded = _excluded(t, rows, config)
     logp = torch.log_softmax(logits.masked_fill(excluded, float("-inf")), -1)
     teacher = batch.teacher.masked_fill(excluded, 0.0)

@@ -18,12 +18,20 @@ the ops (``specontext::draft_anchor``, ``draft_step``, ``draft_record``, ``draft
 Both variants run. **Embedding-only** heads (``specontext_variant: "embedding"`` in
 ``config.json``, as ``specontext distill --variant embedding`` writes them) get zero
 auxiliary hidden states. **Fused** heads (a real EAGLE-3 draft, or ``--variant fused``) get,
-for each token, the target's hidden states of the *previous* token at the output of the
-decoder layers ``aux_layer_ids`` (``hidden_states[j + 1]`` in Hugging Face's numbering, the
-convention of :mod:`.distill`; for the last layer, the output *before* the final norm, which
-Hugging Face's last entry includes), concatenated in that order; the first token of a fresh
+for each token, the target's hidden states of the *previous* token named by the checkpoint's
+``eagle_aux_hidden_state_layer_ids``, concatenated in that order; the first token of a fresh
 cache gets zeros. The backend records the last token's ones after each step
 (``specontext::draft_record``) for the next step.
+
+Auxiliary id convention (details: :mod:`.eagle3`, :class:`~.eagle3.AuxLayers`): id ``j`` is the
+hidden state at the *input* of decoder layer ``j``, Hugging Face ``hidden_states[j]`` (the
+EAGLE-3 reference capture), read as the output of layer ``j - 1``; id ``L`` (a target of ``L``
+layers) is the last layer's output *before* the final norm (Hugging Face's ``hidden_states[L]``
+has the norm applied). A checkpoint without ids (the original EAGLE-3 layout) reads the
+EAGLE-3 default ``(2, L // 2, L - 3)``, resolved by :meth:`HeadSpec.aux_layers_for` where the
+target's layer count is known (the rewrite pass: the decoder layers of the traced graph).
+Heads written by :mod:`.distill` before ``specontext_aux_convention`` existed (the shipped ones)
+name layer *outputs* (id ``j`` = ``hidden_states[j + 1]``) and are read as such, unchanged.
 
 KV-head mapping (the head's KV heads ``Hd`` vs the target's ``Ht``), on the per-head scores
 ``softmax(q . K * head_dim**-0.5)`` max over the query heads of each head KV group (the
@@ -47,6 +55,7 @@ from pathlib import Path
 
 import torch
 
+from .eagle3 import AuxLayers, read_aux_layers
 from .retrieval import group_max_softmax
 
 logger = logging.getLogger(__name__)
@@ -69,7 +78,9 @@ class HeadSpec:
         has_embedding: whether ``model.safetensors`` holds ``embed_tokens.weight`` (else
             the target's token embedding is used, and must be ``hidden`` wide).
         variant: ``"embedding"`` or ``"fused"``.
-        aux_layer_ids: decoder layers whose outputs a fused head reads.
+        aux_layer_ids: 0-based decoder layers whose outputs a fused head reads, in order
+            (an EAGLE-3 id ``j`` is layer ``j - 1`` here); ``()`` when the checkpoint names
+            none (the EAGLE-3 default, resolved by :meth:`aux_layers_for`).
         aux_width: width of the auxiliary input (``fc.weight``'s columns, ``3 * target
             hidden`` for EAGLE-3).
         stamp: modification times (ns) of ``config.json`` and ``model.safetensors`` when
@@ -87,10 +98,19 @@ class HeadSpec:
     aux_layer_ids: tuple[int, ...] = ()
     aux_width: int = 0
     stamp: tuple[int, ...] = ()
+    aux: AuxLayers = dataclasses.field(default_factory=AuxLayers)
+
+    def aux_layers_for(self, num_layers: int) -> tuple[int, ...]:
+        """The 0-based decoder layers whose outputs feed a fused head on a target of
+        ``num_layers`` decoder layers (the default resolved, the ids' range checked).
+
+        Raises:
+            ValueError: see :meth:`~.eagle3.AuxLayers.layer_outputs`.
+        """
+        return self.aux.layer_outputs(num_layers)
 
     def describe(self) -> str:
-        kind = ("embedding-only" if self.variant == "embedding"
-                else f"fused, aux layers {list(self.aux_layer_ids)}")
+        kind = "embedding-only" if self.variant == "embedding" else f"fused, {self.aux.describe()}"
         return (f"draft head {self.path} ({kind}, EAGLE-3 layout, {self.num_heads} heads / "
                 f"{self.num_kv_heads} KV heads, head_dim {self.head_dim})")
 
@@ -122,8 +142,11 @@ def head_spec(path: str | os.PathLike) -> HeadSpec:
 
     Raises:
         ValueError: the folder or one of ``config.json`` / ``model.safetensors`` is missing,
-            the config is not an EAGLE-3 one, or the head is a fused one (the message says
-            what to do instead).
+            the config is not an EAGLE-3 one, its auxiliary ids are malformed, or it is a
+            specontext head of no usable variant (a fused one without auxiliary ids); the
+            message says what to do instead. A checkpoint without ``specontext_variant`` and
+            without ids is an original-layout EAGLE-3 draft: accepted, with the default
+            layers (:meth:`HeadSpec.aux_layers_for`).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ValueError(f"specontext option 'retrieval_head' must be a folder path (str), got {path!r}")
@@ -151,14 +174,20 @@ def head_spec(path: str | os.PathLike) -> HeadSpec:
         raise ValueError(f"specontext option 'retrieval_head': {folder / 'config.json'} is not an "
                          f"EAGLE-3 config ({err!r})") from err
     variant = config.get("specontext_variant") or "fused"
-    nested = config.get("eagle_config") or {}
-    aux_ids = tuple(config.get("eagle_aux_hidden_state_layer_ids")
-                    or nested.get("eagle_aux_hidden_state_layer_ids") or ())
-    if variant not in ("embedding", "fused") or (variant == "fused" and not aux_ids):
+    try:
+        aux = read_aux_layers(config)
+    except ValueError as err:
+        raise ValueError(f"specontext option 'retrieval_head': {folder / 'config.json'}: {err}") from err
+    # a head of specontext's own always names its layers; only an EAGLE-3 draft (no
+    # specontext_variant) may leave them to the EAGLE-3 default
+    ours = "specontext_variant" in config
+    if variant not in ("embedding", "fused") or (variant == "fused" and ours and aux.is_default):
         raise ValueError(
             f"specontext option 'retrieval_head': {folder / 'config.json'} names no usable variant "
-            f"({variant!r}, auxiliary layers {list(aux_ids)}); a fused head needs "
-            "eagle_aux_hidden_state_layer_ids, an embedding-only one 'specontext_variant': 'embedding'")
+            f"({variant!r}, auxiliary layers {list(aux.ids)}); a fused head needs "
+            "eagle_aux_hidden_state_layer_ids, an embedding-only one 'specontext_variant': 'embedding' "
+            "(an EAGLE-3 draft without specontext_variant and without ids reads the default layers "
+            "(2, L//2, L-3))")
     from safetensors import safe_open
 
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
@@ -173,8 +202,11 @@ def head_spec(path: str | os.PathLike) -> HeadSpec:
         num_kv_heads=int(config.get("num_key_value_heads") or heads),
         head_dim=int(config.get("head_dim") or hidden // heads), hidden=hidden,
         vocab_size=config.get("vocab_size"), has_embedding=has_embedding, variant=variant,
-        aux_layer_ids=aux_ids, aux_width=aux_width, stamp=stamp,
+        aux_layer_ids=aux.known_layer_outputs, aux_width=aux_width, stamp=stamp, aux=aux,
     )
+    if variant == "fused" and aux.is_default:
+        logger.info("specontext: %s names no auxiliary layers: the EAGLE-3 default (2, L//2, L-3) "
+                    "is used, L = the target's decoder layers", folder / "config.json")
     _SPECS[key] = spec
     return spec
 
