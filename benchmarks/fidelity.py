@@ -91,25 +91,52 @@ def record(model, ids: torch.Tensor, context: int, steps: int, h2o_queries: int,
     return queries, keys, prompt_q, aux
 
 
-def layer_probs(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """float64 ``[num_heads, n]`` dense attention of one query row over ``keys``."""
+def layer_attention(model) -> list[tuple[float | None, int]]:
+    """Per decoder layer ``(soft_cap, sliding_window)`` of its attention as HF computes it
+    (Gemma 2's ``attn_logit_softcapping``; a sliding layer's window, 0 for full attention),
+    so that recall is measured on the attention the layer really computes."""
+    out = []
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        out.append((getattr(attn, "attn_logit_softcapping", None), getattr(attn, "sliding_window", None) or 0))
+    return out
+
+
+def _capped(logits: torch.Tensor, soft_cap: float | None) -> torch.Tensor:
+    return logits if soft_cap is None else torch.tanh(logits / soft_cap) * soft_cap
+
+
+def layer_probs(query: torch.Tensor, keys: torch.Tensor, scale: float, soft_cap: float | None = None,
+                sliding_window: int = 0) -> torch.Tensor:
+    """float64 ``[num_heads, n]`` dense attention of one query row (position ``n - 1``) over
+    ``keys``, as the layer computes it: logits ``q . k * scale``, soft-capped when
+    ``soft_cap`` is set; with ``sliding_window > 0`` only positions ``p > n - 1 - window``."""
     g = query.shape[1] // keys.shape[1]
     k = keys[0].double().repeat_interleave(g, 0)
-    return torch.softmax((query[0, :, 0].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale, -1)
+    logits = _capped((query[0, :, 0].double()[:, None] @ k.transpose(-1, -2))[:, 0] * scale, soft_cap)
+    if sliding_window > 0:
+        logits[:, : max(0, logits.shape[-1] - sliding_window)] = float("-inf")
+    return torch.softmax(logits, -1)
 
 
-def prompt_accumulation(prompt_q, keys, context, scale):
+def prompt_accumulation(prompt_q, keys, context, scale, attention=None):
     """H2O's accumulated attention from the recorded prompt queries, per layer
-    ``[num_kv_heads, total_tokens]`` (causal)."""
+    ``[num_kv_heads, total_tokens]`` (causal). ``attention``: optional per-layer
+    ``(soft_cap, sliding_window)`` (:func:`layer_attention`) applied as the layer does."""
     acc = {}
     for layer, q in prompt_q.items():
+        soft_cap, sliding = attention[layer] if attention is not None else (None, 0)
         k = keys[layer][0, :, :context].double()
         num_kv, g = k.shape[0], q.shape[1] // k.shape[0]
         r = q.shape[2]
         logits = torch.einsum("hrd,hnd->hrn", q[0].double(), k.repeat_interleave(g, 0)) * scale
+        logits = _capped(logits, soft_cap)
         pos = torch.arange(context)
         rows = torch.arange(context - r, context)
-        logits = logits.masked_fill(pos[None, None, :] > rows[None, :, None], float("-inf"))
+        hidden = pos[None, None, :] > rows[None, :, None]
+        if sliding > 0:
+            hidden = hidden | (pos[None, None, :] <= rows[None, :, None] - sliding)
+        logits = logits.masked_fill(hidden, float("-inf"))
         probs = torch.softmax(logits, -1).sum(1)  # [heads, context]
         total = torch.zeros(num_kv, keys[layer].shape[2], dtype=torch.float64)
         total[:, :context] = probs.view(num_kv, g, context).amax(1)
@@ -133,12 +160,13 @@ def evaluate(model, ids, context, steps, budgets, sink, window, h2o_queries, pol
         aux = torch.cat([torch.zeros_like(aux[:, :1]), aux[:, :-1]], 1)
     scale = model.model.layers[0].self_attn.scaling
     layers = len(model.model.layers)
-    acc = prompt_accumulation(prompt_q, keys, context, scale)
+    attention = layer_attention(model)
+    acc = prompt_accumulation(prompt_q, keys, context, scale, attention)
     results = {name: {b: [] for b in budgets} for name in policies}
     for i in tqdm(range(len(queries)), desc=f"context {context}", leave=False):
         n_after = context + i + 1
         step_keys = [keys[l][:, :, :n_after] for l in range(layers)]
-        probs = [layer_probs(queries[i][l], step_keys[l], scale) for l in range(layers)]
+        probs = [layer_probs(queries[i][l], step_keys[l], scale, *attention[l]) for l in range(layers)]
         step = P.DecodeStep(
             queries=[queries[i][l] for l in range(layers)], keys=step_keys,
             previous_queries=[queries[i - 1][l] for l in range(layers)] if i else None,
@@ -195,7 +223,8 @@ def main() -> None:
     for folder in args.heads:
         from specontext_compile.runtime.eagle3 import load_eagle3_head
 
-        head, _ = load_eagle3_head(folder, target_embedding=model.model.embed_tokens.weight.detach())
+        head, _ = load_eagle3_head(folder, target_embedding=model.model.embed_tokens.weight.detach(),
+                                   num_layers=len(model.model.layers))
         fused = json.loads((folder / "config.json").read_text()).get("specontext_variant", "fused") == "fused"
         policies[f"distilled head {folder.name}"] = P.DraftHead(head, fused=fused)
     text = "\n\n".join(pydoc_data.topics.topics[k] for k in sorted(pydoc_data.topics.topics))

@@ -169,7 +169,7 @@ class _DraftKeys:
         with torch.no_grad():
             q, k = self.policy.head(token, aux, torch.tensor([[position]]))
         keys = self.keys[row]
-        logits = (q[0, :, -1:] @ keys[0].transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
+        logits = (q[0, :, -1:].float() @ keys[0].float().transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
         self.keys[row] = torch.cat([keys, k], 2)
         return torch.softmax(logits.float(), -1)
 

@@ -58,7 +58,12 @@ def cli_arguments(spec: KernelSpec | RetrievalSpec) -> str:
 
 def _dot(spec: KernelSpec | RetrievalSpec, a: str, b: str) -> str:
     """``tl.dot`` text for the spec's dtype: exact fp32 ("ieee", no TF32) for fp32 storage,
-    interpreter-safe operands for bf16, native operands otherwise."""
+    interpreter-safe operands for bf16, native operands otherwise.
+
+    Every ``tl.dot`` here returns float32 (``out_dtype`` defaults to ``tl.float32``: fp16/bf16
+    tiles are multiplied on tensor cores with a float32 accumulator, and Triton's interpreter
+    matmuls into float32 too), and the kernels apply ``scale`` to that float32 result, so a
+    float16 ``q . k`` above 65504 never overflows (tests/test_numerics.py checks it)."""
     if spec.dtype == "fp32":
         return f'tl.dot({a}, {b}, input_precision="ieee")'
     if spec.dtype == "bf16":

@@ -71,8 +71,10 @@ def reference_sparse_decode_attention(
         return torch.where(valid.unsqueeze(-1), rows, torch.zeros_like(rows))
 
     keys, values = gather(key_cache), gather(value_cache)  # [b, kv, n, d]
-    q = query.to(compute_dtype).reshape(batch, num_kv, group, q_len, head_dim)
-    logits = torch.einsum("bkgtd,bknd->bkgtn", q, keys) * scale
+    # scale the query before the product: in a narrow compute_dtype (float16) the raw q.k
+    # may overflow while the scaled logit is small
+    q = (query.to(compute_dtype) * scale).reshape(batch, num_kv, group, q_len, head_dim)
+    logits = torch.einsum("bkgtd,bknd->bkgtn", q, keys)
     if soft_cap is not None:
         logits = soft_cap * torch.tanh(logits / soft_cap)
     rows = torch.arange(q_len, device=query.device)
@@ -116,8 +118,8 @@ def reference_retrieval_scores(
         length if valid_length is None else valid_length, batch, query_state.device
     ).clamp(max=length)
     keys = key_cache[:, :, :length].to(compute_dtype)
-    q = query_state[:, :, 0].to(compute_dtype).reshape(batch, num_kv, group, head_dim)
-    logits = torch.einsum("bkgd,bknd->bkgn", q, keys) * scale
+    q = (query_state[:, :, 0].to(compute_dtype) * scale).reshape(batch, num_kv, group, head_dim)
+    logits = torch.einsum("bkgd,bknd->bkgn", q, keys)  # query scaled first (see above)
     valid = torch.arange(length, device=keys.device).view(1, -1) < vlen.view(-1, 1)  # [b, n]
     logits = logits.masked_fill(~valid.view(batch, 1, 1, length), float("-inf"))
     weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)

@@ -29,6 +29,7 @@ import dataclasses
 import torch
 
 from .retrieval import group_max_softmax
+from .sparse_attention import query_key_logits
 
 __all__ = ["H2O", "DecodeStep", "LaggedQuery", "OracleTopK", "Quest", "RandomTokens", "StreamingLLM"]
 
@@ -161,5 +162,5 @@ class DraftHead:
         with torch.no_grad():
             q, k = self.head(ids, aux, torch.arange(ids.shape[1])[None])
         n = step.cached
-        logits = (q[0, :, -1:] @ k[0, :, :n].transpose(-1, -2))[:, 0] * q.shape[-1] ** -0.5
-        return torch.softmax(logits.float(), -1)
+        logits = query_key_logits(q[0, :, -1:], k[0, :, :n], q.shape[-1] ** -0.5)[:, 0]
+        return torch.softmax(logits, -1)

@@ -16,6 +16,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .sparse_attention import causal_limit_mask
+
 __all__ = ["RecallRecord", "active_probe", "recall_probe"]
 
 _state = threading.local()
@@ -59,8 +61,16 @@ def selection_recall(
     length: int,
     scale: float,
     attn_mask: torch.Tensor | None,
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
 ) -> float:
     """Share of dense attention mass (float64) inside the selection for one layer.
+
+    The dense attention is the one the layer computes (as
+    :func:`~specontext_compile.runtime.sparse_attention.attend_gathered` does over the
+    selection): logits ``q . k * scale``, then ``soft_cap * tanh(logits / soft_cap)`` when
+    ``soft_cap`` is set, then the mask; row ``r`` sees positions ``p <= length - q_len + r``
+    and, with ``sliding_window > 0``, only ``p > length - q_len + r - sliding_window``.
 
     Shapes as in :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference`.
     """
@@ -69,11 +79,12 @@ def selection_recall(
     groups = num_heads // num_kv
     keys = key_cache[:, :, :length].double()
     q = query.double().reshape(b, num_kv, groups * q_len, d)
-    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kv, g*q, length]
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [b, kv, g*q, length]; float64
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
     logits = logits.view(b, num_kv, groups, q_len, length)
-    rows = torch.arange(q_len).view(1, 1, 1, q_len, 1)
-    pos = torch.arange(length).view(1, 1, 1, 1, length)
-    allowed = pos <= (length - q_len + rows)
+    every = torch.arange(length, device=key_cache.device).view(1, 1, length)
+    allowed = causal_limit_mask(every, torch.tensor(length), q_len, sliding_window).unsqueeze(2)
     if attn_mask is not None:
         m = attn_mask[..., :length]
         m = m.view(m.shape[0], -1, 1, q_len, length) if m.shape[1] == 1 else m.reshape(
@@ -84,7 +95,8 @@ def selection_recall(
         else:
             logits = logits + m.double()
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    chosen = torch.zeros(b, num_kv, length + 1, dtype=torch.bool)  # last column: padding
+    # last column: padding slots (-1)
+    chosen = torch.zeros(b, num_kv, length + 1, dtype=torch.bool, device=key_cache.device)
     chosen.scatter_(2, torch.where(indices >= 0, indices, length), True)
     mass = (probs * chosen[..., :length].view(b, num_kv, 1, 1, length)).sum(-1)
     return float(mass.nan_to_num(0.0).mean())

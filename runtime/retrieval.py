@@ -25,6 +25,8 @@ import abc
 
 import torch
 
+from .aten_step import masked_group_max_softmax
+
 __all__ = ["MAX_RETRIEVAL_LAYERS", "LaggedQueryHead", "RetrievalHead", "group_max_softmax"]
 
 MAX_RETRIEVAL_LAYERS = 8  # slots of retrieval state a SpeContextCache holds
@@ -44,12 +46,8 @@ def group_max_softmax(
         float32 ``[batch, num_kv_heads, n]``: max over the query heads of each group of
         their softmax weights (paper section 4, GQA mapping).
     """
-    b, num_heads, _, d = query.shape
-    num_kv = keys.shape[1]
-    groups = num_heads // num_kv
-    q = query.reshape(b, num_kv, groups, d)
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [b, kv, g, n]
-    return torch.softmax(logits, dim=-1).amax(dim=2)
+    every = torch.ones(keys.shape[-2], dtype=torch.bool, device=keys.device)
+    return masked_group_max_softmax(query, keys, every, scale)  # the selection node's own code
 
 
 class RetrievalHead(abc.ABC):

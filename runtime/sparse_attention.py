@@ -11,8 +11,32 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only",
+__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits",
            "sparse_attention_reference"]
+
+
+def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """float32 logits ``(query * scale) @ keys^T``: the query is scaled *before* the product.
+
+    In float16 the raw product ``q . k`` can exceed 65504 (head_dim 128, entries ~24) while
+    the scaled logit is small; a product formed before the scale overflows to inf (a row of
+    NaN, then zero weights). Scaling the query first (in float32, rounded once to the key
+    dtype, as SDPA's math path does) is cheap: ``query`` is one row per head at decode. The
+    matmul accumulates in float32 where the backend does (CUDA, CPU). For float32 inputs the
+    result differs from ``(q @ k^T) * scale`` by rounding only (~1e-7 relative). The selection
+    nodes use it too (:func:`~specontext_compile.runtime.aten_step.scaled_logits` is this
+    function), so both paths score identically.
+
+    Args:
+        query: ``[..., rows, head_dim]``.
+        keys: ``[..., n, head_dim]`` (broadcast like ``matmul``).
+        scale: softmax scale.
+
+    Returns:
+        float32 ``[..., rows, n]``.
+    """
+    q = (query.float() * scale).to(keys.dtype)
+    return torch.matmul(q, keys.transpose(-1, -2)).float()
 
 
 def causal_limit_mask(
@@ -137,6 +161,48 @@ def sparse_attention_reference(
     return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window)
 
 
+def selected_logits(
+    query: torch.Tensor,
+    keys: torch.Tensor,
+    indices: torch.Tensor,
+    length: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
+) -> torch.Tensor:
+    """The logits a layer's attention gives the selected tokens, exactly as it computes them:
+    ``query * scale`` before the product (:func:`query_key_logits`), the soft cap, the mask
+    (additive, or boolean with the causal limit and the sliding window), ``-inf`` where a
+    row may not look (``-1`` padding included). Shared by the attention output
+    (:func:`attend_gathered`) and the per-layer refinement of the two-stage selection, so
+    both score a token identically.
+
+    Args: ``query`` ``[batch, num_heads, q_len, head_dim]``, ``keys`` ``[batch,
+    num_kv_heads, k, head_dim]`` (rows of ``indices`` ``[batch, num_kv_heads, k]``), the rest
+    as in :func:`sparse_attention_reference`.
+
+    Returns:
+        float32 ``[batch, num_kv_heads, groups, q_len, k]``.
+    """
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv = keys.shape[1]
+    groups = num_heads // num_kv
+    q = query.reshape(b, num_kv, groups * q_len, head_dim)
+    logits = query_key_logits(q, keys, scale)  # float32; no float16 overflow before the scale
+    if soft_cap is not None:
+        logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = logits.view(b, num_kv, groups, q_len, -1)
+    allowed = causal_limit_mask(indices, length, q_len, sliding_window).unsqueeze(2)  # [b, kv, 1, q, k]
+    if attn_mask is not None:
+        gathered = _gather_mask(attn_mask, indices.clamp(min=0), num_kv)
+        if gathered.dtype == torch.bool:
+            allowed = allowed & gathered
+        else:
+            logits = logits + gathered.float()
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
 def attend_gathered(
     query: torch.Tensor,
     keys: torch.Tensor,
@@ -154,23 +220,9 @@ def attend_gathered(
     in ``indices`` (any source: the store, or an offload device buffer); the other arguments
     and the result are as in :func:`sparse_attention_reference`.
     """
-    b, num_heads, q_len, head_dim = query.shape
+    b, num_heads, q_len, _ = query.shape
     num_kv = keys.shape[1]
-    groups = num_heads // num_kv
-    safe_idx = indices.clamp(min=0)
-    q = query.reshape(b, num_kv, groups * q_len, head_dim)
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale
-    if soft_cap is not None:
-        logits = torch.tanh(logits / soft_cap) * soft_cap
-    logits = logits.view(b, num_kv, groups, q_len, -1)
-    allowed = causal_limit_mask(indices, length, q_len, sliding_window).unsqueeze(2)  # [b, kv, 1, q, k]
-    if attn_mask is not None:
-        gathered = _gather_mask(attn_mask, safe_idx, num_kv)
-        if gathered.dtype == torch.bool:
-            allowed = allowed & gathered
-        else:
-            logits = logits + gathered.float()
-    logits = logits.masked_fill(~allowed, float("-inf"))
+    logits = selected_logits(query, keys, indices, length, attn_mask, scale, soft_cap, sliding_window)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
-    out = torch.matmul(probs.view(b, num_kv, groups * q_len, -1), values)
+    out = torch.matmul(probs.view(b, num_kv, (num_heads // num_kv) * q_len, -1), values)
     return out.view(b, num_heads, q_len, values.shape[-1]).to(query.dtype)
