@@ -39,6 +39,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import math
 import os
 import platform
 import statistics
@@ -264,6 +265,8 @@ SPECONTEXT_VARIANTS = {
     "inductor": {"inner": "inductor"},
     "opaque": {"inner": "inductor", "lower": False},  # inductor around our ops left opaque
     "cudagraphs": {"inner": "inductor", "mode": "reduce-overhead"},
+    "c2": {"candidates": 2.0},  # two-stage selection (issue 12): 2 x budget candidates, per-layer top budget
+    "c4": {"candidates": 4.0},
 }
 
 
@@ -299,16 +302,21 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
 
     Dense reads every cached key and value of every layer. specontext reads, per layer,
     ``min(budget, context)`` selected keys and values, plus the full key store of each
-    retrieval layer (the lagged-query head scores every cached token).
+    retrieval layer (the lagged-query head scores every cached token); with the two-stage
+    selection (``candidates`` c > 1) each layer reads the keys of ``min(ceil(c * budget),
+    context)`` candidates (to score them with its own query) and the values of the
+    ``budget`` it keeps.
     """
     from specontext_compile.config import default_retrieval_layers
 
     layers, kv_heads, head_dim = kv_layout(config)
     per_token = kv_heads * head_dim * elem  # one of K or V, one layer
     if name.startswith("specontext"):
-        selected = min(parse_budget(name), context)
+        budget, options = parse_specontext(name)
+        selected = min(budget, context)
+        keys = min(math.ceil(options.get("candidates", 1.0) * budget), context)
         retrieval = len(default_retrieval_layers(layers))
-        kv = batch * (layers * 2 * selected + retrieval * context) * per_token
+        kv = batch * (layers * (keys + selected) + retrieval * context) * per_token
     else:
         kv = batch * layers * 2 * context * per_token
     return weight_bytes, kv

@@ -16,7 +16,7 @@ Invariants:
   kernel calls (:mod:`..runtime.aten_step`), with the same arguments; only the Python
   dispatch around it (counters, the recall probe, the Triton path) is gone.
 - **Only what has an aten body.** ``kv_write``, ``count_step``, ``record_query``, ``speculative_select``,
-  ``draft_select`` and torch-path ``sparse_attention`` are lowered; draft-head steps
+  ``draft_select``, ``refine_selection`` and torch-path ``sparse_attention`` are lowered; draft-head steps
   (``draft_step``/``draft_record``: a loaded module), offload ops (runtime state outside
   the graph) and ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated
   kernel; ``"auto"`` is lowered) stay ops. A graph with any
@@ -48,6 +48,7 @@ _LOWERED = {
     _OPS.record_query: aten_step.record_query,
     _OPS.speculative_select: aten_step.speculative_select,
     _OPS.draft_select: aten_step.draft_select,
+    _OPS.refine_selection: aten_step.refine_selection,
 }
 _ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
 _SPARSE = _OPS.sparse_attention
@@ -69,10 +70,10 @@ def _packet(target):
 
 
 def _sparse_body(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-                 soft_cap=None, sliding_window=0, dense_shortcut=False):
+                 soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None):
     """``sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
     return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, dense_shortcut)
+                                      soft_cap, sliding_window, dense_shortcut, dense)
 
 
 def _is_triton(node: fx.Node) -> bool:

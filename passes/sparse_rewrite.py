@@ -5,7 +5,10 @@ For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) q
 1. insert ``specontext::speculative_select`` right after ``specontext::retrieval_anchor``
    (layer 0, before any attention): one selection per step, shared by every layer (one per
    distinct sliding window when layers differ: Gemma's alternating sliding/global layers);
-2. replace each matched site by ``specontext::sparse_attention`` over that selection;
+2. replace each matched site by ``specontext::sparse_attention`` over that selection; with
+   option ``candidates > 1`` (two-stage selection, issue 12) the selection node picks
+   ``ceil(candidates * budget)`` candidates and each site first keeps its own top
+   ``budget`` of them (``specontext::refine_selection``, the layer's current query);
 3. record each retrieval layer's query with ``specontext::record_query`` (for the next
    step's selection) — also in prefill graphs, whose attention stays dense and exact.
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import math
+import operator
 from pathlib import Path
 
 import torch
@@ -49,6 +54,7 @@ DRAFT_STEP = torch.ops.specontext.draft_step.default
 DRAFT_SELECT = torch.ops.specontext.draft_select.default
 DRAFT_RECORD = torch.ops.specontext.draft_record.default
 COUNT = torch.ops.specontext.count_step.default
+REFINE = torch.ops.specontext.refine_selection.default
 
 
 @dataclasses.dataclass
@@ -87,19 +93,27 @@ class SparseAttentionPass:
             counts from the end; None = :func:`default_retrieval_layers`.
         max_sparse_q_len: longest step (tokens) rewritten as sparse; longer = prefill.
         retrieval_head: resolved folder of a draft retrieval head, or None (lagged query).
+        candidates: candidate-set size of the two-stage selection, as a multiple of
+            ``budget`` (1.0 = one selection shared by every layer).
+        min_coverage: the fidelity guard's threshold (0 = off; refined sites only): a site
+            whose kept tokens hold less of its candidates' attention mass runs dense.
     """
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
                  retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
-                 kernel: str = "auto", retrieval_head: str | None = None, dense_shortcut: bool = True):
+                 kernel: str = "auto", retrieval_head: str | None = None, dense_shortcut: bool = True,
+                 candidates: float = 1.0, min_coverage: float = 0.0):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
+        self.candidates, self.min_coverage = candidates, min_coverage
+        self.candidate_slots = max(budget, math.ceil(candidates * budget))
         self.dense_shortcut = dense_shortcut
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
         self.kernel, self.retrieval_head = kernel, retrieval_head
 
     def uuid(self) -> str:
         cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
-               self.max_sparse_q_len, self.kernel, self.retrieval_head, self.dense_shortcut)
+               self.max_sparse_q_len, self.kernel, self.retrieval_head, self.dense_shortcut, self.candidates,
+               self.min_coverage)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
@@ -153,24 +167,31 @@ class SparseAttentionPass:
                 s.reason = reason
             return result
         selections: dict[int, fx.Node] = {}
+        order = {n: i for i, n in enumerate(graph.nodes)}
         for window in sorted({s.window or 0 for s in decode}, reverse=True):
+            mask = next(s.attn_mask for s in decode if (s.window or 0) == window)
+            mask = mask if isinstance(mask, fx.Node) else None
             if self.retrieval_head is None:
                 first = drivers[0]
-                with graph.inserting_after(anchor):
+                with graph.inserting_after(max((anchor, mask or anchor), key=order.__getitem__)):
                     selections[window] = graph.call_function(SELECT, (
                         query_state, query_valid, [d.key_cache for d in drivers], first.length,
-                        first.q_len, self.budget, self.sink_tokens, self.recent_window, first.scale,
-                        window))
+                        first.q_len, self.candidate_slots, self.sink_tokens, self.recent_window, first.scale,
+                        window, mask))
             else:
                 step, write, _ = draft
-                with graph.inserting_after(step):
+                with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
                     selections[window] = graph.call_function(DRAFT_SELECT, (
                         step, step.args[0], step.args[1], write.args[0], write.args[2],
-                        decode[0].q_len, self.budget, self.sink_tokens, self.recent_window, window))
+                        decode[0].q_len, self.candidate_slots, self.sink_tokens, self.recent_window, window,
+                        mask))
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
         for s in decode:
-            self._rewrite_site(graph, s, selections[s.window or 0], self.kernel, self._dense_store(s))
+            selection, dense = selections[s.window or 0], None
+            if self._refines(s):
+                selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
+            self._rewrite_site(graph, s, selection, self.kernel, self._dense_store(s), dense)
         result.rewritten = len(decode)
         dense = sum(self._dense_store(s) for s in decode)
         with graph.inserting_after(anchor):
@@ -231,13 +252,17 @@ class SparseAttentionPass:
             with graph.inserting_after(last):
                 step = graph.call_function(DRAFT_STEP, (*base, None, None, [], False))
             return step, write, None
-        outputs, reason = decoder_layer_outputs(graph, spec.aux_layer_ids)
+        try:  # the EAGLE-3 default needs the layer count: one KV write per decoder layer
+            aux_layers = spec.aux_layers_for(len(writes))
+        except ValueError as err:
+            return f"fused draft head: {err}"
+        outputs, reason = decoder_layer_outputs(graph, aux_layers)
         if reason is not None:
             return f"fused draft head: {reason}"
         widths = [o.meta.get("example_value", o.meta.get("val")).shape[-1] for o in outputs]
         if sum(widths) != spec.aux_width:
             return (f"fused draft head: its auxiliary input is {spec.aux_width} wide, the outputs of "
-                    f"layers {list(spec.aux_layer_ids)} are {widths}")
+                    f"layers {list(aux_layers)} are {widths}")
         last_out = max(outputs, key=lambda n: order[n])
         if q_len == 1:
             with graph.inserting_after(last):
@@ -262,6 +287,29 @@ class SparseAttentionPass:
         return (self.dense_shortcut and site.soft_cap is None and not site.window
                 and isinstance(capacity, int) and self.budget >= capacity)
 
+    def _refines(self, site: AttentionSite) -> bool:
+        """Whether the site keeps its own ``budget`` of the step's candidates: the candidate
+        set is larger than the budget (option ``candidates > 1``) and the store may hold
+        more than ``budget`` tokens (a symbolic capacity counts as larger)."""
+        if self.candidate_slots <= self.budget:
+            return False
+        key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
+        capacity = key.shape[-2] if key is not None else None
+        return not (isinstance(capacity, int) and capacity <= self.budget)
+
+    def _insert_refine(self, graph: fx.Graph, site: AttentionSite, selection: fx.Node, stats: fx.Node
+                       ) -> tuple[fx.Node, fx.Node | None]:
+        """``refine_selection`` before the site; returns the nodes of its kept positions and,
+        with the guard on, of its run-dense decision (else None)."""
+        with graph.inserting_before(site.node):
+            refine = graph.call_function(REFINE, (
+                site.query, site.key_cache, selection, site.length, site.attn_mask, site.scale, self.budget,
+                self.sink_tokens, self.recent_window, site.soft_cap, site.window or 0, stats,
+                self.min_coverage))
+            kept = graph.call_function(operator.getitem, (refine, 0))
+            dense = graph.call_function(operator.getitem, (refine, 1)) if self.min_coverage > 0 else None
+        return kept, dense
+
     @staticmethod
     def _draft_unusable(draft: tuple, decode: list[AttentionSite]) -> str | None:
         step, write, _ = draft
@@ -285,11 +333,11 @@ class SparseAttentionPass:
 
     @staticmethod
     def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, kernel: str,
-                      dense_shortcut: bool) -> None:
+                      dense_shortcut: bool, dense: fx.Node | None = None) -> None:
         with graph.inserting_before(site.node):
             sparse = graph.call_function(SPARSE, (
                 site.query, site.key_cache, site.value_cache, selection, site.length,
-                site.attn_mask, site.scale, kernel, site.soft_cap, site.window or 0, dense_shortcut))
+                site.attn_mask, site.scale, kernel, site.soft_cap, site.window or 0, dense_shortcut, dense))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
         site.node.replace_all_uses_with(sparse)
         graph.erase_node(site.node)

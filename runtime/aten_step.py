@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_attention import sparse_attention_reference
+from .protocol import GUARD_STAT
+from .sparse_attention import _gather_tokens, query_key_logits, selected_logits, sparse_attention_reference
 
-__all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax", "record_query", "select_positions", "sparse_attention",
+__all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
+           "record_query", "refine_selection", "row_visibility", "select_positions", "sparse_attention",
            "speculative_select", "write_kv"]
 
 _NEG = float("-inf")
@@ -62,6 +64,23 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     query_valid[slot].fill_(1)
 
 
+scaled_logits = query_key_logits  # one formula: the query scaled before the product (fp16-safe)
+
+
+def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
+    """Which store positions each batch row may attend to at all, read from a Hugging Face
+    attention mask ``[batch|1, 1|heads, q_len, >= capacity]`` (bool, True = attend, or
+    additive float, 0 = attend): its last query row, first head. Left padding hides a
+    row's pad positions there. Returns bool ``[batch|1, 1, capacity]``, or None for no mask."""
+    if attn_mask is None:
+        return None
+    last = attn_mask[:, :1, -1, :capacity]  # [b, 1, capacity]
+    last = last if last.dtype == torch.bool else last == 0
+    if last.shape[-1] < capacity:  # a mask narrower than the store hides the rest
+        last = torch.nn.functional.pad(last, (0, capacity - last.shape[-1]), value=False)
+    return last
+
+
 def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
                              scale: float) -> torch.Tensor:
     """Per-KV-group attention weights of one query row over the allowed positions.
@@ -69,22 +88,23 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
     Args:
         query: ``[batch, num_heads, 1, head_dim]``.
         keys: ``[batch, num_kv_heads, capacity, head_dim]`` (disallowed slots may hold garbage).
-        allowed: bool ``[capacity]``: the positions the softmax runs over.
-        scale: softmax scale.
+        allowed: bool ``[capacity]`` or ``[batch|1, 1, capacity]``: the positions the softmax
+            runs over (per batch row: padding-aware).
+        scale: softmax scale (applied to the query before the product, see
+            :func:`scaled_logits`).
 
     Returns:
         float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
         of ``softmax(q . K * scale)`` (paper section 4, GQA mapping); 0 where not allowed.
     """
     b, num_kv, _, d = keys.shape
-    q = query.reshape(b, num_kv, -1, d).to(keys.dtype)
-    logits = torch.matmul(q, keys.transpose(-1, -2)).float() * scale  # [b, kv, g, cap]
-    probs = torch.softmax(logits.masked_fill(~allowed, _NEG), dim=-1).amax(dim=2)
+    logits = scaled_logits(query.reshape(b, num_kv, -1, d), keys, scale)  # [b, kv, g, cap]
+    probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), _NEG), dim=-1).amax(dim=2)
     return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
 
 
 def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
-                        cached: torch.Tensor, scale: float) -> torch.Tensor:
+                        cached: torch.Tensor, scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Scores of the training-free lagged-query head over every slot of the stores.
 
     Per retrieval layer ``i``: ``softmax(q_i . K_i * scale)`` over the written positions
@@ -100,14 +120,20 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
         key_caches: the retrieval layers' key stores ``[batch, num_kv_heads, capacity, head_dim]``.
         cached: int64 scalar tensor, tokens written before this step.
         scale: softmax scale.
+        visible: optional bool ``[batch|1, 1, capacity]`` (:func:`row_visibility`): hidden
+            positions (left padding) are left out of the softmax too, so a padded row
+            scores its tokens exactly as the same prompt alone.
 
     Returns:
-        float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` hold 0.
+        float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` (and hidden
+        ones) hold 0.
     """
     first = key_caches[0]
     b, num_kv, capacity, d = first.shape
     pos = torch.arange(capacity, device=first.device)
     written = pos < cached
+    if visible is not None:
+        written = written & visible
     total = None
     for i, keys in enumerate(key_caches):
         probs = masked_group_max_softmax(query_state[i], keys, written, scale)
@@ -118,7 +144,7 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
 
 
 def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slots: int, sink: int,
-                     window: int, sliding_window: int = 0) -> torch.Tensor:
+                     window: int, sliding_window: int = 0, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Pick ``slots`` positions per KV head: sinks + recent window + top-k of ``scores``.
 
     The same selection as :func:`~specontext_compile.runtime.selection.select_tokens`
@@ -137,6 +163,10 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
             is kept first when both do not fit).
         sliding_window: 0 = full attention; else only the positions the step's rows see
             (HF: ``q - w < p <= q``) are candidates, and no sinks are kept.
+        visible: optional bool ``[batch|1, 1, capacity]`` (:func:`row_visibility`): positions
+            a batch row may not attend to (left padding) are never selected, and the sinks
+            and recent window are counted over the visible positions only (the sinks of a
+            left-padded row are its first real tokens).
 
     Returns:
         int64 ``[batch, num_kv_heads, slots]`` ascending, ``-1`` padding first.
@@ -151,11 +181,18 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
     pos = torch.arange(capacity, device=scores.device)
     total = cached + q_len
     start = (total - q_len - sliding_window + 1).clamp(min=0) if sliding_window > 0 else torch.zeros_like(total)
-    visible = (pos >= start) & (pos < total)
+    seen = (pos >= start) & (pos < total)
+    if visible is not None:
+        seen = seen & visible
     recent = min(max(window, q_len), slots)
     sinks = 0 if sliding_window > 0 else min(sink, slots - recent)
-    forced = visible & ((pos >= total - recent) | (pos < start + sinks))
-    rank = torch.where(visible, scores.float().nan_to_num(0.0), _NEG)
+    if visible is None:
+        forced = seen & ((pos >= total - recent) | (pos < start + sinks))
+    else:  # count over the visible positions: from the left (sinks) and from the right (window)
+        from_left = seen.cumsum(-1)
+        from_right = seen.flip(-1).cumsum(-1).flip(-1)
+        forced = seen & ((from_right <= recent) | (from_left <= sinks))
+    rank = torch.where(seen, scores.float().nan_to_num(0.0), _NEG)
     rank = torch.where(forced, float("inf"), rank)
     values, top = rank.topk(slots, dim=-1, sorted=False)
     top = torch.where(values == _NEG, -1, top)
@@ -164,38 +201,125 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
 
 def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
                        length: torch.Tensor, q_len: int, budget: int, sink: int, window: int, scale: float,
-                       sliding_window: int = 0) -> torch.Tensor:
+                       sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with the lagged-query head (``specontext::speculative_select``):
     :func:`lagged_query_scores` then :func:`select_positions` with
-    ``slots = min(budget, capacity)`` (never below ``q_len``; the pass keeps longer steps dense). ``length``: tokens written before this step.
+    ``slots = min(budget, capacity)`` (never below ``q_len``; the pass keeps longer steps
+    dense). ``length``: tokens written before this step. ``attn_mask``: a site's Hugging
+    Face mask (padding-aware selection, see :func:`row_visibility`), or None.
     Returns int64 ``[batch, num_kv_heads, slots]``."""
-    slots = max(q_len, min(budget, key_caches[0].shape[-2]))
-    scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale)
-    return select_positions(scores, length, q_len, slots, sink, window, sliding_window)
+    capacity = key_caches[0].shape[-2]
+    slots = max(q_len, min(budget, capacity))
+    visible = row_visibility(attn_mask, capacity)
+    scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale, visible)
+    return select_positions(scores, length, q_len, slots, sink, window, sliding_window, visible)
 
 
 def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: torch.Tensor,
                  key_cache: torch.Tensor, length: torch.Tensor, q_len: int, budget: int, sink: int,
-                 window: int, sliding_window: int = 0) -> torch.Tensor:
+                 window: int, sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with a draft head (``specontext::draft_select``): the head's
     query scores its own key cache over positions ``< length + q_len`` (causal: the step's
     last token sees itself), mapped to the target's KV heads
     (:func:`~specontext_compile.runtime.draft_retrieval.map_to_target_heads`), then
     :func:`select_positions`. When the head's cache lacks a position (``draft_length <
     length + q_len``: a step ran without the backend) recency scores are used instead,
-    chosen on the device. Returns int64 ``[batch, num_kv_heads, min(budget, capacity)]``."""
+    chosen on the device. ``attn_mask``: padding-aware selection as in
+    :func:`speculative_select`. Returns int64 ``[batch, num_kv_heads, min(budget, capacity)]``."""
     from .draft_retrieval import map_to_target_heads
 
     b, num_kv, capacity = key_cache.shape[0], key_cache.shape[1], key_cache.shape[-2]
     keys = draft_keys[:, :, :capacity]
     pos = torch.arange(capacity, device=key_cache.device)
     total = length + q_len
-    scores = masked_group_max_softmax(query, keys, pos < total, query.shape[-1] ** -0.5)
+    visible = row_visibility(attn_mask, capacity)
+    allowed = pos < total if visible is None else (pos < total) & visible
+    scores = masked_group_max_softmax(query, keys, allowed, query.shape[-1] ** -0.5)
     scores = map_to_target_heads(scores, num_kv)
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
     scores = torch.where(draft_length >= total, scores, recency)
     slots = max(q_len, min(budget, capacity))
-    return select_positions(scores, length, q_len, slots, sink, window, sliding_window)
+    return select_positions(scores, length, q_len, slots, sink, window, sliding_window, visible)
+
+
+def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
+                     length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
+                     sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
+                     stats: torch.Tensor | None = None, min_coverage: float = 0.0
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Second stage of the two-stage selection: a layer keeps the ``budget`` candidates its
+    *own* query attends to most (``specontext::refine_selection``, issue 12).
+
+    The selection node picks ``candidates`` once per step, before the first layer, from the
+    retrieval head (what offload prefetches); here, inside each layer, the layer's current
+    query scores those candidates exactly as its attention will (scale, soft cap, causal
+    limit, mask), the score of a candidate is the max over the query heads of its KV group
+    and over the step's rows of the softmax weight among the candidates (the paper's GQA
+    rule, section 4), and the top ``budget`` are kept. The sinks (the first ``sink`` valid
+    candidates: the selection node forced them in, so they are the row's first visible
+    tokens) and the recent window (positions ``>= length - max(window, q_len)``) are kept
+    first, inside ``budget``, as in :func:`select_positions`. Static shapes, no host read.
+
+    Args:
+        query: ``[batch, num_heads, q_len, head_dim]`` (this layer's).
+        key_cache: ``[batch, num_kv_heads, capacity, head_dim]``.
+        candidates: int64 ``[batch, num_kv_heads, slots]`` ascending, ``-1`` padding first
+            (a selection node's output), ``slots > budget``.
+        length: int64 scalar tensor, tokens written *including* this step's.
+        attn_mask: the site's Hugging Face mask or None; scale, soft_cap, sliding_window:
+            the site's attention parameters.
+        budget: positions kept per KV head; sink, window: as the selection node's.
+        stats, min_coverage: the fidelity guard (option ``min_coverage``, 0 = off): the
+            site must run dense when any KV head's ``coverage`` (below) is under
+            ``min_coverage``; that decision is counted in ``stats`` (int64, index
+            :data:`~specontext_compile.runtime.protocol.GUARD_STAT`) on the device.
+
+    Returns:
+        ``(indices, dense)``: int64 ``[batch, num_kv_heads, budget]`` ascending (``-1``
+        padding first), and a bool scalar, True when the guard asks for dense attention
+        (always False with the guard off). The guard's per-layer estimate, *coverage*, is
+        per KV head the smallest (over the group's query heads and the step's rows)
+        softmax mass among the candidates that the kept positions hold (1.0 = the
+        candidates held nothing more); :func:`refine_coverage` returns it.
+
+    Raises:
+        ValueError: when ``budget`` does not leave room for the step's ``q_len`` tokens.
+    """
+    indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
+                                        window, soft_cap, sliding_window)
+    dense = (coverage < min_coverage).any()
+    if stats is not None and min_coverage > 0:
+        stats[GUARD_STAT].add_(dense.long())
+    return indices, dense
+
+
+def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
+                    length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
+                    sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
+    (float32 ``[batch, num_kv_heads]``), arguments as there."""
+    q_len = query.shape[2]
+    if budget < q_len:
+        raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
+    keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
+    logits = selected_logits(query, keys, candidates, length, attn_mask, scale, soft_cap, sliding_window)
+    allowed = logits > _NEG  # [b, kv, g, q, slots]
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    score = probs.amax(dim=(2, 3))  # [b, kv, slots]
+    valid = candidates >= 0
+    recent = min(max(window, q_len), budget)
+    sinks = 0 if sliding_window > 0 else min(sink, budget - recent)
+    length = length.reshape(-1, 1, 1) if length.dim() else length
+    forced = valid & ((valid.cumsum(-1) <= sinks) | (candidates >= length - recent))
+    rank = torch.where(valid, score, _NEG)
+    rank = torch.where(forced, float("inf"), rank)
+    values, top = rank.topk(budget, dim=-1, sorted=False)
+    kept = torch.zeros_like(valid).scatter_(-1, top, values != _NEG)
+    coverage = (probs * kept[:, :, None, None, :]).sum(-1)  # [b, kv, g, q]
+    coverage = torch.where(allowed.any(-1), coverage, 1.0).amin(dim=(2, 3))
+    indices = torch.where(values == _NEG, -1, candidates.gather(-1, top))
+    return indices.sort(dim=-1).values, coverage
 
 
 def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
@@ -223,10 +347,37 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, sca
     return out.nan_to_num(0.0)
 
 
+def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
+                      soft_cap: float | None, sliding_window: int, dense: torch.Tensor) -> torch.Tensor:
+    """The fidelity guard's branch (``torch.cond``, traced by inductor as a conditional, not
+    a graph break): exact dense attention over the store when ``dense`` (bool scalar), else
+    the gather path over ``indices``. Plain sites attend densely with SDPA over the store;
+    soft-capped or sliding-window ones through the gather path over every slot (the same
+    exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
+    site and step): the price of the guard, which is off by default."""
+    capacity = key_cache.shape[-2]
+    plain = soft_cap is None and sliding_window == 0
+    tensors = [query, key_cache, value_cache, indices, length] + ([attn_mask] if attn_mask is not None else [])
+
+    def run_dense(q, k, v, idx, n, *mask):
+        m = mask[0] if mask else None
+        if plain:
+            return _dense_store_attention(q, k, v, n, m, scale)
+        every = torch.arange(capacity, device=idx.device).expand(idx.shape[0], idx.shape[1], capacity)
+        return sparse_attention_reference(q, k, v, every, n, m, scale, soft_cap, sliding_window)
+
+    def run_sparse(q, k, v, idx, n, *mask):
+        return sparse_attention_reference(q, k, v, idx, n, mask[0] if mask else None, scale, soft_cap,
+                                          sliding_window)
+
+    return torch.cond(dense, run_dense, run_sparse, tuple(tensors))
+
+
 def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-                     soft_cap: float | None = None, sliding_window: int = 0, dense_shortcut: bool = False
-                     ) -> torch.Tensor:
+                     soft_cap: float | None = None, sliding_window: int = 0, dense_shortcut: bool = False,
+                     dense: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one layer over the selected tokens (``specontext::sparse_attention``).
 
     With ``dense_shortcut`` (the caller's promise that a selection with a slot for every
@@ -235,7 +386,12 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     SDPA over the store with the causal limit as a mask (contiguous reads, exact); otherwise
     the gather path of
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` (shapes,
-    mask and ``-1`` padding semantics there). ``length`` counts this step's tokens."""
+    mask and ``-1`` padding semantics there). ``length`` counts this step's tokens.
+    ``dense``: the fidelity guard's bool scalar from :func:`refine_selection` (None = no
+    guard): when True the site attends densely instead (:func:`guarded_attention`)."""
+    if dense is not None:
+        return guarded_attention(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap,
+                                 sliding_window, dense)
     if dense_shortcut and soft_cap is None and sliding_window == 0 and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, scale,

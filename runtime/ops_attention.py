@@ -29,6 +29,7 @@ def sparse_attention(
     soft_cap: float | None = None,
     sliding_window: int = 0,
     dense_shortcut: bool = False,
+    dense: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes,
@@ -41,16 +42,21 @@ def sparse_attention(
     gathering (counter ``dense_prefix_calls``). The pass sets it for the sites whose budget
     covers the store, unless the option ``dense_shortcut`` is off (tests use that to run the
     gather path at full budget).
+    ``dense``: the fidelity guard's decision (bool scalar from ``refine_selection``; None =
+    no guard): when True the site attends densely (exact), through ``torch.cond``
+    (:func:`~specontext_compile.runtime.aten_step.guarded_attention`, torch path only).
     The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
     read); the Triton path on a masked step checks the mask once per step (one host sync)."""
     counters["specontext"]["sparse_attention_calls"] += 1
     probe = active_probe()
-    if probe is not None:
-        probe.values.append(
-            selection_recall(query, key_cache, indices, int(length), scale, attn_mask)
-        )
+    if probe is not None:  # a site the fidelity guard ran dense attends to everything: recall 1
+        probe.values.append(1.0 if dense is not None and bool(dense) else
+                            selection_recall(query, key_cache, indices, int(length), scale, attn_mask,
+                                             soft_cap, sliding_window))
     plain = soft_cap is None and sliding_window == 0
-    if plain and dense_shortcut and aten_step.covers_store(indices, key_cache):
+    if dense is not None:
+        counters["specontext"]["guarded_attention_calls"] += 1
+    elif plain and dense_shortcut and aten_step.covers_store(indices, key_cache):
         counters["specontext"]["dense_prefix_calls"] += 1
     elif plain and _use_triton(kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
         from ..codegen import sparse_decode_attention
@@ -62,7 +68,7 @@ def sparse_attention(
     else:
         counters["specontext"]["gather_attention_calls"] += 1
     return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, dense_shortcut)
+                                      soft_cap, sliding_window, dense_shortcut, dense)
 
 
 class _MaskCheck:
@@ -125,6 +131,6 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 
 @sparse_attention.register_fake
 def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-      soft_cap=None, sliding_window=0, dense_shortcut=False):
+      soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

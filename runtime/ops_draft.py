@@ -142,6 +142,7 @@ def draft_select(
     sink: int,
     window: int,
     sliding_window: int = 0,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The selection node with the draft head (``retrieval_head``), once per decode step
     (once per distinct sliding window).
@@ -154,7 +155,7 @@ def draft_select(
         key_cache: the target's layer-0 store ``[batch, num_kv_heads, capacity, head_dim]``
             (only its shape is read: KV heads and capacity).
         length: the target's written tokens before this step (int64 scalar).
-        q_len, budget, sink, window, sliding_window: as ``speculative_select``.
+        q_len, budget, sink, window, sliding_window, attn_mask: as ``speculative_select``.
 
     Returns:
         int64 ``[batch, num_kv_heads, min(budget, capacity)]`` ascending positions
@@ -170,10 +171,11 @@ def draft_select(
             logger.warning("specontext: the draft head's key cache lacks positions (a step ran "
                            "without the backend, e.g. an eager prefill); selecting recent tokens")
     return aten_step.draft_select(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink,
-                                  window, sliding_window)
+                                  window, sliding_window, attn_mask)
 
 
 @draft_select.register_fake
-def _(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink, window, sliding_window=0):
+def _(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink, window, sliding_window=0,
+      attn_mask=None):
     slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)

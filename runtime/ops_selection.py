@@ -9,7 +9,7 @@ from torch._dynamo.utils import counters
 
 from . import aten_step
 
-__all__ = ["record_query", "speculative_select"]
+__all__ = ["record_query", "refine_selection", "speculative_select"]
 
 
 @torch.library.custom_op("specontext::record_query", mutates_args=("query_state", "query_valid"))
@@ -37,6 +37,7 @@ def speculative_select(
     window: int,
     scale: float,
     sliding_window: int = 0,
+    attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The speculative-selection node (SpeContext section 4), once per decode step (once per
     distinct sliding window when layers differ, e.g. Gemma's alternating layers).
@@ -52,6 +53,8 @@ def speculative_select(
         q_len: tokens in this step; budget, sink, window: see ``SpeContextConfig``.
         sliding_window: 0 = full attention; else select only inside the window of the
             step's rows (see :func:`~specontext_compile.runtime.selection.select_tokens`).
+        attn_mask: the first site's Hugging Face mask (or None): positions a batch row may
+            not attend to (left padding) are never selected and do not count as sinks.
 
     Returns:
         int64 ``[batch, num_kv_heads, min(budget, capacity)]`` positions valid after this
@@ -59,11 +62,46 @@ def speculative_select(
     """
     counters["specontext"]["selection_calls"] += 1
     return aten_step.speculative_select(query_state, query_valid, key_caches, length, q_len, budget, sink,
-                                        window, scale, sliding_window)
+                                        window, scale, sliding_window, attn_mask)
 
 
 @speculative_select.register_fake
-def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0):
+def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0,
+      attn_mask=None):
     key_cache = key_caches[0]
     slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
+
+
+@torch.library.custom_op("specontext::refine_selection", mutates_args=("stats",))
+def refine_selection(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    candidates: torch.Tensor,
+    length: torch.Tensor,
+    attn_mask: torch.Tensor | None,
+    scale: float,
+    budget: int,
+    sink: int,
+    window: int,
+    soft_cap: float | None = None,
+    sliding_window: int = 0,
+    stats: torch.Tensor | None = None,
+    min_coverage: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-layer second stage of the two-stage selection (option ``candidates > 1``): the
+    layer's own query keeps the ``budget`` of the step's ``candidates`` it attends to most,
+    and the fidelity guard (``min_coverage > 0``) decides whether the layer must run dense.
+    Shapes, semantics and the coverage estimate:
+    :func:`~specontext_compile.runtime.aten_step.refine_selection`.
+    Returns ``(indices [batch, num_kv_heads, budget] int64, dense: bool scalar)``."""
+    counters["specontext"]["refine_calls"] += 1
+    return aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
+                                      window, soft_cap, sliding_window, stats, min_coverage)
+
+
+@refine_selection.register_fake
+def _(query, key_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap=None,
+      sliding_window=0, stats=None, min_coverage=0.0):
+    b, kv = candidates.shape[0], candidates.shape[1]
+    return candidates.new_empty((b, kv, budget)), candidates.new_empty((), dtype=torch.bool)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["STATS", "DraftAnchor", "RetrievalAnchor", "op_arguments"]
+__all__ = ["GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "op_arguments"]
 
 # Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
 # step by ``specontext::count_step`` with constants the pass computed from static shapes:
@@ -33,7 +33,9 @@ STATS = (
     "sparse_sites",      # attention calls over a selection (every rewritten site, every step)
     "gather_sites",      # ... of which gathered the selected rows
     "dense_store_sites",  # ... of which attended densely over the store (budget >= capacity)
+    "guard_dense_sites",  # ... of which the fidelity guard ran dense (coverage < min_coverage)
 )
+GUARD_STAT = STATS.index("guard_dense_sites")
 
 
 def op_arguments(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> dict[str, Any]:

@@ -24,14 +24,6 @@ def selection_size(budget: int, capacity: int) -> int:
     return max(1, min(budget, capacity))
 
 
-def _forced_positions(length: int, q_len: int, slots: int, sink: int, window: int) -> torch.Tensor:
-    """Sink positions then the recent window, within ``[0, length)``, at most ``slots``."""
-    window = min(max(window, q_len), slots, length)
-    sink = min(sink, slots - window, length - window)
-    recent = torch.arange(length - window, length)
-    return torch.cat([torch.arange(sink), recent])
-
-
 def window_start(length: int, q_len: int, sliding_window: int) -> int:
     """First position any query row of the step may see with a sliding window of
     ``sliding_window`` tokens (HF: key ``p`` visible from query ``q`` iff ``q - w < p <= q``);
@@ -50,7 +42,7 @@ def select_tokens(
     window: int,
     sliding_window: int = 0,
 ) -> torch.Tensor:
-    """Pick ``slots`` positions per KV head.
+    """Pick ``slots`` positions per KV head (host-known lengths).
 
     Args:
         scores: ``[batch, num_kv_heads, n]`` float, higher = keep, for positions
@@ -65,9 +57,14 @@ def select_tokens(
             tokens of a moving window are not attention sinks).
 
     Returns:
-        int64 ``[batch, num_kv_heads, slots]``: unique positions ``< length`` (and inside
-        the sliding window when one is given); when the visible positions fit in ``slots``,
-        all of them followed by ``-1`` padding.
+        int64 ``[batch, num_kv_heads, slots]`` ascending: unique positions ``< length`` (and
+        inside the sliding window when one is given); when the visible positions fit in
+        ``slots``, all of them after ``-1`` padding.
+
+    This is a host-side entry point to the one selection implementation,
+    :func:`~specontext_compile.runtime.aten_step.select_positions` (what the compiled step
+    runs): the fidelity harness and the policies use it, so the measured selection is the
+    shipped one.
 
     Raises:
         ValueError: when ``slots < q_len`` (the step's own tokens would not fit; the
@@ -75,19 +72,13 @@ def select_tokens(
     """
     if slots < q_len:
         raise ValueError(f"a selection of {slots} tokens cannot hold the step's {q_len} tokens")
-    device = scores.device
-    b, h, _ = scores.shape
-    start = window_start(length, q_len, sliding_window)
-    visible = length - start
-    if visible <= slots:
-        pad = torch.full((slots - visible,), -1, dtype=torch.long)
-        row = torch.cat([torch.arange(start, length), pad]).to(device)
-        return row.expand(b, h, slots).contiguous()
-    sink = 0 if sliding_window > 0 else sink
-    forced = _forced_positions(visible, q_len, slots, sink, window).to(device) + start
-    lo = int(forced[: min(sink, forced.numel())].numel())  # candidates start after sinks
-    hi = visible - (forced.numel() - lo)  # and stop before the window
-    need = slots - forced.numel()
-    cand = scores[..., start + lo : start + hi]
-    top = cand.topk(need, dim=-1, sorted=False).indices + start + lo
-    return torch.cat([forced.expand(b, h, -1), top], dim=-1)
+    from .aten_step import select_positions
+
+    b, h, n = scores.shape
+    cached = length - q_len
+    capacity = max(length, slots)
+    ranked = scores[..., :cached].float()
+    if capacity > cached:  # this step's positions and spare slots: never ranked by score
+        ranked = torch.cat([ranked, ranked.new_zeros(b, h, capacity - cached)], -1)
+    return select_positions(ranked, torch.tensor(cached, device=scores.device), q_len, slots, sink, window,
+                            sliding_window)

@@ -34,6 +34,12 @@ def _add_run(sub) -> None:
     run.add_argument("--retrieval-head", default=None, metavar="DIR",
                      help="draft retrieval head folder (config.json + model.safetensors, e.g. from "
                           "`specontext distill --variant embedding`) used instead of the lagged query")
+    run.add_argument("--candidates", type=float, default=None,
+                     help="two-stage selection: candidate tokens as a multiple of the budget (default: the "
+                          "backend's; 1 = one selection shared by every layer)")
+    run.add_argument("--min-coverage", type=float, default=None,
+                     help="fidelity guard: a layer whose kept tokens hold less of its candidates' attention "
+                          "runs dense (0 = off; needs --candidates > 1)")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
     run.add_argument("-v", "--verbose", action="store_true")
@@ -51,6 +57,11 @@ def _print_report(report, retrieval_head: str | None = None) -> None:
         ("attention sites rewritten", f"{report.sites_rewritten} / {report.sites_total}"),
         ("selection head", f"draft head {retrieval_head}" if retrieval_head else "lagged query"),
         ("retrieval layers (lagged query)", ",".join(map(str, report.retrieval_layers)) or "-"),
+        ("candidates x budget / guard", f"{report.candidates:g} / "
+                                        f"{report.min_coverage:g}" if report.min_coverage else
+                                        f"{report.candidates:g} / off"),
+        ("decode sites sparse / guard-dense", f"{report.path_counts.get('sparse_sites', 0)} / "
+                                              f"{report.path_counts.get('guard_dense_sites', 0)}"),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),
         ("decode ms/token, specontext", f"{report.decode_ms_sparse:.1f}"),
@@ -82,6 +93,10 @@ def _cmd_run(args) -> int:
         head = SpeContextConfig(retrieval_head=args.retrieval_head).retrieval_head
     model, tokenizer = load_model(args.model)
     options = {"retrieval_head": head} if head else {}
+    for name in ("candidates", "min_coverage"):
+        if getattr(args, name) is not None:
+            options[name] = getattr(args, name)
+    SpeContextConfig(**{k: v for k, v in options.items() if k != "retrieval_head"})  # bad values: before loading
     report = run_report(
         model, tokenizer, text, model_name=args.model, budget=args.budget,
         max_new_tokens=args.max_new_tokens, recall_samples=args.recall_samples,

@@ -77,6 +77,20 @@ class SpeContextConfig:
             compile time), attend densely over the store (SDPA, contiguous reads) instead of
             gathering every slot; exact either way. False always runs the gather path
             (tests use it to check the sparse path at full budget, issue 12).
+        candidates: two-stage selection (issue 12): the selection node picks
+            ``ceil(candidates * budget)`` candidate tokens per KV head once per step, before
+            the first layer (what KV offload prefetches); each layer then keeps the
+            ``budget`` of them that its own current query attends to most (group max, as
+            the paper's GQA rule), so layers no longer share one selection. A float >= 1;
+            1.0 = one selection shared by every layer (the paper's design). Costs one read
+            of the candidates' keys per layer.
+        min_coverage: the fidelity guard (0.0 = off, the default; needs ``candidates > 1``):
+            per layer and step, the share of the candidates' attention mass (the layer's own
+            softmax over the candidates) that the kept ``budget`` tokens hold, for the worst
+            KV head and query head; below ``min_coverage`` the layer attends densely (exact)
+            for that step. Counted in ``cache.path_counts()["guard_dense_sites"]``. On CUDA
+            it costs one host read per guarded layer and step (the branch). A float in
+            ``[0, 1)``.
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
             None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
@@ -98,6 +112,8 @@ class SpeContextConfig:
     mode: str | None = None
     lower: bool = True
     dense_shortcut: bool = True
+    candidates: float = 1.0
+    min_coverage: float = 0.0
     freezing: bool | None = None
     gemv: bool | None = None
 
@@ -154,6 +170,24 @@ class SpeContextConfig:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"specontext option {name!r} must be None, True or False, "
                                  f"got {getattr(self, name)!r}")
+        c = self.candidates
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0 or c == float("inf"):
+            raise ValueError(f"specontext option 'candidates' must be a finite number >= 1 (candidate tokens "
+                             f"as a multiple of the budget; 1 = one shared selection), got {c!r}")
+        object.__setattr__(self, "candidates", float(c))
+        if c > 1 and dm is not None:
+            raise ValueError("specontext options 'candidates' > 1 and 'device_memory_bytes' cannot be combined "
+                             "yet (the offload path attends to the prefetched selection as is); set "
+                             "candidates=1 or unset device_memory_bytes")
+        g = self.min_coverage
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
+            raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
+                             f"got {g!r}")
+        object.__setattr__(self, "min_coverage", float(g))
+        if g > 0 and self.candidates <= 1:
+            raise ValueError("specontext option 'min_coverage' needs 'candidates' > 1 (the guard's estimate "
+                             "is the share of the candidates' attention that each layer keeps); set "
+                             "candidates=2 for example")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 

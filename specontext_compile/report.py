@@ -13,7 +13,9 @@ Measures, in one process on the same machine (docs/report.md explains each figur
   attention mass (over every cached token) that its selection covers. The recall probe
   lives in the ops' Python bodies, which the compiled (inductor) step no longer calls, so
   it is measured on a second, teacher-forced pass of the same tokens through the eager op
-  chain (``inner="eager"``), whose selections are the same computation.
+  chain (``inner="eager"``), whose selections are the same computation;
+- ``path_counts``: the sparse run's ``SpeContextCache.path_counts()``: decode steps, sparse
+  sites, gathered / dense-store sites and the sites the fidelity guard ran dense.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from tqdm.auto import tqdm
 
 from . import api
 from .backend import compile_reports
+from .config import SpeContextConfig
 from .runtime.probe import recall_probe
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,9 @@ class RunReport:
     speedup: float
     kv_bytes: int
     text: str
+    candidates: float = 1.0
+    min_coverage: float = 0.0
+    path_counts: dict = dataclasses.field(default_factory=dict)  # SpeContextCache.path_counts() of the sparse run
 
 
 def build_prompt(tokenizer, text: str) -> torch.Tensor:
@@ -109,7 +115,7 @@ def _sparse_generate(model, input_ids, max_new_tokens, options, warmup):
         bar.close()
         api.restore(model)
     skip = {0, *range(1, 1 + warmup)}  # 0 = prefill
-    return out[0, input_ids.shape[1]:], timer, _median_ms(timer.times, skip), cache.kv_bytes
+    return out[0, input_ids.shape[1]:], timer, _median_ms(timer.times, skip), cache
 
 
 def _recall_teacher_forced(model, input_ids, tokens, options, probe_steps) -> list[float]:
@@ -157,7 +163,8 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
     n = max_new_tokens
     probe_steps = {1 + warmup + i * max(1, (n - 1 - warmup) // recall_samples) for i in range(recall_samples)}
     probe_steps = {s for s in probe_steps if s < n}
-    tokens, timer, ms_sparse, kv_bytes = _sparse_generate(model, input_ids, n, dict(options, budget=budget), warmup)
+    tokens, timer, ms_sparse, cache = _sparse_generate(model, input_ids, n, dict(options, budget=budget), warmup)
+    config = SpeContextConfig.from_options(dict(options, budget=budget))
     decode_reports = [r for r in compile_reports() if r.result.phase == "decode"]
     last = decode_reports[-1] if decode_reports else None
     recalls = _recall_teacher_forced(model, input_ids, tokens, dict(options, budget=budget), probe_steps)
@@ -174,6 +181,7 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         attention_recall=statistics.fmean(recalls) if recalls else float("nan"),
         decode_ms_sparse=ms_sparse, decode_ms_dense=ms_dense,
         speedup=ms_dense / ms_sparse if ms_sparse else float("nan"),
-        kv_bytes=kv_bytes,
+        kv_bytes=cache.kv_bytes,
         text=tokenizer.decode(tokens, skip_special_tokens=True),
+        candidates=config.candidates, min_coverage=config.min_coverage, path_counts=cache.path_counts(),
     )

@@ -49,7 +49,8 @@ def test_default_decode_graph_is_one_inductor_graph_without_our_ops():
     assert counters["specontext"]["ops_lowered"] >= 3 + 3 + 1  # 3 writes, 3 sparse sites, 1 selection
     assert not counters["graph_break"]
     # the compiled step counted itself: 3 decode steps, 3 gather sites each
-    assert cache.path_counts() == {"decode_steps": 3, "sparse_sites": 9, "gather_sites": 9, "dense_store_sites": 0}
+    assert cache.path_counts() == {"decode_steps": 3, "sparse_sites": 9, "gather_sites": 9, "dense_store_sites": 0,
+                                   "guard_dense_sites": 0}
 
 
 def test_unlowered_inductor_graph_calls_our_ops():
@@ -91,7 +92,8 @@ def test_full_budget_without_shortcut_runs_the_gather_path_exactly():
     sparse = decode_logits(model, compiled, ids, 20, cache)
     for step, (a, b) in enumerate(zip(sparse, eager)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
-    assert cache.path_counts() == {"decode_steps": 20, "sparse_sites": 80, "gather_sites": 80, "dense_store_sites": 0}
+    assert cache.path_counts() == {"decode_steps": 20, "sparse_sites": 80, "gather_sites": 80, "dense_store_sites": 0,
+                                   "guard_dense_sites": 0}
 
 
 def test_hf_default_compile_mode_compiles_with_inductor_and_runs_sparse(caplog):
@@ -167,8 +169,9 @@ def selection_cases(draw):
 @settings(max_examples=200, deadline=None)
 @given(selection_cases())
 def test_static_selection_equals_the_sliced_one(case):
-    """``select_positions`` (static shapes, masks) picks the same set as ``select_tokens``
-    (slices at the host-known length) for distinct scores, padding included."""
+    """``select_positions`` (static shapes, masks) picks the same set as a by-hand Python
+    selection at the host-known length (:func:`_selection_by_hand`) for distinct scores,
+    padding included."""
     capacity, q_len, cached, slots, sink, window, sliding, seed = case
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randperm(capacity, generator=gen).float().view(1, 1, capacity).expand(2, 3, capacity)
@@ -176,11 +179,31 @@ def test_static_selection_equals_the_sliced_one(case):
     garbage = scores.clone()
     garbage[..., cached:] = float("nan")  # never looked at
     got = aten_step.select_positions(garbage, torch.tensor(cached), q_len, slots, sink, window, sliding)
-    want = select_tokens(scores[..., :cached], cached + q_len, q_len, slots, sink, window, sliding)
-    assert got.shape == want.shape
+    assert got.shape == (2, 3, slots)
     for bi in range(2):
         for h in range(3):
-            assert sorted(got[bi, h].tolist()) == sorted(want[bi, h].tolist())
+            want = _selection_by_hand(scores[bi, h, :cached].tolist(), cached + q_len, q_len, slots, sink, window,
+                                      sliding)
+            assert sorted(got[bi, h].tolist()) == sorted(want)
+    wrapped = select_tokens(scores[..., :cached], cached + q_len, q_len, slots, sink, window, sliding)
+    assert torch.equal(wrapped, got)  # the host entry point runs the same code
+
+
+def _selection_by_hand(scores: list[float], length: int, q_len: int, slots: int, sink: int, window: int,
+                       sliding: int) -> list[int]:
+    """The selection rule in plain Python: the visible positions (all, or the sliding window of
+    the step's rows); if they fit, all of them and -1 padding; else the last
+    ``max(window, q_len)`` (capped by ``slots``), the first ``sink`` (none with a sliding
+    window, capped by what is left), then the best scores."""
+    start = max(0, length - q_len - sliding + 1) if sliding else 0
+    visible = list(range(start, length))
+    if len(visible) <= slots:
+        return [-1] * (slots - len(visible)) + visible
+    recent = min(max(window, q_len), slots)
+    sinks = 0 if sliding else min(sink, slots - recent)
+    forced = set(visible[-recent:]) | set(visible[:sinks])
+    rest = sorted((p for p in visible if p not in forced), key=lambda p: -scores[p])
+    return sorted(forced) + rest[: slots - len(forced)]
 
 
 # ------------------------------------------------------------------ one-row linears

@@ -58,11 +58,11 @@ def test_selection_inside_a_sliding_window():
     assert sel.shape == (1, 2, 8) and (sel >= 76).all() and (sel < 100).all()
     assert all(len(set(row.tolist())) == 8 for row in sel.view(-1, 8))
     assert {98, 99} <= set(sel[0, 0].tolist())  # the recent window is kept
-    # budget larger than the window: exactly the window, then padding
+    # budget larger than the window: padding, then exactly the window (ascending)
     sel = select_tokens(scores, length=100, q_len=2, slots=32, sink=4, window=2, sliding_window=24)
     start = window_start(100, 2, 24)
     assert start == 75
-    assert sel[0, 0].tolist() == list(range(start, 100)) + [-1] * (32 - (100 - start))
+    assert sel[0, 0].tolist() == [-1] * (32 - (100 - start)) + list(range(start, 100))
     # no window: sinks are kept
     sel = select_tokens(scores, length=100, q_len=1, slots=8, sink=4, window=2)
     assert {0, 1, 2, 3} <= set(sel[0, 0].tolist())
