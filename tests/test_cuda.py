@@ -53,6 +53,9 @@ def test_full_budget_matches_eager_with_triton_kernels(dtype, tol):
     for step, (a, b) in enumerate(zip(sparse, eager)):
         torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m, step=step: f"step {step}: {m}")
     assert counters["specontext"]["sparse_attention_calls"] == 3 * STEPS
+    # the generated kernel is what ran (not the dense shortcut, not the torch gather path)
+    assert counters["specontext"]["triton_attention_calls"] > 0
+    assert counters["specontext"]["dense_prefix_calls"] == 0
 
 
 def test_small_budget_triton_equals_torch_path():
@@ -131,15 +134,22 @@ def test_draft_head_selection_on_cuda(tmp_path, variant):
     model = model.to(CUDA)
     ids = _ids(45, 3)
     eager = _decode(model.forward, ids, STEPS, DynamicCache(config=model.config))
-    full = _decode(_compiled(model, budget=128, retrieval_head=str(folder)), ids, STEPS,
+    # full budget with the dense shortcut off: the selection is attended to (not SDPA over the store)
+    full = _decode(_compiled(model, budget=128, retrieval_head=str(folder), dense_shortcut=False), ids, STEPS,
                    sc.SpeContextCache(model.config, max_cache_len=128, retrieval_head=str(folder)))
     for step, (a, b) in enumerate(zip(full, eager)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
-    runs = {}
+    assert counters["specontext"]["dense_prefix_calls"] == 0
+    assert counters["specontext"]["sparse_attention_calls"] == 3 * STEPS
+    assert counters["specontext"]["triton_attention_calls"] + counters["specontext"]["gather_attention_calls"] == 3 * STEPS
+    runs, triton_calls = {}, {}
     for kernel in ("torch", "triton"):
         torch._dynamo.reset()
+        counters.clear()
         opts = dict(budget=16, sink_tokens=2, recent_window=4, kernel=kernel, retrieval_head=str(folder))
         runs[kernel] = _decode(_compiled(model, **opts), ids, STEPS,
                                sc.SpeContextCache(model.config, max_cache_len=128, retrieval_head=str(folder)))
+        triton_calls[kernel] = counters["specontext"]["triton_attention_calls"]
+    assert triton_calls["torch"] == 0 and triton_calls["triton"] > 0, triton_calls  # two kernels compared
     for step, (a, b) in enumerate(zip(runs["triton"], runs["torch"])):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")

@@ -7,7 +7,7 @@ Heads are random, embedding-only, written in the EAGLE-3 layout with ``runtime/d
 import pytest
 import torch
 from _tiny import tiny_llama
-from test_backend_e2e import decode_logits
+from test_backend_e2e import assert_gather_path, assert_same_greedy_tokens, decode_logits
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
@@ -17,7 +17,8 @@ from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.distill import save_head
 from specontext_compile.runtime.eagle3 import Eagle3RetrievalHead, load_eagle3_head
 
-# fp32 gather + matmul vs eager SDPA, observed ~1e-6 (test_backend_e2e); bound with margin
+# fp32 gather path (dense_shortcut=False at full budget) vs eager SDPA, observed max |logit
+# diff| <= 3e-7 here (2e-7 in test_backend_e2e); bound with margin. Greedy tokens must be equal.
 ATOL, RTOL = 1e-4, 1e-4
 
 
@@ -111,15 +112,24 @@ def reference_selection(row_scores, total, budget, sink, window):
 
 
 def assert_exact_with_full_budget(model, folder, seed):
-    """Prefill + 20 greedy steps with a budget covering the context equal eager dense; returns
-    (decode-graph compile reports, prompt ids, sparse logits per call, cache)."""
+    """Prefill + 20 greedy steps with a budget covering the context equal eager dense (logits
+    and greedy tokens), on the gather path: the dense shortcut is off (else every site would
+    run SDPA over the store, issue 12) and both the ops' counters (``inner="eager"``) and the
+    step's own path counters say that every site gathered. Returns (decode-graph compile
+    reports, prompt ids, sparse logits per call, cache)."""
     ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(seed))
     eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))
-    compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=64))
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options=options(folder, budget=64, dense_shortcut=False))
     cache = sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
     sparse = decode_logits(model, compiled, ids, 20, cache)
     for step, (a, b) in enumerate(zip(sparse, eager)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
+    assert_same_greedy_tokens(sparse, eager)
+    sites = len(model.model.layers) * 20
+    assert counters["specontext"]["dense_prefix_calls"] == 0
+    assert counters["specontext"]["gather_attention_calls"] == counters["specontext"]["sparse_attention_calls"] == sites
+    assert_gather_path(cache, sites)
     return [r for r in sc.compile_reports() if r.result.phase == "decode"], ids, sparse, cache
 
 
@@ -254,11 +264,13 @@ def test_compile_helper_and_explain_use_the_draft_head(tmp_path):
     folder = write_head(tmp_path, model)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(5))
     ref = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
-    sc.compile(model, budget=64, retrieval_head=str(folder))  # default: inductor, draft_select lowered
+    # default: inductor, draft_select lowered; the gather path (not SDPA over the store)
+    sc.compile(model, budget=64, retrieval_head=str(folder), dense_shortcut=False)
     cache = sc.api.make_cache(model, ids, 10)
     out = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, cache=cache)
     assert torch.equal(out, ref)  # budget >= context: exact
     assert cache.path_counts()["decode_steps"] == 9
+    assert_gather_path(cache, 2 * 9)
     sc.api.restore(model)
     result = explain(model, ids, budget=8, retrieval_head=str(folder))
     table = result.table()

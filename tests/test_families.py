@@ -1,9 +1,12 @@
 """Attention discovery across model families (issue 4): tiny random configs, no downloads.
 
 For every family x ``attn_implementation``, prefill + 20 decode steps run through
-``torch.compile(model.forward, backend="specontext", options={"budget": 128})`` with a
-``SpeContextCache``; the budget covers the whole context, so every rewritten site must
-reproduce eager dense logits. Every site of the decode graphs is either rewritten or left
+``torch.compile(model.forward, backend="specontext", options={"budget": 128,
+"dense_shortcut": False})`` with a ``SpeContextCache``; the budget covers the whole context,
+so every rewritten site must reproduce eager dense logits and greedy tokens. The dense
+shortcut is off so that the gather path is what is compared (with it, a full budget runs
+SDPA over the store: SDPA against SDPA, issue 12); the compiled step's own counters
+(``cache.path_counts()``) must say that every rewritten site gathered. Every site of the decode graphs is either rewritten or left
 dense with a stated reason, and the expected outcome per family is pinned below, so a
 regression in matching (or a new silent fallback) fails. ``docs/families.md`` has the table
 (``python scripts/family_table.py``).
@@ -14,8 +17,11 @@ import torch
 import transformers
 from _families import DECODE_STEPS, FAMILIES, run_family, tiny_family
 
-# fp32 on CPU: compiled sparse path (gather + matmul + float32 softmax) vs HF eager dense.
-# Observed max |diff| <= 4e-7 on these models; bound with margin.
+import specontext_compile as sc
+
+# fp32 on CPU: compiled gather path (gather + matmul + float32 softmax, dense_shortcut=False)
+# vs HF eager dense (SDPA or eager attention). Observed max |diff| <= 4e-7 on these models
+# (recorded per case as the test property max_abs_diff); bound with margin.
 ATOL, RTOL = 1e-4, 1e-4
 
 # decode-graph sites rewritten out of 2 layers, and a fragment of the reason for the rest
@@ -28,16 +34,34 @@ NO_SDPA = {"gemma2"}  # transformers refuses attn_implementation="sdpa" for Gemm
 CASES = [(f, a) for f in FAMILIES for a in ("eager", "sdpa")]
 
 
+def record_caches(monkeypatch) -> list:
+    """Keep every ``SpeContextCache`` that ``run_family`` builds (it does not return its
+    cache), so that the test can read the compiled step's path counters."""
+    caches, real = [], sc.SpeContextCache
+
+    def build(*args, **kwargs):
+        caches.append(real(*args, **kwargs))
+        return caches[-1]
+
+    monkeypatch.setattr(sc, "SpeContextCache", build)
+    return caches
+
+
 @pytest.mark.parametrize("family,attn", CASES, ids=[f"{f}-{a}" for f, a in CASES])
-def test_family_sites_rewritten_or_explained_and_exact(family, attn):
+def test_family_sites_rewritten_or_explained_and_exact(family, attn, monkeypatch, record_property):
+    caches = record_caches(monkeypatch)
     try:
-        result = run_family(family, attn)
+        result = run_family(family, attn, dense_shortcut=False)
     except ValueError as err:
         if family in NO_SDPA and attn == "sdpa" and "does not support" in str(err):
             pytest.skip(f"transformers {transformers.__version__} has no {attn} attention for {family}: {err}")
         raise
+    record_property("max_abs_diff", result["max_err"])
     for step, (a, b) in enumerate(zip(result["compiled"], result["eager"])):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=lambda m, step=step: f"{family}/{attn} step {step}: {m}")
+    # the compiled run is fed the eager run's tokens; its own greedy picks must be the same
+    greedy = [x.argmax(-1).tolist() for x in result["compiled"]]
+    assert greedy == [x.argmax(-1).tolist() for x in result["eager"]], f"{family}/{attn}: greedy tokens differ"
     expected_rewritten, reason_fragment = EXPECTED[family]
     assert result["decode_sites"] == 2, f"{family}/{attn}: {result['decode_sites']} attention sites found"
     assert result["decode_rewritten"] == expected_rewritten, result["reasons"]
@@ -48,6 +72,10 @@ def test_family_sites_rewritten_or_explained_and_exact(family, attn):
     else:
         assert result["reasons"] == []
     assert result["sparse_calls"] == expected_rewritten * DECODE_STEPS
+    assert len(caches) == 1
+    counts = caches[0].path_counts()  # kept by the compiled step itself (inductor)
+    assert counts["gather_sites"] == expected_rewritten * DECODE_STEPS, counts  # every rewritten site gathered
+    assert counts["dense_store_sites"] == 0, counts
 
 
 def test_gemma2_sdpa_is_refused_by_transformers_with_a_clear_error():
@@ -96,10 +124,11 @@ def test_opt_through_generate_is_fully_rewritten_and_exact():
     model = tiny_family("opt", "sdpa")
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
     ref = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False)
-    sc.compile(model, budget=128)
+    sc.compile(model, budget=128, dense_shortcut=False)  # full budget on the gather path
     cache = sc.api.make_cache(model, ids, 12)
     out = model.generate(ids, max_new_tokens=12, min_new_tokens=12, do_sample=False, cache=cache)
     assert torch.equal(out, ref)
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert [(r.sites_rewritten, r.sites_total) for r in decode] == [(2, 2)]
-    assert cache.path_counts()["sparse_sites"] == 2 * 11
+    counts = cache.path_counts()
+    assert counts["sparse_sites"] == counts["gather_sites"] == 2 * 11 and counts["dense_store_sites"] == 0, counts
