@@ -282,20 +282,16 @@ class SparseAttentionPass:
         shapes (the budget covers the store's capacity) and passed to the op as its
         ``dense_shortcut`` flag, so the path counters and the path taken agree (a symbolic
         capacity gathers)."""
-        key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
-        capacity = key.shape[-2] if key is not None else None
+        capacity = _static_capacity(site)
         return (self.dense_shortcut and site.soft_cap is None and not site.window
-                and isinstance(capacity, int) and self.budget >= capacity)
+                and capacity is not None and self.budget >= capacity)
 
     def _refines(self, site: AttentionSite) -> bool:
         """Whether the site keeps its own ``budget`` of the step's candidates: the candidate
         set is larger than the budget (option ``candidates > 1``) and the store may hold
         more than ``budget`` tokens (a symbolic capacity counts as larger)."""
-        if self.candidate_slots <= self.budget:
-            return False
-        key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
-        capacity = key.shape[-2] if key is not None else None
-        return not (isinstance(capacity, int) and capacity <= self.budget)
+        capacity = _static_capacity(site)
+        return self.candidate_slots > self.budget and not (capacity is not None and capacity <= self.budget)
 
     def _insert_refine(self, graph: fx.Graph, site: AttentionSite, selection: fx.Node, stats: fx.Node
                        ) -> tuple[fx.Node, fx.Node | None]:
@@ -342,6 +338,14 @@ class SparseAttentionPass:
         site.node.replace_all_uses_with(sparse)
         graph.erase_node(site.node)
         site.node = sparse
+
+
+def _static_capacity(site: AttentionSite) -> int | None:
+    """The site's store capacity (tokens) when it is a static int, else None (symbolic or
+    unknown): the pass's per-site decisions (dense shortcut, refinement) need static shapes."""
+    key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
+    capacity = key.shape[-2] if key is not None else None
+    return capacity if isinstance(capacity, int) else None
 
 
 def keeps_side_effects(node: fx.Node) -> bool:

@@ -64,9 +64,6 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     query_valid[slot].fill_(1)
 
 
-scaled_logits = query_key_logits  # one formula: the query scaled before the product (fp16-safe)
-
-
 def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
     """Which store positions each batch row may attend to at all, read from a Hugging Face
     attention mask ``[batch|1, 1|heads, q_len, >= capacity]`` (bool, True = attend, or
@@ -91,14 +88,14 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
         allowed: bool ``[capacity]`` or ``[batch|1, 1, capacity]``: the positions the softmax
             runs over (per batch row: padding-aware).
         scale: softmax scale (applied to the query before the product, see
-            :func:`scaled_logits`).
+            :func:`~specontext_compile.runtime.sparse_attention.query_key_logits`).
 
     Returns:
         float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
         of ``softmax(q . K * scale)`` (paper section 4, GQA mapping); 0 where not allowed.
     """
     b, num_kv, _, d = keys.shape
-    logits = scaled_logits(query.reshape(b, num_kv, -1, d), keys, scale)  # [b, kv, g, cap]
+    logits = query_key_logits(query.reshape(b, num_kv, -1, d), keys, scale)  # [b, kv, g, cap]
     probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), _NEG), dim=-1).amax(dim=2)
     return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
 
@@ -186,12 +183,10 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
         seen = seen & visible
     recent = min(max(window, q_len), slots)
     sinks = 0 if sliding_window > 0 else min(sink, slots - recent)
-    if visible is None:
-        forced = seen & ((pos >= total - recent) | (pos < start + sinks))
-    else:  # count over the visible positions: from the left (sinks) and from the right (window)
-        from_left = seen.cumsum(-1)
-        from_right = seen.flip(-1).cumsum(-1).flip(-1)
-        forced = seen & ((from_right <= recent) | (from_left <= sinks))
+    # sinks and window are counted over the positions the row sees: from the left and the right
+    from_left = seen.cumsum(-1)
+    from_right = seen.flip(-1).cumsum(-1).flip(-1)
+    forced = seen & ((from_right <= recent) | (from_left <= sinks))
     rank = torch.where(seen, scores.float().nan_to_num(0.0), _NEG)
     rank = torch.where(forced, float("inf"), rank)
     values, top = rank.topk(slots, dim=-1, sorted=False)

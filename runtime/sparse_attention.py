@@ -24,8 +24,8 @@ def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
     dtype, as SDPA's math path does) is cheap: ``query`` is one row per head at decode. The
     matmul accumulates in float32 where the backend does (CUDA, CPU). For float32 inputs the
     result differs from ``(q @ k^T) * scale`` by rounding only (~1e-7 relative). The selection
-    nodes use it too (:func:`~specontext_compile.runtime.aten_step.scaled_logits` is this
-    function), so both paths score identically.
+    nodes use it too (:mod:`~specontext_compile.runtime.aten_step`), so both paths score
+    identically.
 
     Args:
         query: ``[..., rows, head_dim]``.
