@@ -10,14 +10,124 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 from . import cli_distill
-
 from .explain_cli import add_explain_parser, cmd_explain
 
-__all__ = ["main"]
+__all__ = ["check_paths", "main", "write_json"]
+
+# Paths each command writes: (argparse dest, option as typed, "file" or "dir", example for the message).
+_OUTPUTS = {
+    "run": (("json", "--json", "file", "out/run.json"),),
+    "explain": (("json", "--json", "file", "out/explain.json"),
+                ("dump_dir", "--dump-dir", "dir", "out/dumps")),
+    "distill": (("out", "--out", "dir", "out/head"),
+                ("teacher_cache", "--teacher-cache", "file", "out/teacher.pt")),
+}
+# Files each command reads before it loads the model: (dest, option as typed).
+_INPUTS = {"run": (("prompt_file", "--prompt-file"),), "distill": (("text", "--text"),)}
+_DUMP_ENV = "SPECONTEXT_DUMP_DIR"  # passes/dump.py: graph dumps when no --dump-dir is given
+
+
+def _existing_ancestor(path: Path) -> Path:
+    """The nearest of ``path`` and its parents that exists (``.`` at worst)."""
+    for candidate in (path, *path.parents):
+        if os.path.lexists(candidate):
+            return candidate
+    return Path(".")
+
+
+def _refuse(option: str, path: Path, why: str, example: str) -> ValueError:
+    return ValueError(f"cannot write {option} {path}: {why}; pass a path in a folder you can write "
+                      f"(e.g. {option} {example})")
+
+
+def _check_folder(path: Path, option: str, example: str) -> None:
+    """Create ``path`` (and its parents) and prove a file can be made in it; nothing is left behind."""
+    ancestor = _existing_ancestor(path)
+    if not ancestor.is_dir():
+        raise _refuse(option, path, f"{ancestor} is a file, not a folder", example)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        raise _refuse(option, path, f"{exc.strerror or exc} ({exc.filename or path})", example) from None
+
+
+def _check_file(path: Path, option: str, example: str) -> None:
+    """Create the parent folders of ``path`` and prove ``path`` writable without changing it:
+    an existing file is opened for appending (nothing appended), a new one is made and removed."""
+    if path.is_dir():
+        raise _refuse(option, path, "it is a folder; name a file inside it", f"{path / Path(example).name}")
+    _check_folder(path.parent, option, example)
+    try:
+        if os.path.lexists(path):
+            with open(path, "ab"):
+                pass
+        else:
+            with open(path, "xb"):
+                pass
+            os.unlink(path)
+    except OSError as exc:
+        raise _refuse(option, path, exc.strerror or str(exc), example) from None
+
+
+def check_paths(args) -> None:
+    """Refuse, before any model loads, what a command could not read or write at its end.
+
+    Output files get their parent folders created and are proved writable; output folders are
+    created and proved writable (``$SPECONTEXT_DUMP_DIR`` too, when it will be used); input
+    files must be readable.
+
+    Raises:
+        ValueError: naming the option, the path, why, and what to pass instead.
+    """
+    for dest, option in _INPUTS.get(args.command, ()):
+        value = getattr(args, dest, None)
+        for path in value if isinstance(value, list) else [value] if value is not None else []:
+            if not path.is_file() or not os.access(path, os.R_OK):
+                raise ValueError(f"cannot read {option} {path}: "
+                                 f"{'no such file' if not path.exists() else 'not a readable file'}")
+    for dest, option, kind, example in _OUTPUTS.get(args.command, ()):
+        value = getattr(args, dest, None)
+        if value is not None:
+            (_check_file if kind == "file" else _check_folder)(Path(value), option, example)
+    dumps = args.command in ("run", "explain") and not getattr(args, "dump_dir", None)
+    if dumps and os.environ.get(_DUMP_ENV):
+        _check_folder(Path(os.environ[_DUMP_ENV]), f"${_DUMP_ENV}", "out/dumps")
+
+
+def write_json(path: Path, data, what: str) -> int:
+    """Write ``data`` as JSON to ``path`` through a temporary file and a rename (a reader never
+    sees half a file; an old file survives a failed write). If that fails after all (the folder
+    vanished, the disk filled up), the figures go to a file in the temp dir instead of being lost.
+    Returns the exit code: 0, or 1 when the fallback was used."""
+    text = json.dumps(data, indent=2) + "\n"
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as handle:
+                handle.write(text)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:
+        fd, rescue = tempfile.mkstemp(prefix=f"specontext-{path.stem}-", suffix=".json")
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+        print(f"specontext: cannot write {path} ({exc.strerror or exc}); {what} saved to {rescue} instead",
+              file=sys.stderr)
+        return 1
+    print(f"{what} written to {path}")
+    return 0
 
 
 def _add_run(sub) -> None:
@@ -60,8 +170,8 @@ def _print_report(report, retrieval_head: str | None = None) -> None:
         ("candidates x budget / guard", f"{report.candidates:g} / "
                                         f"{report.min_coverage:g}" if report.min_coverage else
                                         f"{report.candidates:g} / off"),
-        ("decode sites sparse / guard-dense", f"{report.path_counts.get('sparse_sites', 0)} / "
-                                              f"{report.path_counts.get('guard_dense_sites', 0)}"),
+        ("decode sites sparse / guard-dense", (f"{report.path_counts.get('sparse_sites', 0)} / "
+                                               f"{report.path_counts.get('guard_dense_sites', 0)}")),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),
         ("decode ms/token, specontext", f"{report.decode_ms_sparse:.1f}"),
@@ -75,19 +185,11 @@ def _print_report(report, retrieval_head: str | None = None) -> None:
 
 
 def _cmd_run(args) -> int:
+    from .config import SpeContextConfig
     from .models import load_model
     from .report import run_report
 
-    from .config import SpeContextConfig
-
-    text = args.prompt_file.read_text(encoding="utf-8")
-    if args.json is not None:  # refuse an unwritable path before minutes of work
-        try:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            with open(args.json, "a", encoding="utf-8"):
-                pass
-        except OSError as exc:
-            raise SystemExit(f"specontext: cannot write --json {args.json}: {exc}; pick a writable path")
+    text = args.prompt_file.read_text(encoding="utf-8")  # paths: checked by main() (check_paths)
     head = None
     if args.retrieval_head is not None:  # checked before the model loads
         head = SpeContextConfig(retrieval_head=args.retrieval_head).retrieval_head
@@ -105,8 +207,7 @@ def _cmd_run(args) -> int:
     )
     _print_report(report, head)
     if args.json:
-        args.json.write_text(json.dumps(dataclasses.asdict(report), indent=2) + "\n")
-        print(f"figures written to {args.json}")
+        return write_json(args.json, dataclasses.asdict(report), "figures")
     return 0
 
 
@@ -120,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        check_paths(args)  # before any model loads: minutes of work must not end in an unwritable path
         if args.command == "explain":
             return cmd_explain(args)
         if args.command == "distill":

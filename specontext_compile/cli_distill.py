@@ -47,8 +47,8 @@ def run(args) -> int:
                            query_rows=args.query_rows, lr=args.lr, seed=args.seed, positions=args.positions,
                            max_position=args.max_position, rope=args.rope, rope_factor=args.rope_factor,
                            loss_sink=args.loss_sink, loss_window=args.loss_window)  # ValueError (before loading anything): cli.main
-    model, tokenizer = load_model(args.model)
-    texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]
+    texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]  # before loading
+    model, tokenizer = load_model(args.model)  # --out / --teacher-cache: checked by cli.check_paths
     meta = distill(model, tokenizer, texts, config, args.out, args.chunks,
                    progress_factory=lambda n, desc: tqdm(total=n, desc=desc, leave=False),
                    extra_meta={"text_files": [str(p) for p in args.text]}, teacher_cache=args.teacher_cache)

@@ -8,7 +8,6 @@ random model of one of :data:`specontext_compile.tiny_models.FAMILIES` (no downl
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 __all__ = ["add_explain_parser", "cmd_explain"]
@@ -57,7 +56,8 @@ def cmd_explain(args) -> int:
     result = explain(model, ids, decode_steps=args.decode_steps, **options)
     print(f"model: {args.model}  attn: {model.config._attn_implementation}  prompt tokens: {args.prompt_tokens}")
     print(result.table())
-    if args.json:
-        args.json.write_text(json.dumps(result.to_dict(), indent=2) + "\n")
-        print(f"table written to {args.json}")
+    if args.json:  # checked writable before the model loaded (cli.check_paths)
+        from .cli import write_json
+
+        return write_json(args.json, result.to_dict(), "table")
     return 0

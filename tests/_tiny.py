@@ -13,3 +13,26 @@ def tiny_llama(layers: int = 3, heads: int = 6, kv_heads: int = 2, attn: str = "
         attn_implementation=attn,
     )
     return LlamaForCausalLM(config).eval()
+
+
+def save_tiny_hf_folder(folder, family: str = "llama", attn: str = "sdpa"):
+    """Save a tiny random ``family`` model and an offline word-level tokenizer that covers its
+    whole vocabulary (``w0`` .. ``w127``, ``w0`` doubling as unknown/EOS) to ``folder``: a local
+    Hugging Face folder that ``specontext run --model FOLDER`` loads. Returns the folder."""
+    from pathlib import Path
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specontext_compile.tiny_models import VOCAB, tiny_family
+
+    folder = Path(folder)
+    model = tiny_family(family, attn)
+    model.generation_config.eos_token_id = None  # random weights: never stop early
+    model.save_pretrained(folder)
+    backend = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0")
+    tokenizer.save_pretrained(folder)
+    return folder
