@@ -9,6 +9,9 @@ a folder. Per graph the backend hands over, four files are written there:
 and ``NNN_<phase>_after.svg`` too when Graphviz's ``dot`` program is on the PATH. ``NNN``
 counts graphs in this process; ``<phase>`` is ``decode``, ``prefill`` or ``none``. Paths are
 logged at INFO on ``specontext_compile.passes.dump`` (standard logging, no handler added).
+The same before/after code also goes to torch's structured trace (``TORCH_TRACE``, for
+``tlparse``) and the ``specontext_graphs`` log artifact, without ``dump_dir`` (see
+``specontext_compile/logs.py``); ``<phase>`` ``none`` is a graph with no resolved KV store.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ class RewriteResult:
 
     sites: list[AttentionSite]
     rewritten: int = 0
-    phase: str = "none"  # "decode", "prefill" or "none"
+    phase: str = "none"  # "decode", "prefill" or "none" (no resolved site); see phase_label
     retrieval_layers: tuple[int, ...] = ()
     selection_inserted: bool = False
     selections: list[fx.Node] = dataclasses.field(default_factory=list)
@@ -76,6 +76,19 @@ class RewriteResult:
     def fallbacks(self) -> list[tuple[int | None, str]]:
         """(layer, reason) of every site left dense."""
         return [(s.layer, s.reason) for s in self.sites if s.reason]
+
+    @property
+    def phase_label(self) -> str:
+        """``phase`` for log lines: "decode", "prefill", "graph without attention", or, when
+        no site's KV store was resolved (``phase`` "none"), "graph without a resolved KV store"."""
+        if self.phase != "none":
+            return self.phase
+        return "graph without a resolved KV store" if self.sites else "graph without attention"
+
+    @staticmethod
+    def site_label(site: AttentionSite) -> str:
+        """"layer N", or "unresolved store (node NAME)" for a site whose KV write was not found."""
+        return f"layer {site.layer}" if site.layer is not None else f"unresolved store (node {site.node.name})"
 
 
 def _source_hash() -> str:

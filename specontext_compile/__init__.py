@@ -10,6 +10,7 @@ from .backend import CompileReport, compile_reports, specontext_backend
 from .config import SpeContextConfig
 from .explain import explain
 from .runtime.kv_cache import SpeContextCache
+from .runtime.static_state import path_counts
 
 __all__ = [
            "CompileReport",
@@ -18,6 +19,7 @@ __all__ = [
            "compile",
            "compile_reports",
            "explain",
+           "path_counts",
            "specontext_backend",
 ]
 __version__ = "0.1.0"

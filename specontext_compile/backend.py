@@ -15,15 +15,18 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from . import logs as _logs
 from .config import MODES as _MODES
 from .config import SpeContextConfig
-from .passes.dump import GraphDumper
+from .passes.dump import GraphDumper, graph_text
 from .passes.gemv import rewrite_one_row_linears
 from .passes.lower import LowerResult, lower_to_aten
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 
 logger = logging.getLogger(__name__)
+_graphs_log = _logs.artifact_logger(__name__, _logs.GRAPHS)  # TORCH_LOGS=specontext_graphs
+_sites_log = _logs.artifact_logger(__name__, _logs.SITES)  # TORCH_LOGS=specontext_sites
 
 __all__ = ["CompileReport", "clear_compile_reports", "compile_reports", "specontext_backend"]
 
@@ -59,16 +62,44 @@ def clear_compile_reports() -> None:
     _REPORTS.clear()
 
 
+def _emit_graph(which: str, graph: torch.fx.Graph, header: str = "") -> None:
+    """Graph code ``which`` ("before"/"after") the rewrite: the ``specontext_graphs`` artifact
+    log and the ``specontext_graph_<which>`` trace artifact (each built only when enabled)."""
+    if _graphs_log.isEnabledFor(logging.DEBUG):
+        _graphs_log.debug("specontext: graph %s the rewrite:\n%s", which, header + graph_text(graph))
+    _logs.trace_graph(f"specontext_graph_{which}", lambda: header + graph_text(graph))
+
+
+def _site_rows(result: RewriteResult) -> list[dict[str, Any]]:
+    """The per-site table: one row per attention site, in graph order."""
+    return [{"layer": s.layer, "node": s.node.name, "phase": result.phase_label, "pattern": s.pattern,
+             "q_len": s.q_len, "window": s.window, "rewritten": s.reason is None and bool(result.rewritten),
+             "reason": s.reason} for s in result.sites]
+
+
 def _log_result(result: RewriteResult) -> None:
+    _logs.trace_sites(lambda: _site_rows(result))
+    if _sites_log.isEnabledFor(logging.DEBUG):
+        rows = _site_rows(result)
+        _sites_log.debug("specontext: %d attention sites (%s)%s", len(rows), result.phase_label, "".join(
+            f"\n  {RewriteResult.site_label(s):<40} {s.pattern:<10} "
+            f"{'rewritten' if row['rewritten'] else 'dense: ' + str(row['reason'])}"
+            for s, row in zip(result.sites, rows)))
     if not result.sites:
         logger.info("specontext: no attention site in this graph; passed through unchanged")
         return
-    logger.info(
-        "specontext: %s graph, %d/%d attention sites rewritten (selection head %s, retrieval layers %s)",
-        result.phase, result.rewritten, result.total, result.selection_head, result.retrieval_layers,
-    )
-    for layer, reason in result.fallbacks():
-        logger.info("specontext: site of layer %s stays dense: %s", layer, reason)
+    where = _graph_label(result)
+    logger.info("specontext: %s, %d/%d attention sites rewritten (selection head %s, retrieval layers %s)",
+                where, result.rewritten, result.total, result.selection_head, result.retrieval_layers)
+    for site in result.sites:
+        if site.reason:
+            logger.info("specontext: %s, site of %s stays dense: %s", where, RewriteResult.site_label(site),
+                        site.reason)
+
+
+def _graph_label(result: RewriteResult) -> str:
+    """"decode graph", "prefill graph", "graph without attention", ..."""
+    return f"{result.phase} graph" if result.phase != "none" else result.phase_label
 
 
 def specontext_backend(
@@ -102,13 +133,18 @@ def specontext_backend(
     )
     dumper = GraphDumper.from_option(config.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None
+    _emit_graph("before", gm.graph)
+    gm, adopted = _adopt_static_cache(gm, example_inputs, config)
+    extra = list(adopted.state.tensors()) if adopted is not None and adopted.state is not None else []
     result = rewrite(gm.graph)
+    _warn_if_dense_cache(result, adopted)
     if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
         from .passes.schedule import OffloadSchedulePass
 
         gm.meta["specontext_offload_schedule"] = OffloadSchedulePass(config.budget)(gm.graph)
     if dumper is not None:
         dumper.write(before, gm.graph, result.phase, f"# pass {rewrite.uuid()}\n")
+    _emit_graph("after", gm.graph, f"# pass {rewrite.uuid()} ({result.phase_label})\n")
     gm.recompile()
     counters["specontext"]["graphs"] += 1
     counters["specontext"]["sites_total"] += result.total
@@ -121,9 +157,9 @@ def specontext_backend(
         inner = "inductor" if result.rewritten and not offload else "eager"
     if inner == "eager":
         if mode != "default":
-            logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s graph runs "
-                        "eager", mode, result.phase)
-        return gm.forward
+            logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
+                        "eager", mode, _graph_label(result))
+        return _with_inputs(gm.forward, extra)
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
     if config.gemv if config.gemv is not None else not on_cuda:
@@ -135,7 +171,59 @@ def specontext_backend(
     gm.recompile()
     from torch._inductor.compile_fx import compile_fx
 
-    return compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, example_inputs))
+    example_inputs = [*example_inputs, *extra]
+    compiled = compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, example_inputs))
+    return _with_inputs(compiled, extra)
+
+
+def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], config: SpeContextConfig):
+    """Hugging Face's ``StaticCache`` as a KV store (``passes/static_cache.py``); not with KV
+    offload, which needs ``SpeContextCache``'s host tier."""
+    from .passes.static_cache import AdoptedStaticCache, adopt_static_cache, has_static_cache_writes
+
+    if not has_static_cache_writes(gm.graph):
+        return gm, None
+    if config.device_memory_bytes is not None:
+        logger.warning("specontext: KV offload (device_memory_bytes) needs specontext_compile.SpeContextCache "
+                       "(its host tier); this graph writes Hugging Face's StaticCache, so attention stays dense")
+        return gm, AdoptedStaticCache(reason="KV offload needs SpeContextCache")
+    gm = _copy(gm)  # new graph inputs: dynamo's own graph must keep its placeholders
+    adopted = adopt_static_cache(gm, example_inputs)
+    if adopted is not None and adopted.reason is not None:
+        logger.info("specontext: StaticCache adopted without a selection: %s", adopted.reason)
+    return gm, adopted
+
+
+_DENSE_CACHE_WARNED = False
+
+
+def _warn_if_dense_cache(result: RewriteResult, adopted) -> None:
+    """One WARNING per process when attention reads no store we can make sparse (Hugging
+    Face's ``DynamicCache``, or no cache): name the two ways to get sparsity."""
+    global _DENSE_CACHE_WARNED
+    if _DENSE_CACHE_WARNED or not result.sites or adopted is not None:
+        return
+    if any(s.write is not None for s in result.sites):
+        return
+    _DENSE_CACHE_WARNED = True
+    logger.warning(
+        "specontext: %d attention site(s) read no KV store the backend can make sparse (Hugging Face's "
+        "DynamicCache, or no cache), so they run dense. For sparse decoding, either generate with "
+        "cache_implementation=\"static\" (Hugging Face's StaticCache) or pass a "
+        "specontext_compile.SpeContextCache as past_key_values (specontext_compile.compile(model) does it).",
+        len(result.sites))
+
+
+def _with_inputs(fn: Callable, extra: list[torch.Tensor]) -> Callable:
+    """``fn`` called with ``extra`` appended to dynamo's inputs (the state inputs of an
+    adopted StaticCache graph); dynamo calls a backend's result with positional inputs."""
+    if not extra:
+        return fn
+
+    def call(*args):
+        return fn(*args, *extra)
+
+    return call
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -1,0 +1,193 @@
+"""Adopt Hugging Face's ``StaticCache`` as a KV store: the pass that runs before the rewrite.
+
+A graph traced with ``StaticCache`` writes each layer's K/V as ``StaticLayer.update`` does
+(transformers >= 5)::
+
+    cache_position = torch.arange(q_len) + cumulative_length
+    cumulative_length.add_(q_len)
+    keys.index_copy_(2, cache_position, key_states)
+    values.index_copy_(2, cache_position, value_states)
+
+which is exactly ``specontext::kv_write(keys, values, cumulative_length, key_states,
+value_states)``: write at ``length .. length+q_len-1``, then advance ``length`` by ``q_len``.
+This pass replaces each such group by that op (the rewrite pass recognises a store by it),
+and puts a ``specontext::retrieval_anchor`` before layer 0's write whose state tensors
+(:class:`~specontext_compile.runtime.static_state.StaticCacheState`) are *new graph inputs*
+appended after dynamo's: the backend passes them on every call. Nothing else changes, so
+the graph still computes what Hugging Face's does, and the rewrite pass then makes it
+sparse exactly as with ``SpeContextCache``.
+
+Matched only when every piece is the one above: the index is ``arange(q_len) + L`` with the
+same ``L`` that one ``L.add_(q_len)`` advances before the key write, the copy dimension is 2,
+the key and value writes share that index, and nothing reads ``L`` between its advance and
+the value write (where ``kv_write`` advances it). Anything else (a sliding-window layer's
+rolling buffer, another cache's writes) is left as it is and its attention stays dense.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from ..runtime.static_state import StaticCacheState, state_for
+from .sites import ANCHOR, KV_WRITE, find_attention_sites, is_op
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["AdoptedStaticCache", "adopt_static_cache", "has_static_cache_writes"]
+
+STATE_INPUTS = ("specontext_query_state", "specontext_query_valid", "specontext_stats")
+
+
+@dataclasses.dataclass
+class AdoptedStaticCache:
+    """What :func:`adopt_static_cache` did to one graph.
+
+    ``writes``: K/V write groups turned into ``kv_write`` (one per layer); ``state``: the
+    tensors to append to every call's inputs (None when no anchor was added, e.g. no
+    attention reads the stores); ``reason``: why no anchor was added, else None."""
+
+    writes: int = 0
+    state: StaticCacheState | None = None
+    reason: str | None = None
+
+
+def _is_index_copy(node: fx.Node) -> bool:
+    if node.op == "call_method":
+        return node.target == "index_copy_"
+    return node.op == "call_function" and node.target in (torch.Tensor.index_copy_,)
+
+
+def _length_arg(value) -> int | fx.Node | None:
+    """A token count: an int, or a node (a symbolic length under dynamic shapes)."""
+    if isinstance(value, fx.Node) or (isinstance(value, int) and not isinstance(value, bool)):
+        return value
+    return None
+
+
+def _positions(index: fx.Node) -> tuple[fx.Node, int] | None:
+    """``(L, q_len)`` when ``index`` is ``arange(q_len) + L`` (either operand order)."""
+    if not (isinstance(index, fx.Node) and index.op == "call_function" and index.target in (operator.add, torch.add)):
+        return None
+    if len(index.args) != 2 or index.kwargs.get("alpha", 1) != 1:
+        return None
+    for ar, length in (index.args, index.args[::-1]):
+        if (isinstance(ar, fx.Node) and ar.op == "call_function" and ar.target is torch.arange
+                and len(ar.args) == 1 and _length_arg(ar.args[0]) is not None and isinstance(length, fx.Node)):
+            return length, ar.args[0]
+    return None
+
+
+def _advance(length: fx.Node, q_len: int | fx.Node) -> fx.Node | None:
+    """The single ``length.add_(q_len)`` node (same int, or the same symbolic node)."""
+    adds = [u for u in length.users if u.op == "call_method" and u.target == "add_" and u.args[0] is length
+            and len(u.args) == 2 and _length_arg(u.args[1]) is not None and not u.kwargs
+            and (u.args[1] is q_len if isinstance(q_len, fx.Node) else u.args[1] == q_len)]
+    return adds[0] if len(adds) == 1 else None
+
+
+def _write_groups(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node, fx.Node]]:
+    """``(advance, key_write, value_write, length)`` for every StaticLayer update pattern."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    copies = [n for n in graph.nodes if _is_index_copy(n)]
+    groups, used = [], set()
+    for k_write in copies:
+        if k_write in used or len(k_write.args) != 4 or k_write.kwargs or k_write.args[1] != 2:
+            continue
+        index = k_write.args[2]
+        v_write = next((c for c in copies if c not in used and c is not k_write and order[c] > order[k_write]
+                        and len(c.args) == 4 and c.args[1] == 2 and c.args[2] is index), None)
+        found = _positions(index)
+        if v_write is None or found is None:
+            continue
+        length, q_len = found
+        advance = _advance(length, q_len)
+        if advance is None or not (order[index] < order[advance] < order[k_write]):
+            continue
+        between = [u for u in length.users if order[advance] < order[u] <= order[v_write]]
+        if between:
+            continue
+        used.update((k_write, v_write))
+        groups.append((advance, k_write, v_write, length))
+    return groups
+
+
+def _replace(graph: fx.Graph, group) -> fx.Node:
+    advance, k_write, v_write, length = group
+    key_store, value_store = k_write.args[0], v_write.args[0]
+    with graph.inserting_before(v_write):
+        write = graph.call_function(KV_WRITE, (key_store, value_store, length, k_write.args[3], v_write.args[3]))
+    for meta in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if meta in k_write.meta:
+            write.meta[meta] = k_write.meta[meta]
+    write.meta["example_value"] = None
+    for old, store in ((v_write, value_store), (k_write, key_store)):
+        old.replace_all_uses_with(store)
+        graph.erase_node(old)
+    advance.replace_all_uses_with(length)
+    graph.erase_node(advance)
+    return write
+
+
+def has_static_cache_writes(graph: fx.Graph) -> bool:
+    """True when ``graph`` has no retrieval anchor and holds a ``StaticLayer`` write group."""
+    return not any(is_op(n, ANCHOR) for n in graph.nodes) and bool(_write_groups(graph))
+
+
+def _owner(example_inputs) -> torch.Tensor | None:
+    return next((t for t in example_inputs if isinstance(t, torch.nn.Parameter)), None)
+
+
+def _add_state_inputs(graph: fx.Graph, state: StaticCacheState) -> list[fx.Node]:
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    fake_mode = next((n.meta["example_value"].fake_mode for n in placeholders
+                      if hasattr(n.meta.get("example_value"), "fake_mode")), None)
+    nodes, last = [], placeholders[-1]
+    for name, tensor in zip(STATE_INPUTS, state.tensors()):
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        last.meta["example_value"] = fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
+        nodes.append(last)
+    return nodes
+
+
+def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStaticCache | None:
+    """Turn ``StaticCache`` writes into ``kv_write`` and add the retrieval anchor (see the
+    module docstring). Returns None when the graph holds no such write or already has an
+    anchor (a ``SpeContextCache`` graph); the graph is then untouched.
+
+    The caller must append ``result.state.tensors()`` to every call's inputs when
+    ``result.state`` is set."""
+    graph = gm.graph
+    if any(is_op(n, ANCHOR) for n in graph.nodes):
+        return None
+    groups = _write_groups(graph)
+    if not groups:
+        return None
+    owner = _owner(example_inputs)
+    if owner is None:
+        return AdoptedStaticCache(reason="no parameter among the graph inputs to key the retrieval state on "
+                                         "(torch._dynamo.config.inline_inbuilt_nn_modules is off?)")
+    writes = [_replace(graph, g) for g in groups]
+    result = AdoptedStaticCache(writes=len(writes))
+    sites = [s for s in find_attention_sites(graph) if s.num_heads and s.head_dim and s.query is not None]
+    if not sites:
+        result.reason = "no attention reads the adopted StaticCache stores"
+        graph.lint()
+        return result
+    query = sites[0].query.meta.get("example_value", sites[0].query.meta.get("val"))
+    store = writes[0].args[0].meta.get("example_value", writes[0].args[0].meta.get("val"))
+    result.state = state_for(owner, store.shape[0], sites[0].num_heads, sites[0].head_dim, query.dtype,
+                             store.device)
+    query_state, query_valid, stats = _add_state_inputs(graph, result.state)
+    with graph.inserting_before(writes[0]):
+        anchor = graph.call_function(ANCHOR, (query_state, query_valid, stats, ""))
+    anchor.meta["example_value"] = None
+    graph.lint()
+    logger.info("specontext: adopted %d StaticCache layer writes as KV stores", len(writes))
+    return result
+
