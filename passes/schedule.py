@@ -117,7 +117,7 @@ class ScheduleResult:
             return "offload schedule: nothing to schedule"
         c = self.cost
         return (f"offload schedule: {len(self.layers)} layers, lead {self.lead} layer(s) "
-                f"(copy ~{c.copy_s * 1e6:.0f} us vs compute ~{c.compute_s * 1e6:.0f} us per layer)")
+                f"(copy ~{float(c.copy_s) * 1e6:.0f} us vs compute ~{float(c.compute_s) * 1e6:.0f} us per layer)")
 
 
 def _source_hash() -> str:

@@ -365,10 +365,17 @@ def keeps_side_effects(node: fx.Node) -> bool:
     """Dead-code test for :meth:`torch.fx.Graph.eliminate_dead_code`: FX's own purity test,
     plus any op whose schema mutates an argument. torch 2.11 treats a call through an
     ``OpOverloadPacket`` (``torch.ops.specontext.kv_write(...)``, as dynamo records it) as
-    pure, so without this the decode graph lost every KV-store write (seen on CUDA)."""
+    pure, so without this the decode graph lost every KV-store write (seen on CUDA). In-place
+    tensor methods (``x.copy_(y)``, ``torch.relu_``) count too: dynamo records an in-place
+    collective (Hugging Face tensor parallelism's ``all_reduce`` of the row-parallel output) as
+    a functional all-reduce plus ``copy_`` back into the input, whose result is unused."""
     if node.is_impure():
         return True
     target = node.target
+    name = target if node.op == "call_method" else getattr(target, "__name__", None)
+    if (node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_")
+            and not name.endswith("__") and hasattr(torch.Tensor, name)):
+        return True
     if isinstance(target, torch._ops.OpOverloadPacket):
         schemas = [getattr(target, name)._schema for name in target.overloads()]
     elif isinstance(target, torch._ops.OpOverload):

@@ -309,8 +309,45 @@ class DraftKeyCache:
             self.keys = new
 
     def reset(self) -> None:
-        """Forget every position and the recorded hidden states (the stores are kept)."""
+        """Forget every position and the recorded hidden states (the stores are kept and
+        zeroed, as a fresh cache's)."""
         self.length.zero_()
+        self.aux_valid.zero_()
+        if self.keys is not None:
+            self.keys.zero_()
+            self.aux_state.zero_()
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``i`` of ``keys`` and ``aux_state`` becomes old row
+        ``beam_idx[i]`` (int64 ``[batch]``, checked by the cache), in place; ``length`` and
+        ``aux_valid`` are shared by the rows."""
+        if self.keys is None:
+            return
+        idx = beam_idx.to(self.keys.device)
+        self.keys.copy_(self.keys.index_select(0, idx))
+        self.aux_state.copy_(self.aux_state.index_select(0, idx))
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """Keep rows ``idx`` (int64 ``[new_batch]``, repeats allowed) of ``keys`` and
+        ``aux_state`` (new tensors: the batch size changes)."""
+        if self.keys is None:
+            return
+        idx = idx.to(self.keys.device)
+        self.keys = self.keys.index_select(0, idx)
+        self.aux_state = self.aux_state.index_select(0, idx)
+
+    def crop(self, new_length: int) -> None:
+        """The target cache now holds ``new_length`` tokens: positions ``>= new_length`` are
+        forgotten (``length = min(length, new_length)``, their keys zeroed; a length that lags
+        behind the target's stays behind). The recorded hidden states belong to a dropped
+        token and the kept token's are not kept: ``aux_valid`` is cleared, so the next token's
+        key reads zeros, as the first token of a fresh cache does."""
+        if self.keys is None:
+            return
+        old = int(self.length)
+        if new_length < old:
+            self.keys[:, :, new_length:old].zero_()
+            self.length.fill_(new_length)
         self.aux_valid.zero_()
 
     @property

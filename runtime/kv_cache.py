@@ -104,6 +104,11 @@ class SpeContextLayer(StaticLayer):
         and return the whole stores ``[batch, num_kv_heads, capacity, head_dim]``."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.keys.shape[0]:  # static shapes: no host read
+            raise ValueError(
+                f"SpeContextCache holds {self.keys.shape[0]} rows, the step feeds {key_states.shape[0]}: "
+                "a cache reused for a new prompt keeps its batch size; build a new SpeContextCache, or "
+                "call cache.batch_select_indices / batch_repeat_interleave to the new batch size first")
         elif not is_torchdynamo_compiling():
             self.reserve(int(self.cumulative_length) + key_states.shape[-2])
         torch.ops.specontext.kv_write(
@@ -128,6 +133,105 @@ class SpeContextLayer(StaticLayer):
         if self.is_initialized:
             self.keys.zero_()
             self.values.zero_()
+
+    # --- Hugging Face cache operations (table: runtime/README.md, "Cache operations") -------
+    @property
+    def batch_size(self) -> int:
+        """Rows of the stores (HF's ``Cache.batch_size`` reads it); absent before the first
+        write, like ``StaticLayer``'s attribute."""
+        if not self.is_initialized:
+            raise AttributeError("batch_size")
+        return self.keys.shape[0]
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``i`` of the stores becomes old row ``beam_idx[i]``, in place (the
+        stores keep their address, so CUDA graphs and the offload registry stay valid).
+
+        Args:
+            beam_idx: int64 ``[batch]``, a row index per row (repeats allowed).
+
+        Raises:
+            ValueError: ``beam_idx`` does not have one entry per row (use
+                ``batch_select_indices`` to change the batch size).
+        """
+        if not self.is_initialized:
+            return
+        idx = _row_index(beam_idx, self.keys.shape[0], self.keys.device)
+        for t in (self.keys, self.values):
+            t.copy_(t.index_select(0, idx))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (HF's convention: a negative count; 0 is
+        a no-op). Their slots are zeroed (unwritten slots hold zeros) and the length goes back.
+
+        Raises:
+            ValueError: a positive count (pass ``-n`` to remove ``n`` tokens), or more tokens
+                than the layer holds.
+        """
+        remove = _crop_count(tokens_to_remove)
+        if remove == 0 or not self.is_initialized:
+            return
+        old = int(self.cumulative_length)
+        if remove > old:
+            raise ValueError(f"crop({tokens_to_remove}): the cache holds only {old} tokens")
+        self.keys[:, :, old - remove: old].zero_()
+        self.values[:, :, old - remove: old].zero_()
+        self.cumulative_length.fill_(old - remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times (``[a, b]`` -> ``[a, a, b, b]``); new stores."""
+        if not self.is_initialized:
+            return
+        self.keys = self.keys.repeat_interleave(repeats, dim=0)
+        self.values = self.values.repeat_interleave(repeats, dim=0)
+        _static_address(self.keys, self.values)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (int indices or a bool mask over the rows); new stores."""
+        if not self.is_initialized:
+            return
+        idx = _select_index(indices, self.keys.shape[0], self.keys.device)
+        self.keys = self.keys.index_select(0, idx)
+        self.values = self.values.index_select(0, idx)
+        _static_address(self.keys, self.values)
+
+
+def _crop_count(tokens_to_remove: int) -> int:
+    """Tokens to remove for HF's ``crop(tokens_to_remove)`` (negative = remove that many)."""
+    n = int(tokens_to_remove)
+    if n > 0:
+        raise ValueError(
+            f"crop({n}): SpeContextCache follows Hugging Face's static caches, where crop takes a "
+            f"negative count of tokens to remove; call crop(-k) to drop the last k tokens "
+            f"(to keep the first {n} tokens: crop({n} - cache.get_seq_length()))")
+    return -n
+
+
+def _row_index(beam_idx, batch: int, device) -> torch.Tensor:
+    """``beam_idx`` as an int64 index of ``batch`` entries in ``[0, batch)`` on ``device``."""
+    idx = torch.as_tensor(beam_idx, device=device).long().reshape(-1)
+    if idx.numel() != batch:
+        raise ValueError(
+            f"reorder_cache: beam_idx has {idx.numel()} entries for a cache of {batch} rows; "
+            "reorder_cache keeps the batch size (use batch_select_indices or "
+            "batch_repeat_interleave to change it)")
+    if batch and (int(idx.min()) < 0 or int(idx.max()) >= batch):
+        raise ValueError(f"reorder_cache: beam_idx {idx.tolist()} out of range for {batch} rows")
+    return idx
+
+
+def _select_index(indices, batch: int, device) -> torch.Tensor:
+    """``indices`` (ints, negative allowed, or a bool mask of ``batch`` rows) as int64 row
+    indices on ``device``."""
+    idx = torch.as_tensor(indices, device=device)
+    if idx.dtype == torch.bool:
+        if idx.numel() != batch:
+            raise ValueError(f"batch_select_indices: a bool mask of {idx.numel()} entries for {batch} rows")
+        return idx.reshape(-1).nonzero().reshape(-1)
+    idx = idx.long().reshape(-1)
+    if idx.numel() and (int(idx.min()) < -batch or int(idx.max()) >= batch):
+        raise ValueError(f"batch_select_indices: indices {idx.tolist()} out of range for {batch} rows")
+    return idx % max(batch, 1)
 
 
 def _layer_windows(config) -> list[int]:
@@ -182,7 +286,10 @@ class SpeContextCache(Cache):
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layers = [SpeContextLayer(max_cache_len, chunk_tokens) for _ in range(config.num_hidden_layers)]
         super().__init__(layers=layers)
+        # global head counts; the retrieval state is sized from the layer-0 keys
+        # (``_retrieval_heads``), so a tensor-parallel rank gets its own heads only
         self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.query_state: torch.Tensor | None = None
         self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
@@ -192,9 +299,24 @@ class SpeContextCache(Cache):
         self._layer_windows_text = ",".join(map(str, self.layer_windows))
         self.draft = DraftKeyCache(head_spec(retrieval_head)) if retrieval_head is not None else None
 
+    def _retrieval_heads(self, key_states: torch.Tensor) -> int:
+        """Query heads this process computes, from the KV heads its layer-0 keys carry.
+
+        Under head-sharded tensor parallelism (HF ``tp_plan``: q/k/v colwise) a rank holds
+        ``num_key_value_heads / world`` KV heads and their whole query groups, so its query
+        heads are ``num_attention_heads * local_kv / num_key_value_heads``; unsharded (or a
+        config without a KV head count, e.g. multi-query Falcon) it is ``num_attention_heads``."""
+        local_kv = key_states.shape[1]
+        total_kv = self.num_kv_heads
+        if total_kv and local_kv != total_kv and total_kv % local_kv == 0 and self.num_heads % total_kv == 0:
+            return self.num_heads // total_kv * local_kv
+        return self.num_heads
+
     def _init_retrieval_state(self, like: torch.Tensor) -> None:
+        """Allocate the retrieval state for ``like`` (layer 0's key states): one query row per
+        retrieval layer, per local query head; the head size is the keys' (= the queries')."""
         b = like.shape[0]
-        self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self.num_heads, 1, self.head_dim))
+        self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self._retrieval_heads(like), 1, like.shape[-1]))
         self.query_valid = self.query_valid.to(like.device)
         self.stats = self.stats.to(like.device)
         _static_address(self.query_state, self.query_valid, self.stats)
@@ -202,7 +324,8 @@ class SpeContextCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """HF's cache update, plus the retrieval anchor at layer 0 (see module docstring)."""
         if layer_idx == 0:
-            if self.query_state is None or self.query_state.shape[1] != key_states.shape[0]:
+            if self.query_state is None or self.query_state.shape[1] != key_states.shape[0] or (
+                    self.query_state.shape[2] != self._retrieval_heads(key_states)):
                 self._init_retrieval_state(key_states)
             RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats).emit()
             if self.draft is not None:
@@ -223,12 +346,142 @@ class SpeContextCache(Cache):
                     layer.reserve(int(layer.cumulative_length) + query_length)
         return super().get_mask_sizes(query_length, layer_idx)
 
+    # --- Hugging Face cache operations (table: runtime/README.md, "Cache operations") -------
+    # Each applies to every piece of state the cache keeps: the KV stores (layers), the
+    # retrieval state (query_state rows, query_valid), the path counters, the draft head's key
+    # cache (``draft``) and the offload tier (``offload``, an OffloadManager, when attached).
+    def _offload_manager(self):
+        """The attached :class:`~.offload.OffloadManager` or None (``enable_offload`` sets the
+        instance attribute ``offload``, which shadows HF's unused ``Cache.offload`` method)."""
+        return self.__dict__.get("offload")
+
+    def _rows(self) -> int | None:
+        for layer in self.layers:
+            if layer.is_initialized:
+                return layer.keys.shape[0]
+        return None if self.query_state is None else self.query_state.shape[1]
+
     def reset(self) -> None:
-        """Forget all tokens and the retrieval state."""
+        """Forget all tokens: the stores, the retrieval state, the path counters, the draft
+        head's key cache and the offload tier's buffers and plan go back to a fresh cache's
+        (buffers are kept and zeroed, so compiled graphs stay valid)."""
+        manager = self._offload_manager()
+        if manager is not None:
+            manager.on_reset()
         super().reset()
         self.query_valid.zero_()
+        if self.query_state is not None:
+            self.query_state.zero_()
+        self.stats.zero_()
         if self.draft is not None:
             self.draft.reset()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: row ``i`` of every per-row state becomes old row ``beam_idx[i]`` (KV
+        stores, ``query_state`` rows, the draft head's keys and recorded hidden states, the
+        offload buffers and slot maps), in place. Per-slot / per-cache state (``query_valid``,
+        lengths, path counters) is shared by the rows and unchanged.
+
+        Args:
+            beam_idx: int64 ``[batch]`` (repeats allowed).
+
+        Raises:
+            ValueError: not one entry per row, or an entry out of range.
+            OffloadCopyError: a failed offloaded step was not rolled back first.
+        """
+        rows = self._rows()
+        if rows is None:
+            return
+        manager = self._offload_manager()
+        if manager is not None:
+            manager.before_cache_op("reorder_cache")
+        idx = _row_index(beam_idx, rows, self.query_state.device if self.query_state is not None
+                         else self.layers[0].keys.device)
+        super().reorder_cache(idx)
+        if self.query_state is not None:
+            self.query_state.copy_(self.query_state.index_select(1, idx))
+        if self.draft is not None:
+            self.draft.reorder(idx)
+        if manager is not None:
+            manager.reorder(idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every row ``repeats`` times in every per-row state (see
+        :meth:`reorder_cache`); the per-row tensors are reallocated (a new batch size
+        recompiles the compiled step once).
+
+        Raises:
+            ValueError: ``repeats < 1``.
+            OffloadCopyError: a failed offloaded step was not rolled back first.
+        """
+        if int(repeats) < 1:
+            raise ValueError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
+        rows = self._rows()
+        if rows is None:
+            return
+        idx = torch.arange(rows).repeat_interleave(int(repeats))
+        self._select_rows(idx, "batch_repeat_interleave")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep the rows ``indices`` (int indices or a bool mask over the rows) of every
+        per-row state (see :meth:`reorder_cache`); the per-row tensors are reallocated.
+
+        Raises:
+            ValueError: an index out of range, or a mask of the wrong size.
+            OffloadCopyError: a failed offloaded step was not rolled back first.
+        """
+        rows = self._rows()
+        if rows is None:
+            return
+        self._select_rows(_select_index(indices, rows, "cpu"), "batch_select_indices")
+
+    def _select_rows(self, idx: torch.Tensor, what: str) -> None:
+        manager = self._offload_manager()
+        if manager is not None:
+            manager.before_cache_op(what)
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.batch_select_indices(idx)
+        if self.query_state is not None:
+            self.query_state = self.query_state.index_select(1, idx.to(self.query_state.device))
+            _static_address(self.query_state)
+        if self.draft is not None:
+            self.draft.select_rows(idx)
+        if manager is not None:
+            manager.select_rows(idx)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last ``-tokens_to_remove`` tokens (HF's convention; 0 is a no-op): every
+        layer's length goes back and the dropped slots are zeroed; the draft head's length
+        goes back too (``min(length, new length)``) and the offload buffers forget the dropped
+        positions. The recorded query (lagged-query head) and hidden states (fused draft
+        head) belong to the last *dropped* token, whose successor's are not kept: they are
+        marked invalid, so the next step selects by recency (sinks + most recent tokens, as
+        after a prefill run without the backend) and a fused head's next key reads zeros (as
+        the first token of a fresh cache); attention over the selection stays exact, and
+        every later step records them again. Path counters count steps run: unchanged.
+
+        Raises:
+            ValueError: a positive count (pass ``-n``), or more tokens than the cache holds.
+            OffloadCopyError: a failed offloaded step was not rolled back first.
+        """
+        remove = _crop_count(tokens_to_remove)
+        if remove == 0:
+            return
+        old = int(self.get_seq_length())
+        if remove > old:
+            raise ValueError(f"crop({tokens_to_remove}): the cache holds only {old} tokens")
+        manager = self._offload_manager()
+        if manager is not None:
+            manager.before_cache_op("crop")
+        super().crop(tokens_to_remove)
+        new = old - remove
+        self.query_valid.zero_()
+        if self.draft is not None:
+            self.draft.crop(new)
+        if manager is not None:
+            manager.crop(new)
+        logger.debug("specontext cache: cropped %d -> %d tokens; the next step selects by recency", old, new)
 
     def path_counts(self) -> dict[str, int]:
         """Path counters kept by the compiled decode step itself (names and meanings:

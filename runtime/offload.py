@@ -140,6 +140,33 @@ class LayerBuffer:
         """Forget every slot (the next load refills the whole selection)."""
         self.pos_of_slot.fill_(-1)
 
+    def clear(self) -> None:
+        """Forget every slot and zero the rows (a fresh buffer's contents)."""
+        self.invalidate()
+        self.keys.zero_()
+        self.values.zero_()
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Row ``i`` (a request) becomes old row ``beam_idx[i]``: rows and slot map, in place."""
+        idx = beam_idx.to(self.keys.device)
+        for t in (self.keys, self.values, self.pos_of_slot):
+            t.copy_(t.index_select(0, idx))
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """Keep requests ``idx`` (int64, repeats allowed): rows and slot map, new tensors."""
+        idx = idx.to(self.keys.device)
+        self.keys = self.keys.index_select(0, idx)
+        self.values = self.values.index_select(0, idx)
+        self.pos_of_slot = self.pos_of_slot.index_select(0, idx)
+
+    def drop_from(self, length: int) -> None:
+        """Forget the slots holding positions ``>= length`` (a crop): they become empty and
+        their rows zero, so a later token written at that position is loaded afresh."""
+        dropped = self.pos_of_slot >= length
+        self.pos_of_slot.masked_fill_(dropped, -1)
+        self.keys.masked_fill_(dropped.unsqueeze(-1), 0)
+        self.values.masked_fill_(dropped.unsqueeze(-1), 0)
+
     def slots_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Slot of each position of ``indices`` ``[batch, kv, k]``; -1 = not loaded (or -1
         padding)."""
@@ -462,6 +489,76 @@ class OffloadManager:
             self.stats.pop()
         self._step -= 1
         self._failed = None
+
+    # --- Hugging Face cache operations (called by SpeContextCache, after its layers) -------
+    def _drain(self) -> None:
+        """Wait for copies still in flight (none between steps, unless a step was aborted)."""
+        for layer_idx, ticket in list(self._tickets.values()):
+            try:
+                ticket.wait()
+            except Exception:  # noqa: BLE001 - the buffer is refilled on its next load
+                self.buffers[layer_idx].invalidate()
+        self._tickets.clear()
+
+    def before_cache_op(self, what: str) -> None:
+        """Called before ``reorder_cache`` / ``crop`` / ``batch_*`` change the cache.
+
+        Raises:
+            OffloadCopyError: a failed step was not rolled back (its partial writes would
+                be reordered or cropped with the rest); the message names the fix.
+        """
+        if self._failed is not None:
+            raise OffloadCopyError(
+                f"{what} on a cache whose offloaded step failed ({self._failed}); call "
+                "cache.offload.rollback() first (or cache.reset() to start over)")
+        self._drain()
+        self._step_start = None  # a rollback snapshot does not survive a cache operation
+        self.selection = None
+
+    def on_reset(self) -> None:
+        """``cache.reset()``: back to a fresh manager's state. Every layer is resident again
+        (a CUDA host tier moves back to the layer's device), buffers, plan, offload events,
+        step figures and any failure are forgotten; the memory model is rebuilt at the next
+        decode step (the next prompt may have another batch size)."""
+        self._drain()
+        for layer_idx in list(self.buffers):
+            layer = self.cache.layers[layer_idx]
+            device = getattr(layer, "device", None)
+            if layer.is_initialized and device is not None and layer.keys.device != torch.device(device):
+                layer.keys = layer.keys.to(device)
+                layer.values = layer.values.to(device)
+        if self.buffers:
+            self.register()
+        self.buffers.clear()
+        self.offload_events.clear()
+        self.stats.clear()
+        self.model = None
+        self.thresholds = None
+        self._step = -1
+        self._step_start = None
+        self._failed = None
+        self.selection = None
+        self._last_attention_end = None
+
+    def reorder(self, beam_idx: torch.Tensor) -> None:
+        """Beam search: each offloaded layer's buffer rows and slot map follow the new row
+        order (the host tier is the layer's store, reordered by the layer)."""
+        for buf in self.buffers.values():
+            buf.reorder(beam_idx)
+
+    def select_rows(self, idx: torch.Tensor) -> None:
+        """Batch select / repeat: each buffer keeps rows ``idx``; the memory model (sized by
+        the batch) is rebuilt at the next decode step."""
+        for buf in self.buffers.values():
+            buf.select_rows(idx)
+        self.model = None
+        self.thresholds = None
+
+    def crop(self, length: int) -> None:
+        """The cache now holds ``length`` tokens: every buffer forgets positions ``>= length``
+        (the host tier, the layer's store, was cropped by the layer)."""
+        for buf in self.buffers.values():
+            buf.drop_from(length)
 
     # --- attention ------------------------------------------------------------------------
     def attend(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor,
