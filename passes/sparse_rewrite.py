@@ -156,7 +156,7 @@ class SparseAttentionPass:
             result.retrieval_layers = tuple(d.layer for d in drivers)
             for slot, driver in enumerate(drivers):
                 with graph.inserting_before(driver.node):
-                    graph.call_function(RECORD, (query_state, query_valid, driver.query, slot))
+                    graph.call_function(RECORD, (query_state, query_valid, driver.query, slot, driver.length))
         else:
             result.selection_head = f"draft:{self.retrieval_head}"
             draft = self._insert_draft_step(graph, resolved[0].q_len)

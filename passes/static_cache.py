@@ -48,12 +48,23 @@ class AdoptedStaticCache:
     """What :func:`adopt_static_cache` did to one graph.
 
     ``writes``: K/V write groups turned into ``kv_write`` (one per layer); ``state``: the
-    tensors to append to every call's inputs (None when no anchor was added, e.g. no
-    attention reads the stores); ``reason``: why no anchor was added, else None."""
+    state of the model the graph was compiled for (None when no anchor was added, e.g. no
+    attention reads the stores); ``reason``: why no anchor was added, else None.
+
+    Dynamo may run one compiled graph for several models of the same code (their
+    parameters are graph inputs), so :meth:`state_inputs` looks the state up from the
+    parameter the call actually passes, at input ``owner_index``."""
 
     writes: int = 0
     state: StaticCacheState | None = None
     reason: str | None = None
+    owner_index: int | None = None
+    shape: tuple | None = None  # (batch, num_heads, head_dim, dtype, device)
+
+    def state_inputs(self, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The extra inputs of one call: the state of the model whose parameter is
+        ``args[owner_index]``."""
+        return state_for(args[self.owner_index], *self.shape).tensors()
 
 
 def _is_index_copy(node: fx.Node) -> bool:
@@ -138,8 +149,9 @@ def has_static_cache_writes(graph: fx.Graph) -> bool:
     return not any(is_op(n, ANCHOR) for n in graph.nodes) and bool(_write_groups(graph))
 
 
-def _owner(example_inputs) -> torch.Tensor | None:
-    return next((t for t in example_inputs if isinstance(t, torch.nn.Parameter)), None)
+def _owner(example_inputs) -> int | None:
+    """Index of the first parameter among the inputs (the model's identity at call time)."""
+    return next((i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)), None)
 
 
 def _add_state_inputs(graph: fx.Graph, state: StaticCacheState) -> list[fx.Node]:
@@ -160,7 +172,7 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
     module docstring). Returns None when the graph holds no such write or already has an
     anchor (a ``SpeContextCache`` graph); the graph is then untouched.
 
-    The caller must append ``result.state.tensors()`` to every call's inputs when
+    The caller must append ``result.state_inputs(args)`` to every call's inputs when
     ``result.state`` is set."""
     graph = gm.graph
     if any(is_op(n, ANCHOR) for n in graph.nodes):
@@ -181,8 +193,9 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
         return result
     query = sites[0].query.meta.get("example_value", sites[0].query.meta.get("val"))
     store = writes[0].args[0].meta.get("example_value", writes[0].args[0].meta.get("val"))
-    result.state = state_for(owner, store.shape[0], sites[0].num_heads, sites[0].head_dim, query.dtype,
-                             store.device)
+    result.owner_index = owner
+    result.shape = (store.shape[0], sites[0].num_heads, sites[0].head_dim, query.dtype, store.device)
+    result.state = state_for(example_inputs[owner], *result.shape)
     query_state, query_valid, stats = _add_state_inputs(graph, result.state)
     with graph.inserting_before(writes[0]):
         anchor = graph.call_function(ANCHOR, (query_state, query_valid, stats, ""))

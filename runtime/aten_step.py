@@ -56,12 +56,16 @@ def count_step(stats: torch.Tensor, increments: list[int]) -> None:
             stats[i].add_(step)
 
 
-def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int) -> None:
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int,
+                 length: torch.Tensor) -> None:
     """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
-    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]`` and mark the slot
-    valid in ``query_valid`` (int64 ``[slots]``)."""
+    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]`` and stamp the slot
+    in ``query_valid`` (int64 ``[slots]``) with ``length`` (int64 scalar: tokens written,
+    this step's included). The next step may use the query only if it starts at exactly that
+    length (:func:`lagged_query_scores`): a query from before a crop, a reset or another
+    prompt is never used."""
     query_state[slot].copy_(query[:, :, -1:, :])
-    query_valid[slot].fill_(1)
+    query_valid[slot].copy_(length)
 
 
 def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
@@ -107,13 +111,14 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
     Per retrieval layer ``i``: ``softmax(q_i . K_i * scale)`` over the written positions
     ``< cached`` (the others masked before the softmax, so garbage in unwritten slots never
     matters), then the max over the query heads of each KV group (paper section 4, GQA);
-    summed over the layers. Until every used slot of ``query_valid`` is set (the first
-    decode step after a prefill run without the backend), recency scores (the position
-    itself) replace them, chosen with ``where`` on the device.
+    summed over the layers. Unless every used slot of ``query_valid`` holds ``cached`` (the
+    query was recorded by the step that wrote the last cached token: not so after a prefill
+    run without the backend, a crop, a reset, or a cache reused for another prompt),
+    recency scores (the position itself) replace them, chosen with ``where`` on the device.
 
     Args:
         query_state: ``[slots, batch, num_heads, 1, head_dim]``.
-        query_valid: int64 ``[slots]``.
+        query_valid: int64 ``[slots]``, the length each slot was recorded at (0 = never).
         key_caches: the retrieval layers' key stores ``[batch, num_kv_heads, capacity, head_dim]``.
         cached: int64 scalar tensor, tokens written before this step.
         scale: softmax scale.
@@ -135,7 +140,7 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
     for i, keys in enumerate(key_caches):
         probs = masked_group_max_softmax(query_state[i], keys, written, scale)
         total = probs if total is None else total + probs
-    ready = (query_valid[: len(key_caches)] != 0).all()
+    ready = (query_valid[: len(key_caches)] == cached).all()
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
     return torch.where(ready, total, recency)
 

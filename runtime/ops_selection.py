@@ -13,15 +13,17 @@ __all__ = ["record_query", "refine_selection", "speculative_select"]
 
 
 @torch.library.custom_op("specontext::record_query", mutates_args=("query_state", "query_valid"))
-def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int) -> None:
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int,
+                 length: torch.Tensor) -> None:
     """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
-    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]``; mark it valid
-    in ``query_valid`` (int64 ``[slots]``)."""
-    aten_step.record_query(query_state, query_valid, query, slot)
+    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]``; stamp it in
+    ``query_valid`` (int64 ``[slots]``) with ``length`` (int64 scalar, tokens written with
+    this step's): the next step uses it only if it starts at that length."""
+    aten_step.record_query(query_state, query_valid, query, slot, length)
 
 
 @record_query.register_fake
-def _(query_state, query_valid, query, slot) -> None:
+def _(query_state, query_valid, query, slot, length) -> None:
     return None
 
 
@@ -45,8 +47,9 @@ def speculative_select(
     Args:
         query_state: ``[slots, batch, num_heads, 1, head_dim]``: slot ``i`` holds the query
             that retrieval layer ``i`` computed for the previous token.
-        query_valid: int64 ``[slots]``, 0 until slot ``i`` was recorded; until every used
-            slot is, the most recent tokens are selected instead.
+        query_valid: int64 ``[slots]``, the length slot ``i`` was recorded at (0 = never);
+            unless every used slot was recorded at ``length`` (by the step that wrote the
+            last cached token), the most recent tokens are selected instead.
         key_caches: the retrieval layers' key stores, each
             ``[batch, num_kv_heads, capacity, head_dim]``, in slot order.
         length: written tokens *before* this step (int64 scalar, the same for all layers).

@@ -10,9 +10,12 @@ the graph reads (a weak key: it goes away with the model) and by (batch, query h
 head_dim, dtype, device).
 
 Invariants:
-- **Always written before read.** Every adopted prefill or decode graph records the query
-  of its retrieval layers; ``query_valid`` says which slots hold one, so a decode step that
-  follows no recorded step selects the recent window (on the device, no host read).
+- **Never read stale.** Every adopted prefill or decode graph records the query of its
+  retrieval layers, stamped with the cache length after its write (``query_valid``); a
+  decode step uses the queries only when it starts at that length, else it selects the
+  recent window (on the device, no host read). So a prefill Hugging Face ran eagerly (its
+  ``CompileConfig`` path), a crop, or a new prompt never reads another step's query
+  (except a new prompt whose length happens to equal the previous recorded length).
 - **Nothing here changes the KV cache.** The K/V stores are Hugging Face's tensors, written
   by the adopted graph exactly where ``StaticLayer.update`` writes them.
 - **Stale only across a row reorder.** ``StaticCache.reorder_cache`` (beam search) cannot
@@ -45,7 +48,8 @@ class StaticCacheState:
     Attributes:
         query_state: ``[slots, batch, num_heads, 1, head_dim]`` last query rows of the
             retrieval layers (slot ``i`` = the ``i``-th retrieval layer), the model's dtype.
-        query_valid: int64 ``[slots]``, 1 where a slot holds a recorded query.
+        query_valid: int64 ``[slots]``, the cache length a slot's query was recorded at
+            (0 = never).
         stats: int64 ``[len(STATS)]`` path counters (names: ``protocol.STATS``), advanced by
             every adopted decode step.
     """

@@ -135,7 +135,7 @@ def specontext_backend(
     before = dumper.snapshot(gm.graph) if dumper is not None else None
     _emit_graph("before", gm.graph)
     gm, adopted = _adopt_static_cache(gm, example_inputs, config)
-    extra = list(adopted.state.tensors()) if adopted is not None and adopted.state is not None else []
+    stateful = adopted if adopted is not None and adopted.state is not None else None
     result = rewrite(gm.graph)
     _warn_if_dense_cache(result, adopted)
     if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
@@ -159,7 +159,7 @@ def specontext_backend(
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
-        return _with_inputs(gm.forward, extra)
+        return _with_inputs(gm.forward, stateful)
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
     if config.gemv if config.gemv is not None else not on_cuda:
@@ -171,9 +171,10 @@ def specontext_backend(
     gm.recompile()
     from torch._inductor.compile_fx import compile_fx
 
-    example_inputs = [*example_inputs, *extra]
+    if stateful is not None:
+        example_inputs = [*example_inputs, *stateful.state_inputs(example_inputs)]
     compiled = compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, example_inputs))
-    return _with_inputs(compiled, extra)
+    return _with_inputs(compiled, stateful)
 
 
 def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], config: SpeContextConfig):
@@ -214,14 +215,15 @@ def _warn_if_dense_cache(result: RewriteResult, adopted) -> None:
         len(result.sites))
 
 
-def _with_inputs(fn: Callable, extra: list[torch.Tensor]) -> Callable:
-    """``fn`` called with ``extra`` appended to dynamo's inputs (the state inputs of an
-    adopted StaticCache graph); dynamo calls a backend's result with positional inputs."""
-    if not extra:
+def _with_inputs(fn: Callable, adopted) -> Callable:
+    """``fn`` called with the retrieval state of the calling model appended to dynamo's
+    inputs (an adopted StaticCache graph, ``passes/static_cache.py``); dynamo calls a
+    backend's result with positional inputs."""
+    if adopted is None:
         return fn
 
     def call(*args):
-        return fn(*args, *extra)
+        return fn(*args, *adopted.state_inputs(args))
 
     return call
 

@@ -133,7 +133,7 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
                        torch.empty(b, kv, 1, d, device=meta))
     state = torch.empty(8, b, h, 1, d, device=meta)
     valid = torch.empty(8, dtype=torch.long, device=meta)
-    aten_step.record_query(state, valid, torch.empty(b, h, 1, d, device=meta), 2)
+    aten_step.record_query(state, valid, torch.empty(b, h, 1, d, device=meta), 2, length)
     for window in (0, 24):
         idx = aten_step.speculative_select(state, valid, [keys, keys], length, 1, 32, 4, 8, 0.25, window)
         assert idx.shape == (b, kv, 32)

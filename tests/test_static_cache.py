@@ -185,3 +185,23 @@ def test_no_write_pattern_means_untouched():
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
     assert adopt_static_cache(gm, [torch.nn.Parameter(torch.zeros(1))]) is None
+
+
+def test_a_new_prompt_never_selects_with_the_previous_requests_query(model):
+    """Hugging Face's CompileConfig path runs the prefill eagerly, so no query is recorded
+    for a new prompt: its first decode step must not use the previous request's lagged
+    query (stamped with another length), but select by recency, exactly as on a model that
+    never ran request A. Logits of every step compared, budget 12 of a 40-token prompt."""
+    import copy
+
+    fresh_model = copy.deepcopy(model)
+    config = CompileConfig(backend="specontext", mode=None, options=SMALL)
+    config._compile_all_devices = True
+    kw = {"max_new_tokens": 5, "do_sample": False, "cache_implementation": "static", "compile_config": config,
+              "return_dict_in_generate": True, "output_logits": True}
+    prompt_a, prompt_b = _prompt(seed=3), _prompt(seed=4)
+    model.generate(prompt_a, **kw)
+    after_a = torch.stack(model.generate(prompt_b, **kw).logits)
+    alone = torch.stack(fresh_model.generate(prompt_b, **kw).logits)
+    assert path_counts(model)["decode_steps"] == 8 and path_counts(fresh_model)["decode_steps"] == 4
+    torch.testing.assert_close(after_a, alone, atol=1e-5, rtol=1e-5)
