@@ -39,8 +39,9 @@ __all__ = ["MemoryModel", "DeviceMemoryError", "INF"]
 INF = math.inf
 
 
-class DeviceMemoryError(RuntimeError):
-    """The device tier cannot hold the model even with every layer offloaded."""
+class DeviceMemoryError(RuntimeError, ValueError):
+    """The device tier cannot hold the model even with every layer offloaded (a
+    ``ValueError`` too: raised for a ``device_memory_bytes`` option that can never work)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,20 +130,27 @@ class MemoryModel:
     def thresholds(self, device_memory_bytes: int) -> list[float]:
         """``ST[i]`` for ``i = 0 .. L``: the first cache length (tokens) at which ``i``
         offloaded layers no longer fit in ``device_memory_bytes`` (``inf``: always fits;
-        ``0``: never fits). Solved with sympy from :meth:`expression`."""
+        ``0``: not even an empty cache fits). Exact rational arithmetic (sympy) on
+        :meth:`expression`, which is linear in ``S``: ``M_part = c_i + k_i S``, so
+        ``ST[i] = floor((Mem - c_i) / k_i) + 1``, and 0 when ``c_i > Mem`` (the fixed part
+        alone is too big: then ``M_part = Mem`` has no root ``S >= 0``)."""
         expr, s, lc = self.expression()
         out: list[float] = []
         for i in range(self.num_layers + 1):
             e = sympy.expand(expr.subs(lc, i))
-            slope = e.coeff(s, 1)
-            if slope == 0:
-                out.append(INF if e <= device_memory_bytes else 0)
-                continue
-            (root,) = sympy.solve(sympy.Eq(e, device_memory_bytes), s)
-            # largest S that fits is floor(root); the first that does not is one more
-            first_over = int(sympy.floor(root)) + 1
-            out.append(max(first_over, 0))
+            slope, const = e.coeff(s, 1), e.coeff(s, 0)
+            if const > device_memory_bytes:
+                out.append(0)
+            elif slope == 0:
+                out.append(INF)
+            else:  # the largest S that fits is floor(root); the first that does not is one more
+                out.append(int(sympy.floor((device_memory_bytes - const) / slope)) + 1)
         return out
+
+    def minimum_device_bytes(self, tokens: int) -> int:
+        """The least ``device_memory_bytes`` that holds ``tokens`` cached tokens with every
+        layer offloaded (the smallest device tier the plan can work with at that length)."""
+        return self.device_bytes(tokens, self.num_layers)
 
     def plan(self, tokens: int, offloaded: int, thresholds: list[float]) -> int:
         """Layers to keep on the host at ``tokens`` cached tokens, starting from
@@ -155,14 +163,16 @@ class MemoryModel:
         while n < self.num_layers and tokens >= thresholds[n]:
             n += 1
         if tokens >= thresholds[n]:
-            need = self.device_bytes(tokens, self.num_layers)
-            raise DeviceMemoryError(
-                f"the device tier cannot hold {tokens} tokens even with all {self.num_layers} "
-                f"layers offloaded: it needs {need} bytes (weights x{1 + self.activation_factor:g}, "
-                f"{self.num_layers} buffers of budget={self.budget} rows, own buffers); raise "
-                "device_memory_bytes or lower budget"
-            )
+            raise DeviceMemoryError(self.too_small_message(tokens))
         return n
+
+    def too_small_message(self, tokens: int) -> str:
+        """Why ``tokens`` do not fit even fully offloaded, with the minimum that would."""
+        need = self.minimum_device_bytes(tokens)
+        return (f"the device tier cannot hold {tokens} tokens even with all {self.num_layers} layers "
+                f"offloaded: it needs at least {need} bytes ({need / 2**20:.1f} MiB: weights "
+                f"x{1 + self.activation_factor:g}, {self.num_layers} buffers of budget={self.budget} "
+                f"rows, own buffers); set device_memory_bytes >= {need} or lower budget")
 
     def describe(self, device_memory_bytes: int) -> str:
         """One line per threshold, for logs and inspection tools."""

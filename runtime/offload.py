@@ -37,15 +37,15 @@ from typing import Any, Callable
 import torch
 from torch._dynamo.utils import counters
 
-from .memory_model import INF, MemoryModel
+from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .sparse_attention import attend_gathered
 from .streams import CopyStream, CopyTicket
 from .trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "enable_offload", "lookup",
-           "elastic_load", "model_weight_bytes"]
+__all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "check_device_memory", "enable_offload", "lookup",
+           "elastic_load", "minimum_device_bytes", "model_weight_bytes"]
 
 _REGISTRY: dict[int, tuple[weakref.ref, int]] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -97,6 +97,41 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
             seen.add(key)
             total += t.numel() * t.element_size()
     return total
+
+
+def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, batch: int = 1,
+                         activation_factor: float = 0.3) -> int:
+    """The least ``device_memory_bytes`` with which ``model`` can decode ``tokens`` cached
+    tokens of ``batch`` rows, every layer offloaded (memory model, eq. 7 with
+    ``L_cpu = L``): the weights x ``1 + activation_factor`` plus one ``budget``-row buffer
+    and slot map per layer, from the model's config (KV heads, head_dim, dtype)."""
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    param = next(model.parameters(), None)
+    elem = param.element_size() if param is not None else 4
+    mm = MemoryModel(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim_k=head_dim,
+                     head_dim_v=head_dim, elem_bytes=elem, batch=batch, budget=budget,
+                     weight_bytes=model_weight_bytes(model), activation_factor=activation_factor,
+                     map_bytes_per_layer=batch * kv_heads * budget * 8)
+    return mm.minimum_device_bytes(tokens)
+
+
+def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget: int) -> None:
+    """Refuse a ``device_memory_bytes`` that cannot hold even an empty cache of one row
+    with every layer offloaded (:func:`minimum_device_bytes`).
+
+    Raises:
+        DeviceMemoryError: naming the minimum (bytes and MiB) and the fix.
+    """
+    need = minimum_device_bytes(model, budget)
+    if device_memory_bytes < need:
+        raise DeviceMemoryError(
+            f"device_memory_bytes={device_memory_bytes} is too small for this model: its fixed part "
+            f"alone (weights x1.3, one {budget}-row buffer per layer) needs {need} bytes "
+            f"({need / 2**20:.1f} MiB) before any token is cached; set device_memory_bytes >= {need} "
+            "(plus the KV of the tokens you decode), lower budget, or leave it unset (no offload)")
 
 
 def _lookup_sorted(table: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,6 +403,9 @@ class OffloadManager:
             budget=slots, weight_bytes=self.weight_bytes, fixed_bytes=fixed,
             map_bytes_per_layer=b * h * slots * 8, **self._model_args)
         self.thresholds = self.model.thresholds(self.device_memory_bytes)
+        tokens = int(layer.cumulative_length)
+        if tokens >= self.thresholds[-1]:  # not even every layer offloaded holds the prompt
+            raise DeviceMemoryError(self.model.too_small_message(tokens))
         if self._stream is None:
             self._stream = CopyStream(layer.keys.device)
         logger.info("specontext offload: %s", self.model.describe(self.device_memory_bytes))
@@ -628,10 +666,15 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
     the prefetch/wait ops); ``specontext_compile.compile(model, device_memory_bytes=...)``
     does both. ``model`` gives ``M_O`` (its weights); ``kwargs`` go to
     :class:`OffloadManager`.
+
+    Raises:
+        DeviceMemoryError: ``device_memory_bytes`` below :func:`minimum_device_bytes` (the
+            fixed part alone does not fit), naming the minimum.
     """
     param = next(model.parameters(), None) if model is not None else None
     if param is not None:
         check_offload_device(param.device)
+        check_device_memory(model, device_memory_bytes, budget)
     weight_bytes = model_weight_bytes(model) if model is not None else 0
     manager = OffloadManager(cache, device_memory_bytes, budget, weight_bytes, **kwargs)
     cache.offload = manager

@@ -5,7 +5,7 @@ Importing this package registers the ``specontext::`` custom ops; it changes no 
 state.
 """
 
-from .api import compile
+from .api import compile, restore
 from .backend import CompileReport, compile_reports, specontext_backend
 from .config import SpeContextConfig
 from .explain import explain
@@ -20,6 +20,7 @@ __all__ = [
            "compile_reports",
            "explain",
            "path_counts",
+           "restore",
            "specontext_backend",
 ]
 __version__ = "0.1.0"

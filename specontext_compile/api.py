@@ -55,9 +55,15 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
         **options: backend options, see :class:`SpeContextConfig`.
 
     Raises:
-        ValueError: for unknown options or bad values (before anything is compiled).
+        ValueError: for unknown options or bad values (before anything is compiled);
+            ``DeviceMemoryError`` (a ``ValueError``) when ``device_memory_bytes`` cannot
+            hold even the model's fixed part, naming the minimum.
     """
-    SpeContextConfig.from_options(options)
+    config = SpeContextConfig.from_options(options)
+    if config.device_memory_bytes is not None:  # refuse a tier that can never work, now
+        from .runtime.offload import check_device_memory
+
+        check_device_memory(model, config.device_memory_bytes, config.budget)
     model._specontext_options = dict(options)
     if getattr(model, "_specontext_original", None) is None:
         model._specontext_original = (model.forward, model.generate)

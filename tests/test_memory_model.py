@@ -92,3 +92,66 @@ def test_prediction_matches_real_allocations_within_5_percent(offload_all):
             + manager.selection.numel() * manager.selection.element_size())
     predicted = mm.allocated_bytes(capacity, n)
     assert abs(predicted - real) <= 0.05 * real, (predicted, real)
+
+
+# --- degenerate plans (issue 15: memory too small is a clear error, not a crash) ----------
+
+def test_nothing_fits_when_the_fixed_part_alone_is_too_big():
+    """1.3 x weights > memory: every threshold is 0 (the old sympy.solve found no root
+    S >= 0 and crashed); the plan refuses with the minimum that would work."""
+    mm = MemoryModel(**SMALL)
+    st = mm.thresholds(1299)
+    assert st == [0, 0, 0, 0, 0]
+    with pytest.raises(DeviceMemoryError, match=r"at least 5396 bytes") as err:
+        mm.plan(0, 0, st)
+    assert isinstance(err.value, ValueError)  # a bad option value, catchable as such
+    assert mm.minimum_device_bytes(0) == 1300 + 64 * 16 * 4
+
+
+def test_everything_fits_forever_without_a_cache_term():
+    """A model whose device bytes do not grow with S once all layers are offloaded: the
+    last threshold is inf, and a memory that holds the whole model never offloads."""
+    mm = MemoryModel(**SMALL)
+    st = mm.thresholds(10**12)
+    assert st[-1] == math.inf and st[0] > 10**9
+    assert mm.plan(10**6, 0, st) == 0
+
+
+@pytest.mark.parametrize("layers_off", [0, 1, 3])
+@pytest.mark.parametrize("tokens", [0, 1, 500])
+def test_exactly_at_a_threshold(layers_off, tokens):
+    """Memory equal to the predicted bytes at (tokens, layers_off): that length still fits
+    (ST = tokens + 1), one byte less and it does not (ST <= tokens)."""
+    mm = MemoryModel(**SMALL)
+    mem = mm.device_bytes(tokens, layers_off)
+    assert mm.thresholds(mem)[layers_off] == tokens + 1
+    assert mm.thresholds(mem - 1)[layers_off] <= tokens
+
+
+def test_compile_refuses_a_tier_below_the_fixed_part_before_compiling():
+    """sc.compile(model, device_memory_bytes=weights + a little): refused up front with the
+    minimum; the model is left as it was. At exactly the minimum it is accepted."""
+    from specontext_compile.runtime.offload import minimum_device_bytes, model_weight_bytes
+
+    model = tiny_llama()
+    forward = model.forward
+    need = minimum_device_bytes(model, 16)
+    assert need > 1.3 * model_weight_bytes(model)
+    with pytest.raises(DeviceMemoryError, match=f"device_memory_bytes >= {need}"):
+        sc.compile(model, budget=16, device_memory_bytes=model_weight_bytes(model) + 1024)
+    assert model.forward == forward and not hasattr(model, "_specontext_options")
+    sc.compile(model, budget=16, device_memory_bytes=need)
+    sc.api.restore(model)
+
+
+def test_a_prompt_that_cannot_fit_is_refused_at_prepare_with_the_minimum():
+    model = tiny_llama()
+    cache = sc.SpeContextCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (1, 40)), cache=cache, use_cache=True)
+    from specontext_compile.runtime.offload import minimum_device_bytes
+
+    floor = minimum_device_bytes(model, 16)
+    manager = enable_offload(cache, model, floor, 16)  # enough for an empty cache, not for 40 tokens
+    with pytest.raises(DeviceMemoryError, match="cannot hold 40 tokens even with all"):
+        manager.prepare()
