@@ -15,8 +15,11 @@ Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend'
 ``lead`` comes from a cost model (SpeContext section 5: prefetch as early as the selection
 allows, overlapped with compute): the expected bytes of one layer's elastic load
 (``(1 - overlap) x budget`` rows, paper: > 80% of the selection is reused) divided by the
-measured copy bandwidth, against the estimated compute time of one decode layer (its
-parameter bytes / the same bandwidth: decode is memory bound), capped by ``max_inflight``.
+copy bandwidth, against the estimated compute time of one decode layer (its parameter
+bytes / the same bandwidth: decode is memory bound), capped by ``max_inflight``. The
+bandwidth is an input (the option ``copy_bandwidth``, or the machine's calibration kept on
+disk by ``runtime/calibration.py``), never measured while compiling, and part of the
+pass's ``uuid``: the same inputs compile to the same graph.
 The placement is checked on the graph's dependency DAG with networkx: a prefetch never goes
 before one of its inputs, each wait has a path from its prefetch and to its attention.
 The chosen schedule is logged, kept in ``graph_module.meta["specontext_offload_schedule"]``
@@ -29,7 +32,6 @@ import dataclasses
 import hashlib
 import logging
 import math
-import time
 from pathlib import Path
 
 import networkx as nx
@@ -41,7 +43,7 @@ from .sites import is_op
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel", "measure_copy_bandwidth"]
+__all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel"]
 
 SELECT = torch.ops.specontext.speculative_select  # packets: is_op matches either form
 SPARSE = torch.ops.specontext.sparse_attention
@@ -51,35 +53,12 @@ PREFETCH = torch.ops.specontext.offload_prefetch.default
 WAIT = torch.ops.specontext.offload_wait.default
 SPARSE_OFFLOADED = torch.ops.specontext.sparse_attention_offloaded.default
 
-_BANDWIDTH: dict[str, float] = {}
-
-
-def measure_copy_bandwidth(device: str = "cpu", nbytes: int = 8 << 20) -> float:
-    """Bytes/s of a row gather from the host tier into a device buffer (measured once per
-    process and device: a 8 MiB ``index_select`` + copy, best of 3)."""
-    if device in _BANDWIDTH:
-        return _BANDWIDTH[device]
-    rows = nbytes // 256
-    src = torch.randn(rows, 64, pin_memory=device == "cuda")
-    dst = torch.empty(rows, 64, device=device)
-    idx = torch.randperm(rows)
-    best = math.inf
-    for _ in range(3):
-        t0 = time.perf_counter()
-        dst.copy_(src.index_select(0, idx))
-        if device == "cuda":
-            torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    _BANDWIDTH[device] = 2 * nbytes / best  # read + write
-    return _BANDWIDTH[device]
-
-
 @dataclasses.dataclass
 class CostModel:
     """Seconds per layer of an elastic load and of a layer's compute.
 
     Attributes:
-        bandwidth: copy bandwidth, bytes/s (see :func:`measure_copy_bandwidth`).
+        bandwidth: copy bandwidth, bytes/s (``runtime/calibration.py``).
         layer_bytes: estimated weight bytes read per decoder layer (compute estimate).
         load_bytes: expected bytes of one layer's elastic load per step.
         copy_latency: fixed cost of starting one copy job (s).
@@ -135,21 +114,25 @@ class OffloadSchedulePass:
         budget: tokens per KV head of the selection (the buffer rows).
         overlap: expected share of the selection reused from the previous step (0..1).
         max_inflight: most prefetches outstanding at once (the largest lead).
-        bandwidth: copy bandwidth in bytes/s; None measures it.
+        bandwidth: copy bandwidth in bytes/s (``copy_bandwidth`` option or
+            :func:`~specontext_compile.runtime.calibration.copy_bandwidth`).
+
+    Raises:
+        ValueError: a bandwidth that is not a positive finite number.
     """
 
-    def __init__(self, budget: int, overlap: float = 0.8, max_inflight: int = 4,
-                 bandwidth: float | None = None):
-        self.budget, self.overlap, self.max_inflight, self.bandwidth = budget, overlap, max_inflight, bandwidth
+    def __init__(self, budget: int, bandwidth: float, overlap: float = 0.8, max_inflight: int = 4):
+        if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not 0 < bandwidth < math.inf:
+            raise ValueError(f"offload schedule: bandwidth must be a positive number of bytes/s, got {bandwidth!r}")
+        self.budget, self.overlap, self.max_inflight, self.bandwidth = budget, overlap, max_inflight, float(bandwidth)
 
     def uuid(self) -> str:
-        cfg = (self.budget, self.overlap, self.max_inflight)
+        cfg = (self.budget, self.overlap, self.max_inflight, self.bandwidth)
         return f"specontext-offload-schedule-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _cost(self, graph: fx.Graph, sparse: list[fx.Node]) -> CostModel:
         key = _val(sparse[0].args[1])
-        device = key.device.type if key is not None else "cpu"
-        bandwidth = self.bandwidth or measure_copy_bandwidth("cuda" if device == "cuda" else "cpu")
+        bandwidth = self.bandwidth
         param_bytes = 0
         for node in graph.nodes:
             v = _val(node) if node.op in ("placeholder", "get_attr") else None

@@ -138,18 +138,21 @@ def specontext_backend(
     stateful = adopted if adopted is not None and adopted.state is not None else None
     result = rewrite(gm.graph)
     _warn_if_dense_cache(result, adopted)
+    pass_uuid = rewrite.uuid()
     if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
         from .passes.schedule import OffloadSchedulePass
 
-        gm.meta["specontext_offload_schedule"] = OffloadSchedulePass(config.budget)(gm.graph)
+        schedule = OffloadSchedulePass(config.budget, _copy_bandwidth(config, example_inputs))
+        gm.meta["specontext_offload_schedule"] = schedule(gm.graph)
+        pass_uuid = f"{pass_uuid}+{schedule.uuid()}"
     if dumper is not None:
-        dumper.write(before, gm.graph, result.phase, f"# pass {rewrite.uuid()}\n")
-    _emit_graph("after", gm.graph, f"# pass {rewrite.uuid()} ({result.phase_label})\n")
+        dumper.write(before, gm.graph, result.phase, f"# pass {pass_uuid}\n")
+    _emit_graph("after", gm.graph, f"# pass {pass_uuid} ({result.phase_label})\n")
     gm.recompile()
     counters["specontext"]["graphs"] += 1
     counters["specontext"]["sites_total"] += result.total
     counters["specontext"]["sites_rewritten"] += result.rewritten
-    _REPORTS.append(CompileReport(config, result, gm, rewrite.uuid()))
+    _REPORTS.append(CompileReport(config, result, gm, pass_uuid))
     _log_result(result)
     inner = config.inner
     if inner == "auto":  # offload stays on the eager op chain (its ops keep state outside the graph)
@@ -226,6 +229,17 @@ def _with_inputs(fn: Callable, adopted) -> Callable:
         return fn(*args, *adopted.state_inputs(args))
 
     return call
+
+
+def _copy_bandwidth(config: SpeContextConfig, example_inputs: list[Any]) -> float:
+    """The offload schedule's copy bandwidth (bytes/s): the option, else this machine's
+    calibration (measured once, kept on disk: ``runtime/calibration.py``)."""
+    if config.copy_bandwidth is not None:
+        return config.copy_bandwidth
+    from .runtime.calibration import copy_bandwidth
+
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    return copy_bandwidth("cuda" if on_cuda else "cpu")
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

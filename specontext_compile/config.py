@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 __all__ = ["MAX_RETRIEVAL_LAYERS", "MODES", "SpeContextConfig", "default_retrieval_layers"]
@@ -52,6 +53,9 @@ class SpeContextConfig:
             every layer stays on the device and the graph is unchanged. On CPU it emulates a
             small device tier. Needs a cache with an offload manager
             (``specontext_compile.compile`` attaches one).
+        copy_bandwidth: host-to-device copy rate in bytes/s for the offload schedule's cost
+            model; None = this machine's calibration, measured once and kept on disk
+            (``runtime/calibration.py``). Part of the schedule pass's uuid.
         offload_trace: path of a Chrome-trace JSON of the latest decode step (offload only).
         retrieval_head: folder (or shipped name, e.g. ``"smollm2-135m-fused"``) of a draft retrieval head (``config.json`` +
             ``model.safetensors``, EAGLE-3 layout; SpeContext section 4) that the selection
@@ -106,6 +110,7 @@ class SpeContextConfig:
     inner: str = "auto"
     kernel: str = "auto"
     device_memory_bytes: int | None = None
+    copy_bandwidth: float | None = None
     offload_trace: str | None = None
     retrieval_head: str | None = None
     dump_dir: str | None = None
@@ -147,6 +152,12 @@ class SpeContextConfig:
             raise ValueError(
                 f"specontext option 'device_memory_bytes' must be None or an int >= 1 (bytes of "
                 f"the device tier), got {dm!r}")
+        bw = self.copy_bandwidth
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf):
+            raise ValueError(f"specontext option 'copy_bandwidth' must be None or a positive number of bytes/s "
+                             f"(the offload schedule's host-to-device copy rate), got {bw!r}")
+        if bw is not None:
+            object.__setattr__(self, "copy_bandwidth", float(bw))
         if self.offload_trace is not None and (dm is None or not isinstance(self.offload_trace, str)):
             raise ValueError("specontext option 'offload_trace' must be a file path (str) and needs "
                              "device_memory_bytes (offload) to be set")
