@@ -38,6 +38,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from .memory_model import INF, DeviceMemoryError, MemoryModel
+from .retrieval import MAX_RETRIEVAL_LAYERS
 from .sparse_attention import attend_gathered
 from .streams import CopyStream, CopyTicket
 from .trace import TraceRecorder
@@ -99,22 +100,30 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def _selection_bytes(batch: int, kv_heads: int, slots: int) -> int:
+    """Bytes of one int64 ``[batch, kv_heads, slots]`` selection (or slot map)."""
+    return batch * kv_heads * slots * 8
+
+
 def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, batch: int = 1,
                          activation_factor: float = 0.3) -> int:
     """The least ``device_memory_bytes`` with which ``model`` can decode ``tokens`` cached
     tokens of ``batch`` rows, every layer offloaded (memory model, eq. 7 with
-    ``L_cpu = L``): the weights x ``1 + activation_factor`` plus one ``budget``-row buffer
-    and slot map per layer, from the model's config (KV heads, head_dim, dtype)."""
+    ``L_cpu = L``): the weights x ``1 + activation_factor``, the retrieval state and the
+    selection, and one ``budget``-row buffer and slot map per layer, from the model's config
+    (heads, KV heads, head_dim, dtype) — what :class:`OffloadManager`'s model counts."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     param = next(model.parameters(), None)
     elem = param.element_size() if param is not None else 4
+    state = MAX_RETRIEVAL_LAYERS * (batch * heads * head_dim * elem + 8)  # query_state + query_valid
     mm = MemoryModel(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim_k=head_dim,
                      head_dim_v=head_dim, elem_bytes=elem, batch=batch, budget=budget,
                      weight_bytes=model_weight_bytes(model), activation_factor=activation_factor,
-                     map_bytes_per_layer=batch * kv_heads * budget * 8)
+                     fixed_bytes=state + _selection_bytes(batch, kv_heads, budget),
+                     map_bytes_per_layer=_selection_bytes(batch, kv_heads, budget))
     return mm.minimum_device_bytes(tokens)
 
 
@@ -396,12 +405,12 @@ class OffloadManager:
         qs = self.cache.query_state
         fixed = qs.numel() * qs.element_size() if qs is not None else 0
         fixed += self.cache.query_valid.numel() * self.cache.query_valid.element_size()
-        fixed += b * h * slots * 8  # the selection (int64) shared by every layer
+        fixed += _selection_bytes(b, h, slots)  # the selection (int64) shared by every layer
         self.model = MemoryModel(
             num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
             head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,
             budget=slots, weight_bytes=self.weight_bytes, fixed_bytes=fixed,
-            map_bytes_per_layer=b * h * slots * 8, **self._model_args)
+            map_bytes_per_layer=_selection_bytes(b, h, slots), **self._model_args)
         self.thresholds = self.model.thresholds(self.device_memory_bytes)
         tokens = int(layer.cumulative_length)
         if tokens >= self.thresholds[-1]:  # not even every layer offloaded holds the prompt

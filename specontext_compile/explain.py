@@ -60,6 +60,7 @@ class Explanation:
     pass_uuids: list[str]
     heads: list[str] = dataclasses.field(default_factory=list)
     reports: list[CompileReport] = dataclasses.field(repr=False, default_factory=list)
+    offload: dict[str, Any] | None = None  # with device_memory_bytes: the plan (see _offload_plan)
 
     def table(self) -> str:
         """A plain-text table of the sites, then the counters and the selection placement."""
@@ -77,12 +78,18 @@ class Explanation:
         lines += [f"selection: {s}" for s in self.selections] or ["selection: none inserted"]
         lines += [f"selection head: {h}" for h in self.heads]
         lines += [f"pass: {u}" for u in sorted(set(self.pass_uuids))]
+        if self.offload is not None:
+            o = self.offload
+            lines.append(f"offload: {o['model']}")
+            lines += [f"offload step {s['step']}: {s['length']} tokens, {s['offloaded']} layer(s) offloaded, "
+                      f"expected device bytes {s['device_bytes']}, bytes moved {s['bytes_elastic']} "
+                      f"(full reload {s['bytes_full_reload']})" for s in o["steps"]]
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [dataclasses.asdict(r) for r in self.rows], "counters": self.counters,
                 "selections": self.selections, "pass_uuids": sorted(set(self.pass_uuids)),
-                "heads": self.heads}
+                "heads": self.heads, "offload": self.offload}
 
 
 def _s(x) -> str:
@@ -139,6 +146,12 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
     forward = torch.compile(model.forward, backend="specontext", options=options)
     cache = SpeContextCache(model.config, max_cache_len=input_ids.shape[1] + decode_steps + 1,
                             retrieval_head=options.get("retrieval_head"))
+    manager = None
+    if options.get("device_memory_bytes") is not None:  # KV offload: show the memory model's plan
+        from .runtime.offload import enable_offload
+
+        manager = enable_offload(cache, model, options["device_memory_bytes"],
+                                 options.get("budget", SpeContextConfig.budget))
     with torch.no_grad():
         logits = forward(input_ids=input_ids, cache=cache, use_cache=True, **kwargs).logits
         for _ in range(decode_steps):
@@ -159,7 +172,19 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
     delta = {k: v - start.get(k, 0) for k, v in counters["specontext"].items() if v - start.get(k, 0)}
     # what the compiled step counted itself (also when inductor runs it: no Python op calls)
     delta.update({f"step.{k}": v for k, v in cache.path_counts().items() if v})
-    return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], heads, reports)
+    return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], heads, reports,
+                       _offload_plan(manager))
+
+
+def _offload_plan(manager) -> dict[str, Any] | None:
+    """The memory model's plan of an offload run: its description (device size, weights,
+    KV row bytes, thresholds ``ST[i]``), the thresholds, and per decode step the length,
+    layers offloaded, expected device bytes and bytes moved."""
+    if manager is None or manager.model is None:
+        return None
+    return {"model": manager.model.describe(manager.device_memory_bytes),
+            "thresholds": manager.summary()["thresholds"],
+            "steps": [dataclasses.asdict(s) | {"per_layer_rows": None} for s in manager.stats]}
 
 
 def _head_text(report: CompileReport) -> str:

@@ -25,6 +25,9 @@ def add_explain_parser(sub) -> None:
     p.add_argument("--retrieval-head", default=None, metavar="DIR",
                    help="draft retrieval head folder (EAGLE-3 layout) for the selection")
     p.add_argument("--dump-dir", default=None, help="write graph dumps (text + DOT) here")
+    p.add_argument("--device-memory-bytes", type=int, default=None,
+                   help="KV offload with this device tier (bytes): also print the memory model's plan, "
+                        "thresholds and expected bytes per step")
     p.add_argument("--json", type=Path, default=None, help="also write the table as JSON")
     p.add_argument("-v", "--verbose", action="store_true")
 
@@ -53,6 +56,8 @@ def cmd_explain(args) -> int:
         options["retrieval_head"] = args.retrieval_head
     if args.dump_dir:
         options["dump_dir"] = args.dump_dir
+    if args.device_memory_bytes is not None:
+        options["device_memory_bytes"] = args.device_memory_bytes
     result = explain(model, ids, decode_steps=args.decode_steps, **options)
     print(f"model: {args.model}  attn: {model.config._attn_implementation}  prompt tokens: {args.prompt_tokens}")
     print(result.table())

@@ -110,3 +110,26 @@ def test_cli_explain_on_a_tiny_family(tmp_path, capsys):
 def test_cli_explain_unknown_family_is_a_clear_error(capsys):
     assert main(["explain", "--model", "tiny:nope"]) == 2
     assert "unknown family 'nope'" in capsys.readouterr().err
+
+
+def test_explain_prints_the_offload_plan_thresholds_and_bytes_per_step():
+    """With device_memory_bytes, explain shows the memory model (issue 15 item 5): its
+    description with the thresholds ST[i], and per decode step the layers offloaded and the
+    expected device bytes, equal to the model's own prediction."""
+    from _tiny import tiny_llama
+    from specontext_compile.runtime.offload import minimum_device_bytes
+
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    memory = minimum_device_bytes(model, 16, tokens=42)  # room for 42 tokens fully offloaded
+    result = sc.explain(model, ids, decode_steps=2, budget=16, recent_window=4, sink_tokens=2,
+                        device_memory_bytes=memory, inner="eager")
+    plan = result.offload
+    assert plan is not None and len(plan["thresholds"]) == 3 and len(plan["steps"]) == 2
+    assert all(s["offloaded"] >= 1 for s in plan["steps"])  # 40+ tokens do not fit resident
+    text = result.table()
+    assert "offload: memory model: device" in text and "ST[0]=" in text
+    assert "expected device bytes" in text
+    for s in plan["steps"]:
+        assert s["device_bytes"] <= memory
+    assert result.to_dict()["offload"]["steps"][0]["length"] == 41

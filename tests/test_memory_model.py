@@ -144,14 +144,35 @@ def test_compile_refuses_a_tier_below_the_fixed_part_before_compiling():
     sc.api.restore(model)
 
 
-def test_a_prompt_that_cannot_fit_is_refused_at_prepare_with_the_minimum():
+def test_a_tier_too_small_without_the_model_is_refused_at_prepare_with_the_minimum():
+    """enable_offload without the model (weights unknown) cannot check up front; the plan,
+    made once the stores exist, refuses with the minimum instead of a crash."""
     model = tiny_llama()
     cache = sc.SpeContextCache(model.config, max_cache_len=64)
     with torch.no_grad():
         model(input_ids=torch.randint(0, 128, (1, 40)), cache=cache, use_cache=True)
+    manager = enable_offload(cache, None, 1000, 16)
+    with pytest.raises(DeviceMemoryError, match="cannot hold 40 tokens even with all 3 layers offloaded: it "
+                                                r"needs at least \d+ bytes"):
+        manager.prepare()
+
+
+def test_the_up_front_minimum_is_the_managers_own_prediction():
+    """minimum_device_bytes (from the config, before any cache exists) equals what the
+    manager's memory model predicts once the stores exist, so the refusal names exactly
+    the least tier that works: at that size the prompt fits fully offloaded, one byte less
+    it is refused (up front: fully offloaded, the device bytes do not grow with the length)."""
     from specontext_compile.runtime.offload import minimum_device_bytes
 
-    floor = minimum_device_bytes(model, 16)
-    manager = enable_offload(cache, model, floor, 16)  # enough for an empty cache, not for 40 tokens
-    with pytest.raises(DeviceMemoryError, match="cannot hold 40 tokens even with all"):
-        manager.prepare()
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    need = minimum_device_bytes(model, 16, tokens=40)
+    for memory, fits in ((need, True), (need - 1, False)):
+        cache = sc.SpeContextCache(model.config, max_cache_len=64)
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache, use_cache=True)
+        if fits:
+            assert enable_offload(cache, model, memory, 16).prepare().minimum_device_bytes(40) == need
+        else:
+            with pytest.raises(DeviceMemoryError, match=f"device_memory_bytes >= {need}"):
+                enable_offload(cache, model, memory, 16)
