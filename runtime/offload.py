@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -46,7 +47,7 @@ from .trace import TraceRecorder
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "check_device_memory", "enable_offload", "lookup",
-           "elastic_load", "minimum_device_bytes", "model_weight_bytes"]
+           "auto_device_bytes", "elastic_load", "free_device_bytes", "minimum_device_bytes", "model_weight_bytes"]
 
 _REGISTRY: dict[int, tuple[weakref.ref, int]] = {}
 _REGISTRY_LOCK = threading.Lock()
@@ -97,6 +98,34 @@ def model_weight_bytes(model: torch.nn.Module) -> int:
         if key not in seen:
             seen.add(key)
             total += t.numel() * t.element_size()
+    return total
+
+
+AUTO = "auto"
+
+
+def free_device_bytes(device: torch.device) -> int:
+    """Free memory of ``device`` now, bytes: ``torch.cuda.mem_get_info`` on CUDA; on CPU
+    (where the device tier is emulated) the host's available physical memory.
+
+    Raises:
+        RuntimeError: when the platform does not report it (pass a number of bytes instead).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError) as err:
+        raise RuntimeError("device_memory_bytes='auto': this platform does not report free memory; "
+                           "pass device_memory_bytes as a number of bytes") from err
+
+
+def auto_device_bytes(device: torch.device, weight_bytes: int) -> int:
+    """``device_memory_bytes="auto"``: the free memory plus the weights (the memory model
+    counts them, and they are already on the device)."""
+    total = free_device_bytes(device) + weight_bytes
+    logger.info("specontext offload: device_memory_bytes='auto' -> %d bytes (%.1f MiB free + weights)",
+                total, (total - weight_bytes) / 2**20)
     return total
 
 
@@ -320,7 +349,9 @@ class OffloadManager:
 
     Args:
         cache: the :class:`~.kv_cache.SpeContextCache` to manage.
-        device_memory_bytes: size of the device tier (bytes; on CPU an emulated size).
+        device_memory_bytes: size of the device tier (bytes; on CPU an emulated size), or
+            ``"auto"``: the device's free memory plus the model's weights (already resident),
+            read when the plan is made (:func:`auto_device_bytes`).
         budget: selected tokens per KV head (the buffer rows of an offloaded layer).
         weight_bytes: ``M_O``, the model's weights (see :func:`model_weight_bytes`).
         elastic: move only the selection's difference (True) or reload it every step.
@@ -329,11 +360,12 @@ class OffloadManager:
             there at the start of every step (:mod:`.trace`).
     """
 
-    def __init__(self, cache, device_memory_bytes: int, budget: int, weight_bytes: int = 0, *,
+    def __init__(self, cache, device_memory_bytes: int | str, budget: int, weight_bytes: int = 0, *,
                  elastic: bool = True, activation_factor: float = 0.3, draft_cache_layers: int = 0,
                  alpha: float = 0.0, trace_path: str | Path | None = None):
-        if not isinstance(device_memory_bytes, int) or device_memory_bytes < 1:
-            raise ValueError(f"device_memory_bytes must be an int >= 1, got {device_memory_bytes!r}")
+        if device_memory_bytes != AUTO and (not isinstance(device_memory_bytes, int) or device_memory_bytes < 1):
+            raise ValueError(f"device_memory_bytes must be an int >= 1 or {AUTO!r}, got {device_memory_bytes!r}")
+        self.auto = device_memory_bytes == AUTO
         self.cache = cache
         self.device_memory_bytes = device_memory_bytes
         self.budget = budget
@@ -402,6 +434,8 @@ class OffloadManager:
         check_offload_device(layer.keys.device)
         b, h, capacity, dk = layer.keys.shape
         slots = min(self.budget, capacity)
+        if self.auto:
+            self.device_memory_bytes = auto_device_bytes(layer.keys.device, self.weight_bytes)
         qs = self.cache.query_state
         fixed = qs.numel() * qs.element_size() if qs is not None else 0
         fixed += self.cache.query_valid.numel() * self.cache.query_valid.element_size()
@@ -683,7 +717,8 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
     param = next(model.parameters(), None) if model is not None else None
     if param is not None:
         check_offload_device(param.device)
-        check_device_memory(model, device_memory_bytes, budget)
+        if device_memory_bytes != AUTO:
+            check_device_memory(model, device_memory_bytes, budget)
     weight_bytes = model_weight_bytes(model) if model is not None else 0
     manager = OffloadManager(cache, device_memory_bytes, budget, weight_bytes, **kwargs)
     cache.offload = manager

@@ -60,7 +60,7 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
             hold even the model's fixed part, naming the minimum.
     """
     config = SpeContextConfig.from_options(options)
-    if config.device_memory_bytes is not None:  # refuse a tier that can never work, now
+    if isinstance(config.device_memory_bytes, int):  # refuse a tier that can never work, now
         from .runtime.offload import check_device_memory
 
         check_device_memory(model, config.device_memory_bytes, config.budget)

@@ -52,7 +52,8 @@ class SpeContextConfig:
             tier with elastic loading and prefetch (docs/offload.md). None (default) = off:
             every layer stays on the device and the graph is unchanged. On CPU it emulates a
             small device tier. Needs a cache with an offload manager
-            (``specontext_compile.compile`` attaches one).
+            (``specontext_compile.compile`` attaches one). ``"auto"``: the device's free
+            memory (plus the weights) when the plan is made.
         copy_bandwidth: host-to-device copy rate in bytes/s for the offload schedule's cost
             model; None = this machine's calibration, measured once and kept on disk
             (``runtime/calibration.py``). Part of the schedule pass's uuid.
@@ -109,7 +110,7 @@ class SpeContextConfig:
     max_sparse_q_len: int = 16
     inner: str = "auto"
     kernel: str = "auto"
-    device_memory_bytes: int | None = None
+    device_memory_bytes: int | str | None = None
     copy_bandwidth: float | None = None
     offload_trace: str | None = None
     retrieval_head: str | None = None
@@ -148,10 +149,10 @@ class SpeContextConfig:
         if self.kernel not in _KERNELS:
             raise ValueError(f"specontext option 'kernel' must be one of {_KERNELS}, got {self.kernel!r}")
         dm = self.device_memory_bytes
-        if dm is not None and (not isinstance(dm, int) or isinstance(dm, bool) or dm < 1):
+        if dm is not None and dm != "auto" and (not isinstance(dm, int) or isinstance(dm, bool) or dm < 1):
             raise ValueError(
-                f"specontext option 'device_memory_bytes' must be None or an int >= 1 (bytes of "
-                f"the device tier), got {dm!r}")
+                f"specontext option 'device_memory_bytes' must be None, an int >= 1 (bytes of "
+                f"the device tier) or 'auto' (free device memory), got {dm!r}")
         bw = self.copy_bandwidth
         if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf):
             raise ValueError(f"specontext option 'copy_bandwidth' must be None or a positive number of bytes/s "

@@ -176,3 +176,27 @@ def test_the_up_front_minimum_is_the_managers_own_prediction():
         else:
             with pytest.raises(DeviceMemoryError, match=f"device_memory_bytes >= {need}"):
                 enable_offload(cache, model, memory, 16)
+
+
+def test_auto_takes_free_device_memory_when_the_plan_is_made(monkeypatch):
+    """device_memory_bytes="auto": free memory (plus the resident weights) read when the
+    plan is made; a small free memory makes the plan offload, a large one does not."""
+    from specontext_compile.runtime import offload
+    from specontext_compile.runtime.offload import minimum_device_bytes, model_weight_bytes
+
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    assert offload.free_device_bytes(torch.device("cpu")) > 0
+    assert sc.SpeContextConfig(device_memory_bytes="auto").device_memory_bytes == "auto"
+    with pytest.raises(ValueError, match="'auto'"):
+        sc.SpeContextConfig(device_memory_bytes="all")
+    tight = minimum_device_bytes(model, 16, tokens=40) + 100  # fully offloaded fits, resident not
+    for free, offloaded in ((tight - model_weight_bytes(model), True), (1 << 40, False)):
+        monkeypatch.setattr(offload, "free_device_bytes", lambda device, free=free: free)
+        cache = sc.SpeContextCache(model.config, max_cache_len=64)
+        with torch.no_grad():
+            model(input_ids=ids, cache=cache, use_cache=True)
+        manager = enable_offload(cache, model, "auto", 16)
+        mm = manager.prepare()
+        assert manager.device_memory_bytes == free + model_weight_bytes(model)
+        assert (mm.plan(41, 0, manager.thresholds) > 0) == offloaded
