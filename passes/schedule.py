@@ -48,6 +48,7 @@ __all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel"]
 SELECT = torch.ops.specontext.speculative_select  # packets: is_op matches either form
 SPARSE = torch.ops.specontext.sparse_attention
 KV_WRITE = torch.ops.specontext.kv_write
+OFFLOAD_ANCHOR = torch.ops.specontext.offload_anchor
 PLAN = torch.ops.specontext.offload_plan.default
 PREFETCH = torch.ops.specontext.offload_prefetch.default
 WAIT = torch.ops.specontext.offload_wait.default
@@ -151,10 +152,19 @@ class OffloadSchedulePass:
         sparse = [n for n in graph.nodes if is_op(n, SPARSE)]
         if not selects or not sparse:
             return result
+        anchors = [n for n in graph.nodes if is_op(n, OFFLOAD_ANCHOR)]
+        if len(anchors) != 1:
+            logger.warning("specontext: compiled with device_memory_bytes, but the cache has no offload manager "
+                           "(found %d), so every layer stays resident. Use specontext_compile.compile(model, "
+                           "device_memory_bytes=...) or runtime.offload.enable_offload(cache, model, ...) "
+                           "before the first call", len(anchors))
+            return result
+        manager = anchors[0].args[0]
         select = selects[0]  # one per distinct sliding window; all sit right after the anchor
         query_state, query_valid, key_caches, length, q_len = select.args[:5]
         with graph.inserting_after(selects[-1]):
-            plan = graph.call_function(PLAN, (select, query_state, query_valid, key_caches[0], length, q_len))
+            plan = graph.call_function(PLAN, (manager, select, query_state, query_valid, key_caches[0], length,
+                                              q_len))
         order = {n: i for i, n in enumerate(graph.nodes)}
         writes = {n.args[0]: n for n in graph.nodes if is_op(n, KV_WRITE)}
         cost = self._cost(graph, sparse)
@@ -178,11 +188,12 @@ class OffloadSchedulePass:
                 while order.get(anchor_node, -1) <= earliest and anchor_node is not node:
                     anchor_node = anchor_node.next
             with graph.inserting_before(anchor_node):
-                ticket = graph.call_function(PREFETCH, (plan, indices, key_cache, value_cache, site_len, layer))
+                ticket = graph.call_function(PREFETCH, (manager, plan, indices, key_cache, value_cache, site_len,
+                                                        layer))
             with graph.inserting_before(node):
-                ready = graph.call_function(WAIT, (ticket, key_cache, layer))
+                ready = graph.call_function(WAIT, (manager, ticket, key_cache, layer))
                 new = graph.call_function(SPARSE_OFFLOADED, (
-                    query, key_cache, value_cache, indices, site_len, mask, scale, kernel,
+                    manager, query, key_cache, value_cache, indices, site_len, mask, scale, kernel,
                     soft_cap, window, ready, layer))
             new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(new)

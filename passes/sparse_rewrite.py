@@ -368,7 +368,9 @@ def keeps_side_effects(node: fx.Node) -> bool:
     pure, so without this the decode graph lost every KV-store write (seen on CUDA). In-place
     tensor methods (``x.copy_(y)``, ``torch.relu_``) count too: dynamo records an in-place
     collective (Hugging Face tensor parallelism's ``all_reduce`` of the row-parallel output) as
-    a functional all-reduce plus ``copy_`` back into the input, whose result is unused."""
+    a functional all-reduce plus ``copy_`` back into the input, whose result is unused. Ops
+    with a declared effect (``torch._library.effects``, e.g. every op taking an opaque
+    reference object such as the KV-offload manager) are kept as well."""
     if node.is_impure():
         return True
     target = node.target
@@ -377,9 +379,11 @@ def keeps_side_effects(node: fx.Node) -> bool:
             and not name.endswith("__") and hasattr(torch.Tensor, name)):
         return True
     if isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = [getattr(target, name)._schema for name in target.overloads()]
+        overloads = [getattr(target, name) for name in target.overloads()]
     elif isinstance(target, torch._ops.OpOverload):
-        schemas = [target._schema]
+        overloads = [target]
     else:
         return False
-    return any(schema.is_mutable for schema in schemas)
+    from torch._higher_order_ops.effects import _get_effect
+
+    return any(op._schema.is_mutable or _get_effect(op) is not None for op in overloads)

@@ -328,6 +328,9 @@ class SpeContextCache(Cache):
                     self.query_state.shape[2] != self._retrieval_heads(key_states)):
                 self._init_retrieval_state(key_states)
             RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats).emit()
+            manager = self._offload_manager()
+            if manager is not None:  # the offload manager enters the graph as an explicit input
+                torch.ops.specontext.offload_anchor(manager)
             if self.draft is not None:
                 first = self.layers[0]
                 capacity = (first.max_cache_len if first.is_initialized

@@ -30,13 +30,13 @@ import contextlib
 import dataclasses
 import logging
 import os
-import threading
-import weakref
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from torch._dynamo.utils import counters
+from torch._library.opaque_object import register_opaque_type
+from torch._opaque_base import OpaqueBase
 
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
@@ -46,47 +46,11 @@ from .trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "check_device_memory", "enable_offload", "lookup",
+__all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "check_device_memory", "enable_offload",
            "auto_device_bytes", "elastic_load", "free_device_bytes", "minimum_device_bytes", "model_weight_bytes"]
-
-_REGISTRY: dict[int, tuple[weakref.ref, int]] = {}
-_REGISTRY_LOCK = threading.Lock()
-_MANAGERS: weakref.WeakSet = weakref.WeakSet()
-
 
 class OffloadCopyError(RuntimeError):
     """A prefetch copy failed; raised at the layer's wait."""
-
-
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
-
-
-def _resolve(key: int) -> tuple[OffloadManager, int] | None:
-    entry = _REGISTRY.get(key)
-    if entry is None:
-        return None
-    manager = entry[0]()
-    if manager is None or manager.closed:
-        return None
-    layer = manager.cache.layers[entry[1]]
-    if not layer.is_initialized or _storage_key(layer.keys) != key:
-        return None  # stale entry (the store was reallocated or freed and reused)
-    return manager, entry[1]
-
-
-def lookup(key_cache: torch.Tensor) -> tuple[OffloadManager, int] | None:
-    """(manager, layer index) owning the store ``key_cache``, or None (no offload)."""
-    key = _storage_key(key_cache)
-    found = _resolve(key)
-    if found is None:  # stores are allocated lazily (first write) or reused: map them now
-        with _REGISTRY_LOCK:
-            _REGISTRY.pop(key, None)
-        for manager in list(_MANAGERS):
-            if not manager.closed:
-                manager.register()
-        found = _resolve(key)
-    return found
 
 
 def model_weight_bytes(model: torch.nn.Module) -> int:
@@ -344,8 +308,14 @@ class StepStats:
     per_layer_rows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-class OffloadManager:
+class OffloadManager(OpaqueBase):
     """Owns the host tier, device buffers, the copy stream and the adaptive plan of one cache.
+
+    A torch opaque *reference* object (``torch._library.opaque_object``): the cache passes
+    it to ``specontext::offload_anchor`` at layer 0, so it is an explicit input of every
+    traced graph, and the offload ops take it as their first argument (an op with an opaque
+    argument has an ordered effect: no compiler pass reorders or drops it). There is no
+    registry from store pointers to managers.
 
     Args:
         cache: the :class:`~.kv_cache.SpeContextCache` to manage.
@@ -390,15 +360,6 @@ class OffloadManager:
         self._failed: str | None = None
         self._last_attention_end: float | None = None
         self.selection: torch.Tensor | None = None
-        _MANAGERS.add(self)
-
-    # --- registry -------------------------------------------------------------------------
-    def register(self) -> None:
-        """Map each initialised layer's store to this manager (ops find it by storage)."""
-        with _REGISTRY_LOCK:
-            for i, layer in enumerate(self.cache.layers):
-                if layer.is_initialized:
-                    _REGISTRY[_storage_key(layer.keys)] = (weakref.ref(self), i)
 
     def close(self) -> None:
         """Finish outstanding copies and stop the worker."""
@@ -460,7 +421,6 @@ class OffloadManager:
         if device.type == "cuda":  # real host tier: pinned memory; kv_write appends there
             layer.keys = layer.keys.to("cpu").pin_memory()
             layer.values = layer.values.to("cpu").pin_memory()
-            self.register()
         self.buffers[layer_idx] = LayerBuffer.allocate(layer.keys, layer.values, self.budget, device)
         counters["specontext"]["offloaded_layers"] += 1
 
@@ -608,8 +568,6 @@ class OffloadManager:
             if layer.is_initialized and device is not None and layer.keys.device != torch.device(device):
                 layer.keys = layer.keys.to(device)
                 layer.values = layer.values.to(device)
-        if self.buffers:
-            self.register()
         self.buffers.clear()
         self.offload_events.clear()
         self.stats.clear()
@@ -685,6 +643,9 @@ class OffloadManager:
         }
 
 
+register_opaque_type(OffloadManager, typ="reference")  # an op argument type, like the ops themselves
+
+
 def check_offload_device(device: torch.device) -> None:
     """Refuse KV offload where it is known not to work yet.
 
@@ -720,6 +681,8 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
         if device_memory_bytes != AUTO:
             check_device_memory(model, device_memory_bytes, budget)
     weight_bytes = model_weight_bytes(model) if model is not None else 0
+    from . import offload_ops  # noqa: F401  (registers the ops the cache's anchor calls)
+
     manager = OffloadManager(cache, device_memory_bytes, budget, weight_bytes, **kwargs)
     cache.offload = manager
     return manager

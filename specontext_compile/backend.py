@@ -155,9 +155,14 @@ def specontext_backend(
     _REPORTS.append(CompileReport(config, result, gm, pass_uuid))
     _log_result(result)
     inner = config.inner
-    if inner == "auto":  # offload stays on the eager op chain (its ops keep state outside the graph)
-        offload = "specontext_offload_schedule" in gm.meta
+    offload = "specontext_offload_schedule" in gm.meta or any(
+        n.op == "call_function" and "offload_anchor" in str(n.target) for n in gm.graph.nodes)
+    if inner == "auto":  # offload stays on the eager op chain (its manager is an opaque graph input)
         inner = "inductor" if result.rewritten and not offload else "eager"
+    elif inner == "inductor" and offload:
+        logger.info("specontext: this %s holds KV-offload ops (the manager is an opaque input); it runs on "
+                    "the eager op chain", _graph_label(result))
+        inner = "eager"
     if inner == "eager":
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "

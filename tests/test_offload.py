@@ -315,3 +315,37 @@ def test_offload_is_refused_on_cuda_devices_with_the_fix_named():
     check_offload_device(torch.device("cpu"))  # the emulated tiers: allowed
     with pytest.raises(NotImplementedError, match="Drop device_memory_bytes"):
         check_offload_device(torch.device("cuda", 0))
+
+
+def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplog):
+    """Issue 15 item 2: every offload op has an ordered effect (compilers keep and order
+    them), and the manager reaches them as an explicit graph input — the decode graph's
+    placeholder of cache.offload feeds every offload op; there is no store-pointer lookup.
+    A cache without a manager gets no offload ops and a warning naming the fix."""
+    import logging
+
+    from torch._higher_order_ops.effects import _get_effect
+    from specontext_compile.backend import compile_reports
+    from specontext_compile.runtime import offload as offload_mod
+
+    ops = torch.ops.specontext
+    for op in (ops.offload_anchor, ops.offload_plan, ops.offload_prefetch, ops.offload_wait,
+               ops.sparse_attention_offloaded):
+        assert _get_effect(op.default) is not None, op
+    assert not hasattr(offload_mod, "lookup") and not hasattr(offload_mod, "_REGISTRY")
+    model, ids = tiny_llama(layers=2), _ids(9)
+    run = _Offloaded(model, _all_at_once)
+    _run(run, run.cache, ids, 3)
+    decode = next(r for r in reversed(compile_reports()) if r.result.phase == "decode").graph_module
+    managers = [n for n in decode.graph.nodes if n.op == "placeholder" and "offload" in n.name]
+    assert len(managers) == 1
+    users = {str(u.target).split(".")[1] for u in managers[0].users}
+    assert {"offload_anchor", "offload_plan", "offload_prefetch", "offload_wait",
+            "sparse_attention_offloaded"} <= users
+    assert run.manager.offloaded  # the plan ran through the graph's manager
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(OPTS, device_memory_bytes=1 << 40))
+    with caplog.at_level(logging.WARNING, logger="specontext_compile.passes.schedule"):
+        bare = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, 3)
+    assert any("has no offload manager" in r.getMessage() for r in caplog.records)
+    _assert_same(bare, _reference(model, ids, 3))
