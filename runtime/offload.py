@@ -35,8 +35,13 @@ from typing import Any, Callable
 
 import torch
 from torch._dynamo.utils import counters
-from torch._library.opaque_object import register_opaque_type
-from torch._opaque_base import OpaqueBase
+try:  # opaque custom-op arguments: the manager is a graph input (torch 2.13 is tested)
+    from torch._library.opaque_object import register_opaque_type
+    from torch._opaque_base import OpaqueBase
+except ImportError as _err:  # pragma: no cover - older torch
+    raise ImportError("specontext KV offload needs a torch with opaque custom-op arguments "
+                      "(torch._opaque_base; torch 2.13 is tested): upgrade torch, or leave "
+                      "device_memory_bytes unset") from _err
 
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
