@@ -102,6 +102,12 @@ def check_paths(args) -> None:
         _check_folder(Path(os.environ[_DUMP_ENV]), f"${_DUMP_ENV}", "out/dumps")
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_json(path: Path, data, what: str) -> int:
     """Write ``data`` as JSON to ``path`` through a temporary file and a rename (a reader never
     sees half a file; an old file survives a failed write). If that fails after all (the folder
@@ -115,6 +121,7 @@ def write_json(path: Path, data, what: str) -> int:
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as handle:
                 handle.write(text)
+            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report gets the usual mode
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -190,15 +197,20 @@ def _cmd_run(args) -> int:
     from .report import run_report
 
     text = args.prompt_file.read_text(encoding="utf-8")  # paths: checked by main() (check_paths)
-    head = None
-    if args.retrieval_head is not None:  # checked before the model loads
-        head = SpeContextConfig(retrieval_head=args.retrieval_head).retrieval_head
-    model, tokenizer = load_model(args.model)
-    options = {"retrieval_head": head} if head else {}
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    options = {}
     for name in ("candidates", "min_coverage"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
-    SpeContextConfig(**{k: v for k, v in options.items() if k != "retrieval_head"})  # bad values: before loading
+    # every option value is checked before the model loads (a bad one costs seconds, not minutes)
+    config = SpeContextConfig(budget=args.budget, sink_tokens=args.sink_tokens, recent_window=args.recent_window,
+                              retrieval_layers=args.retrieval_layers, retrieval_head=args.retrieval_head,
+                              **options)
+    head = config.retrieval_head
+    if head:
+        options["retrieval_head"] = head
+    model, tokenizer = load_model(args.model)
     report = run_report(
         model, tokenizer, text, model_name=args.model, budget=args.budget,
         max_new_tokens=args.max_new_tokens, recall_samples=args.recall_samples,

@@ -134,3 +134,27 @@ def test_a_failed_final_write_keeps_the_figures(tmp_path, capsys):
         assert json.loads(Path(rescue).read_text(encoding="utf-8")) == {"budget": 16}
     finally:
         os.unlink(rescue)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "0"], "'budget' must be an int >= 1"),
+    (["--recent-window", "-1"], "'recent_window' must be an int >= 0"),
+    (["--candidates", "0.5"], "'candidates' must be a finite number >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+], ids=["budget", "recent-window", "candidates", "max-new-tokens"])
+def test_bad_option_values_are_refused_before_loading(tmp_path, monkeypatch, capsys, argv, message):
+    _no_loading(monkeypatch)
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("some text", encoding="utf-8")
+    assert cli.main(["run", "--prompt-file", str(prompt), *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_json_report_gets_the_usual_file_mode(tmp_path):
+    """Written through mkstemp + rename, the report still gets 0666 & ~umask, not 0600."""
+    mask = os.umask(0o022)
+    try:
+        assert cli.write_json(tmp_path / "run.json", {"budget": 16}, "figures") == 0
+    finally:
+        os.umask(mask)
+    assert (tmp_path / "run.json").stat().st_mode & 0o777 == 0o644
