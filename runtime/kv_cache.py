@@ -234,26 +234,83 @@ def _select_index(indices, batch: int, device) -> torch.Tensor:
     return idx % max(batch, 1)
 
 
-def _layer_windows(config) -> list[int]:
-    """Per decoder layer: 0 = full causal attention, ``w`` = sliding window of ``w`` tokens,
-    -1 = another kind (chunked, shared, ...) that the sparse rewrite leaves dense. Follows
-    Hugging Face's own cache layout (``get_layer_types_and_kwargs``)."""
+# Layer kinds (Hugging Face's ``layer_types``) whose state is not a KV store: they get Hugging
+# Face's own cache layer class, exactly as its StaticCache builds them (hybrid models).
+_NON_KV_KINDS = ("conv", "linear_attention", "dummy")
+_HYBRID_KINDS = ("hybrid", "hybrid_sliding")
+
+
+def _layer_kinds(config) -> tuple[list[str], list[dict]]:
+    """Hugging Face's per-layer kinds and their kwargs (``get_layer_types_and_kwargs``);
+    every layer ``full_attention`` (or ``sliding_attention``) on older transformers."""
     try:
         from transformers.cache_utils import get_layer_types_and_kwargs
 
-        types, kwargs = get_layer_types_and_kwargs(config)
+        return get_layer_types_and_kwargs(config)
     except (ImportError, AttributeError, TypeError):  # older transformers / minimal configs
         window = getattr(config, "sliding_window", None)
-        return [int(window) if window else 0] * config.num_hidden_layers
+        kind, extra = ("sliding_attention", {"sliding_window": window}) if window else ("full_attention", {})
+        return [kind] * config.num_hidden_layers, [dict(extra) for _ in range(config.num_hidden_layers)]
+
+
+def _layer_windows(config) -> list[int]:
+    """Per layer *with a KV store* (in order): 0 = full causal attention, ``w`` = sliding
+    window of ``w`` tokens, -1 = another kind (chunked, shared, ...) that the sparse rewrite
+    leaves dense. Layers without a KV store (linear attention, convolution, shared-KV
+    placeholders) have no entry: the i-th ``kv_write`` of a graph gets the i-th window."""
     windows = []
-    for kind, extra in zip(types, kwargs):
-        if kind == "full_attention":
+    for kind, extra in zip(*_layer_kinds(config)):
+        if kind in _NON_KV_KINDS:
+            continue
+        if kind in ("full_attention", "hybrid"):
             windows.append(0)
-        elif kind == "sliding_attention" and extra.get("sliding_window"):
+        elif kind in ("sliding_attention", "hybrid_sliding") and extra.get("sliding_window"):
             windows.append(int(extra["sliding_window"]))
         else:
             windows.append(-1)
     return windows
+
+
+def _make_layer(kind: str, extra: dict, max_cache_len: int | None, chunk_tokens: int):
+    """A KV store for attention kinds; Hugging Face's own layer class (as its StaticCache
+    uses) for layers without one; both for hybrid layers."""
+    from transformers.cache_utils import STATIC_LAYER_TYPE_MAPPING
+
+    if kind in _NON_KV_KINDS and kind in STATIC_LAYER_TYPE_MAPPING:
+        kwargs = {k: v for k, v in extra.items() if k == "number_of_states"}
+        return STATIC_LAYER_TYPE_MAPPING[kind](**kwargs) if kind != "dummy" else STATIC_LAYER_TYPE_MAPPING[kind]()
+    if kind in _HYBRID_KINDS:
+        return SpeContextHybridLayer(max_cache_len, chunk_tokens, extra.get("number_of_states", 1))
+    return SpeContextLayer(max_cache_len, chunk_tokens)
+
+
+try:
+    from transformers.cache_utils import LinearAttentionLayer as _LinearAttentionLayer
+except ImportError:  # pragma: no cover - older transformers: no hybrid layers
+    _LinearAttentionLayer = None
+
+if _LinearAttentionLayer is not None:
+    class SpeContextHybridLayer(_LinearAttentionLayer, SpeContextLayer):
+        """A hybrid layer (Hugging Face ``layer_types`` "hybrid"): its linear-attention state
+        is Hugging Face's own (``LinearAttentionLayer``), its attention KV a specontext store."""
+
+        def __init__(self, max_cache_len: int | None, chunk_tokens: int, number_of_states: int = 1):
+            SpeContextLayer.__init__(self, max_cache_len, chunk_tokens)
+            _LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+        def lazy_initialization(self, *args, **kwargs) -> None:
+            if len(args) == 2 and not kwargs:  # the attention store (update)
+                SpeContextLayer.lazy_initialization(self, *args)
+            elif not args:  # the linear-attention states (update_conv_state / update_recurrent_state)
+                _LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+        def reset(self) -> None:
+            _LinearAttentionLayer.reset(self)
+            SpeContextLayer.reset(self)
+
+        def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+            _LinearAttentionLayer.reorder_cache(self, beam_idx)
+            SpeContextLayer.reorder_cache(self, beam_idx)
 
 
 class SpeContextCache(Cache):
@@ -284,8 +341,16 @@ class SpeContextCache(Cache):
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        layers = [SpeContextLayer(max_cache_len, chunk_tokens) for _ in range(config.num_hidden_layers)]
+        layers = [_make_layer(kind, extra, max_cache_len, chunk_tokens) for kind, extra in zip(*_layer_kinds(config))]
         super().__init__(layers=layers)
+        # the layers with a KV store (all of them, except in hybrid models)
+        self.kv_layer_indices = [i for i, layer in enumerate(layers) if isinstance(layer, SpeContextLayer)]
+        if not self.kv_layer_indices:
+            raise ValueError("SpeContextCache: this model has no attention layer with a KV cache; use Hugging "
+                             "Face's own cache (sparse attention has nothing to select from)")
+        if retrieval_head is not None and len(self.kv_layer_indices) != len(layers):
+            raise ValueError("SpeContextCache: retrieval_head with a hybrid model (layers without a KV cache) is "
+                             "not supported yet; leave retrieval_head unset (the lagged-query head works)")
         # global head counts; the retrieval state is sized from the layer-0 keys
         # (``_retrieval_heads``), so a tensor-parallel rank gets its own heads only
         self.num_heads = config.num_attention_heads
@@ -323,7 +388,7 @@ class SpeContextCache(Cache):
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """HF's cache update, plus the retrieval anchor at layer 0 (see module docstring)."""
-        if layer_idx == 0:
+        if layer_idx == self.kv_layer_indices[0]:  # the first layer with a KV store
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0] or (
                     self.query_state.shape[2] != self._retrieval_heads(key_states)):
                 self._init_retrieval_state(key_states)
@@ -332,7 +397,7 @@ class SpeContextCache(Cache):
             if manager is not None:  # the offload manager enters the graph as an explicit input
                 torch.ops.specontext.offload_anchor(manager)
             if self.draft is not None:
-                first = self.layers[0]
+                first = self.kv_layers[0]
                 capacity = (first.max_cache_len if first.is_initialized
                             else first._initial_capacity(key_states.shape[-2]))
                 self.draft.prepare(key_states, capacity, is_torchdynamo_compiling())
@@ -344,10 +409,15 @@ class SpeContextCache(Cache):
         """HF mask sizes. In eager mode this is where the stores grow: the mask of a step is
         sized before its first write, so every layer grows here, before the step."""
         if not is_torchdynamo_compiling():
-            for layer in self.layers:
+            for layer in self.kv_layers:
                 if layer.is_initialized:
                     layer.reserve(int(layer.cumulative_length) + query_length)
         return super().get_mask_sizes(query_length, layer_idx)
+
+    @property
+    def kv_layers(self) -> list[SpeContextLayer]:
+        """The layers with a KV store, in order (every layer, except in hybrid models)."""
+        return [self.layers[i] for i in self.kv_layer_indices]
 
     # --- Hugging Face cache operations (table: runtime/README.md, "Cache operations") -------
     # Each applies to every piece of state the cache keeps: the KV stores (layers), the
@@ -359,7 +429,7 @@ class SpeContextCache(Cache):
         return self.__dict__.get("offload")
 
     def _rows(self) -> int | None:
-        for layer in self.layers:
+        for layer in self.kv_layers:
             if layer.is_initialized:
                 return layer.keys.shape[0]
         return None if self.query_state is None else self.query_state.shape[1]
@@ -399,7 +469,7 @@ class SpeContextCache(Cache):
         if manager is not None:
             manager.before_cache_op("reorder_cache")
         idx = _row_index(beam_idx, rows, self.query_state.device if self.query_state is not None
-                         else self.layers[0].keys.device)
+                         else self.kv_layers[0].keys.device)
         super().reorder_cache(idx)
         if self.query_state is not None:
             self.query_state.copy_(self.query_state.index_select(1, idx))
@@ -417,6 +487,7 @@ class SpeContextCache(Cache):
             ValueError: ``repeats < 1``.
             OffloadCopyError: a failed offloaded step was not rolled back first.
         """
+        self._refuse_batch_change_if_hybrid("batch_repeat_interleave")
         if int(repeats) < 1:
             raise ValueError(f"batch_repeat_interleave: repeats must be >= 1, got {repeats}")
         rows = self._rows()
@@ -433,10 +504,16 @@ class SpeContextCache(Cache):
             ValueError: an index out of range, or a mask of the wrong size.
             OffloadCopyError: a failed offloaded step was not rolled back first.
         """
+        self._refuse_batch_change_if_hybrid("batch_select_indices")
         rows = self._rows()
         if rows is None:
             return
         self._select_rows(_select_index(indices, rows, "cpu"), "batch_select_indices")
+
+    def _refuse_batch_change_if_hybrid(self, what: str) -> None:
+        if len(self.kv_layer_indices) != len(self.layers):
+            raise ValueError(f"{what}: not supported for hybrid models (Hugging Face's linear-attention cache "
+                             "layers cannot change their batch either); build a new cache for the new batch")
 
     def _select_rows(self, idx: torch.Tensor, what: str) -> None:
         manager = self._offload_manager()
@@ -471,7 +548,7 @@ class SpeContextCache(Cache):
         remove = _crop_count(tokens_to_remove)
         if remove == 0:
             return
-        old = int(self.get_seq_length())
+        old = int(self.kv_layers[0].get_seq_length())
         if remove > old:
             raise ValueError(f"crop({tokens_to_remove}): the cache holds only {old} tokens")
         manager = self._offload_manager()
@@ -498,7 +575,7 @@ class SpeContextCache(Cache):
         """Bytes held by the KV stores (allocated capacity, not only written tokens)."""
         return sum(
             t.numel() * t.element_size()
-            for layer in self.layers
+            for layer in self.kv_layers
             if layer.is_initialized
             for t in (layer.keys, layer.values)
         )

@@ -341,6 +341,9 @@ class OffloadManager(OpaqueBase):
         if device_memory_bytes != AUTO and (not isinstance(device_memory_bytes, int) or device_memory_bytes < 1):
             raise ValueError(f"device_memory_bytes must be an int >= 1 or {AUTO!r}, got {device_memory_bytes!r}")
         self.auto = device_memory_bytes == AUTO
+        if len(getattr(cache, "kv_layer_indices", cache.layers)) != len(cache.layers):
+            raise ValueError("KV offload of a hybrid model (layers without a KV cache) is not supported yet; "
+                             "leave device_memory_bytes unset")
         self.cache = cache
         self.device_memory_bytes = device_memory_bytes
         self.budget = budget

@@ -1,5 +1,6 @@
 """Selection invariants (property-based) and the speculative-select op."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -47,10 +48,27 @@ def test_speculative_select_uses_group_max():
     q = torch.zeros(1, 4, 1, 4)
     q[0, 1, 0, 0] = 1.0
     q[0, 2, 0, 1] = 1.0
+    # the query was recorded by the step that wrote the 40 cached tokens (stamp 40)
     idx = torch.ops.specontext.speculative_select(
-        q[None], torch.tensor([1]), [keys], torch.tensor(40), 1, 3, 0, 2, 1.0)
+        q[None], torch.tensor([40]), [keys], torch.tensor(40), 1, 3, 0, 2, 1.0)
     assert 5 in idx[0, 0].tolist() and 9 in idx[0, 1].tolist()
     assert 40 in idx[0, 0].tolist()
+
+
+@pytest.mark.parametrize("stamp", [0, 1, 39, 41])
+def test_a_query_stamped_with_another_length_is_not_used(stamp):
+    """A lagged query is used only by the step right after the one that recorded it (stamp
+    == tokens cached now); any other stamp (never recorded, before a crop or a reset,
+    another prompt) selects by recency: sinks + the most recent tokens."""
+    keys = torch.zeros(1, 1, 64, 4)
+    keys[0, 0, 5] = torch.tensor([10.0, 0, 0, 0])
+    q = torch.zeros(1, 1, 2, 1, 4)
+    q[0, 0, 0, 0, 0] = 1.0
+    args = ([keys], torch.tensor(40), 1, 6, 1, 2, 1.0)
+    fresh = torch.ops.specontext.speculative_select(q, torch.tensor([40]), *args)
+    stale = torch.ops.specontext.speculative_select(q, torch.tensor([stamp]), *args)
+    assert 5 in fresh[0, 0].tolist()
+    assert sorted(stale[0, 0].tolist()) == [0, 36, 37, 38, 39, 40]
 
 
 def test_speculative_select_falls_back_to_recency_without_query():
