@@ -212,8 +212,8 @@ def make_cache(kind: str, config, capacity: int):
 
     if kind == "hf-eager":
         return DynamicCache(config=config)
-    if kind.startswith("hf-static-"):
-        return StaticCache(config, max_cache_len=capacity)
+    if kind.startswith("hf-static-") or kind.startswith("specontext-static-"):
+        return StaticCache(config, max_cache_len=capacity)  # specontext-static-*: the backend adopts it
     from specontext_compile import SpeContextCache
 
     return SpeContextCache(config, max_cache_len=capacity)
@@ -267,6 +267,7 @@ SPECONTEXT_VARIANTS = {
     "cudagraphs": {"inner": "inductor", "mode": "reduce-overhead"},
     "c2": {"candidates": 2.0},  # two-stage selection (issue 12): 2 x budget candidates, per-layer top budget
     "c4": {"candidates": 4.0},
+    "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
 }
 
 
