@@ -49,6 +49,8 @@ _LOWERED = {
     _OPS.speculative_select: aten_step.speculative_select,
     _OPS.draft_select: aten_step.draft_select,
     _OPS.refine_selection: aten_step.refine_selection,
+    _OPS.store_selection: aten_step.store_selection,
+    _OPS.load_selection: aten_step.load_selection,
 }
 _ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
 _SPARSE = _OPS.sparse_attention

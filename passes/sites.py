@@ -135,24 +135,33 @@ def _strip_prefix_slice(node: fx.Node) -> fx.Node:
     return node
 
 
+def first_layer(graph: fx.Graph) -> int:
+    """Index (among the model's KV layers) of the graph's first KV write: the ``layer`` of
+    its first retrieval anchor (a graph after a graph break starts past layer 0), else 0."""
+    anchor = RetrievalAnchor.first(graph)
+    return RetrievalAnchor.of(anchor).layer if anchor is not None else 0
+
+
 def _writes_by_store(graph: fx.Graph) -> tuple[dict, dict]:
     writes = [n for n in graph.nodes if is_op(n, KV_WRITE)]
-    by_key = {w.args[0]: (i, w) for i, w in enumerate(writes)}
-    by_value = {w.args[1]: (i, w) for i, w in enumerate(writes)}
+    offset = first_layer(graph)
+    by_key = {w.args[0]: (offset + i, w) for i, w in enumerate(writes)}
+    by_value = {w.args[1]: (offset + i, w) for i, w in enumerate(writes)}
     return by_key, by_value
 
 
 def layer_windows(graph: fx.Graph) -> dict[fx.Node, int]:
-    """Sliding window of each KV write that follows the (single) retrieval anchor: the
-    anchor's ``layer_windows`` constant, in write order from layer 0. Empty when there is no
-    single anchor or it carries no windows."""
-    anchors = [n for n in graph.nodes if is_op(n, ANCHOR)]
-    if len(anchors) != 1:
+    """Sliding window of each KV write that follows the graph's first retrieval anchor: the
+    anchor's ``layer_windows`` constant, in write order from the anchor's layer. Empty when
+    there is no anchor or it carries no windows."""
+    anchor = RetrievalAnchor.first(graph)
+    if anchor is None:
         return {}
-    anchor = anchors[0]
-    windows = RetrievalAnchor.of(anchor).windows()
+    anchored = RetrievalAnchor.of(anchor)
+    windows = anchored.windows()
     if windows is None:
         return {}
+    windows = windows[anchored.layer:]
     out, seen = {}, False
     for n in graph.nodes:
         seen = seen or n is anchor

@@ -55,6 +55,8 @@ DRAFT_SELECT = torch.ops.specontext.draft_select.default
 DRAFT_RECORD = torch.ops.specontext.draft_record.default
 COUNT = torch.ops.specontext.count_step.default
 REFINE = torch.ops.specontext.refine_selection.default
+STORE = torch.ops.specontext.store_selection.default
+LOAD = torch.ops.specontext.load_selection.default
 
 
 @dataclasses.dataclass
@@ -138,18 +140,18 @@ class SparseAttentionPass:
         sites = find_attention_sites(graph)
         result = RewriteResult(sites=sites)
         resolved = sorted((s for s in sites if s.layer is not None), key=lambda s: s.layer)
-        anchors = [n for n in graph.nodes if is_op(n, ANCHOR)]
+        anchor = RetrievalAnchor.first(graph)
         if not resolved:
             return result
-        if len(anchors) != 1:
+        if anchor is None:
             for s in sites:
                 s.reason = s.reason or (
-                    f"expected one retrieval anchor in the graph, found {len(anchors)} (a graph "
-                    "break split the step: the selection is made in layer 0's graph and cannot "
-                    "reach this one)")
+                    "no retrieval anchor in this graph (a graph break split the step, and the cache "
+                    "emits none past its first layer: Hugging Face's StaticCache)")
             return result
-        anchor = anchors[0]
         anchored = RetrievalAnchor.of(anchor)
+        if anchored.layer != 0:  # a graph after a graph break: the step's selection is stored
+            return self._continue_step(graph, result, resolved, anchor, anchored)
         query_state, query_valid = anchored.query_state, anchored.query_valid
         if self.retrieval_head is None:
             drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
@@ -206,9 +208,69 @@ class SparseAttentionPass:
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
             self._rewrite_site(graph, s, selection, self.kernel, self._dense_store(s), dense)
         result.rewritten = len(decode)
+        self._store_for_later_graphs(graph, anchored, selections, decode)
         dense = sum(self._dense_store(s) for s in decode)
         with graph.inserting_after(anchor):
             graph.call_function(COUNT, (anchored.stats, [1, len(decode), len(decode) - dense, dense]))
+        graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
+        graph.lint()
+        return result
+
+    @staticmethod
+    def _store_for_later_graphs(graph: fx.Graph, anchored: RetrievalAnchor, selections: dict, decode: list) -> None:
+        """When this graph holds fewer KV layers than the model (a graph break follows), keep
+        the step's selection in the cache's ``selection_state`` for the later graphs (one
+        window only: full attention)."""
+        windows = anchored.windows()
+        writes = sum(1 for n in graph.nodes if is_op(n, KV_WRITE))
+        state = anchored.selection_state
+        if windows is None or writes >= len(windows) or not isinstance(state, fx.Node) or list(selections) != [0]:
+            return
+        with graph.inserting_after(selections[0]):
+            graph.call_function(STORE, (state, selections[0]))
+
+    def _continue_step(self, graph: fx.Graph, result: RewriteResult, resolved: list, anchor: fx.Node,
+                       anchored: RetrievalAnchor) -> RewriteResult:
+        """A graph that starts at KV layer ``anchored.layer > 0`` (a graph break split the
+        step): its decode sites read the selection the step's first graph stored in
+        ``selection_state`` (same positions, as if the step were one graph)."""
+        for s in resolved:
+            if s.reason is None and s.q_len > self.max_sparse_q_len:
+                s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
+            elif s.reason is None and s.q_len > self.budget:
+                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
+        decode = [s for s in resolved if s.reason is None]
+        result.phase = "decode" if decode else "prefill"
+        if not decode:
+            return result
+        reason = None
+        if self.retrieval_head is not None:
+            reason = "after a graph break the draft head's selection does not reach this graph yet"
+        elif not isinstance(anchored.selection_state, fx.Node):
+            reason = "after a graph break: the cache carries no selection state"
+        elif any(s.window for s in decode) or any(w for w in (anchored.windows() or [])):
+            reason = "after a graph break only full-attention models carry the selection over (sliding windows)"
+        capacity = _static_capacity(decode[0])
+        if reason is None and capacity is None:
+            reason = "after a graph break: the store's capacity is symbolic"
+        if reason is not None:
+            for s in decode:
+                s.reason = reason
+            return result
+        slots = max(decode[0].q_len, min(self.candidate_slots, capacity))
+        with graph.inserting_after(anchor):
+            selection = graph.call_function(LOAD, (anchored.selection_state, slots))
+        result.selection_inserted = True
+        result.selections = [selection]
+        for s in decode:
+            chosen, dense = selection, None
+            if self._refines(s):
+                chosen, dense = self._insert_refine(graph, s, selection, anchored.stats)
+            self._rewrite_site(graph, s, chosen, self.kernel, self._dense_store(s), dense)
+        result.rewritten = len(decode)
+        dense = sum(self._dense_store(s) for s in decode)
+        with graph.inserting_after(anchor):  # the step itself was counted by its first graph
+            graph.call_function(COUNT, (anchored.stats, [0, len(decode), len(decode) - dense, dense]))
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result

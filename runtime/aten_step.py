@@ -56,6 +56,17 @@ def count_step(stats: torch.Tensor, increments: list[int]) -> None:
             stats[i].add_(step)
 
 
+def store_selection(selection_state: torch.Tensor, indices: torch.Tensor) -> None:
+    """``selection_state[..., :slots] = indices`` (the step's selection, kept for the graphs
+    after a graph break; ``[batch, kv, capacity]`` int64)."""
+    selection_state[..., : indices.shape[-1]].copy_(indices)
+
+
+def load_selection(selection_state: torch.Tensor, slots: int) -> torch.Tensor:
+    """The first ``slots`` entries of the stored selection ``[batch, kv, slots]``."""
+    return selection_state[..., :slots].clone()
+
+
 def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int,
                  length: torch.Tensor) -> None:
     """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot

@@ -357,6 +357,7 @@ class SpeContextCache(Cache):
         self.num_kv_heads = getattr(config, "num_key_value_heads", None)
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.query_state: torch.Tensor | None = None
+        self.selection_state: torch.Tensor | None = None  # see _ensure_selection_state
         self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
         self.stats = torch.zeros((len(STATS),), dtype=torch.long)  # path counters, kept by the step
         self.layer_windows = _layer_windows(config)
@@ -392,7 +393,8 @@ class SpeContextCache(Cache):
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0] or (
                     self.query_state.shape[2] != self._retrieval_heads(key_states)):
                 self._init_retrieval_state(key_states)
-            RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats).emit()
+            RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats,
+                            self.selection_state, 0).emit()
             manager = self._offload_manager()
             if manager is not None:  # the offload manager enters the graph as an explicit input
                 torch.ops.specontext.offload_anchor(manager)
@@ -403,7 +405,27 @@ class SpeContextCache(Cache):
                 self.draft.prepare(key_states, capacity, is_torchdynamo_compiling())
                 DraftAnchor(self.draft.keys, self.draft.length, self.draft.aux_state, self.draft.aux_valid,
                             self.draft.head).emit()
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        elif is_torchdynamo_compiling() and self.query_state is not None and layer_idx in self.kv_layer_indices:
+            # one anchor per KV layer: a graph that starts after a graph break still finds the
+            # state (its first anchor), and reads the step's selection from selection_state
+            RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats,
+                            self.selection_state, self.kv_layer_indices.index(layer_idx)).emit()
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == self.kv_layer_indices[0]:  # after the first write: the prefill allocates it
+            self._ensure_selection_state(key_states)
+        return out
+
+    def _ensure_selection_state(self, key_states: torch.Tensor) -> None:
+        """``selection_state`` ``[batch, kv_heads, capacity]`` int64 (-1 = none): a decode
+        step's selection, kept by its first graph for the graphs after a graph break.
+        Allocated once the first store exists (decode)."""
+        first = self.kv_layers[0]
+        if not first.is_initialized:
+            return
+        shape = (key_states.shape[0], key_states.shape[1], first.max_cache_len)
+        if self.selection_state is None or tuple(self.selection_state.shape) != shape:
+            self.selection_state = torch.full(shape, -1, dtype=torch.long, device=key_states.device)
+            _static_address(self.selection_state)
 
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         """HF mask sizes. In eager mode this is where the stores grow: the mask of a step is

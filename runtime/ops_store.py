@@ -8,7 +8,8 @@ import torch
 
 from . import aten_step
 
-__all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "retrieval_anchor"]
+__all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "load_selection", "retrieval_anchor",
+           "store_selection"]
 
 
 class CacheCapacityError(RuntimeError):
@@ -65,21 +66,49 @@ def _(length, key_cache, key):
     return length.new_empty(())
 
 
-@torch.library.custom_op("specontext::retrieval_anchor", mutates_args=("query_state", "query_valid", "stats"))
+@torch.library.custom_op("specontext::retrieval_anchor",
+                         mutates_args=("query_state", "query_valid", "stats", "selection_state"))
 def retrieval_anchor(
-    query_state: torch.Tensor, query_valid: torch.Tensor, stats: torch.Tensor, layer_windows: str | None = None
+    query_state: torch.Tensor, query_valid: torch.Tensor, stats: torch.Tensor, layer_windows: str | None = None,
+    selection_state: torch.Tensor | None = None, layer: int = 0,
 ) -> None:
     """No-op in eager mode. It puts the retrieval state tensors and the path counters
-    ``stats`` into the traced graph at the start of layer 0, where the backend inserts the
-    selection node. Arguments: :class:`~specontext_compile.runtime.protocol.RetrievalAnchor`
-    (``layer_windows`` is a string so that it stays a graph constant even under
-    ``dynamic=True``, where ints may become symbols)."""
+    ``stats`` into the traced graph at the start of every KV layer (``layer``: its index
+    among the layers with a KV store), where the backend inserts the selection node (the
+    first anchor of a graph counts). Arguments:
+    :class:`~specontext_compile.runtime.protocol.RetrievalAnchor` (``layer_windows`` is a
+    string so that it stays a graph constant even under ``dynamic=True``, where ints may
+    become symbols; ``selection_state`` carries a step's selection to the graphs after a
+    graph break)."""
     return
 
 
 @retrieval_anchor.register_fake
-def _(query_state, query_valid, stats, layer_windows=None) -> None:
+def _(query_state, query_valid, stats, layer_windows=None, selection_state=None, layer=0) -> None:
     return None
+
+
+@torch.library.custom_op("specontext::store_selection", mutates_args=("selection_state",))
+def store_selection(selection_state: torch.Tensor, indices: torch.Tensor) -> None:
+    """Keep this step's selection ``indices`` ``[batch, kv, slots]`` in ``selection_state``
+    ``[batch, kv, capacity]`` for the graphs that follow a graph break."""
+    aten_step.store_selection(selection_state, indices)
+
+
+@store_selection.register_fake
+def _(selection_state, indices) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::load_selection", mutates_args=())
+def load_selection(selection_state: torch.Tensor, slots: int) -> torch.Tensor:
+    """The selection the step's first graph stored (``[batch, kv, slots]``, int64)."""
+    return aten_step.load_selection(selection_state, slots)
+
+
+@load_selection.register_fake
+def _(selection_state, slots):
+    return selection_state.new_empty((*selection_state.shape[:2], slots))
 
 
 @torch.library.custom_op("specontext::count_step", mutates_args=("stats",))

@@ -38,6 +38,11 @@ STATS = (
 GUARD_STAT = STATS.index("guard_dense_sites")
 
 
+def _is_anchor(node: fx.Node) -> bool:
+    packet = torch.ops.specontext.retrieval_anchor
+    return node.target is packet or getattr(node.target, "overloadpacket", None) is packet
+
+
 def op_arguments(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> dict[str, Any]:
     """The arguments of a call of ``packet`` in ``node``, by schema name (defaults filled)."""
     schema = packet.default._schema
@@ -64,17 +69,25 @@ class RetrievalAnchor:
     query_valid: Any
     layer_windows: str | None
     stats: Any
+    selection_state: Any = None  # [batch, kv, capacity] int64: a step's selection for later graphs
+    layer: int = 0  # index of the anchor's KV layer among the layers with a store
 
     def emit(self) -> None:
         """Call the anchor op (cache side)."""
         torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid, self.stats,
-                                              self.layer_windows)
+                                              self.layer_windows, self.selection_state, self.layer)
 
     @classmethod
     def of(cls, node: fx.Node) -> RetrievalAnchor:
         """Read an anchor node (pass side)."""
         args = op_arguments(node, torch.ops.specontext.retrieval_anchor)
-        return cls(args["query_state"], args["query_valid"], args.get("layer_windows"), args["stats"])
+        return cls(args["query_state"], args["query_valid"], args.get("layer_windows"), args["stats"],
+                   args.get("selection_state"), args.get("layer", 0))
+
+    @staticmethod
+    def first(graph: fx.Graph) -> fx.Node | None:
+        """The graph's first retrieval anchor (the cache emits one per KV layer), or None."""
+        return next((n for n in graph.nodes if n.op == "call_function" and _is_anchor(n)), None)
 
     def windows(self) -> list[int] | None:
         """The per-layer sliding windows, or None when the cache sent none."""
