@@ -481,8 +481,10 @@ def decoder_layer_outputs(graph: fx.Graph, layers: tuple[int, ...]) -> tuple[lis
         def inside(n, key=key):
             return key in (n.meta.get("nn_module_stack") or {})
 
-        found = [n for n in graph.nodes
-                 if inside(n) and any(u.op != "output" and not inside(u) for u in n.users)]
+        # the cache's state tensors (a graph input, or allocated in layer 0 on a fresh cache)
+        # are read by every later layer's retrieval anchor: that is not a layer output
+        found = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and inside(n)
+                 and any(u.op != "output" and not inside(u) and not is_op(u, ANCHOR) for u in n.users)]
         val = _val(found[0]) if len(found) == 1 else None
         if val is None or val.dim() != 3:
             return None, (f"found no single [batch, q_len, hidden] output of decoder layer {j} "
