@@ -164,12 +164,7 @@ class SparseAttentionPass:
             draft = self._insert_draft_step(graph, resolved[0].q_len)
             if isinstance(draft, str):
                 logger.info("specontext: the draft head does not run in this graph: %s", draft)
-        for s in resolved:
-            if s.reason is None and s.q_len > self.max_sparse_q_len:
-                s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
-            elif s.reason is None and s.q_len > self.budget:
-                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
-        decode = [s for s in resolved if s.reason is None]
+        decode = self._decode_sites(resolved)
         result.phase = "decode" if decode else "prefill"
         if not decode:
             return result
@@ -216,6 +211,15 @@ class SparseAttentionPass:
         graph.lint()
         return result
 
+    def _decode_sites(self, resolved: list[AttentionSite]) -> list[AttentionSite]:
+        """The sites a selection can serve; longer steps (prefill) get their reason."""
+        for s in resolved:
+            if s.reason is None and s.q_len > self.max_sparse_q_len:
+                s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
+            elif s.reason is None and s.q_len > self.budget:
+                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
+        return [s for s in resolved if s.reason is None]
+
     @staticmethod
     def _store_for_later_graphs(graph: fx.Graph, anchored: RetrievalAnchor, selections: dict, decode: list) -> None:
         """When this graph holds fewer KV layers than the model (a graph break follows), keep
@@ -234,12 +238,7 @@ class SparseAttentionPass:
         """A graph that starts at KV layer ``anchored.layer > 0`` (a graph break split the
         step): its decode sites read the selection the step's first graph stored in
         ``selection_state`` (same positions, as if the step were one graph)."""
-        for s in resolved:
-            if s.reason is None and s.q_len > self.max_sparse_q_len:
-                s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
-            elif s.reason is None and s.q_len > self.budget:
-                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
-        decode = [s for s in resolved if s.reason is None]
+        decode = self._decode_sites(resolved)
         result.phase = "decode" if decode else "prefill"
         if not decode:
             return result
