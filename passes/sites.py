@@ -25,7 +25,7 @@ import torch
 from torch import fx
 
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops used below)
-from ..runtime.protocol import RetrievalAnchor
+from ..runtime.protocol import RetrievalAnchor, is_op
 
 __all__ = ["SDPA_TARGETS", "AttentionSite", "decoder_layer_outputs", "find_attention_sites",
            "find_token_embedding", "is_op", "layer_windows"]
@@ -74,13 +74,6 @@ class AttentionSite:
     @property
     def length(self) -> fx.Node:
         return self.write.args[2]
-
-
-def is_op(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:
-    """True when ``node`` calls ``packet`` (dynamo records packets, AOT records overloads)."""
-    return node.op == "call_function" and (
-        node.target is packet or getattr(node.target, "overloadpacket", None) is packet
-    )
 
 
 def _val(node) -> torch.Tensor | None:
@@ -481,10 +474,8 @@ def decoder_layer_outputs(graph: fx.Graph, layers: tuple[int, ...]) -> tuple[lis
         def inside(n, key=key):
             return key in (n.meta.get("nn_module_stack") or {})
 
-        # the cache's state tensors (a graph input, or allocated in layer 0 on a fresh cache)
-        # are read by every later layer's retrieval anchor: that is not a layer output
-        found = [n for n in graph.nodes if n.op not in ("placeholder", "get_attr") and inside(n)
-                 and any(u.op != "output" and not inside(u) and not is_op(u, ANCHOR) for u in n.users)]
+        found = [n for n in graph.nodes
+                 if inside(n) and any(u.op != "output" and not inside(u) for u in n.users)]
         val = _val(found[0]) if len(found) == 1 else None
         if val is None or val.dim() != 3:
             return None, (f"found no single [batch, q_len, hidden] output of decoder layer {j} "

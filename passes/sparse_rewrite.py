@@ -34,6 +34,7 @@ import operator
 from pathlib import Path
 
 import torch
+from torch._higher_order_ops.effects import _get_effect
 from torch import fx
 
 from ..config import default_retrieval_layers
@@ -141,6 +142,7 @@ class SparseAttentionPass:
         result = RewriteResult(sites=sites)
         resolved = sorted((s for s in sites if s.layer is not None), key=lambda s: s.layer)
         anchor = RetrievalAnchor.first(graph)
+        _drop_later_anchors(graph, anchor)
         if not resolved:
             return result
         if anchor is None:
@@ -414,6 +416,14 @@ class SparseAttentionPass:
         site.node = sparse
 
 
+def _drop_later_anchors(graph: fx.Graph, first: fx.Node | None) -> None:
+    """The cache emits a retrieval anchor at every KV layer so that a graph after a graph
+    break finds one; only a graph's first counts (sites read its layer and windows), so the
+    others go: no per-layer no-op op call on the eager op chain."""
+    for node in [n for n in graph.nodes if is_op(n, ANCHOR) and n is not first]:
+        graph.erase_node(node)
+
+
 def _static_capacity(site: AttentionSite) -> int | None:
     """The site's store capacity (tokens) when it is a static int, else None (symbolic or
     unknown): the pass's per-site decisions (dense shortcut, refinement) need static shapes."""
@@ -445,6 +455,4 @@ def keeps_side_effects(node: fx.Node) -> bool:
         overloads = [target]
     else:
         return False
-    from torch._higher_order_ops.effects import _get_effect
-
     return any(op._schema.is_mutable or _get_effect(op) is not None for op in overloads)

@@ -278,7 +278,7 @@ def _make_layer(kind: str, extra: dict, max_cache_len: int | None, chunk_tokens:
 
     if kind in _NON_KV_KINDS and kind in STATIC_LAYER_TYPE_MAPPING:
         kwargs = {k: v for k, v in extra.items() if k == "number_of_states"}
-        return STATIC_LAYER_TYPE_MAPPING[kind](**kwargs) if kind != "dummy" else STATIC_LAYER_TYPE_MAPPING[kind]()
+        return STATIC_LAYER_TYPE_MAPPING[kind](**kwargs)  # only conv / linear attention take kwargs
     if kind in _HYBRID_KINDS:
         return SpeContextHybridLayer(max_cache_len, chunk_tokens, extra.get("number_of_states", 1))
     return SpeContextLayer(max_cache_len, chunk_tokens)
@@ -419,7 +419,7 @@ class SpeContextCache(Cache):
         """``selection_state`` ``[batch, kv_heads, capacity]`` int64 (-1 = none): a decode
         step's selection, kept by its first graph for the graphs after a graph break.
         Allocated once the first store exists (decode)."""
-        first = self.kv_layers[0]
+        first = self.layers[self.kv_layer_indices[0]]
         if not first.is_initialized:
             return
         shape = (key_states.shape[0], key_states.shape[1], first.max_cache_len)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "op_arguments"]
+__all__ = ["GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments"]
 
 # Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
 # step by ``specontext::count_step`` with constants the pass computed from static shapes:
@@ -38,9 +38,11 @@ STATS = (
 GUARD_STAT = STATS.index("guard_dense_sites")
 
 
-def _is_anchor(node: fx.Node) -> bool:
-    packet = torch.ops.specontext.retrieval_anchor
-    return node.target is packet or getattr(node.target, "overloadpacket", None) is packet
+def is_op(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:
+    """True when ``node`` calls ``packet`` (dynamo records packets, AOT records overloads)."""
+    return node.op == "call_function" and (
+        node.target is packet or getattr(node.target, "overloadpacket", None) is packet
+    )
 
 
 def op_arguments(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> dict[str, Any]:
@@ -87,7 +89,7 @@ class RetrievalAnchor:
     @staticmethod
     def first(graph: fx.Graph) -> fx.Node | None:
         """The graph's first retrieval anchor (the cache emits one per KV layer), or None."""
-        return next((n for n in graph.nodes if n.op == "call_function" and _is_anchor(n)), None)
+        return next((n for n in graph.nodes if is_op(n, torch.ops.specontext.retrieval_anchor)), None)
 
     def windows(self) -> list[int] | None:
         """The per-layer sliding windows, or None when the cache sent none."""

@@ -23,6 +23,7 @@ from .passes.gemv import rewrite_one_row_linears
 from .passes.lower import LowerResult, lower_to_aten
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
+from .runtime.protocol import is_op
 
 logger = logging.getLogger(__name__)
 _graphs_log = _logs.artifact_logger(__name__, _logs.GRAPHS)  # TORCH_LOGS=specontext_graphs
@@ -155,8 +156,7 @@ def specontext_backend(
     _REPORTS.append(CompileReport(config, result, gm, pass_uuid))
     _log_result(result)
     inner = config.inner
-    offload = "specontext_offload_schedule" in gm.meta or any(
-        n.op == "call_function" and "offload_anchor" in str(n.target) for n in gm.graph.nodes)
+    offload = "specontext_offload_schedule" in gm.meta or _holds_offload_manager(gm.graph)
     if inner == "auto":  # offload stays on the eager op chain (its manager is an opaque graph input)
         inner = "inductor" if result.rewritten and not offload else "eager"
     elif inner == "inductor" and offload:
@@ -234,6 +234,12 @@ def _with_inputs(fn: Callable, adopted) -> Callable:
         return fn(*args, *adopted.state_inputs(args))
 
     return call
+
+
+def _holds_offload_manager(graph: torch.fx.Graph) -> bool:
+    """Whether the cache handed its offload manager (an opaque input) to this graph."""
+    packet = getattr(torch.ops.specontext, "offload_anchor", None)  # registered with the offload ops
+    return packet is not None and any(is_op(n, packet) for n in graph.nodes)
 
 
 def _copy_bandwidth(config: SpeContextConfig, example_inputs: list[Any]) -> float:

@@ -8,6 +8,7 @@ with the same logits as the StaticCache path (one selection code, two caches).""
 
 import pytest
 import torch
+from test_backend_e2e import decode_logits
 from transformers import AutoConfig, AutoModelForCausalLM, StaticCache
 
 import specontext_compile as sc
@@ -33,15 +34,7 @@ def _model(family):
 
 def _decode(forward, cache, ids):
     """Prefill + STEPS greedy steps; logits of every call ``[calls, batch, vocab]``."""
-    out = []
-    with torch.no_grad():
-        logits = forward(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-        out.append(logits)
-        for _ in range(STEPS):
-            logits = forward(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache,
-                             use_cache=True).logits[:, -1]
-            out.append(logits)
-    return torch.stack(out)
+    return torch.stack(decode_logits(None, forward, ids, STEPS, cache))
 
 
 @pytest.fixture(params=list(FAMILIES))

@@ -16,6 +16,7 @@ import pytest
 import torch
 from specontext_compile.passes.static_cache import adopt_static_cache, has_static_cache_writes
 from specontext_compile.runtime.static_state import path_counts
+from test_backend_e2e import decode_logits
 from torch import fx
 from transformers import CompileConfig, DynamicCache, StaticCache
 
@@ -40,15 +41,7 @@ def _prompt(batch=1, length=40, seed=0):
 
 def _steps(forward, cache, ids, steps):
     """Prefill + teacher-forced greedy decode; the last-token logits of every call."""
-    out = []
-    with torch.no_grad():
-        logits = forward(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
-        out.append(logits)
-        for _ in range(steps):
-            logits = forward(input_ids=logits.argmax(-1, keepdim=True), past_key_values=cache,
-                             use_cache=True).logits[:, -1]
-            out.append(logits)
-    return torch.stack(out)
+    return torch.stack(decode_logits(None, forward, ids, steps, cache))
 
 
 def _assert_gathered(model, steps, sites):
