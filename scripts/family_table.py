@@ -1,47 +1,177 @@
-"""Print the family x attn_implementation table of docs/families.md (Markdown).
+"""The model-family table: every causal-LM family of transformers, built tiny and random from
+its config (``specontext_compile.family_matrix``), decoded eagerly (dense) and through the
+specontext backend (prompt 30 tokens + 20 decode steps, budget 128 >= context,
+``dense_shortcut=False``: the gather path), each case in its own subprocess with a timeout.
 
-    .venv/bin/python scripts/family_table.py > /tmp/families.md
+    .venv/bin/python scripts/family_table.py --json docs/families.json --markdown docs/families_table.md
+    .venv/bin/python scripts/family_table.py --families llama,olmo2 --both
+    .venv/bin/python scripts/family_table.py --families doge --update --json docs/families.json --markdown ...
 
-Same runs as tests/test_families.py (tiny random 2-layer models, prompt 30 tokens, 20 decode
-steps, budget 128 >= context): per case, decode-graph attention sites rewritten, the reasons
-of the rest, per-layer window / soft cap seen by the pass, and the max |logit| difference
-between compiled specontext decoding and eager dense decoding (prefill + 20 steps).
+Per family the attention implementation is sdpa where transformers accepts it, else eager
+(``--both``: eager as well where both exist). Status per case: ``rewritten`` (every decode
+attention site), ``partial``, ``dense`` (none; reasons given), ``no_config``/``no_model``/
+``refused`` (transformers cannot build or run it tiny, or refuses the attention), ``crash``
+(the backend or SpeContextCache raised, or the subprocess died) or ``timeout``.
 """
 
 from __future__ import annotations
 
-import logging
+import argparse
+import json
+import os
+import signal
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
-import torch
-import transformers
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from _families import DECODE_STEPS, FAMILIES, PROMPT_TOKENS, run_family
+STATUSES = ("rewritten", "partial", "dense", "cache_refuses", "no_config", "no_model", "refused", "wrong", "crash",
+            "timeout")
 
 
-def main() -> int:
+def run_worker(case: str, out: str) -> int:
+    """Subprocess side: run one ``family:attn`` case and write its row as JSON to ``out``."""
+    import logging
+
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}; prompt "
-          f"{PROMPT_TOKENS} tokens + {DECODE_STEPS} decode steps, budget 128, fp32 CPU\n")
-    print("| family | attn | decode sites rewritten | layers (window / soft cap) | max abs logit err | fallback reason |")
-    print("|---|---|---|---|---|---|")
-    for family in FAMILIES:
-        for attn in ("eager", "sdpa"):
-            torch._dynamo.reset()
-            try:
-                r = run_family(family, attn)
-            except ValueError as err:
-                print(f"| {family} | {attn} | n/a | | | transformers refuses it: {str(err).split('.')[0]} |")
-                continue
-            sites = [s for rep in r["reports"] for s in rep.result.sites]
-            layers = ", ".join(
-                f"{s.layer}:{'full' if not s.window else s.window}" + (f"/cap {s.soft_cap:g}" if s.soft_cap else "")
-                for s in sites if s.layer is not None)
-            reasons = "; ".join(r["reasons"]) or "-"
-            print(f"| {family} | {attn} | {r['decode_rewritten']}/{r['decode_sites']} | {layers} | "
-                  f"{r['max_err']:.1e} | {reasons} |")
+    from specontext_compile.family_matrix import run_case
+
+    family, attn = case.split(":")
+    Path(out).write_text(json.dumps(run_case(family, attn)))
+    return 0
+
+
+def run_in_subprocess(family: str, attn: str, timeout: float) -> dict:
+    """One case in a fresh interpreter; a hang becomes ``timeout``, a dead process ``crash``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "row.json"
+        cmd = [sys.executable, __file__, "--case", f"{family}:{attn}", "--out", str(out)]
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+        start = time.perf_counter()
+        row = {"family": family, "attn": attn, "decode_sites": None, "decode_rewritten": None,
+               "max_abs_logit_err": None, "exact": None, "gather_path": None}
+        try:
+            proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return {**row, "status": "timeout", "reasons": [f"no result within {timeout:.0f} s"],
+                    "seconds": timeout}
+        if proc.returncode == 0 and out.exists():
+            return json.loads(out.read_text())
+        died = (f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0
+                else f"exit status {proc.returncode}")
+        return {**row, "status": "crash", "reasons": [f"subprocess {died}"],
+                "crash": {"stderr_tail": proc.stderr[-3000:]}, "seconds": round(time.perf_counter() - start, 1)}
+
+
+def _cell(text: str, limit: int = 220) -> str:
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def totals_line(rows: list[dict]) -> str:
+    """``N families tried (C cases): ...`` with the count of every status group."""
+    n = {s: sum(r["status"] == s for r in rows) for s in STATUSES}
+    families = len({r["family"] for r in rows})
+    return (f"{families} families tried ({len(rows)} cases): {n['rewritten']} rewritten fully, "
+            f"{n['partial']} partial, "
+            f"{n['dense']} dense with reason, {n['cache_refuses']} refused by SpeContextCache with the fix named, "
+            f"{n['no_config'] + n['no_model'] + n['refused']} not buildable "
+            f"(no_config {n['no_config']}, no_model {n['no_model']}, refused {n['refused']}), "
+            f"{n['wrong']} wrong, {n['crash'] + n['timeout']} crash (timeout {n['timeout']})")
+
+
+def markdown(rows: list[dict], meta: dict) -> str:
+    """The table: totals first, then one row per case."""
+    lines = [
+        "# Model families: generated table",
+        "",
+        f"Generated by `{meta['command']}` (torch {meta['torch']}, transformers {meta['transformers']}; "
+        f"prompt {meta['prompt_tokens']} tokens + {meta['decode_steps']} decode steps, budget {meta['budget']}, "
+        "`dense_shortcut=False`, fp32 CPU, tiny random models). Do not edit: rerun the script."
+        + (f" Some rows rerun since with `--update` ({len(meta['updates'])} runs, see the JSON)."
+           if meta.get("updates") else ""),
+        "",
+        f"**Totals:** {totals_line(rows)}.",
+        "",
+        "rewritten/total: attention sites of the graphs compiled during the decode steps (a recompiled or "
+        "split step counts its sites again; `(N graphs)` where more than one); max err: max |logit| "
+        "difference from eager dense decoding over prefill + every step (exact: <= 1e-4); reason: why "
+        "sites stayed dense, or why the case did not run (crashes: the exception and its innermost frame "
+        "in this repository).",
+        "",
+        "| family | attn | status | rewritten/total | max abs logit err | reason |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        sites = f"{r['decode_rewritten']}/{r['decode_sites']}" if r["decode_sites"] is not None else ""
+        if (r.get("decode_graphs") or 0) > 1:
+            sites += f" ({r['decode_graphs']} graphs)"
+        err = f"{r['max_abs_logit_err']:.1e}" if r["max_abs_logit_err"] is not None else ""
+        notes = list(r["reasons"])
+        if r.get("exact") is False:
+            notes.insert(0, "NOT EXACT")
+        if r.get("gather_path") is False:
+            notes.insert(0, "gather counters disagree")
+        if r["status"] == "crash" and r.get("crash", {}).get("our_frames"):
+            notes.append("at " + r["crash"]["our_frames"][-1].split()[0])
+        reason = _cell("; ".join(notes)) or "-"
+        lines.append(f"| {r['family']} | {r['attn']} | {r['status']} | {sites} | {err} | {reason} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", help="comma-separated model_types (default: every causal-LM family)")
+    parser.add_argument("--both", action="store_true", help="also eager where sdpa is the default")
+    parser.add_argument("--json", type=Path, help="raw results (rewritten after every case)")
+    parser.add_argument("--markdown", type=Path, help="the Markdown table (rewritten after every case)")
+    parser.add_argument("--update", action="store_true", help="replace only these families' rows of --json")
+    parser.add_argument("--render", action="store_true", help="only rewrite --markdown from --json")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per case")
+    parser.add_argument("--case", help=argparse.SUPPRESS)  # subprocess side: family:attn
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        return run_worker(args.case, args.out)
+
+    import torch
+    import transformers
+    from tqdm import tqdm
+
+    from specontext_compile import family_matrix as fm
+
+    if args.render:
+        saved = json.loads(args.json.read_text())
+        args.markdown.write_text(markdown(saved["results"], saved))
+        return 0
+    families = args.families.split(",") if args.families else fm.causal_lm_families()
+    saved = json.loads(args.json.read_text()) if args.update else {"results": []}
+    kept, command = saved["results"], " ".join(["python", *sys.argv])
+    meta = {"torch": torch.__version__, "transformers": transformers.__version__,
+            "command": saved["command"] if kept else command,
+            "updates": saved.get("updates", []) + [command] if kept else [], "prompt_tokens": fm.PROMPT_TOKENS,
+            "decode_steps": fm.DECODE_STEPS, "budget": fm.BUDGET}
+    rows: list[dict] = []
+    start = time.perf_counter()
+    bar = tqdm(families, unit="family")
+    for family in bar:
+        bar.set_postfix_str(family)
+        rows.append(run_in_subprocess(family, "auto", args.timeout))
+        if args.both and rows[-1]["attn"] == "sdpa" and rows[-1]["status"] not in ("no_config", "no_model"):
+            rows.append(run_in_subprocess(family, "eager", args.timeout))
+        done = {r["family"] for r in rows}
+        table = [r for r in kept if r["family"] not in done] + rows
+        table.sort(key=lambda r: r["family"])  # stable: a family's sdpa row stays before its eager row
+        if args.json:
+            seconds = saved["seconds"] if kept else round(time.perf_counter() - start)  # of the full run
+            args.json.write_text(json.dumps({**meta, "seconds": seconds, "results": table},
+                                            indent=1) + "\n")
+        if args.markdown:
+            args.markdown.write_text(markdown(table, meta))
+    print(totals_line(rows))
+    if not args.markdown:
+        print(markdown(rows, meta))
     return 0
 
 
