@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import fx
 
-from ..runtime import aten_step
+from ..runtime import aten_step, mla
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import op_arguments
 
@@ -51,6 +51,7 @@ _LOWERED = {
     _OPS.refine_selection: aten_step.refine_selection,
     _OPS.store_selection: aten_step.store_selection,
     _OPS.load_selection: aten_step.load_selection,
+    _OPS.mla_latent_query: mla.latent_query,
 }
 _ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
 _SPARSE = _OPS.sparse_attention
@@ -72,16 +73,24 @@ def _packet(target):
 
 
 def _sparse_body(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-                 soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None):
+                 soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None, sinks=None):
     """``sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
     return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, dense_shortcut, dense)
+                                      soft_cap, sliding_window, dense_shortcut, dense, sinks)
+
+
+def _mla_body(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale, nope_dim,
+              kernel="torch", dense=None, sinks=None):
+    """``mla_sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
+    return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale,
+                                    nope_dim, dense, sinks)
 
 
 def _is_triton(node: fx.Node) -> bool:
     """Only an explicit ``kernel="triton"`` keeps our generated kernel as an op; ``"auto"`` is
     lowered (inductor generates the gather and attention kernels, sync-free)."""
-    kernel = node.args[7] if len(node.args) > 7 else node.kwargs.get("kernel", "torch")
+    position = 9 if _packet(node.target) is _OPS.mla_sparse_attention else 7
+    kernel = node.args[position] if len(node.args) > position else node.kwargs.get("kernel", "torch")
     return kernel == "triton"
 
 
@@ -126,10 +135,10 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
         elif packet in _LOWERED:
             node.target = _LOWERED[packet]
             result.lowered[name] += 1
-        elif packet is _SPARSE and not _is_triton(node):
-            node.target = _sparse_body
+        elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
+            node.target = _sparse_body if packet is _SPARSE else _mla_body
             result.lowered[name] += 1
-        elif packet is _SPARSE:
+        elif packet in (_SPARSE, _OPS.mla_sparse_attention):
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"

@@ -104,6 +104,11 @@ def _source_hash() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
+def _has_sinks(node: fx.Node) -> bool:
+    """Whether a ``sparse_attention`` node carries sink logits (argument 12 / ``sinks``)."""
+    return (node.args[12] if len(node.args) > 12 else node.kwargs.get("sinks")) is not None
+
+
 def _val(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
@@ -149,7 +154,14 @@ class OffloadSchedulePass:
     def __call__(self, graph: fx.Graph) -> ScheduleResult:
         result = ScheduleResult()
         selects = [n for n in graph.nodes if is_op(n, SELECT)]
-        sparse = [n for n in graph.nodes if is_op(n, SPARSE)]
+        sparse = [n for n in graph.nodes if is_op(n, SPARSE) and not _has_sinks(n)]
+        if any(is_op(n, SPARSE) and _has_sinks(n) for n in graph.nodes):
+            logger.warning("specontext: KV offload is not built for attention with learned sink logits "
+                           "(GPT-OSS): those layers stay resident on the device (exact)")
+        if any(is_op(n, torch.ops.specontext.mla_sparse_attention) for n in graph.nodes):
+            logger.warning("specontext: KV offload is not built for multi-head latent attention (MLA) layers: "
+                           "they stay resident on the device (exact); their latent cache is already several "
+                           "times smaller than per-head keys and values")
         if not selects or not sparse:
             return result
         anchors = [n for n in graph.nodes if is_op(n, OFFLOAD_ANCHOR)]

@@ -38,6 +38,21 @@ _FULL = slice(None, None, None)
 
 
 @dataclasses.dataclass
+class MLAExpansion:
+    """How a multi-head latent attention site builds its keys/values from its two stores
+    (Hugging Face's ``expand_kv``): ``weight`` is ``kv_b_proj.weight`` ``[heads * (nope_dim +
+    value_dim), kv_lora_rank]``; ``scratch`` the nodes that fill the per-head key tensor
+    (its two slice copies), removed with the site (they would up-project the whole store)."""
+
+    weight: fx.Node
+    nope_dim: int
+    value_dim: int
+    rope_dim: int
+    scratch: list[fx.Node]
+    latent_query: fx.Node | None = None  # set by the rewrite
+
+
+@dataclasses.dataclass
 class AttentionSite:
     """One attention call in the graph.
 
@@ -61,6 +76,9 @@ class AttentionSite:
     pattern: str = "sdpa"
     soft_cap: float | None = None
     window: int | None = None  # 0 = full, w > 0 = sliding window, -1 = other, None = unknown
+    mla: MLAExpansion | None = None  # multi-head latent attention (key/value stores = latent/rope)
+    position_bias: fx.Node | None = None  # additive per-head bias over key positions (ALiBi), 3-D
+    sinks: fx.Node | None = None  # learned sink logit per query head (GPT-OSS), [num_heads]
     reason: str | None = None
 
     @property
@@ -186,6 +204,10 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     """Find the KV write whose stores the site reads; returns a reason when there is none."""
     key_src, kg = _strip_repeat_kv(_strip_prefix_slice(args["key"]))
     value_src, vg = _strip_repeat_kv(_strip_prefix_slice(args["value"]))
+    mla = _match_mla_expansion(key_src, value_src, {site.node, args["key"]}, by_key, by_value)
+    if isinstance(mla, tuple):
+        key_src, value_src, site.mla = mla
+        kg = vg = _static_int(_val(site.query).shape[1]) if _val(site.query) is not None else None
     if key_src not in by_key or value_src not in by_value:
         stores = set(by_key) | set(by_value)
         if stores and (_reads_store(args["key"], stores) or _reads_store(args["value"], stores)):
@@ -207,6 +229,8 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
         groups = site.num_heads  # multi-query: one KV head broadcast over every query head
     if site.num_kv_heads is None or site.num_heads is None:
         return "the number of query or KV heads is symbolic (dynamic shapes): not rewritten"
+    if site.mla is not None and q.shape[-1] != site.mla.nope_dim + site.mla.rope_dim:
+        return f"MLA query is {q.shape[-1]} wide, not nope {site.mla.nope_dim} + rope {site.mla.rope_dim}"
     if kg != vg or site.num_kv_heads * groups != site.num_heads:
         return f"head mapping is not GQA: {site.num_heads} query heads, {site.num_kv_heads} KV heads x {kg}"
     site.write, site.layer = write, layer
@@ -214,6 +238,86 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     if site.window is not None and site.window < 0:
         return "the layer's attention is neither full causal nor sliding-window (cache layer type)"
     return None
+
+
+def _users_except(node: fx.Node, skip: fx.Node) -> list[fx.Node]:
+    return [u for u in node.users if u is not skip]
+
+
+def _slice_copy(node: fx.Node, expected: slice) -> tuple[fx.Node, fx.Node] | None:
+    """``(copy_, source)`` when ``node`` is ``x[..., expected]`` used only by ``.copy_(source)``."""
+    if not (_is_call(node, (operator.getitem,)) and node.args[1] == (Ellipsis, expected)):
+        return None
+    users = list(node.users)
+    if len(users) != 1 or not _is_call(users[0], method="copy_") or users[0].args[0] is not node:
+        return None
+    return users[0], users[0].args[1]
+
+
+def _match_mla_expansion(key: fx.Node, value: fx.Node, readers: set, by_key: dict, by_value: dict):
+    """Hugging Face's MLA ``expand_kv`` (DeepSeek-V2/V3 and relatives), checked node by node::
+
+        up = linear(latent_store, W, None).view(b, cap, heads, nope + v).transpose(1, 2)
+        k_nope, value = split(up, [nope, v], dim=-1)
+        key = up.new_empty(b, heads, cap, nope + rope)
+        key[..., :nope].copy_(k_nope); key[..., nope:].copy_(rope_store.expand(-1, heads, -1, -1))
+
+    Returns ``(latent_store, rope_store, MLAExpansion)``, or None when this is not that
+    spelling (then the site is matched, or refused, as any other). ``readers``: the site and
+    the node it reads the key through (a prefill crop), which may also use ``key``."""
+    if not (_is_call(key, method="new_empty") and isinstance(value, fx.Node)):
+        return None
+    consumers = [u for u in key.users if u not in readers and _transposed_key(u) is None]
+    copies = [u for u in consumers if _is_call(u, (operator.getitem,))]
+    if len(copies) != 2 or len(consumers) != 2:
+        return None
+    if not _is_call(value, (operator.getitem,)) or value.args[1] != 1:
+        return None
+    split = value.args[0]
+    if not (_is_call(split, (torch.functional.split, torch.split), method="split")):
+        return None
+    sizes, dim = _arg(split, 1, "split_size_or_sections"), _arg(split, 2, "dim", 0)
+    if not (isinstance(sizes, (list, tuple)) and len(sizes) == 2 and all(isinstance(x, int) for x in sizes)
+            and dim in (-1, 3)):
+        return None
+    nope, v_dim = sizes
+    nope_copy = _slice_copy(copies[0], slice(None, nope, None)) or _slice_copy(copies[1], slice(None, nope, None))
+    rope_copy = _slice_copy(copies[0], slice(nope, None, None)) or _slice_copy(copies[1], slice(nope, None, None))
+    if nope_copy is None or rope_copy is None:
+        return None
+    k_nope = nope_copy[1]
+    if not (_is_call(k_nope, (operator.getitem,)) and k_nope.args == (split, 0)):
+        return None
+    up = split.args[0]
+    if not (_is_call(up, (torch.transpose,), method="transpose") and {d % 4 for d in up.args[1:]} == {1, 2}):
+        return None
+    view = up.args[0]
+    if not (_is_call(view, method="view") or _is_call(view, method="reshape")):
+        return None
+    linear = view.args[0]
+    if not (_is_call(linear, (torch._C._nn.linear, torch.nn.functional.linear)) and len(linear.args) >= 2
+            and _arg(linear, 2, "bias") is None):
+        return None
+    latent, weight = linear.args[0], linear.args[1]
+    expand = rope_copy[1]
+    if not (_is_call(expand, method="expand") and isinstance(expand.args[0], fx.Node)):
+        return None
+    rope = expand.args[0]
+    if latent not in by_key or rope not in by_value or by_key[latent][1] is not by_value[rope][1]:
+        return None
+    lat, rp, w, up_val, key_val = _val(latent), _val(rope), _val(weight), _val(up), _val(key)
+    if any(x is None for x in (lat, rp, w, up_val, key_val)) or lat.dim() != 4 or rp.dim() != 4:
+        return None
+    b, one, cap, r = lat.shape
+    heads = up_val.shape[1]
+    rope_dim = rp.shape[-1]
+    if not (one == 1 and rp.shape[:3] == lat.shape[:3] and tuple(w.shape) == (heads * (nope + v_dim), r)
+            and tuple(up_val.shape) == (b, heads, cap, nope + v_dim)
+            and tuple(key_val.shape) == (b, heads, cap, nope + rope_dim)
+            and tuple(_val(expand).shape) == (b, heads, cap, rope_dim)):
+        return None
+    scratch = [nope_copy[0], rope_copy[0]]
+    return latent, rope, MLAExpansion(weight, nope, v_dim, rope_dim, scratch)
 
 
 def _check_constants(site: AttentionSite, args: dict) -> str | None:
@@ -265,21 +369,57 @@ def _arg(node: fx.Node, index: int, name: str, default=None):
 
 
 def _softmax_of(weights: fx.Node) -> tuple[fx.Node | None, list[fx.Node]]:
-    """Walk back from the attention weights through an identity dropout and a dtype cast
-    to a softmax; returns it and the nodes passed."""
-    chain, node = [], weights
-    if _is_call(node, (torch.nn.functional.dropout,)):
-        p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
-        if p != 0.0 and training is not False:
-            return None, chain
-        chain.append(node)
-        node = node.args[0]
-    if _is_call(node, method="to") or _is_call(node, method="type"):
+    """Walk back from the attention weights through an identity dropout, a dtype cast and
+    GPT-OSS's sink-column slice ``[..., :-1]`` (each at most once, in any order) to a softmax;
+    returns it and the nodes passed."""
+    chain, node, passed = [], weights, set()
+    while True:
+        if _is_call(node, (torch.nn.functional.dropout,)) and "dropout" not in passed:
+            p, training = _arg(node, 1, "p", 0.5), _arg(node, 2, "training", True)
+            if p != 0.0 and training is not False:
+                return None, chain
+            passed.add("dropout")
+        elif (_is_call(node, method="to") or _is_call(node, method="type")) and "cast" not in passed:
+            passed.add("cast")
+        elif (_is_call(node, (operator.getitem,)) and node.args[1] == (Ellipsis, slice(None, -1, None))
+              and "sink" not in passed):
+            passed.add("sink")
+        else:
+            break
         chain.append(node)
         node = node.args[0]
     if _is_call(node, _SOFTMAX, method="softmax"):
         return node, chain
     return None, chain
+
+
+def _sink_logits(softmax_input: fx.Node, chain: list) -> tuple[fx.Node | None, fx.Node | None, str | None]:
+    """GPT-OSS's sink column: ``softmax(cat([scores, sinks.reshape(1, -1, 1, 1).expand(b, -1, q,
+    -1)], -1) [- its max])[..., :-1]``. Returns ``(scores, sinks [heads] node, None)``, or
+    ``(None, None, reason)``; appends the nodes passed to ``chain``."""
+    node = softmax_input
+    if _is_call(node, (operator.sub,)) and len(node.args) == 2:
+        top = node.args[1]
+        peak = top.args[0] if _is_call(top, (operator.getitem,)) and top.args[1] == 0 else None
+        if not (_is_call(peak, (torch.max,), method="max") and peak.args[0] is node.args[0]
+                and _arg(peak, 1, "dim") in (-1, 3) and peak.kwargs.get("keepdim", False)):
+            return None, None, "sink logits: the softmax input is not cat(...) minus its row max"
+        chain += [node, top, peak]
+        node = node.args[0]  # softmax(x - max x) == softmax(x)
+    if not (_is_call(node, (torch.cat,)) and _arg(node, 1, "dim") in (-1, 3)
+            and isinstance(node.args[0], (list, tuple)) and len(node.args[0]) == 2):
+        return None, None, "a column is sliced off the softmax, but it is not a concatenated sink column"
+    scores, column = node.args[0]
+    expand = column if _is_call(column, method="expand") else None
+    view = expand.args[0] if expand is not None else None
+    if not ((_is_call(view, method="reshape") or _is_call(view, method="view"))
+            and tuple(view.args[1:]) == (1, -1, 1, 1)):
+        return None, None, "the sink column is not one learned logit per head (reshape(1, -1, 1, 1))"
+    sinks, sinks_val = view.args[0], _val(view.args[0])
+    if sinks_val is None or sinks_val.dim() != 1:
+        return None, None, "the sink logits are not a 1-D per-head tensor"
+    chain.append(node)
+    return scores, sinks, None
 
 
 def _const_float(x) -> float | None:
@@ -312,6 +452,12 @@ def _soft_capped(node: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]]:
     return inner, cap, [node, outer, outer.args[0]]
 
 
+def _sink_path_closed(nodes: set) -> bool:
+    """Every user of the sink path's nodes is on the path or is its softmax (the logits feed
+    both the row max and the subtraction)."""
+    return all(all(u in nodes or _is_call(u, _SOFTMAX, method="softmax") for u in n.users) for n in nodes)
+
+
 def _transposed_key(node) -> fx.Node | None:
     """``k`` when ``node`` is ``k.transpose(2, 3)`` of a 4-D ``k`` (any sign convention)."""
     if not (_is_call(node, (torch.transpose,), method="transpose") and len(node.args) == 3):
@@ -334,6 +480,14 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict,
         site.reason = f"softmax dtype {dtype} is not a float dtype"
         return
     node, mask, scale = softmax.args[0], None, 1.0
+    shared = set()  # nodes allowed several users (the sink path reads the logits twice)
+    if any(_is_call(n, (operator.getitem,)) for n in chain):
+        first = len(chain)
+        node, site.sinks, site.reason = _sink_logits(node, chain)
+        if site.reason is not None:
+            return
+        shared = set(chain[first:])
+        site.pattern = "eager-sinks"
     if _is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs:
         node, mask = node.args
         mask_val = _val(mask) if isinstance(mask, fx.Node) else None
@@ -354,7 +508,7 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict,
         site.reason = "attention scores are not a plain q @ k^T product"
         return
     chain += [node, softmax]
-    if any(len(n.users) != 1 for n in chain):
+    if any(len(n.users) != 1 for n in chain if n not in shared) or not _sink_path_closed(shared):
         site.reason = "intermediate attention scores or weights are used elsewhere"
         return
     key = _transposed_key(node.args[1])
@@ -367,6 +521,79 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict,
     if site.reason is None:
         site.reason = _check_constants(site, args)
         site.scale = scale
+
+
+def _merged_heads(node) -> fx.Node | None:
+    """``x`` when ``node`` is ``x.reshape(b * h, -1 | n, d)`` of a 4-D ``x`` ``[b, h, n, d]``
+    (BLOOM's 3-D attention layout)."""
+    if not (_is_call(node, method="reshape") or _is_call(node, method="view")):
+        return None
+    src, out = node.args[0], _val(node)
+    src_val = _val(src)
+    if src_val is None or out is None or src_val.dim() != 4 or out.dim() != 3:
+        return None
+    b, h, n, d = src_val.shape
+    return src if tuple(out.shape) == (b * h, n, d) else None
+
+
+def _match_baddbmm(site: AttentionSite, by_key: dict, by_value: dict, order: dict, windows: dict) -> None:
+    """BLOOM's ALiBi attention in the 3-D layout::
+
+        scores = bias.baddbmm(q.reshape(b*h, q, d), k.reshape(b*h, -1, d).transpose(-1, -2), beta=1, alpha=s)
+        probs = softmax(scores.view(b, h, q, -1) + mask, dim=-1, dtype=float32).to(...)
+        out = bmm(dropout(probs).view(b*h, q, -1), v.reshape(b*h, -1, d))
+
+    ``bias`` (``[b*h, 1, capacity]``, one row per head, the same for every query row) is
+    kept as the site's ``position_bias``: the sparse op adds it, gathered at the selected
+    positions, like a mask, and the selection adds it to its scores."""
+    site.pattern = "alibi-bmm"
+    weights, value = site.node.args
+    if _is_call(weights, method="view"):
+        weights = weights.args[0]
+    softmax, chain = _softmax_of(weights)
+    dim = _arg(softmax, 1, "dim")
+    if dim not in (-1, 3):
+        site.reason = f"softmax over dim {dim}, not the key dimension"
+        return
+    node, mask = softmax.args[0], None
+    if _is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs:
+        node, mask = node.args
+        mask_val = _val(mask) if isinstance(mask, fx.Node) else None
+        if mask_val is None or mask_val.dim() != 4 or not mask_val.dtype.is_floating_point:
+            site.reason = "the mask added to the ALiBi scores is not a 4-D float tensor"
+            return
+    if _is_call(node, method="view"):
+        node = node.args[0]
+    if not _is_call(node, (torch.baddbmm,), method="baddbmm"):
+        site.reason = "3-D attention scores are not bias.baddbmm(q, k^T) (ALiBi, BLOOM's spelling)"
+        return
+    bias = node.args[0]
+    q3, kt = _arg(node, 1, "batch1"), _arg(node, 2, "batch2")
+    beta, alpha = node.kwargs.get("beta", 1.0), _const_float(node.kwargs.get("alpha", 1.0))
+    key3 = kt.args[0] if _is_call(kt, (torch.transpose,), method="transpose") and \
+        {d % 3 for d in kt.args[1:] if isinstance(d, int)} == {1, 2} else None
+    query, key = _merged_heads(q3), _merged_heads(key3) if key3 is not None else None
+    value4 = _merged_heads(value)
+    bias_val = _val(bias) if isinstance(bias, fx.Node) else None
+    if beta != 1.0 or alpha is None or query is None or key is None or value4 is None:
+        site.reason = "ALiBi scores: beta != 1, a non-constant scale, or q/k/v not reshaped from 4-D [b, h, n, d]"
+        return
+    q_val = _val(query)
+    b, h = q_val.shape[:2]
+    if bias_val is None or bias_val.dim() != 3 or bias_val.shape[0] != b * h or bias_val.shape[1] != 1:
+        site.reason = "the ALiBi bias is not one [batch * heads, 1, keys] row per head"
+        return
+    if any(len(n.users) != 1 for n in chain + [softmax]):
+        site.reason = "intermediate attention scores or weights are used elsewhere"
+        return
+    site.query, site.attn_mask, site.position_bias = query, mask, bias
+    args = {"key": key, "value": value4}
+    site.reason = _resolve_store(site, args, by_key, by_value, order, windows)
+    if site.reason is None:
+        site.reason = _check_constants(site, args)
+        site.scale = alpha
+    if site.reason is None and bias_val.shape[-1] != _val(site.key_cache).shape[-2]:
+        site.reason = "the ALiBi bias does not span the KV store"
 
 
 def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
@@ -385,7 +612,69 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
             site = AttentionSite(node=node)
             _match_eager(site, by_key, by_value, order, windows)
             sites.append(site)
+        elif _is_call(node, (torch.bmm,), method="bmm") and isinstance(node.args[0], fx.Node) and _softmax_of(
+                node.args[0].args[0] if _is_call(node.args[0], method="view") else node.args[0])[0] is not None:
+            site = AttentionSite(node=node)
+            _match_baddbmm(site, by_key, by_value, order, windows)
+            sites.append(site)
+    sites += _split_score_products(graph, by_key)
+    sites += _other_value_products(graph, by_value, {s.node for s in sites})
     return sites
+
+
+def _other_value_products(graph: fx.Graph, by_value: dict, seen: set) -> list[AttentionSite]:
+    """Products ``weights @ values`` over a KV store that no recognised spelling claimed
+    (e.g. softmax with learned sink logits, a softmax sliced afterwards): counted as dense
+    sites with a reason, so no attention goes unreported."""
+    found = []
+    for node in graph.nodes:
+        if node in seen or not (_is_call(node, _MATMUL) or _is_call(node, (torch.bmm,), method="bmm")):
+            continue
+        if len(node.args) != 2 or not isinstance(node.args[1], fx.Node):
+            continue
+        value, _ = _strip_repeat_kv(_strip_prefix_slice(node.args[1]))
+        if value not in by_value:
+            continue
+        site = AttentionSite(node=node, pattern="other")
+        site.layer, site.write = by_value[value]
+        weights = _val(node.args[0])
+        site.q_len = _static_int(weights.shape[-2]) if weights is not None and weights.dim() >= 2 else None
+        site.reason = ("attention weights over the KV store are not a recognised softmax (e.g. learned "
+                       "sink logits, or weights sliced after the softmax): dense and exact")
+        found.append(site)
+    return found
+
+
+def _reaches_softmax(node: fx.Node, depth: int = 10) -> bool:
+    frontier = [node]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users]
+        if any(_is_call(u, _SOFTMAX, method="softmax") for u in frontier):
+            return True
+    return False
+
+
+def _split_score_products(graph: fx.Graph, by_key: dict) -> list[AttentionSite]:
+    """Score products ``q @ store^T`` whose softmax is not in this graph: a graph break inside
+    the attention (MPT compares ``cache.get_seq_length()``, a tensor for any preallocated
+    cache, with Python's ``max``), so no graph holds a whole site. Counted as dense sites
+    with that reason, so ``explain`` says why nothing was rewritten."""
+    found = []
+    for node in graph.nodes:
+        if not _is_call(node, _MATMUL) or len(node.args) != 2:
+            continue
+        key = _transposed_key(node.args[1])
+        if key is None or key not in by_key or _reaches_softmax(node):
+            continue
+        site = AttentionSite(node=node, query=node.args[0], pattern="split")
+        site.layer, site.write = by_key[key]
+        q = _val(site.query)
+        site.q_len = _static_int(q.shape[-2]) if q is not None else None
+        site.reason = ("the attention's scores over the KV store leave this graph before the softmax: a graph "
+                       "break inside the attention (e.g. the model reads cache.get_seq_length() on the host); "
+                       "dense and exact")
+        found.append(site)
+    return found
 
 
 _EMBEDDING_TARGETS = (torch.nn.functional.embedding, torch.ops.aten.embedding.default)

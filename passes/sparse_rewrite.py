@@ -56,6 +56,8 @@ DRAFT_SELECT = torch.ops.specontext.draft_select.default
 DRAFT_RECORD = torch.ops.specontext.draft_record.default
 COUNT = torch.ops.specontext.count_step.default
 REFINE = torch.ops.specontext.refine_selection.default
+MLA_QUERY = torch.ops.specontext.mla_latent_query.default
+MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = torch.ops.specontext.store_selection.default
 LOAD = torch.ops.specontext.load_selection.default
 
@@ -156,18 +158,28 @@ class SparseAttentionPass:
             return self._continue_step(graph, result, resolved, anchor, anchored)
         query_state, query_valid = anchored.query_state, anchored.query_valid
         if self.retrieval_head is None:
-            drivers = [resolved[i] for i in self._pick_layers(len(resolved))]
+            drivers = _fitting_drivers([resolved[i] for i in self._pick_layers(len(resolved))], resolved,
+                                       query_state)
+            if not drivers:
+                for s in resolved:
+                    s.reason = s.reason or (
+                        "no attention layer's query fits the retrieval state (sized from the first KV "
+                        "layer's heads and head size): layers differ in shape")
+                return result
             result.retrieval_layers = tuple(d.layer for d in drivers)
             for slot, driver in enumerate(drivers):
+                query = _selection_query(graph, driver)
                 with graph.inserting_before(driver.node):
-                    graph.call_function(RECORD, (query_state, query_valid, driver.query, slot, driver.length))
+                    graph.call_function(RECORD, (query_state, query_valid, query, slot, driver.length))
         else:
             result.selection_head = f"draft:{self.retrieval_head}"
             draft = self._insert_draft_step(graph, resolved[0].q_len)
             if isinstance(draft, str):
                 logger.info("specontext: the draft head does not run in this graph: %s", draft)
         decode = self._decode_sites(resolved)
-        result.phase = "decode" if decode else "prefill"
+        result.phase = "decode" if decode or self._decode_shaped(resolved) else "prefill"
+        if self.retrieval_head is None:
+            decode = _sharing_kv_heads(decode, drivers[0])
         if not decode:
             return result
         if self.retrieval_head is None:
@@ -184,12 +196,17 @@ class SparseAttentionPass:
             mask = next(s.attn_mask for s in decode if (s.window or 0) == window)
             mask = mask if isinstance(mask, fx.Node) else None
             if self.retrieval_head is None:
-                first = drivers[0]
-                with graph.inserting_after(max((anchor, mask or anchor), key=order.__getitem__)):
+                first, mla = drivers[0], drivers[0].mla is not None
+                stores = [d.key_cache for d in drivers] + ([d.value_cache for d in drivers] if mla else [])
+                bias = _bias_4d(graph, first)
+                if bias is not None:
+                    order = {n: i for i, n in enumerate(graph.nodes)}
+                after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
+                with graph.inserting_after(after):
                     selections[window] = graph.call_function(SELECT, (
-                        query_state, query_valid, [d.key_cache for d in drivers], first.length,
+                        query_state, query_valid, stores, first.length,
                         first.q_len, self.candidate_slots, self.sink_tokens, self.recent_window, first.scale,
-                        window, mask))
+                        window, mask, mla, bias))
             else:
                 step, write, _ = draft
                 with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
@@ -213,6 +230,11 @@ class SparseAttentionPass:
         graph.lint()
         return result
 
+    def _decode_shaped(self, resolved: list[AttentionSite]) -> bool:
+        """Whether the graph's sites have one-token (decode-step) queries though none can be
+        rewritten (their reasons then describe a decode graph, not a prefill)."""
+        return any(s.q_len == 1 for s in resolved)
+
     def _decode_sites(self, resolved: list[AttentionSite]) -> list[AttentionSite]:
         """The sites a selection can serve; longer steps (prefill) get their reason."""
         for s in resolved:
@@ -220,6 +242,9 @@ class SparseAttentionPass:
                 s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
             elif s.reason is None and s.q_len > self.budget:
                 s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
+            elif s.reason is None and s.mla is not None and (s.soft_cap or s.window or s.position_bias is not None):
+                s.reason = ("MLA with a soft cap, a sliding window or a position bias is not built "
+                            "(mla_sparse_attention has none of them): dense and exact")
         return [s for s in resolved if s.reason is None]
 
     @staticmethod
@@ -241,7 +266,7 @@ class SparseAttentionPass:
         step): its decode sites read the selection the step's first graph stored in
         ``selection_state`` (same positions, as if the step were one graph)."""
         decode = self._decode_sites(resolved)
-        result.phase = "decode" if decode else "prefill"
+        result.phase = "decode" if decode or self._decode_shaped(resolved) else "prefill"
         if not decode:
             return result
         reason = None
@@ -359,8 +384,8 @@ class SparseAttentionPass:
         ``dense_shortcut`` flag, so the path counters and the path taken agree (a symbolic
         capacity gathers)."""
         capacity = _static_capacity(site)
-        return (self.dense_shortcut and site.soft_cap is None and not site.window
-                and capacity is not None and self.budget >= capacity)
+        return (self.dense_shortcut and site.soft_cap is None and not site.window and site.mla is None
+                and site.sinks is None and capacity is not None and self.budget >= capacity)
 
     def _refines(self, site: AttentionSite) -> bool:
         """Whether the site keeps its own ``budget`` of the step's candidates: the candidate
@@ -373,11 +398,13 @@ class SparseAttentionPass:
                        ) -> tuple[fx.Node, fx.Node | None]:
         """``refine_selection`` before the site; returns the nodes of its kept positions and,
         with the guard on, of its run-dense decision (else None)."""
+        query = _selection_query(graph, site)
+        mask = _biased_mask(graph, site)
         with graph.inserting_before(site.node):
             refine = graph.call_function(REFINE, (
-                site.query, site.key_cache, selection, site.length, site.attn_mask, site.scale, self.budget,
+                query, site.key_cache, selection, site.length, mask, site.scale, self.budget,
                 self.sink_tokens, self.recent_window, site.soft_cap, site.window or 0, stats,
-                self.min_coverage))
+                self.min_coverage, site.value_cache if site.mla is not None else None))
             kept = graph.call_function(operator.getitem, (refine, 0))
             dense = graph.call_function(operator.getitem, (refine, 1)) if self.min_coverage > 0 else None
         return kept, dense
@@ -401,19 +428,118 @@ class SparseAttentionPass:
                 return "the KV store is allocated inside this graph (first call on a fresh cache)"
         if len({(d.scale, d.q_len) for d in drivers}) != 1:
             return "retrieval layers differ in scale or query length"
+        if len({d.mla is None for d in drivers}) != 1:
+            return "retrieval layers mix latent (MLA) and per-head KV stores"
+        if len({d.position_bias for d in drivers}) != 1:
+            return "retrieval layers differ in their position bias (ALiBi)"
         return None
 
     @staticmethod
     def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, kernel: str,
                       dense_shortcut: bool, dense: fx.Node | None = None) -> None:
-        with graph.inserting_before(site.node):
-            sparse = graph.call_function(SPARSE, (
-                site.query, site.key_cache, site.value_cache, selection, site.length,
-                site.attn_mask, site.scale, kernel, site.soft_cap, site.window or 0, dense_shortcut, dense))
-        sparse.meta.update({k: v for k, v in site.node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
-        site.node.replace_all_uses_with(sparse)
+        if site.mla is not None:
+            query = _selection_query(graph, site)
+            with graph.inserting_before(site.node):
+                sparse = graph.call_function(MLA_SPARSE, (
+                    query, site.key_cache, site.value_cache, site.mla.weight, selection, site.length,
+                    site.attn_mask, site.scale, site.mla.nope_dim, kernel, dense, site.sinks))
+            for node in site.mla.scratch:  # in-place copies filling the up-projected keys: now dead
+                graph.erase_node(node)
+        else:
+            mask = _biased_mask(graph, site)
+            with graph.inserting_before(site.node):
+                sparse = graph.call_function(SPARSE, (
+                    site.query, site.key_cache, site.value_cache, selection, site.length,
+                    mask, site.scale, kernel, site.soft_cap, site.window or 0, dense_shortcut, dense, site.sinks))
+        keep = ("stack_trace", "nn_module_stack") + (() if site.position_bias is not None else ("example_value", "val"))
+        sparse.meta.update({k: v for k, v in site.node.meta.items() if k in keep})
+        result = sparse
+        if site.position_bias is not None:  # BLOOM's 3-D layout: the output is [b * h, q_len, d]
+            out = site.node.meta.get("example_value", site.node.meta.get("val"))
+            with graph.inserting_before(site.node):
+                result = graph.call_method("reshape", (sparse, *out.shape))
+        site.node.replace_all_uses_with(result)
         graph.erase_node(site.node)
         site.node = sparse
+
+
+def _bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
+    """The site's ALiBi bias ``[b * h, 1, capacity]`` viewed ``[b, h, 1, capacity]`` (one
+    node per bias, inserted right after it), or None."""
+    bias = site.position_bias
+    if bias is None:
+        return None
+    for user in bias.users:
+        if user.meta.get("specontext_bias_4d"):
+            return user
+    heads = site.num_heads
+    with graph.inserting_after(bias):
+        view = graph.call_method("view", (bias, -1, heads, 1, bias.meta.get("example_value", bias.meta.get("val")).shape[-1]))
+    view.meta["specontext_bias_4d"] = True
+    return view
+
+
+def _biased_mask(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
+    """What the sparse op adds to the logits: the mask, plus the ALiBi bias when the site has one
+    (``[b, h, q_len, capacity]`` float; gathered at the selected positions like a mask)."""
+    if site.position_bias is None:
+        return site.attn_mask
+    bias = _bias_4d(graph, site)
+    if site.attn_mask is None:
+        return bias
+    with graph.inserting_before(site.node):
+        return graph.call_function(operator.add, (bias, site.attn_mask))
+
+
+def _query_width(site: AttentionSite) -> int | None:
+    """Width of the query the site records: its head size, or an MLA site's latent width."""
+    if site.mla is None:
+        return site.head_dim
+    weight = site.mla.weight.meta.get("example_value", site.mla.weight.meta.get("val"))
+    return None if weight is None else weight.shape[-1] + site.mla.rope_dim
+
+
+def _fitting_drivers(picked: list, resolved: list, query_state: fx.Node) -> list:
+    """The retrieval layers whose query fits the retrieval state ``[slots, batch, heads, 1,
+    width]`` (sized from the first KV layer): ``picked`` when all fit, else the fitting ones
+    among them, else the last fitting layer of the graph (models whose layers differ in
+    heads or head size, e.g. Gemma 4's global layers); [] when none fits."""
+    state = query_state.meta.get("example_value", query_state.meta.get("val")) if isinstance(
+        query_state, fx.Node) else None
+    if state is None or state.dim() != 5:
+        return picked
+
+    def fits(s):
+        return s.num_heads == state.shape[2] and _query_width(s) == state.shape[-1]
+
+    chosen = [d for d in picked if fits(d)]
+    if not chosen:
+        chosen = [s for s in resolved if fits(s)][-1:]
+    return chosen
+
+
+def _sharing_kv_heads(decode: list, driver: AttentionSite) -> list:
+    """The decode sites one selection can serve: those with the retrieval layers' KV head
+    count; the others get their reason and stay dense."""
+    kept = []
+    for s in decode:
+        if s.num_kv_heads != driver.num_kv_heads:
+            s.reason = (f"{s.num_kv_heads} KV heads, the retrieval layers' selection is for "
+                        f"{driver.num_kv_heads} (one selection is shared by every layer)")
+        else:
+            kept.append(s)
+    return kept
+
+
+def _selection_query(graph: fx.Graph, site: AttentionSite) -> fx.Node:
+    """The query that scores the site's store: its own, or for an MLA site the absorbed
+    query (``specontext::mla_latent_query``, inserted once before the site: :mod:`..runtime.mla`)."""
+    if site.mla is None:
+        return site.query
+    if site.mla.latent_query is None:
+        with graph.inserting_before(site.node):
+            site.mla.latent_query = graph.call_function(MLA_QUERY, (site.query, site.mla.weight, site.mla.nope_dim))
+    return site.mla.latent_query
 
 
 def _drop_later_anchors(graph: fx.Graph, first: fx.Node | None) -> None:

@@ -82,19 +82,23 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
 def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
     """Which store positions each batch row may attend to at all, read from a Hugging Face
     attention mask ``[batch|1, 1|heads, q_len, >= capacity]`` (bool, True = attend, or
-    additive float, 0 = attend): its last query row, first head. Left padding hides a
+    additive float: hidden where ``-inf`` or below half the dtype's minimum, visible
+    otherwise, a finite bias included): its last query row, first head. Left padding hides a
     row's pad positions there. Returns bool ``[batch|1, 1, capacity]``, or None for no mask."""
     if attn_mask is None:
         return None
     last = attn_mask[:, :1, -1, :capacity]  # [b, 1, capacity]
-    last = last if last.dtype == torch.bool else last == 0
+    # additive masks: hidden = -inf or the dtype's minimum; other values (0, or a finite bias
+    # such as Doge's dynamic mask) are visible
+    last = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
     if last.shape[-1] < capacity:  # a mask narrower than the store hides the rest
         last = torch.nn.functional.pad(last, (0, capacity - last.shape[-1]), value=False)
     return last
 
 
 def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
-                             scale: float) -> torch.Tensor:
+                             scale: float, rope_keys: torch.Tensor | None = None,
+                             position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Per-KV-group attention weights of one query row over the allowed positions.
 
     Args:
@@ -104,19 +108,29 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
             runs over (per batch row: padding-aware).
         scale: softmax scale (applied to the query before the product, see
             :func:`~specontext_compile.runtime.sparse_attention.query_key_logits`).
+        rope_keys: MLA only (:mod:`.mla`): the rotary key store ``[batch, 1, capacity, p]``;
+            the key is then ``[keys ; rope_keys]`` and ``query`` is the absorbed query
+            ``[batch, num_heads, 1, head_dim + p]`` (no concatenated copy of the stores).
 
     Returns:
         float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
         of ``softmax(q . K * scale)`` (paper section 4, GQA mapping); 0 where not allowed.
     """
     b, num_kv, _, d = keys.shape
-    logits = query_key_logits(query.reshape(b, num_kv, -1, d), keys, scale)  # [b, kv, g, cap]
+    q = query.reshape(b, num_kv, -1, query.shape[-1])
+    logits = query_key_logits(q[..., :d], keys, scale)  # [b, kv, g, cap]
+    if rope_keys is not None:
+        logits = logits + query_key_logits(q[..., d:], rope_keys, scale)
+    if position_bias is not None:
+        logits = logits + position_bias.float().reshape(position_bias.shape[0], num_kv, -1, logits.shape[-1])
     probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), _NEG), dim=-1).amax(dim=2)
     return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
 
 
 def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
-                        cached: torch.Tensor, scale: float, visible: torch.Tensor | None = None) -> torch.Tensor:
+                        cached: torch.Tensor, scale: float, visible: torch.Tensor | None = None,
+                        rope_caches: list[torch.Tensor] | None = None,
+                        position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scores of the training-free lagged-query head over every slot of the stores.
 
     Per retrieval layer ``i``: ``softmax(q_i . K_i * scale)`` over the written positions
@@ -136,6 +150,10 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
         visible: optional bool ``[batch|1, 1, capacity]`` (:func:`row_visibility`): hidden
             positions (left padding) are left out of the softmax too, so a padded row
             scores its tokens exactly as the same prompt alone.
+        rope_caches: MLA only: each retrieval layer's rotary key store (see
+            :func:`masked_group_max_softmax`); ``key_caches`` are then the latent stores.
+        position_bias: the layers' additive position bias (ALiBi), see
+            :func:`masked_group_max_softmax`; the same for every retrieval layer.
 
     Returns:
         float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` (and hidden
@@ -149,7 +167,8 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
         written = written & visible
     total = None
     for i, keys in enumerate(key_caches):
-        probs = masked_group_max_softmax(query_state[i], keys, written, scale)
+        rope = rope_caches[i] if rope_caches else None
+        probs = masked_group_max_softmax(query_state[i], keys, written, scale, rope, position_bias)
         total = probs if total is None else total + probs
     ready = (query_valid[: len(key_caches)] == cached).all()
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
@@ -212,17 +231,25 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
 
 def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
                        length: torch.Tensor, q_len: int, budget: int, sink: int, window: int, scale: float,
-                       sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                       sliding_window: int = 0, attn_mask: torch.Tensor | None = None,
+                       mla: bool = False, position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with the lagged-query head (``specontext::speculative_select``):
     :func:`lagged_query_scores` then :func:`select_positions` with
     ``slots = min(budget, capacity)`` (never below ``q_len``; the pass keeps longer steps
     dense). ``length``: tokens written before this step. ``attn_mask``: a site's Hugging
     Face mask (padding-aware selection, see :func:`row_visibility`), or None.
+    ``mla``: ``key_caches`` is the latent stores then the rotary key stores (MLA layers).
+    ``position_bias``: ALiBi's per-head bias ``[batch|1, num_heads, 1, capacity]`` or None.
     Returns int64 ``[batch, num_kv_heads, slots]``."""
+    rope_caches = None
+    if mla:
+        half = len(key_caches) // 2
+        key_caches, rope_caches = key_caches[:half], key_caches[half:]
     capacity = key_caches[0].shape[-2]
     slots = max(q_len, min(budget, capacity))
     visible = row_visibility(attn_mask, capacity)
-    scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale, visible)
+    scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale, visible, rope_caches,
+                                 position_bias)
     return select_positions(scores, length, q_len, slots, sink, window, sliding_window, visible)
 
 
@@ -256,8 +283,8 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
 def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
                      length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
                      sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
-                     stats: torch.Tensor | None = None, min_coverage: float = 0.0
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     stats: torch.Tensor | None = None, min_coverage: float = 0.0,
+                     rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Second stage of the two-stage selection: a layer keeps the ``budget`` candidates its
     *own* query attends to most (``specontext::refine_selection``, issue 12).
 
@@ -284,6 +311,8 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
             site must run dense when any KV head's ``coverage`` (below) is under
             ``min_coverage``; that decision is counted in ``stats`` (int64, index
             :data:`~specontext_compile.runtime.protocol.GUARD_STAT`) on the device.
+        rope_cache: MLA only (:mod:`.mla`): the rotary key store; ``key_cache`` is then the
+            latent store and ``query`` the absorbed query.
 
     Returns:
         ``(indices, dense)``: int64 ``[batch, num_kv_heads, budget]`` ascending (``-1``
@@ -297,7 +326,7 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
         ValueError: when ``budget`` does not leave room for the step's ``q_len`` tokens.
     """
     indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                        window, soft_cap, sliding_window)
+                                        window, soft_cap, sliding_window, rope_cache)
     dense = (coverage < min_coverage).any()
     if stats is not None and min_coverage > 0:
         stats[GUARD_STAT].add_(dense.long())
@@ -306,14 +335,16 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
 
 def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
                     length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
-                    sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+                    sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
+                    rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
     (float32 ``[batch, num_kv_heads]``), arguments as there."""
     q_len = query.shape[2]
     if budget < q_len:
         raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
+    if rope_cache is not None:
+        keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)
     logits = selected_logits(query, keys, candidates, length, attn_mask, scale, soft_cap, sliding_window)
     allowed = logits > _NEG  # [b, kv, g, q, slots]
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
@@ -360,7 +391,8 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, sca
 
 def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-                      soft_cap: float | None, sliding_window: int, dense: torch.Tensor) -> torch.Tensor:
+                      soft_cap: float | None, sliding_window: int, dense: torch.Tensor,
+                      sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fidelity guard's branch (``torch.cond``, traced by inductor as a conditional, not
     a graph break): exact dense attention over the store when ``dense`` (bool scalar), else
     the gather path over ``indices``. Plain sites attend densely with SDPA over the store;
@@ -368,19 +400,25 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
     site and step): the price of the guard, which is off by default."""
     capacity = key_cache.shape[-2]
-    plain = soft_cap is None and sliding_window == 0
-    tensors = [query, key_cache, value_cache, indices, length] + ([attn_mask] if attn_mask is not None else [])
+    plain = soft_cap is None and sliding_window == 0 and sinks is None
+    extra = [t for t in (attn_mask, sinks) if t is not None]
+    tensors = [query, key_cache, value_cache, indices, length] + extra
 
-    def run_dense(q, k, v, idx, n, *mask):
-        m = mask[0] if mask else None
+    def unpack(rest):
+        rest = list(rest)
+        m = rest.pop(0) if attn_mask is not None else None
+        return m, (rest.pop(0) if sinks is not None else None)
+
+    def run_dense(q, k, v, idx, n, *rest):
+        m, sk = unpack(rest)
         if plain:
             return _dense_store_attention(q, k, v, n, m, scale)
         every = torch.arange(capacity, device=idx.device).expand(idx.shape[0], idx.shape[1], capacity)
-        return sparse_attention_reference(q, k, v, every, n, m, scale, soft_cap, sliding_window)
+        return sparse_attention_reference(q, k, v, every, n, m, scale, soft_cap, sliding_window, sk)
 
-    def run_sparse(q, k, v, idx, n, *mask):
-        return sparse_attention_reference(q, k, v, idx, n, mask[0] if mask else None, scale, soft_cap,
-                                          sliding_window)
+    def run_sparse(q, k, v, idx, n, *rest):
+        m, sk = unpack(rest)
+        return sparse_attention_reference(q, k, v, idx, n, m, scale, soft_cap, sliding_window, sk)
 
     return torch.cond(dense, run_dense, run_sparse, tuple(tensors))
 
@@ -388,7 +426,7 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
                      soft_cap: float | None = None, sliding_window: int = 0, dense_shortcut: bool = False,
-                     dense: torch.Tensor | None = None) -> torch.Tensor:
+                     dense: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one layer over the selected tokens (``specontext::sparse_attention``).
 
     With ``dense_shortcut`` (the caller's promise that a selection with a slot for every
@@ -399,11 +437,13 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` (shapes,
     mask and ``-1`` padding semantics there). ``length`` counts this step's tokens.
     ``dense``: the fidelity guard's bool scalar from :func:`refine_selection` (None = no
-    guard): when True the site attends densely instead (:func:`guarded_attention`)."""
+    guard): when True the site attends densely instead (:func:`guarded_attention`).
+    ``sinks``: learned per-head sink logits ``[num_heads]`` (GPT-OSS) or None."""
     if dense is not None:
         return guarded_attention(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap,
-                                 sliding_window, dense)
-    if dense_shortcut and soft_cap is None and sliding_window == 0 and covers_store(indices, key_cache):
+                                 sliding_window, dense, sinks)
+    if (dense_shortcut and soft_cap is None and sliding_window == 0 and sinks is None
+            and covers_store(indices, key_cache)):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window)
+                                      soft_cap, sliding_window, sinks)

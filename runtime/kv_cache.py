@@ -238,6 +238,13 @@ def _select_index(indices, batch: int, device) -> torch.Tensor:
 # Face's own cache layer class, exactly as its StaticCache builds them (hybrid models).
 _NON_KV_KINDS = ("conv", "linear_attention", "dummy")
 _HYBRID_KINDS = ("hybrid", "hybrid_sliding")
+# layer kinds with a specontext KV store; any other kind Hugging Face knows (e.g. DeepSeek-V4's
+# compressed attention) gets Hugging Face's own static layer class and stays dense
+_KV_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention") + _HYBRID_KINDS
+
+
+def _has_store(kind: str) -> bool:
+    return kind in _KV_KINDS
 
 
 def _layer_kinds(config) -> tuple[list[str], list[dict]]:
@@ -260,9 +267,9 @@ def _layer_windows(config) -> list[int]:
     placeholders) have no entry: the i-th ``kv_write`` of a graph gets the i-th window."""
     windows = []
     for kind, extra in zip(*_layer_kinds(config)):
-        if kind in _NON_KV_KINDS:
+        if not _has_store(kind):
             continue
-        if kind in ("full_attention", "hybrid"):
+        if kind in ("full_attention", "hybrid", "indexed_attention"):  # DSA: its index mask is a mask
             windows.append(0)
         elif kind in ("sliding_attention", "hybrid_sliding") and extra.get("sliding_window"):
             windows.append(int(extra["sliding_window"]))
@@ -279,8 +286,19 @@ def _make_layer(kind: str, extra: dict, max_cache_len: int | None, chunk_tokens:
     if kind in _NON_KV_KINDS and kind in STATIC_LAYER_TYPE_MAPPING:
         kwargs = {k: v for k, v in extra.items() if k == "number_of_states"}
         return STATIC_LAYER_TYPE_MAPPING[kind](**kwargs)  # only conv / linear attention take kwargs
+    if kind not in _KV_KINDS and kind not in STATIC_LAYER_TYPE_MAPPING:
+        raise ValueError(
+            f"SpeContextCache: layer kind {kind!r} needs this model's own cache layer class (Hugging Face's "
+            "StaticCache does not support it either); run the model with Hugging Face's DynamicCache "
+            "(its attention then stays dense)")
+    if not _has_store(kind):  # a kind HF stores statically but we do not: HF's own layer, dense
+        logger.info("specontext: layer kind %r keeps Hugging Face's own cache layer (its attention stays dense)",
+                    kind)
+        return STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len or 0, **extra)
     if kind in _HYBRID_KINDS:
         return SpeContextHybridLayer(max_cache_len, chunk_tokens, extra.get("number_of_states", 1))
+    if kind == "indexed_attention":
+        return SpeContextIndexedLayer(max_cache_len, chunk_tokens)
     return SpeContextLayer(max_cache_len, chunk_tokens)
 
 
@@ -311,6 +329,103 @@ if _LinearAttentionLayer is not None:
         def reorder_cache(self, beam_idx: torch.Tensor) -> None:
             _LinearAttentionLayer.reorder_cache(self, beam_idx)
             SpeContextLayer.reorder_cache(self, beam_idx)
+
+
+class SpeContextIndexedLayer(SpeContextLayer):
+    """A KV store plus the indexer key cache of Dynamic Sparse Attention models (Hugging Face
+    layer kind "indexed_attention": DeepSeek-V3.2, GLM-MoE-DSA, ...), kept exactly as Hugging
+    Face's ``StaticIndexedLayer`` keeps it (its own ``update_indexer`` runs on a buffer of
+    this store's capacity), and grown, reordered, cropped and reset with the store."""
+
+    def __init__(self, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+        super().__init__(max_cache_len, chunk_tokens)
+        self.indexer = None  # a transformers StaticIndexedLayer, built at the first indexer write
+        # positions some models keep on the layer, ``[position_dims, batch, seq]`` (Hugging
+        # Face's attribute of the same name; reset, reordered and batch-selected with the rows)
+        self.indexer_position_ids: torch.Tensor | None = None
+
+    def update_indexer(self, indexer_key_states: torch.Tensor) -> torch.Tensor:
+        """``[batch, q_len, index_head_dim]`` -> the whole indexer buffer ``[batch, capacity,
+        index_head_dim]`` (Hugging Face's ``StaticIndexedLayer.update_indexer``)."""
+        from transformers.cache_utils import StaticIndexedLayer
+
+        if self.indexer is None:
+            capacity = self.max_cache_len if self.is_initialized else self._initial_capacity(
+                indexer_key_states.shape[1])
+            self.indexer = StaticIndexedLayer(max_cache_len=capacity)
+        elif not is_torchdynamo_compiling() and self.indexer.is_indexer_initialized:
+            self._grow_indexer(int(self.indexer.indexer_cumulative_length) + indexer_key_states.shape[1])
+        return self.indexer.update_indexer(indexer_key_states)
+
+    def _grow_indexer(self, total_tokens: int) -> None:
+        keys = self.indexer.indexer_keys
+        if total_tokens <= keys.shape[1]:
+            return
+        new_len = max(_round_up(total_tokens, self.chunk_tokens), self.max_cache_len)
+        grown = keys.new_zeros((keys.shape[0], new_len, keys.shape[2]))
+        grown[:, : keys.shape[1]].copy_(keys)
+        self.indexer.indexer_keys, self.indexer.max_cache_len = grown, new_len
+        _static_address(grown)
+
+    def _indexer_keys(self) -> torch.Tensor | None:
+        return self.indexer.indexer_keys if self.indexer is not None and self.indexer.is_indexer_initialized else None
+
+    def reset(self) -> None:
+        super().reset()
+        self.indexer_position_ids = None
+        if self._indexer_keys() is not None:
+            self.indexer.indexer_keys.zero_()
+            self.indexer.indexer_cumulative_length.zero_()
+
+    def reorder_cache(self, beam_idx: torch.Tensor) -> None:
+        super().reorder_cache(beam_idx)
+        keys = self._indexer_keys()
+        if keys is not None:
+            keys.copy_(keys.index_select(0, _row_index(beam_idx, keys.shape[0], keys.device)))
+        if self.indexer_position_ids is not None:
+            ids = self.indexer_position_ids
+            self.indexer_position_ids = ids.index_select(1, _row_index(beam_idx, ids.shape[1], ids.device))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        keys, remove = self._indexer_keys(), _crop_count(tokens_to_remove)
+        if keys is not None and remove:
+            old = int(self.indexer.indexer_cumulative_length)
+            keys[:, max(old - remove, 0): old].zero_()
+            self.indexer.indexer_cumulative_length.fill_(max(old - remove, 0))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self._indexer_keys() is not None:
+            self.indexer.indexer_keys = self.indexer.indexer_keys.repeat_interleave(repeats, dim=0)
+        if self.indexer_position_ids is not None:
+            self.indexer_position_ids = self.indexer_position_ids.repeat_interleave(repeats, dim=1)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        keys = self._indexer_keys()
+        if keys is not None:
+            self.indexer.indexer_keys = keys.index_select(0, _select_index(indices, keys.shape[0], keys.device))
+        if self.indexer_position_ids is not None:
+            ids = self.indexer_position_ids
+            self.indexer_position_ids = ids.index_select(1, _select_index(indices, ids.shape[1], ids.device))
+
+
+def _layer_config(config, layer: int):
+    """The config of decoder layer ``layer``: Hugging Face's heterogeneous configs (Gemma 4,
+    ...) refuse global reads of per-layer attributes and give one config per layer
+    (``per_layer_config``); a homogeneous config is its own layer config."""
+    per_layer = getattr(config, "per_layer_config", None)
+    try:
+        return per_layer[layer] if per_layer is not None else config
+    except (IndexError, KeyError, TypeError):
+        return config
+
+
+def _latent_widths(config) -> tuple[int, int] | None:
+    """``(kv_lora_rank, qk_rope_head_dim)`` of a multi-head latent attention config, else None."""
+    rank, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    return (rank, rope) if isinstance(rank, int) and isinstance(rope, int) else None
 
 
 class SpeContextCache(Cache):
@@ -351,11 +466,18 @@ class SpeContextCache(Cache):
         if retrieval_head is not None and len(self.kv_layer_indices) != len(layers):
             raise ValueError("SpeContextCache: retrieval_head with a hybrid model (layers without a KV cache) is "
                              "not supported yet; leave retrieval_head unset (the lagged-query head works)")
-        # global head counts; the retrieval state is sized from the layer-0 keys
+        # head counts of the first KV layer; the retrieval state is sized from its keys
         # (``_retrieval_heads``), so a tensor-parallel rank gets its own heads only
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None)
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        first = _layer_config(config, self.kv_layer_indices[0])
+        if not isinstance(getattr(first, "num_attention_heads", None), int):
+            raise ValueError(f"SpeContextCache: {type(config).__name__} has no attention heads (a recurrent model: "
+                             "nothing to select from); use Hugging Face's own cache")
+        self.num_heads = first.num_attention_heads
+        self.num_kv_heads = getattr(first, "num_key_value_heads", None)
+        self.head_dim = getattr(first, "head_dim", None) or first.hidden_size // self.num_heads
+        # multi-head latent attention (DeepSeek-V2/V3): the stores hold the latent and the
+        # rotary key, and the recorded query is the absorbed one (runtime/mla.py)
+        self.latent_widths = _latent_widths(first)
         self.query_state: torch.Tensor | None = None
         self.selection_state: torch.Tensor | None = None  # see _ensure_selection_state
         self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
@@ -374,15 +496,23 @@ class SpeContextCache(Cache):
         config without a KV head count, e.g. multi-query Falcon) it is ``num_attention_heads``."""
         local_kv = key_states.shape[1]
         total_kv = self.num_kv_heads
+        if self._is_latent(key_states):  # one latent row per token serves every query head
+            return self.num_heads
         if total_kv and local_kv != total_kv and total_kv % local_kv == 0 and self.num_heads % total_kv == 0:
             return self.num_heads // total_kv * local_kv
         return self.num_heads
+
+    def _is_latent(self, key_states: torch.Tensor) -> bool:
+        """Whether ``key_states`` are an MLA layer's latent rows (one head, ``kv_lora_rank`` wide)."""
+        return (self.latent_widths is not None and key_states.shape[1] == 1
+                and key_states.shape[-1] == self.latent_widths[0])
 
     def _init_retrieval_state(self, like: torch.Tensor) -> None:
         """Allocate the retrieval state for ``like`` (layer 0's key states): one query row per
         retrieval layer, per local query head; the head size is the keys' (= the queries')."""
         b = like.shape[0]
-        self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self._retrieval_heads(like), 1, like.shape[-1]))
+        width = sum(self.latent_widths) if self._is_latent(like) else like.shape[-1]
+        self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self._retrieval_heads(like), 1, width))
         self.query_valid = self.query_valid.to(like.device)
         self.stats = self.stats.to(like.device)
         _static_address(self.query_state, self.query_valid, self.stats)
@@ -391,7 +521,9 @@ class SpeContextCache(Cache):
         """HF's cache update, plus the retrieval anchor at layer 0 (see module docstring)."""
         if layer_idx == self.kv_layer_indices[0]:  # the first layer with a KV store
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0] or (
-                    self.query_state.shape[2] != self._retrieval_heads(key_states)):
+                    self.query_state.shape[2] != self._retrieval_heads(key_states)
+                    or self.query_state.shape[-1] != (sum(self.latent_widths) if self._is_latent(key_states)
+                                                      else key_states.shape[-1])):
                 self._init_retrieval_state(key_states)
             RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats,
                             self.selection_state, 0).emit()

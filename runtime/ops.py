@@ -18,6 +18,8 @@ record_query           keeps layer ``j``'s last query row for the next step's se
 speculative_select     the selection node: runs once per step, before the first layer
 refine_selection       per layer: its own query keeps ``budget`` of the step's candidates
 sparse_attention       attention of one layer over the selected tokens only
+mla_latent_query       an MLA layer's absorbed query (scores the latent cache directly)
+mla_sparse_attention   MLA attention over the selected latent rows, then the value up-projection
 draft_anchor           marks where the draft head's key cache enters (layer 0, ``retrieval_head``)
 draft_step             the draft head's Q/K of the step's tokens; K into its own key cache
 draft_record           keeps the last token's auxiliary hidden states (fused draft heads)
@@ -28,10 +30,12 @@ draft_select           the selection node when the draft head scores (``retrieva
 from __future__ import annotations
 
 from .ops_attention import _mask_allows_selection, _use_triton, sparse_attention  # noqa: F401
+from .ops_mla import mla_latent_query, mla_sparse_attention
 from .ops_draft import draft_anchor, draft_record, draft_select, draft_step
 from .ops_selection import record_query, refine_selection, speculative_select
 from .ops_store import CacheCapacityError, check_capacity, count_step, kv_write, retrieval_anchor
 from .sparse_attention import sparse_attention_reference  # noqa: F401  (the torch path's reference)
 
 __all__ = ["CacheCapacityError", "check_capacity", "count_step", "draft_anchor", "draft_record", "draft_select",
-           "draft_step", "kv_write", "record_query", "refine_selection", "retrieval_anchor", "sparse_attention", "speculative_select"]
+           "draft_step", "kv_write", "mla_latent_query",
+           "mla_sparse_attention", "record_query", "refine_selection", "retrieval_anchor", "sparse_attention", "speculative_select"]

@@ -30,6 +30,7 @@ def sparse_attention(
     sliding_window: int = 0,
     dense_shortcut: bool = False,
     dense: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes,
@@ -45,6 +46,7 @@ def sparse_attention(
     ``dense``: the fidelity guard's decision (bool scalar from ``refine_selection``; None =
     no guard): when True the site attends densely (exact), through ``torch.cond``
     (:func:`~specontext_compile.runtime.aten_step.guarded_attention`, torch path only).
+    ``sinks``: learned per-head sink logits ``[num_heads]`` (GPT-OSS; torch path) or None.
     The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
     read); the Triton path on a masked step checks the mask once per step (one host sync)."""
     counters["specontext"]["sparse_attention_calls"] += 1
@@ -53,7 +55,7 @@ def sparse_attention(
         probe.values.append(1.0 if dense is not None and bool(dense) else
                             selection_recall(query, key_cache, indices, int(length), scale, attn_mask,
                                              soft_cap, sliding_window))
-    plain = soft_cap is None and sliding_window == 0
+    plain = soft_cap is None and sliding_window == 0 and sinks is None
     if dense is not None:
         counters["specontext"]["guarded_attention_calls"] += 1
     elif plain and dense_shortcut and aten_step.covers_store(indices, key_cache):
@@ -68,7 +70,7 @@ def sparse_attention(
     else:
         counters["specontext"]["gather_attention_calls"] += 1
     return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, dense_shortcut, dense)
+                                      soft_cap, sliding_window, dense_shortcut, dense, sinks)
 
 
 class _MaskCheck:
@@ -131,6 +133,6 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 
 @sparse_attention.register_fake
 def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-      soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None):
+      soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None, sinks=None):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

@@ -40,6 +40,8 @@ def speculative_select(
     scale: float,
     sliding_window: int = 0,
     attn_mask: torch.Tensor | None = None,
+    mla: bool = False,
+    position_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The speculative-selection node (SpeContext section 4), once per decode step (once per
     distinct sliding window when layers differ, e.g. Gemma's alternating layers).
@@ -65,12 +67,12 @@ def speculative_select(
     """
     counters["specontext"]["selection_calls"] += 1
     return aten_step.speculative_select(query_state, query_valid, key_caches, length, q_len, budget, sink,
-                                        window, scale, sliding_window, attn_mask)
+                                        window, scale, sliding_window, attn_mask, mla, position_bias)
 
 
 @speculative_select.register_fake
 def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0,
-      attn_mask=None):
+      attn_mask=None, mla=False, position_bias=None):
     key_cache = key_caches[0]
     slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
@@ -91,20 +93,22 @@ def refine_selection(
     sliding_window: int = 0,
     stats: torch.Tensor | None = None,
     min_coverage: float = 0.0,
+    rope_cache: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer second stage of the two-stage selection (option ``candidates > 1``): the
     layer's own query keeps the ``budget`` of the step's ``candidates`` it attends to most,
     and the fidelity guard (``min_coverage > 0``) decides whether the layer must run dense.
     Shapes, semantics and the coverage estimate:
     :func:`~specontext_compile.runtime.aten_step.refine_selection`.
+    ``rope_cache``: MLA layers only (the rotary key store; ``key_cache`` is the latent one).
     Returns ``(indices [batch, num_kv_heads, budget] int64, dense: bool scalar)``."""
     counters["specontext"]["refine_calls"] += 1
     return aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                      window, soft_cap, sliding_window, stats, min_coverage)
+                                      window, soft_cap, sliding_window, stats, min_coverage, rope_cache)
 
 
 @refine_selection.register_fake
 def _(query, key_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap=None,
-      sliding_window=0, stats=None, min_coverage=0.0):
+      sliding_window=0, stats=None, min_coverage=0.0, rope_cache=None):
     b, kv = candidates.shape[0], candidates.shape[1]
     return candidates.new_empty((b, kv, budget)), candidates.new_empty((), dtype=torch.bool)

@@ -124,6 +124,7 @@ def sparse_attention_reference(
     scale: float | None = None,
     soft_cap: float | None = None,
     sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over the selected cached tokens only.
 
@@ -142,6 +143,8 @@ def sparse_attention_reference(
             ``soft_cap * tanh(scores * scale / soft_cap)`` before the mask; None = off.
         sliding_window: 0 = full causal attention; else positions outside each row's last
             ``sliding_window`` tokens are never attended (see :func:`causal_limit_mask`).
+        sinks: optional learned sink logit per query head ``[num_heads]`` (GPT-OSS): one
+            more softmax column that takes probability mass and contributes no value.
 
     Returns:
         ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype`` (softmax in float32).
@@ -158,7 +161,7 @@ def sparse_attention_reference(
     safe_idx = indices.clamp(min=0)
     keys = _gather_tokens(key_cache, safe_idx)  # [b, kv, k, d]
     values = _gather_tokens(value_cache, safe_idx)
-    return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window)
+    return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window, sinks)
 
 
 def selected_logits(
@@ -213,6 +216,7 @@ def attend_gathered(
     scale: float,
     soft_cap: float | None = None,
     sliding_window: int = 0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The part of sparse attention after the gather (shared by the offloaded path).
 
@@ -223,6 +227,12 @@ def attend_gathered(
     b, num_heads, q_len, _ = query.shape
     num_kv = keys.shape[1]
     logits = selected_logits(query, keys, indices, length, attn_mask, scale, soft_cap, sliding_window)
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
+    if sinks is not None:  # one more column per head: it takes mass, adds no value
+        b_, kv_, g_, q_, _ = logits.shape
+        column = sinks.float().view(1, kv_, g_, 1, 1).expand(b_, kv_, g_, q_, 1)
+        logits = torch.cat([logits, column], dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1].to(values.dtype)
+    else:
+        probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
     out = torch.matmul(probs.view(b, num_kv, (num_heads // num_kv) * q_len, -1), values)
     return out.view(b, num_heads, q_len, values.shape[-1]).to(query.dtype)

@@ -5,7 +5,7 @@ model has 2 layers, hidden size 64 and a vocabulary of 128; the configs exercise
 family is known for: sliding windows (Mistral 24 tokens; Gemma 2/3 alternating
 sliding/global layers), logit soft-capping (Gemma 2), query/key norms (Qwen3), multi-query
 attention (Falcon), partial rotary (GPT-NeoX, 25%), Conv1D and learned positions (GPT-2),
-mixture-of-experts (Mixtral) and multi-head latent attention (DeepSeek-V3).
+mixture-of-experts (Mixtral) and multi-head latent attention (DeepSeek-V2/V3) and ALiBi position biases (BLOOM, MPT).
 """
 
 from __future__ import annotations
@@ -67,6 +67,16 @@ def _config(family: str):
             num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
             first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
             qk_nope_head_dim=16, v_head_dim=16))
+    if family == "bloom":  # ALiBi, BLOOM's 3-D baddbmm/bmm attention
+        return tf.BloomConfig(vocab_size=VOCAB, hidden_size=64, n_layer=2, n_head=4)
+    if family == "mpt":  # ALiBi as a 3-D position bias added to the scores
+        return tf.MptConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, max_seq_len=256, expansion_ratio=2)
+    if family == "deepseek_v2":  # MLA without a query LoRA, complex-number rotary embedding
+        return tf.DeepseekV2Config(**_common(
+            hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=4,
+            num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=None, qk_rope_head_dim=8,
+            qk_nope_head_dim=16, v_head_dim=16))
     raise ValueError(f"unknown family {family!r}")
 
 
@@ -75,7 +85,8 @@ _MODELS = {
     "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM",
     "gemma3": "Gemma3ForCausalLM", "phi3": "Phi3ForCausalLM", "gpt2": "GPT2LMHeadModel",
     "gpt_neox": "GPTNeoXForCausalLM", "falcon": "FalconForCausalLM", "opt": "OPTForCausalLM",
-    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM", "deepseek_v2": "DeepseekV2ForCausalLM",
+    "bloom": "BloomForCausalLM", "mpt": "MptForCausalLM",
 }
 FAMILIES = tuple(_MODELS)
 __all__ = ["FAMILIES", "tiny_family"]

@@ -15,7 +15,7 @@ regression in matching (or a new silent fallback) fails. ``docs/families.md`` ha
 import pytest
 import torch
 import transformers
-from _families import DECODE_STEPS, FAMILIES, run_family, tiny_family
+from _families import DECODE_STEPS, FAMILIES, record_caches, run_family, tiny_family
 
 import specontext_compile as sc
 
@@ -28,24 +28,14 @@ ATOL, RTOL = 1e-4, 1e-4
 EXPECTED = {family: (2, None) for family in FAMILIES}
 # OPT without a mask breaks the decode step into two graphs: the selection is carried over
 # (selection_state), so both sites are rewritten (tests/test_graph_breaks.py)
-EXPECTED["deepseek_v3"] = (0, "latent cache as in MLA")  # MLA: keys/values up-projected
+# MLA (DeepSeek-V2/V3): the latent store is selected and attended directly (tests/test_mla.py)
+# BLOOM's ALiBi is rewritten (tests/test_alibi.py); MPT's attention is split by a graph break
+# (it compares cache.get_seq_length(), a tensor, in Python): both sites counted, dense, explained
+EXPECTED["mpt"] = (0, "graph break inside the attention")
 
-NO_SDPA = {"gemma2"}  # transformers refuses attn_implementation="sdpa" for Gemma 2
+NO_SDPA = {"gemma2", "bloom", "mpt"}  # transformers refuses attn_implementation="sdpa" for these
 
 CASES = [(f, a) for f in FAMILIES for a in ("eager", "sdpa")]
-
-
-def record_caches(monkeypatch) -> list:
-    """Keep every ``SpeContextCache`` that ``run_family`` builds (it does not return its
-    cache), so that the test can read the compiled step's path counters."""
-    caches, real = [], sc.SpeContextCache
-
-    def build(*args, **kwargs):
-        caches.append(real(*args, **kwargs))
-        return caches[-1]
-
-    monkeypatch.setattr(sc, "SpeContextCache", build)
-    return caches
 
 
 @pytest.mark.parametrize("family,attn", CASES, ids=[f"{f}-{a}" for f, a in CASES])
@@ -95,9 +85,10 @@ def test_sliding_window_layers_select_only_inside_their_window(family, monkeypat
     seen = []
     real = aten_step.sparse_attention_reference
 
-    def spy(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window):
+    def spy(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window, sinks=None):
         seen.append((indices.clone(), int(length), sliding_window))
-        return real(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window)
+        return real(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window,
+                    sinks)
 
     monkeypatch.setattr(aten_step, "sparse_attention_reference", spy)
     result = run_family(family, "eager", budget=8, sink_tokens=4, recent_window=2, inner="eager")
@@ -120,7 +111,6 @@ def test_opt_through_generate_is_fully_rewritten_and_exact():
     cache's tensor length: a data-dependent graph break that puts layer 1 in a graph with no
     selection (the 1/2 above). ``generate`` passes the mask, so the step is one graph."""
 
-    import specontext_compile as sc
 
     model = tiny_family("opt", "sdpa")
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
