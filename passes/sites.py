@@ -207,6 +207,7 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     mla = _match_mla_expansion(key_src, value_src, {site.node, args["key"]}, by_key, by_value)
     if isinstance(mla, tuple):
         key_src, value_src, site.mla = mla
+        site.pattern += "+mla"
         kg = vg = _static_int(_val(site.query).shape[1]) if _val(site.query) is not None else None
     if key_src not in by_key or value_src not in by_value:
         stores = set(by_key) | set(by_value)

@@ -26,6 +26,7 @@ __all__ = ["Explanation", "SiteRow", "explain"]
 _SELECT = torch.ops.specontext.speculative_select.default
 _DRAFT_SELECT = torch.ops.specontext.draft_select.default
 _SPARSE = torch.ops.specontext.sparse_attention.default
+_ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default)
 
 
 @dataclasses.dataclass
@@ -96,16 +97,26 @@ def _s(x) -> str:
     return "-" if x is None else str(x)
 
 
+def _consumers(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
+    """Nodes reading ``node`` within ``depth`` steps (a refined selection reaches its
+    attention through ``refine_selection`` and a ``getitem``)."""
+    seen, frontier = [], [node]
+    for _ in range(depth):
+        frontier = [u for n in frontier for u in n.users if u not in seen]
+        seen += frontier
+    return seen
+
+
 def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     nodes = list(gm.graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
     anchors = [n for n in nodes if is_op(n, ANCHOR)]
     writes = [n for n in nodes if is_op(n, KV_WRITE)]
-    sparse = [n for n in nodes if n.target is _SPARSE]
+    sparse = [n for n in nodes if n.target in _ATTENTION]
     out = []
     for sel in (n for n in nodes if n.target in (_SELECT, _DRAFT_SELECT)):
         window = sel.args[9] if len(sel.args) > 9 else 0
-        users = [u for u in sel.users if u.target is _SPARSE]
+        users = [u for u in _consumers(sel, depth=3) if u.target in _ATTENTION]
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"
         first_write = f"before the first kv_write (node {where[writes[0]]})" if writes else ""

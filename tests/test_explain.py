@@ -38,6 +38,8 @@ def test_explain_shows_mla_rewritten_and_why_mpt_stays_dense():
     mla = sc.explain(tiny_family("deepseek_v3", "eager"), _ids(), budget=64)
     decode = [r for r in mla.rows if r.phase == "decode"]
     assert len(decode) == 2 and all(r.rewritten for r in decode)
+    assert all(r.pattern.endswith("+mla") for r in decode)
+    assert "feeds 2 of 2 sparse_attention nodes" in mla.table()
     mpt = sc.explain(tiny_family("mpt", "eager"), _ids(), budget=64)
     decode = [r for r in mpt.rows if r.phase == "decode"]
     # one graph per layer's attention half; graphs dynamo already holds from earlier runs in
