@@ -82,6 +82,15 @@ class AttentionSite:
     reason: str | None = None
 
     @property
+    def query_width(self) -> int | None:
+        """Width of the query the site records for the selection: its head size, or for an
+        MLA site the absorbed query's (``kv_lora_rank + rope``, :mod:`..runtime.mla`)."""
+        if self.mla is None:
+            return self.head_dim
+        weight = _val(self.mla.weight)
+        return None if weight is None else weight.shape[-1] + self.mla.rope_dim
+
+    @property
     def key_cache(self) -> fx.Node:
         return self.write.args[0]
 
@@ -239,10 +248,6 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     if site.window is not None and site.window < 0:
         return "the layer's attention is neither full causal nor sliding-window (cache layer type)"
     return None
-
-
-def _users_except(node: fx.Node, skip: fx.Node) -> list[fx.Node]:
-    return [u for u in node.users if u is not skip]
 
 
 def _slice_copy(node: fx.Node, expected: slice) -> tuple[fx.Node, fx.Node] | None:
@@ -453,6 +458,21 @@ def _soft_capped(node: fx.Node) -> tuple[fx.Node, float | None, list[fx.Node]]:
     return inner, cap, [node, outer, outer.args[0]]
 
 
+def _added_mask(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str | None]:
+    """``(scores, mask, None)`` when ``node`` is ``scores + mask`` with a 4-D float mask,
+    ``(node, None, None)`` when it is no such addition, ``(node, None, reason)`` when the
+    added tensor is not an additive float mask."""
+    if not (_is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs):
+        return node, None, None
+    scores, mask = node.args
+    mask_val = _val(mask) if isinstance(mask, fx.Node) else None
+    if mask_val is None or mask_val.dim() != 4:
+        return node, None, "the added mask is not a 4-D tensor"
+    if not mask_val.dtype.is_floating_point:
+        return node, None, f"a {mask_val.dtype} mask is added to the scores (not an additive float mask)"
+    return scores, mask, None
+
+
 def _sink_path_closed(nodes: set) -> bool:
     """Every user of the sink path's nodes is on the path or is its softmax (the logits feed
     both the row max and the subtraction)."""
@@ -489,16 +509,12 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict,
             return
         shared = set(chain[first:])
         site.pattern = "eager-sinks"
-    if _is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs:
-        node, mask = node.args
-        mask_val = _val(mask) if isinstance(mask, fx.Node) else None
-        if mask_val is None or mask_val.dim() != 4:
-            site.reason = "the added mask is not a 4-D tensor"
-            return
-        if not mask_val.dtype.is_floating_point:
-            site.reason = f"a {mask_val.dtype} mask is added to the scores (not an additive float mask)"
-            return
-        chain.append(softmax.args[0])
+    added = node
+    node, mask, site.reason = _added_mask(node)
+    if site.reason is not None:
+        return
+    if mask is not None:
+        chain.append(added)
     node, site.soft_cap, capped = _soft_capped(node)
     chain += capped
     scaled, factor = _scaled(node)
@@ -556,13 +572,9 @@ def _match_baddbmm(site: AttentionSite, by_key: dict, by_value: dict, order: dic
     if dim not in (-1, 3):
         site.reason = f"softmax over dim {dim}, not the key dimension"
         return
-    node, mask = softmax.args[0], None
-    if _is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs:
-        node, mask = node.args
-        mask_val = _val(mask) if isinstance(mask, fx.Node) else None
-        if mask_val is None or mask_val.dim() != 4 or not mask_val.dtype.is_floating_point:
-            site.reason = "the mask added to the ALiBi scores is not a 4-D float tensor"
-            return
+    node, mask, site.reason = _added_mask(softmax.args[0])
+    if site.reason is not None:
+        return
     if _is_call(node, method="view"):
         node = node.args[0]
     if not _is_call(node, (torch.baddbmm,), method="baddbmm"):
@@ -625,8 +637,8 @@ def find_attention_sites(graph: fx.Graph) -> list[AttentionSite]:
 
 def _other_value_products(graph: fx.Graph, by_value: dict, seen: set) -> list[AttentionSite]:
     """Products ``weights @ values`` over a KV store that no recognised spelling claimed
-    (e.g. softmax with learned sink logits, a softmax sliced afterwards): counted as dense
-    sites with a reason, so no attention goes unreported."""
+    (e.g. weights rescaled or sliced after the softmax): counted as dense sites with a
+    reason, so no attention goes unreported."""
     found = []
     for node in graph.nodes:
         if node in seen or not (_is_call(node, _MATMUL) or _is_call(node, (torch.bmm,), method="bmm")):
@@ -640,8 +652,8 @@ def _other_value_products(graph: fx.Graph, by_value: dict, seen: set) -> list[At
         site.layer, site.write = by_value[value]
         weights = _val(node.args[0])
         site.q_len = _static_int(weights.shape[-2]) if weights is not None and weights.dim() >= 2 else None
-        site.reason = ("attention weights over the KV store are not a recognised softmax (e.g. learned "
-                       "sink logits, or weights sliced after the softmax): dense and exact")
+        site.reason = ("attention weights over the KV store are not a recognised softmax (e.g. weights "
+                       "rescaled or sliced after the softmax): dense and exact")
         found.append(site)
     return found
 

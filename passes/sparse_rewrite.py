@@ -481,22 +481,21 @@ def _bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
 
 def _biased_mask(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
     """What the sparse op adds to the logits: the mask, plus the ALiBi bias when the site has one
-    (``[b, h, q_len, capacity]`` float; gathered at the selected positions like a mask)."""
+    (``[b, h, q_len, capacity]`` float; gathered at the selected positions like a mask). The
+    sum is made once, after both, for every site with the same bias and mask."""
     if site.position_bias is None:
         return site.attn_mask
     bias = _bias_4d(graph, site)
     if site.attn_mask is None:
         return bias
-    with graph.inserting_before(site.node):
-        return graph.call_function(operator.add, (bias, site.attn_mask))
-
-
-def _query_width(site: AttentionSite) -> int | None:
-    """Width of the query the site records: its head size, or an MLA site's latent width."""
-    if site.mla is None:
-        return site.head_dim
-    weight = site.mla.weight.meta.get("example_value", site.mla.weight.meta.get("val"))
-    return None if weight is None else weight.shape[-1] + site.mla.rope_dim
+    for user in bias.users:  # one sum per step, shared by the layers (and their refinements)
+        if user.meta.get("specontext_biased_mask") and user.args[1] is site.attn_mask:
+            return user
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_after(max(bias, site.attn_mask, key=order.__getitem__)):
+        total = graph.call_function(operator.add, (bias, site.attn_mask))
+    total.meta["specontext_biased_mask"] = True
+    return total
 
 
 def _fitting_drivers(picked: list, resolved: list, query_state: fx.Node) -> list:
@@ -510,7 +509,7 @@ def _fitting_drivers(picked: list, resolved: list, query_state: fx.Node) -> list
         return picked
 
     def fits(s):
-        return s.num_heads == state.shape[2] and _query_width(s) == state.shape[-1]
+        return s.num_heads == state.shape[2] and s.query_width == state.shape[-1]
 
     chosen = [d for d in picked if fits(d)]
     if not chosen:

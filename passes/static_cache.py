@@ -194,11 +194,7 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
     query = sites[0].query.meta.get("example_value", sites[0].query.meta.get("val"))
     store = writes[0].args[0].meta.get("example_value", writes[0].args[0].meta.get("val"))
     result.owner_index = owner
-    width = sites[0].head_dim
-    if sites[0].mla is not None:  # the recorded query is the absorbed one (runtime/mla.py)
-        mla = sites[0].mla
-        width = mla.weight.meta.get("example_value", mla.weight.meta.get("val")).shape[-1] + mla.rope_dim
-    result.shape = (store.shape[0], sites[0].num_heads, width, query.dtype, store.device)
+    result.shape = (store.shape[0], sites[0].num_heads, sites[0].query_width, query.dtype, store.device)
     result.state = state_for(example_inputs[owner], *result.shape)
     query_state, query_valid, stats = _add_state_inputs(graph, result.state)
     with graph.inserting_before(writes[0]):

@@ -389,6 +389,19 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, sca
     return out.nan_to_num(0.0)
 
 
+def optional_operands(*optional: torch.Tensor | None):
+    """``torch.cond`` takes tensors only: the given ones of ``optional`` as a list, and a
+    function turning a branch's trailing operands back into one value per slot (None where
+    none was given)."""
+    given = [t for t in optional if t is not None]
+
+    def unpack(rest):
+        rest = iter(rest)
+        return tuple(next(rest) if t is not None else None for t in optional)
+
+    return given, unpack
+
+
 def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
                       soft_cap: float | None, sliding_window: int, dense: torch.Tensor,
@@ -401,13 +414,8 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     site and step): the price of the guard, which is off by default."""
     capacity = key_cache.shape[-2]
     plain = soft_cap is None and sliding_window == 0 and sinks is None
-    extra = [t for t in (attn_mask, sinks) if t is not None]
+    extra, unpack = optional_operands(attn_mask, sinks)
     tensors = [query, key_cache, value_cache, indices, length] + extra
-
-    def unpack(rest):
-        rest = list(rest)
-        m = rest.pop(0) if attn_mask is not None else None
-        return m, (rest.pop(0) if sinks is not None else None)
 
     def run_dense(q, k, v, idx, n, *rest):
         m, sk = unpack(rest)

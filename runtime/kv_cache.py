@@ -238,13 +238,9 @@ def _select_index(indices, batch: int, device) -> torch.Tensor:
 # Face's own cache layer class, exactly as its StaticCache builds them (hybrid models).
 _NON_KV_KINDS = ("conv", "linear_attention", "dummy")
 _HYBRID_KINDS = ("hybrid", "hybrid_sliding")
-# layer kinds with a specontext KV store; any other kind Hugging Face knows (e.g. DeepSeek-V4's
-# compressed attention) gets Hugging Face's own static layer class and stays dense
+# layer kinds with a specontext KV store; any other kind (e.g. DeepSeek-V4's compressed
+# attention, held only by the model's own cache class) is refused with the fix named
 _KV_KINDS = ("full_attention", "sliding_attention", "chunked_attention", "indexed_attention") + _HYBRID_KINDS
-
-
-def _has_store(kind: str) -> bool:
-    return kind in _KV_KINDS
 
 
 def _layer_kinds(config) -> tuple[list[str], list[dict]]:
@@ -267,7 +263,7 @@ def _layer_windows(config) -> list[int]:
     placeholders) have no entry: the i-th ``kv_write`` of a graph gets the i-th window."""
     windows = []
     for kind, extra in zip(*_layer_kinds(config)):
-        if not _has_store(kind):
+        if kind not in _KV_KINDS:
             continue
         if kind in ("full_attention", "hybrid", "indexed_attention"):  # DSA: its index mask is a mask
             windows.append(0)
@@ -286,15 +282,11 @@ def _make_layer(kind: str, extra: dict, max_cache_len: int | None, chunk_tokens:
     if kind in _NON_KV_KINDS and kind in STATIC_LAYER_TYPE_MAPPING:
         kwargs = {k: v for k, v in extra.items() if k == "number_of_states"}
         return STATIC_LAYER_TYPE_MAPPING[kind](**kwargs)  # only conv / linear attention take kwargs
-    if kind not in _KV_KINDS and kind not in STATIC_LAYER_TYPE_MAPPING:
+    if kind not in _KV_KINDS:
         raise ValueError(
             f"SpeContextCache: layer kind {kind!r} needs this model's own cache layer class (Hugging Face's "
             "StaticCache does not support it either); run the model with Hugging Face's DynamicCache "
             "(its attention then stays dense)")
-    if not _has_store(kind):  # a kind HF stores statically but we do not: HF's own layer, dense
-        logger.info("specontext: layer kind %r keeps Hugging Face's own cache layer (its attention stays dense)",
-                    kind)
-        return STATIC_LAYER_TYPE_MAPPING[kind](max_cache_len=max_cache_len or 0, **extra)
     if kind in _HYBRID_KINDS:
         return SpeContextHybridLayer(max_cache_len, chunk_tokens, extra.get("number_of_states", 1))
     if kind == "indexed_attention":
@@ -494,10 +486,9 @@ class SpeContextCache(Cache):
         ``num_key_value_heads / world`` KV heads and their whole query groups, so its query
         heads are ``num_attention_heads * local_kv / num_key_value_heads``; unsharded (or a
         config without a KV head count, e.g. multi-query Falcon) it is ``num_attention_heads``."""
-        local_kv = key_states.shape[1]
-        total_kv = self.num_kv_heads
         if self._is_latent(key_states):  # one latent row per token serves every query head
             return self.num_heads
+        local_kv, total_kv = key_states.shape[1], self.num_kv_heads
         if total_kv and local_kv != total_kv and total_kv % local_kv == 0 and self.num_heads % total_kv == 0:
             return self.num_heads // total_kv * local_kv
         return self.num_heads
@@ -507,12 +498,17 @@ class SpeContextCache(Cache):
         return (self.latent_widths is not None and key_states.shape[1] == 1
                 and key_states.shape[-1] == self.latent_widths[0])
 
+    def _query_width(self, key_states: torch.Tensor) -> int:
+        """Width of a recorded query: the keys' head size, or for MLA latent rows the absorbed
+        query's ``kv_lora_rank + qk_rope_head_dim``."""
+        return sum(self.latent_widths) if self._is_latent(key_states) else key_states.shape[-1]
+
     def _init_retrieval_state(self, like: torch.Tensor) -> None:
         """Allocate the retrieval state for ``like`` (layer 0's key states): one query row per
         retrieval layer, per local query head; the head size is the keys' (= the queries')."""
         b = like.shape[0]
-        width = sum(self.latent_widths) if self._is_latent(like) else like.shape[-1]
-        self.query_state = like.new_zeros((MAX_RETRIEVAL_LAYERS, b, self._retrieval_heads(like), 1, width))
+        self.query_state = like.new_zeros(
+            (MAX_RETRIEVAL_LAYERS, b, self._retrieval_heads(like), 1, self._query_width(like)))
         self.query_valid = self.query_valid.to(like.device)
         self.stats = self.stats.to(like.device)
         _static_address(self.query_state, self.query_valid, self.stats)
@@ -522,8 +518,7 @@ class SpeContextCache(Cache):
         if layer_idx == self.kv_layer_indices[0]:  # the first layer with a KV store
             if self.query_state is None or self.query_state.shape[1] != key_states.shape[0] or (
                     self.query_state.shape[2] != self._retrieval_heads(key_states)
-                    or self.query_state.shape[-1] != (sum(self.latent_widths) if self._is_latent(key_states)
-                                                      else key_states.shape[-1])):
+                    or self.query_state.shape[-1] != self._query_width(key_states)):
                 self._init_retrieval_state(key_states)
             RetrievalAnchor(self.query_state, self.query_valid, self._layer_windows_text, self.stats,
                             self.selection_state, 0).emit()

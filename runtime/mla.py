@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from .aten_step import optional_operands
 from .sparse_attention import _gather_tokens, attend_gathered
 
 __all__ = ["latent_query", "mla_sparse_attention", "split_kv_b_weight"]
@@ -99,14 +100,8 @@ def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rop
         capacity = latent_cache.shape[-2]
         every = torch.arange(capacity, device=indices.device).expand(indices.shape[0], indices.shape[1], capacity)
 
-        extra = tuple(t for t in (attn_mask, sinks) if t is not None)
-        tensors = (latent_q, latent_cache, rope_cache, weight, indices, length) + extra
-
-        def unpack(rest):
-            rest = list(rest)
-            m = rest.pop(0) if attn_mask is not None else None
-            return m, (rest.pop(0) if sinks is not None else None)
-
+        extra, unpack = optional_operands(attn_mask, sinks)
+        tensors = (latent_q, latent_cache, rope_cache, weight, indices, length, *extra)
         return torch.cond(dense,
                           lambda q, c, r, w, i, n, *rest: _attend(q, c, r, w, every, n, *unpack(rest), scale=scale,
                                                                   nope_dim=nope_dim),

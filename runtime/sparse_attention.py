@@ -228,8 +228,7 @@ def attend_gathered(
     num_kv = keys.shape[1]
     logits = selected_logits(query, keys, indices, length, attn_mask, scale, soft_cap, sliding_window)
     if sinks is not None:  # one more column per head: it takes mass, adds no value
-        b_, kv_, g_, q_, _ = logits.shape
-        column = sinks.float().view(1, kv_, g_, 1, 1).expand(b_, kv_, g_, q_, 1)
+        column = sinks.float().view(1, num_kv, -1, 1, 1).expand(*logits.shape[:4], 1)
         logits = torch.cat([logits, column], dim=-1)
         probs = torch.softmax(logits, dim=-1)[..., :-1].to(values.dtype)
     else:
