@@ -12,6 +12,15 @@ per layer, it runs the shipped selection code on the recorded tensors:
 * **true recall**: the share of the layer's dense float64 attention (every cached token)
   that the kept tokens hold, mean over query heads; **worst-head recall**: its minimum.
 
+With ``--page-rescue T`` each layer also adds the ``T`` tokens of the best 16-token pages by
+Quest's bound under its own query to the candidates before refining (:func:`page_rescued`): a
+design measured offline only, since the KV store keeps no per-page key bounds.
+
+Fixed in issue 12's second pass: the first version passed ``query_valid = 1`` to
+``lagged_query_scores``, which then (rightly, for a stale query) fell back to recency scores,
+so its tables measured a sink + recent-window selection, not the lagged-query head; the
+backend itself was not affected (tests/test_guard_estimate.py pins this).
+
 It reports per ``candidates`` the mean true recall per layer, and the Pearson correlation
 between coverage and worst-head recall over (step, layer) pairs, plus the share of layers the
 guard would run dense at a few thresholds and the true recall of those it would not.
@@ -36,6 +45,7 @@ from benchmarks.fidelity_backend import harness_ids
 from specontext_compile.config import default_retrieval_layers
 from specontext_compile.models import load_model
 from specontext_compile.runtime import aten_step
+from specontext_compile.runtime.policies import DecodeStep, Quest
 
 __all__ = ["kept_recall", "measure"]
 
@@ -51,26 +61,49 @@ def kept_recall(probs: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
     return (probs * mask).sum(-1)
 
 
+def page_rescued(cand: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, scale: float, tokens: int
+                 ) -> torch.Tensor:
+    """The candidates ``[1, num_kv_heads, slots]`` plus, per KV head, the ``tokens`` positions
+    of the best pages by Quest's bound under this layer's own query (:class:`Quest`, pages of
+    16), as a selection ``[1, num_kv_heads, slots']`` ascending, ``-1`` padding first.
+    Offline only (not a backend option): it needs per-page key bounds the KV store does not
+    keep."""
+    n = keys.shape[2]
+    step = DecodeStep(queries={0: query}, keys={0: keys}, previous_queries=None, accumulated=None, scale=scale)
+    bound = Quest().scores(step, 0)  # [kv, n - 1]: every cached token takes its page's bound
+    chosen = torch.zeros(keys.shape[1], n, dtype=torch.bool)
+    chosen.scatter_(1, bound.topk(min(tokens, n - 1), dim=-1).indices, True)
+    chosen.scatter_(1, cand[0].clamp(min=0), cand[0] >= 0)
+    width = int(chosen.sum(-1).max())
+    ranked = torch.where(chosen, torch.arange(n), -1).sort(-1).values
+    return ranked[:, -width:][None]
+
+
 def measure(queries, keys, context: int, scale: float, budget: int, candidates: float, sink: int,
-            window: int, retrieval: tuple[int, ...]) -> list[dict]:
-    """Per (step >= 1, layer): coverage estimate, mean and worst-head true recall."""
+            window: int, retrieval: tuple[int, ...], page_rescue: int = 0) -> list[dict]:
+    """Per (step >= 1, layer): coverage estimate, mean and worst-head true recall.
+    ``page_rescue``: tokens of Quest pages each layer adds to the candidates
+    (:func:`page_rescued`; 0 = the shipped two-stage selection)."""
     rows = []
     layers = len(keys)
     for i in range(1, len(queries)):
         n_after = context + i + 1
         k = [keys[l][:, :, :n_after] for l in range(layers)]
         state = torch.stack([queries[i - 1][j] for j in retrieval])
-        scores = aten_step.lagged_query_scores(state, torch.ones(len(retrieval), dtype=torch.long),
-                                               [k[j] for j in retrieval], torch.tensor(n_after - 1), scale)
+        # every slot recorded at the previous step's length: the head's real scores (not recency)
+        recorded = torch.full((len(retrieval),), n_after - 1, dtype=torch.long)
+        scores = aten_step.lagged_query_scores(state, recorded, [k[j] for j in retrieval],
+                                               torch.tensor(n_after - 1), scale)
         slots = min(math.ceil(candidates * budget), n_after)
         cand = aten_step.select_positions(scores, torch.tensor(n_after - 1), 1, slots, sink, window)
         for l in range(layers):
-            if slots > budget:
-                kept, coverage = aten_step.refine_coverage(queries[i][l], k[l], cand, torch.tensor(n_after), None,
-                                                           scale, budget, sink, window)
+            layer_cand = page_rescued(cand, queries[i][l], k[l], scale, page_rescue) if page_rescue else cand
+            if layer_cand.shape[-1] > budget:
+                kept, coverage = aten_step.refine_coverage(queries[i][l], k[l], layer_cand, torch.tensor(n_after),
+                                                           None, scale, budget, sink, window)
                 cov = float(coverage.min())
             else:
-                kept, cov = cand, 1.0
+                kept, cov = layer_cand, 1.0
             rec = kept_recall(layer_probs(queries[i][l], k[l], scale), kept[0])
             rows.append({"step": i, "layer": l, "coverage": cov, "recall": float(rec.mean()),
                          "worst_head_recall": float(rec.min())})
@@ -113,6 +146,9 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=64)
     parser.add_argument("--retrieval-layers", type=int, nargs="+", default=None,
                         help="layers of the lagged-query head (default: the backend's)")
+    parser.add_argument("--page-rescue", type=int, nargs="+", default=[0],
+                        help="tokens of Quest pages each layer adds to the candidates (offline design "
+                             "measurement, see page_rescued); every value is run with every --candidates")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     model, tok = load_model("smollm2-135m")
@@ -121,14 +157,15 @@ def main() -> None:
     scale = model.model.layers[0].self_attn.scaling
     retrieval = tuple(args.retrieval_layers or default_retrieval_layers(len(model.model.layers)))
     result = {"command": "python -m benchmarks.guard_estimate " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items()),
+        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}" for k, v in vars(args).items() if v is not None),
         "context": args.context, "steps": args.steps, "budget": args.budget, "retrieval_layers": retrieval,
         "runs": {}}
-    for c in args.candidates:
-        rows = measure(queries, keys, args.context, scale, args.budget, c, args.sink, args.window, retrieval)
-        result["runs"][f"{c:g}"] = {"summary": summarize(rows), "rows": rows}
-        s = result["runs"][f"{c:g}"]["summary"]
-        print(f"candidates {c:g}: mean recall {s['mean_recall']:.4f}, pearson(coverage, worst-head recall) "
+    for c, rescue in [(c, r) for r in args.page_rescue for c in args.candidates]:
+        rows = measure(queries, keys, args.context, scale, args.budget, c, args.sink, args.window, retrieval, rescue)
+        name = f"{c:g}" + (f"+pages{rescue}" if rescue else "")
+        result["runs"][name] = {"summary": summarize(rows), "rows": rows}
+        s = result["runs"][name]["summary"]
+        print(f"candidates {name}: mean recall {s['mean_recall']:.4f}, pearson(coverage, worst-head recall) "
               f"{s['pearson_coverage_vs_worst_head_recall']:.3f}, guard {s['guard']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
