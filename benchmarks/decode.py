@@ -267,6 +267,10 @@ SPECONTEXT_VARIANTS = {
     "cudagraphs": {"inner": "inductor", "mode": "reduce-overhead"},
     "c2": {"candidates": 2.0},  # two-stage selection (issue 12): 2 x budget candidates, per-layer top budget
     "c4": {"candidates": 4.0},
+    "c4g": {"candidates": 4.0, "min_coverage": 0.9},  # with the fidelity guard
+    # the five retrieval layers of the 30-layer default before issue 12's second pass (now eight)
+    "r5": {"retrieval_layers": (2, 4, 8, 12, 20)},
+    "r5c4": {"retrieval_layers": (2, 4, 8, 12, 20), "candidates": 4.0},
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
 }
 
@@ -316,7 +320,7 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
         budget, options = parse_specontext(name)
         selected = min(budget, context)
         keys = min(math.ceil(options.get("candidates", 1.0) * budget), context)
-        retrieval = len(default_retrieval_layers(layers))
+        retrieval = len(options.get("retrieval_layers", default_retrieval_layers(layers)))
         kv = batch * (layers * (keys + selected) + retrieval * context) * per_token
     else:
         kv = batch * layers * 2 * context * per_token

@@ -36,6 +36,7 @@ from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specontext_compile.config import default_retrieval_layers
 from specontext_compile.models import load_model
 
 POLICIES = {
@@ -46,8 +47,10 @@ POLICIES = {
     "H2O (accumulated)": P.H2O(),
     "oracle top-k (per layer)": P.OracleTopK(),
     "random": P.RandomTokens(),
+    # the backend's default since issue 12's second pass (SmolLM2: 30 layers)
+    "lagged query x8 (ours, shipped default)": P.LaggedQuery(layers=default_retrieval_layers(30)),
 }
-SHORT = dict(zip(["ours", "ours-l8", "streaming", "quest", "h2o", "oracle", "random"], POLICIES))
+SHORT = dict(zip(["ours", "ours-l8", "streaming", "quest", "h2o", "oracle", "random", "ours-x8"], POLICIES))
 DECODE_METRICS = {"recall": "recall (in-run)", "agreement": "greedy agreement", "nll_delta": "NLL delta (nats/token)"}
 
 

@@ -151,6 +151,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--candidates", type=float, default=1.0,
+                        help="the backend's two-stage selection (issue 12), 1 = one shared selection")
     parser.add_argument("--steps", type=int, default=5, help="profiled decode steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dense", action="store_true",
@@ -196,7 +198,8 @@ def main(argv=None) -> int:
 
             inductor_config.cpp.enable_kernel_profile = True  # one profiler event per C++ kernel
         forward = torch.compile(model.forward, backend="specontext",
-                                options={"budget": args.budget, "inner": args.inner})
+                                options={"budget": args.budget, "inner": args.inner,
+                                         "candidates": args.candidates})
     with torch.no_grad():
         fill_cache(cache, source, args.batch)
         token = first.expand(args.batch, 1).contiguous()
@@ -209,6 +212,7 @@ def main(argv=None) -> int:
     wall_ms = 1000.0 * sum(walls) / len(walls)
     result.update({
         "context": args.context, "batch": args.batch, "budget": None if args.dense else args.budget,
+        "candidates": None if args.dense else args.candidates,
         "contender": "hf-eager" if args.dense else f"specontext-{args.inner}-{args.budget}",
         "threads": torch.get_num_threads(), "wall_ms_per_step": wall_ms,
         "python_framework_ms": wall_ms - result["ms_in_ops"],

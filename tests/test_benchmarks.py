@@ -85,3 +85,24 @@ def test_gpu_script_help():
     with pytest.raises(SystemExit) as exc:
         gpu_end_to_end.parse_args(["--help"])
     assert exc.value.code == 0
+
+
+def test_floor_counts_the_retrieval_layers_and_candidates_of_each_variant():
+    """KV bytes of a step at SmolLM2's shape (30 layers, 3 KV heads, head_dim 64, fp32: 768
+    bytes per token per layer for K or V), 8K context, budget 1024, batch 1: every layer reads
+    1024 values and the keys of its candidates; each retrieval layer reads its whole key store."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         hidden_size=576, head_dim=64)
+    per_token = 3 * 64 * 4
+
+    def kv(name):
+        return decode.floor_bytes(name, config, 0, 8192, 1)[1]
+
+    assert kv("specontext-1024") == (30 * (1024 + 1024) + 8 * 8192) * per_token  # 8 retrieval layers
+    assert kv("specontext-r5-1024") == (30 * (1024 + 1024) + 5 * 8192) * per_token
+    assert kv("specontext-c4-1024") == (30 * (4096 + 1024) + 8 * 8192) * per_token
+    assert kv("specontext-r5c4-1024") == (30 * (4096 + 1024) + 5 * 8192) * per_token
+    assert kv("hf-eager") == 30 * 2 * 8192 * per_token
+

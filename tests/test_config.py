@@ -39,7 +39,7 @@ def test_retrieval_layers_normalised_and_defaults():
 
     assert SpeContextConfig(retrieval_layers=8).retrieval_layers == (8,)
     assert SpeContextConfig(retrieval_layers=[2, -1]).retrieval_layers == (2, -1)
-    assert default_retrieval_layers(30) == (2, 4, 8, 12, 20)
+    assert default_retrieval_layers(30) == (2, 4, 8, 12, 16, 20, 24, 28)
     assert default_retrieval_layers(2) == (0, 1)
 
 
