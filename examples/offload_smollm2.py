@@ -47,6 +47,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-file", type=Path, required=True)
     ap.add_argument("--budget", type=int, default=1024)
+    ap.add_argument("--candidates", type=float, default=1.0,
+                    help="two-stage selection (issue 12): the step prefetches ceil(candidates * budget) tokens")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--offload-at-start", type=int, default=15)
     ap.add_argument("--json", type=Path)
@@ -58,18 +60,20 @@ def main() -> None:
     ids = build_prompt(tokenizer, args.prompt_file.read_text(encoding="utf-8"))
     prompt = ids.shape[1]
     cap = prompt + args.new_tokens + 1
-    opts = {"budget": args.budget}
+    opts = {"budget": args.budget, "candidates": args.candidates}
+    rows = sc.SpeContextConfig(**opts).prefetch_tokens  # an offloaded layer's buffer rows
 
     off = torch.compile(model.forward, backend="specontext", options=opts)
     ref_tokens, ref_times = _decode(off, sc.SpeContextCache(model.config, max_cache_len=cap), ids, args.new_tokens)
     torch._dynamo.reset()
 
-    results = {"prompt_tokens": prompt, "budget": args.budget, "new_tokens": args.new_tokens}
+    results = {"prompt_tokens": prompt, "budget": args.budget, "candidates": args.candidates,
+               "buffer_rows": rows, "new_tokens": args.new_tokens}
     for elastic in (True, False):
         on = torch.compile(model.forward, backend="specontext",
                            options=dict(opts, device_memory_bytes=1 << 40))
         cache = sc.SpeContextCache(model.config, max_cache_len=cap)
-        manager = enable_offload(cache, model, 1 << 40, args.budget, elastic=elastic,
+        manager = enable_offload(cache, model, 1 << 40, rows, elastic=elastic,
                                  trace_path=str(args.trace) if (args.trace and elastic) else None)
         with torch.no_grad():  # prefill, then size the emulated device tier
             logits = on(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]

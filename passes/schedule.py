@@ -10,7 +10,12 @@ Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend'
 3. inserts ``specontext::offload_wait(l)`` immediately before layer ``l``'s attention (as
    late as possible: never earlier than needed) and ``specontext::offload_prefetch(l)``
    ``lead`` layers earlier, right before layer ``l - lead``'s ``kv_write``, or right
-   after the plan when that is not yet in the graph.
+   after the plan when that is not yet in the graph;
+4. with the two-stage selection (option ``candidates > 1``), a site's indices come from its
+   ``specontext::refine_selection``: the prefetch loads the step's *candidates* (known
+   before layer 0), the wait moves before the refinement, which becomes
+   ``specontext::refine_selection_offloaded`` (an offloaded layer scores the candidates
+   from its device buffer), and the attention reads the kept subset of the buffer.
 
 ``lead`` comes from a cost model (SpeContext section 5: prefetch as early as the selection
 allows, overlapped with compute): the expected bytes of one layer's elastic load
@@ -32,6 +37,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import operator
 from pathlib import Path
 
 import networkx as nx
@@ -53,6 +59,8 @@ PLAN = torch.ops.specontext.offload_plan.default
 PREFETCH = torch.ops.specontext.offload_prefetch.default
 WAIT = torch.ops.specontext.offload_wait.default
 SPARSE_OFFLOADED = torch.ops.specontext.sparse_attention_offloaded.default
+REFINE = torch.ops.specontext.refine_selection
+REFINE_OFFLOADED = torch.ops.specontext.refine_selection_offloaded.default
 
 @dataclasses.dataclass
 class CostModel:
@@ -111,6 +119,40 @@ def _has_sinks(node: fx.Node) -> bool:
 
 def _val(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
+
+
+def _refine_of(indices: fx.Node) -> fx.Node | None:
+    """The ``refine_selection`` node whose kept positions ``indices`` are (``getitem 0``), or None."""
+    if indices.op == "call_function" and indices.target is operator.getitem and indices.args[1] == 0:
+        source = indices.args[0]
+        if isinstance(source, fx.Node) and is_op(source, REFINE):
+            return source
+    return None
+
+
+def _offload_refine(graph: fx.Graph, refine: fx.Node, manager: fx.Node, value_cache: fx.Node, ready: fx.Node,
+                    layer: int, dag: nx.DiGraph) -> None:
+    """Replace a site's ``refine_selection`` by ``refine_selection_offloaded`` (same kept
+    positions, read from the device buffer of an offloaded layer); its outputs keep their
+    users (``getitem`` 0 / 1)."""
+    query, key_cache, candidates, length, mask, scale, budget, sink, window, soft_cap, sliding = refine.args[:11]
+    min_coverage = refine.args[12] if len(refine.args) > 12 else refine.kwargs.get("min_coverage", 0.0)
+    rope = refine.args[13] if len(refine.args) > 13 else refine.kwargs.get("rope_cache")
+    if min_coverage or rope is not None:
+        raise ValueError("offload schedule: the fidelity guard (min_coverage) and MLA layers are not built "
+                         "with offloaded two-stage selection")
+    with graph.inserting_before(refine):
+        new = graph.call_function(REFINE_OFFLOADED, (
+            manager, query, key_cache, value_cache, candidates, length, mask, scale, budget, sink, window,
+            soft_cap, sliding, ready, layer))
+    new.meta.update({k: v for k, v in refine.meta.items() if k in ("example_value", "val", "stack_trace")})
+    refine.replace_all_uses_with(new)
+    graph.erase_node(refine)
+    dag.add_edge(ready, new)
+    for inp in new.all_input_nodes:
+        dag.add_edge(inp, new)
+    for user in new.users:
+        dag.add_edge(new, user)
 
 
 class OffloadSchedulePass:
@@ -192,25 +234,31 @@ class OffloadSchedulePass:
             query, key_cache, value_cache, indices, site_len, mask, scale, kernel = node.args[:8]
             soft_cap, window = (tuple(node.args[8:10]) + (None, 0)[len(node.args[8:10]):])
             layer = write_order.get(key_cache, pos)
-            inputs = [plan, indices, key_cache, value_cache, site_len]
+            refine = _refine_of(indices)
+            loaded = refine.args[2] if refine is not None else indices  # what the step prefetches
+            inputs = [plan, loaded, key_cache, value_cache, site_len]
             earliest = max(order[i] for i in inputs)
+            first_use = refine if refine is not None else node  # the wait goes right before it
             anchor_node = writes.get(stores[max(0, pos - lead)])
-            if anchor_node is None or order[anchor_node] <= earliest or order[anchor_node] > order[node]:
+            if anchor_node is None or order[anchor_node] <= earliest or order[anchor_node] > order[first_use]:
                 anchor_node = plan.next  # right after the plan (and after every input)
-                while order.get(anchor_node, -1) <= earliest and anchor_node is not node:
+                while order.get(anchor_node, -1) <= earliest and anchor_node is not first_use:
                     anchor_node = anchor_node.next
             with graph.inserting_before(anchor_node):
-                ticket = graph.call_function(PREFETCH, (manager, plan, indices, key_cache, value_cache, site_len,
+                ticket = graph.call_function(PREFETCH, (manager, plan, loaded, key_cache, value_cache, site_len,
                                                         layer))
-            with graph.inserting_before(node):
+            with graph.inserting_before(first_use):
                 ready = graph.call_function(WAIT, (manager, ticket, key_cache, layer))
+            if refine is not None:
+                _offload_refine(graph, refine, manager, value_cache, ready, layer, dag)
+            with graph.inserting_before(node):
                 new = graph.call_function(SPARSE_OFFLOADED, (
                     manager, query, key_cache, value_cache, indices, site_len, mask, scale, kernel,
                     soft_cap, window, ready, layer))
             new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            for inp in (plan, indices, key_cache, value_cache, site_len):
+            for inp in (plan, loaded, key_cache, value_cache, site_len):
                 dag.add_edge(inp, ticket)
             dag.add_edge(ticket, ready)
             dag.add_edge(ready, new)

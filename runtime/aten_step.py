@@ -24,7 +24,7 @@ from .protocol import GUARD_STAT
 from .sparse_attention import _gather_tokens, query_key_logits, selected_logits, sparse_attention_reference
 
 __all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
-           "record_query", "refine_selection", "row_visibility", "select_positions", "sparse_attention",
+           "record_query", "refine_gathered", "refine_selection", "row_visibility", "select_positions", "sparse_attention",
            "speculative_select", "write_kv"]
 
 _NEG = float("-inf")
@@ -339,12 +339,22 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
                     rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
     (float32 ``[batch, num_kv_heads]``), arguments as there."""
-    q_len = query.shape[2]
-    if budget < q_len:
-        raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
     if rope_cache is not None:
         keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)
+    return refine_gathered(query, keys, candidates, length, attn_mask, scale, budget, sink, window, soft_cap,
+                           sliding_window)
+
+
+def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
+                    attn_mask: torch.Tensor | None, scale: float, budget: int, sink: int, window: int,
+                    soft_cap: float | None = None, sliding_window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`refine_coverage` once the candidates' keys ``[batch, num_kv_heads, slots,
+    head_dim]`` are gathered (from the store, or from an offloaded layer's device buffer:
+    :meth:`~.offload.OffloadManager.refine`); other arguments and the result as there."""
+    q_len = query.shape[2]
+    if budget < q_len:
+        raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
     logits = selected_logits(query, keys, candidates, length, attn_mask, scale, soft_cap, sliding_window)
     allowed = logits > _NEG  # [b, kv, g, q, slots]
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)

@@ -43,6 +43,7 @@ except ImportError as _err:  # pragma: no cover - older torch
                       "(torch._opaque_base; torch 2.13 is tested): upgrade torch, or leave "
                       "device_memory_bytes unset") from _err
 
+from .aten_step import refine_gathered
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
 from .sparse_attention import attend_gathered
@@ -445,6 +446,11 @@ class OffloadManager(OpaqueBase):
         if self.trace is not None and self._step >= 0:
             self.trace.end_step(self._step)
             self.trace.write(self.trace_path)
+        if indices.shape[-1] > self.budget:
+            raise ValueError(
+                f"specontext offload: the step prefetches {indices.shape[-1]} tokens per KV head but the "
+                f"device buffers hold {self.budget}; with option candidates > 1 pass "
+                f"budget=ceil(candidates * budget) to enable_offload (specontext_compile.compile does)")
         self._step += 1
         self.selection = indices  # this step's selection [batch, kv_heads, budget]
         self._step_start = {
@@ -608,20 +614,51 @@ class OffloadManager(OpaqueBase):
             buf.drop_from(length)
 
     # --- attention ------------------------------------------------------------------------
-    def attend(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
-               attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
-               sliding_window: int = 0) -> torch.Tensor:
-        """Attention of an offloaded layer over its device buffer (the step's own tokens are
-        copied in first: they were written after the prefetch started)."""
+    def _fixup(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, indices: torch.Tensor,
+               length: torch.Tensor) -> LayerBuffer:
+        """Copy into the layer's buffer what ``indices`` need and the prefetch could not load
+        (the step's own tokens, written after it started); counted in the step's stats."""
         buf = self.buffers[layer_idx]
         with self._span(f"fixup L{layer_idx}", "copy"):
             rows = elastic_load(buf, key_cache, value_cache, indices, int(length))
         if rows:
             self.stats[-1].per_layer_rows[layer_idx] = self.stats[-1].per_layer_rows.get(layer_idx, 0) + rows
             self.stats[-1].bytes_elastic += rows * self._row_bytes()
+        return buf
+
+    def attend(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor,
+               value_cache: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
+               attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
+               sliding_window: int = 0) -> torch.Tensor:
+        """Attention of an offloaded layer over its device buffer (the step's own tokens are
+        copied in first: they were written after the prefetch started)."""
+        buf = self._fixup(layer_idx, key_cache, value_cache, indices, length)
         counters["specontext"]["offloaded_attention_calls"] += 1
         return attend_buffer(query, buf, indices, length, attn_mask, scale, soft_cap, sliding_window)
+
+    def refine(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+               candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
+               budget: int, sink: int, window: int, soft_cap: float | None = None,
+               sliding_window: int = 0) -> torch.Tensor:
+        """Two-stage selection of an offloaded layer (option ``candidates > 1``): the layer's
+        query keeps its ``budget`` of the prefetched ``candidates`` ``[batch, kv, slots]``,
+        reading their keys from the device buffer, never the host tier (the step's own
+        tokens are copied in first, as in :meth:`attend`). The kept positions are a subset
+        of the buffer's, so the layer's attention then moves nothing. Same arithmetic as
+        :func:`~.aten_step.refine_coverage` on the store. Returns int64 ``[batch, kv, budget]``.
+
+        Raises:
+            RuntimeError: a candidate is not on the device tier (prefetch/wait not run)."""
+        buf = self._fixup(layer_idx, key_cache, value_cache, candidates, length)
+        slots = buf.slots_of(candidates)
+        if bool(((candidates >= 0) & (slots < 0)).any()):
+            raise RuntimeError("offloaded refinement: a candidate token is not on the device tier "
+                               "(prefetch/wait were not run for this layer)")
+        counters["specontext"]["offloaded_refine_calls"] += 1
+        keys = _gather_rows(buf.keys, slots.clamp(min=0))
+        kept, _ = refine_gathered(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
+                                  soft_cap, sliding_window)
+        return kept
 
     def _span(self, name: str, cat: str):
         return self.trace.span(name, cat) if self.trace else contextlib.nullcontext()

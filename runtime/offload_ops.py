@@ -10,6 +10,7 @@ offload_anchor                 layer 0: brings the cache's OffloadManager into t
 offload_plan                   once per step, after the selection: adaptive plan + step start
 offload_prefetch               start elastic loading of one layer on the side stream
 offload_wait                   wait for that layer's copy (errors surface here)
+refine_selection_offloaded     two-stage selection: the layer's top budget of the prefetched candidates
 sparse_attention_offloaded     sparse attention that reads an offloaded layer's device buffer
 =============================  ==============================================================
 
@@ -31,12 +32,15 @@ import logging
 
 import torch
 
-from . import ops
+from torch._dynamo.utils import counters
+
+from . import aten_step, ops
 from .offload import OffloadManager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["offload_anchor", "offload_plan", "offload_prefetch", "offload_wait", "sparse_attention_offloaded"]
+__all__ = ["offload_anchor", "offload_plan", "offload_prefetch", "offload_wait", "refine_selection_offloaded",
+           "sparse_attention_offloaded"]
 
 def _token(like: torch.Tensor, value: int) -> torch.Tensor:
     return torch.full((1,), value, dtype=torch.long, device=like.device)
@@ -148,6 +152,36 @@ def sparse_attention_offloaded(
     return out
 
 
+@torch.library.custom_op("specontext::refine_selection_offloaded", mutates_args=())
+def refine_selection_offloaded(
+    manager: OffloadManager, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+    candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
+    sink: int, window: int, soft_cap: float | None, sliding_window: int, ready: torch.Tensor, layer: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``specontext::refine_selection`` for a layer that may be offloaded (option
+    ``candidates > 1`` with KV offload): the step prefetched the *candidates*; an offloaded
+    layer scores them from its device buffer (:meth:`~.offload.OffloadManager.refine`), a
+    resident one from its store. ``ready`` is the layer's wait token. The fidelity guard is
+    not built for offloaded layers (the config refuses ``min_coverage`` with offload), so
+    the second output is always False. Returns ``(indices [batch, num_kv_heads, budget]
+    int64, dense: bool scalar)`` as ``refine_selection``."""
+    counters["specontext"]["refine_calls"] += 1
+    if layer in manager.buffers:
+        kept = manager.refine(layer, query, key_cache, value_cache, candidates, length, attn_mask, scale, budget,
+                              sink, window, soft_cap, sliding_window)
+    else:
+        kept, _ = aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
+                                             window, soft_cap, sliding_window)
+    return kept, torch.zeros((), dtype=torch.bool, device=kept.device)
+
+
+@refine_selection_offloaded.register_fake
+def _(manager, query, key_cache, value_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap,
+      sliding_window, ready, layer):
+    b, kv = candidates.shape[:2]
+    return candidates.new_empty((b, kv, budget)), torch.empty((), dtype=torch.bool, device=candidates.device)
+
+
 def _resident(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel, soft_cap, sliding_window):
     """The ordinary sparse attention (the selection comes from a selection node, so the
     static dense shortcut applies)."""
@@ -167,7 +201,8 @@ def _declare_effects() -> None:
     opaque arguments): compilers thread effect tokens through them, never reorder or drop."""
     from torch._library.effects import EffectType
 
-    for op in (offload_anchor, offload_plan, offload_prefetch, offload_wait, sparse_attention_offloaded):
+    for op in (offload_anchor, offload_plan, offload_prefetch, offload_wait, refine_selection_offloaded,
+               sparse_attention_offloaded):
         torch.library._register_effectful_op(op._opoverload, EffectType.ORDERED)
 
 

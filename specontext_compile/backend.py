@@ -143,7 +143,7 @@ def specontext_backend(
     if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
         from .passes.schedule import OffloadSchedulePass
 
-        schedule = OffloadSchedulePass(config.budget, _copy_bandwidth(config, example_inputs))
+        schedule = OffloadSchedulePass(config.prefetch_tokens, _copy_bandwidth(config, example_inputs))
         gm.meta["specontext_offload_schedule"] = schedule(gm.graph)
         pass_uuid = f"{pass_uuid}+{schedule.uuid()}"
     if dumper is not None:

@@ -18,11 +18,11 @@ def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
     """Eight layers over the whole depth, denser early: (2, 4, 8, 12, 16, 20, 24, 28) for 30.
 
     The late layers' picks (16..28) join the first five (issue 12): on SmolLM2-135M at
-    budget 1024 they lift the mean attention recall of the refined selection with 4x
-    candidates from 0.940 to 0.952 at 8K (the worst layers, 21/23/24, from 0.77-0.84 to
-    0.87-0.90), and of one shared selection from 0.875 to 0.884 (docs/fidelity.md,
+    8K and budget 1024 they lift the mean attention recall of the refined selection with
+    4x candidates from 0.945 to 0.955 (layers 21/23/24 from 0.85/0.79/0.82 to
+    0.88/0.90/0.93), and of one shared selection from 0.878 to 0.888 (docs/fidelity.md,
     ``python -m benchmarks.guard_estimate``). Cost: the selection node reads 8 layers'
-    keys once per step instead of 5."""
+    keys once per step instead of 5 (no step-time change measured)."""
     fractions = (1 / 15, 2 / 15, 4 / 15, 6 / 15, 8 / 15, 10 / 15, 12 / 15, 14 / 15)
     picks = {min(num_layers - 1, round(num_layers * f)) for f in fractions}
     return tuple(sorted(picks))
@@ -97,14 +97,16 @@ class SpeContextConfig:
             ``budget`` of them that its own current query attends to most (group max, as
             the paper's GQA rule), so layers no longer share one selection. A float >= 1;
             1.0 = one selection shared by every layer (the paper's design). Costs one read
-            of the candidates' keys per layer.
+            of the candidates' keys per layer. With KV offload the step prefetches the
+            candidates (:attr:`prefetch_tokens` rows per offloaded layer's buffer) and an
+            offloaded layer refines them from its device buffer.
         min_coverage: the fidelity guard (0.0 = off, the default; needs ``candidates > 1``):
             per layer and step, the share of the candidates' attention mass (the layer's own
             softmax over the candidates) that the kept ``budget`` tokens hold, for the worst
             KV head and query head; below ``min_coverage`` the layer attends densely (exact)
             for that step. Counted in ``cache.path_counts()["guard_dense_sites"]``. On CUDA
             it costs one host read per guarded layer and step (the branch). A float in
-            ``[0, 1)``.
+            ``[0, 1)``. Not with KV offload (``device_memory_bytes``): ``ValueError``.
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
             None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
@@ -196,10 +198,6 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'candidates' must be a finite number >= 1 (candidate tokens "
                              f"as a multiple of the budget; 1 = one shared selection), got {c!r}")
         object.__setattr__(self, "candidates", float(c))
-        if c > 1 and dm is not None:
-            raise ValueError("specontext options 'candidates' > 1 and 'device_memory_bytes' cannot be combined "
-                             "yet (the offload path attends to the prefetched selection as is); set "
-                             "candidates=1 or unset device_memory_bytes")
         g = self.min_coverage
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
             raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
@@ -209,8 +207,18 @@ class SpeContextConfig:
             raise ValueError("specontext option 'min_coverage' needs 'candidates' > 1 (the guard's estimate "
                              "is the share of the candidates' attention that each layer keeps); set "
                              "candidates=2 for example")
+        if g > 0 and dm is not None:
+            raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
+                             "yet (the guard's dense fallback would read an offloaded layer's host tier); set "
+                             "min_coverage=0 or unset device_memory_bytes")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
+
+    @property
+    def prefetch_tokens(self) -> int:
+        """Tokens per KV head the selection node picks and KV offload prefetches each step:
+        ``ceil(candidates * budget)`` (the rows of an offloaded layer's device buffer)."""
+        return max(self.budget, math.ceil(self.candidates * self.budget))
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> SpeContextConfig:

@@ -349,3 +349,53 @@ def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplo
         bare = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, 3)
     assert any("has no offload manager" in r.getMessage() for r in caplog.records)
     _assert_same(bare, _reference(model, ids, 3))
+
+
+class _OffloadedTwoStage(_Offloaded):
+    """Offload with the two-stage selection: device buffers hold the step's candidates."""
+
+    def __init__(self, model, size_fn, options):
+        self.forward = torch.compile(model.forward, backend="specontext",
+                                     options=dict(options, device_memory_bytes=1 << 40))
+        self.cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+        rows = sc.SpeContextConfig(**options).prefetch_tokens
+        self.manager = enable_offload(self.cache, model, 1 << 40, rows)
+        self.size_fn, self._sized = size_fn, False
+
+
+@pytest.mark.parametrize("size_fn", [_progressive, _all_at_once], ids=["progressive", "all"])
+def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
+    """candidates=2 (issue 12): the step prefetches its 32 candidates per KV head; an offloaded
+    layer refines them from its device buffer and attends to its 16 from the same buffer."""
+    options = dict(OPTS, candidates=2.0)
+    model, ids = tiny_llama(layers=3), _ids()
+    forward = torch.compile(model.forward, backend="specontext", options=options)
+    ref = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, STEPS)
+    torch._dynamo.reset()
+    counters.clear()
+    run = _OffloadedTwoStage(model, size_fn, options)
+    out = _run(run, run.cache, ids, STEPS)
+    _assert_same(out, ref)
+    assert len(run.manager.offloaded) >= 2
+    assert all(buf.keys.shape[2] == 32 for buf in run.manager.buffers.values())  # candidate rows
+    c = counters["specontext"]
+    assert c["refine_calls"] == 3 * STEPS  # every layer refines every step
+    assert 0 < c["offloaded_refine_calls"] == c["offloaded_attention_calls"] < c["refine_calls"] + 1
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    graph = decode[-1].graph_module.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for refine in (n for n in graph.nodes if n.target is torch.ops.specontext.refine_selection_offloaded.default):
+        wait = refine.args[13]
+        assert wait.target is torch.ops.specontext.offload_wait.default and order[wait] < order[refine]
+        prefetch = wait.args[1]
+        assert prefetch.args[2] is refine.args[4]  # the prefetch loads the candidates, not the kept set
+
+
+def test_offload_buffers_smaller_than_the_candidates_name_the_fix():
+    options = dict(OPTS, candidates=2.0)
+    model, ids = tiny_llama(layers=2), _ids()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(options, device_memory_bytes=1 << 40))
+    cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+    enable_offload(cache, model, 1 << 40, OPTS["budget"])  # budget rows, not the 32 candidates
+    with pytest.raises(Exception, match=r"ceil\(candidates \* budget\)"):
+        _run(forward, cache, ids, 2)

@@ -280,11 +280,17 @@ def test_no_refinement_where_it_must_not_fire():
     ({"candidates": 0.5}, "candidates"), ({"candidates": float("nan")}, "candidates"),
     ({"candidates": True}, "candidates"), ({"min_coverage": 1.0, "candidates": 2}, "min_coverage"),
     ({"min_coverage": 0.5}, "needs 'candidates' > 1"),
-    ({"candidates": 2, "device_memory_bytes": 1 << 20}, "device_memory_bytes"),
+    ({"candidates": 2, "min_coverage": 0.5, "device_memory_bytes": 1 << 20}, "min_coverage=0"),
 ])
 def test_bad_two_stage_options_name_the_fix(bad, match):
     with pytest.raises(ValueError, match=match):
         sc.SpeContextConfig(**bad)
+
+
+def test_prefetch_tokens_are_the_candidate_slots():
+    assert sc.SpeContextConfig(budget=100, candidates=1.5).prefetch_tokens == 150
+    assert sc.SpeContextConfig(budget=100).prefetch_tokens == 100
+    assert sc.SpeContextConfig(budget=3, candidates=1.1).prefetch_tokens == math.ceil(3.3)
 
 
 def test_candidate_slots_round_up():
