@@ -268,6 +268,7 @@ SPECONTEXT_VARIANTS = {
     "c2": {"candidates": 2.0},  # two-stage selection (issue 12): 2 x budget candidates, per-layer top budget
     "c4": {"candidates": 4.0},
     "c4g": {"candidates": 4.0, "min_coverage": 0.9},  # with the fidelity guard
+    "cinf": {"candidates": math.inf},  # every layer its own exact top budget (reads every key, in place)
     # the five retrieval layers of the 30-layer default before issue 12's second pass (now eight)
     "r5": {"retrieval_layers": (2, 4, 8, 12, 20)},
     "r5c4": {"retrieval_layers": (2, 4, 8, 12, 20), "candidates": 4.0},
@@ -312,14 +313,14 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
     context)`` candidates (to score them with its own query) and the values of the
     ``budget`` it keeps.
     """
-    from specontext_compile.config import default_retrieval_layers
+    from specontext_compile.config import candidate_slots, default_retrieval_layers
 
     layers, kv_heads, head_dim = kv_layout(config)
     per_token = kv_heads * head_dim * elem  # one of K or V, one layer
     if name.startswith("specontext"):
         budget, options = parse_specontext(name)
         selected = min(budget, context)
-        keys = min(math.ceil(options.get("candidates", 1.0) * budget), context)
+        keys = min(candidate_slots(budget, options.get("candidates", 1.0)), context)
         retrieval = len(options.get("retrieval_layers", default_retrieval_layers(layers)))
         kv = batch * (layers * (keys + selected) + retrieval * context) * per_token
     else:

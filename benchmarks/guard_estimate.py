@@ -39,13 +39,13 @@ import math
 from pathlib import Path
 
 import torch
+from specontext_compile.runtime import aten_step
+from specontext_compile.runtime.policies import DecodeStep, Quest
 
 from benchmarks.fidelity import layer_probs, record
 from benchmarks.fidelity_backend import harness_ids
 from specontext_compile.config import default_retrieval_layers
 from specontext_compile.models import load_model
-from specontext_compile.runtime import aten_step
-from specontext_compile.runtime.policies import DecodeStep, Quest
 
 __all__ = ["kept_recall", "measure"]
 

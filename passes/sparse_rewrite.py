@@ -29,7 +29,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
-import math
 import operator
 from pathlib import Path
 
@@ -37,7 +36,7 @@ import torch
 from torch._higher_order_ops.effects import _get_effect
 from torch import fx
 
-from ..config import default_retrieval_layers
+from ..config import candidate_slots, default_retrieval_layers
 from ..runtime.protocol import DraftAnchor, RetrievalAnchor
 from .sites import (KV_WRITE, AttentionSite, decoder_layer_outputs, find_attention_sites,
                     find_token_embedding, is_op)
@@ -123,7 +122,7 @@ class SparseAttentionPass:
                  candidates: float = 1.0, min_coverage: float = 0.0):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
         self.candidates, self.min_coverage = candidates, min_coverage
-        self.candidate_slots = max(budget, math.ceil(candidates * budget))
+        self.candidate_slots = candidate_slots(budget, candidates)
         self.dense_shortcut = dense_shortcut
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
         self.kernel, self.retrieval_head = kernel, retrieval_head

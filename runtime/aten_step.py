@@ -21,7 +21,13 @@ from __future__ import annotations
 import torch
 
 from .protocol import GUARD_STAT
-from .sparse_attention import _gather_tokens, query_key_logits, selected_logits, sparse_attention_reference
+from .sparse_attention import (
+    _gather_tokens,
+    causal_limit_mask,
+    query_key_logits,
+    selected_logits,
+    sparse_attention_reference,
+)
 
 __all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
            "record_query", "refine_gathered", "refine_selection", "row_visibility", "select_positions", "sparse_attention",
@@ -338,7 +344,22 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
                     sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
                     rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
-    (float32 ``[batch, num_kv_heads]``), arguments as there."""
+    (float32 ``[batch, num_kv_heads]``), arguments as there.
+
+    When the candidates have a slot for every position of the store (decided from shapes:
+    option ``candidates=inf``, or a budget multiple that reaches the capacity) the keys are
+    read in place, without a gather: the candidates are then every position the step's
+    rows may see (causal limit, sliding window, visible in the mask), the same set the
+    selection node returned, in position order."""
+    if candidates.shape[-1] >= key_cache.shape[-2] and rope_cache is None:
+        b, num_kv, capacity, _ = key_cache.shape
+        pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
+        seen = causal_limit_mask(pos, length, query.shape[2], sliding_window).any(dim=2)
+        visible = row_visibility(attn_mask, capacity)
+        if visible is not None:
+            seen = seen & visible
+        return refine_gathered(query, key_cache, torch.where(seen, pos, -1), length, attn_mask, scale, budget,
+                               sink, window, soft_cap, sliding_window)
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
     if rope_cache is not None:
         keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)

@@ -6,7 +6,8 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["MAX_RETRIEVAL_LAYERS", "MODES", "SpeContextConfig", "default_retrieval_layers"]
+__all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "SpeContextConfig", "candidate_slots",
+           "default_retrieval_layers"]
 
 _INNER = ("auto", "eager", "inductor")
 _KERNELS = ("auto", "torch", "triton")
@@ -26,6 +27,17 @@ def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
     fractions = (1 / 15, 2 / 15, 4 / 15, 6 / 15, 8 / 15, 10 / 15, 12 / 15, 14 / 15)
     picks = {min(num_layers - 1, round(num_layers * f)) for f in fractions}
     return tuple(sorted(picks))
+
+
+ALL_TOKENS = 1 << 40  # candidates=inf: more slots than any store; the ops clamp it to the capacity
+
+
+def candidate_slots(budget: int, candidates: float) -> int:
+    """Candidate tokens per KV head the selection node picks: ``ceil(candidates * budget)``,
+    at least ``budget``; :data:`ALL_TOKENS` (every cached token) for ``candidates=inf``."""
+    if candidates == math.inf:
+        return ALL_TOKENS
+    return max(budget, math.ceil(candidates * budget))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +111,10 @@ class SpeContextConfig:
             1.0 = one selection shared by every layer (the paper's design). Costs one read
             of the candidates' keys per layer. With KV offload the step prefetches the
             candidates (:attr:`prefetch_tokens` rows per offloaded layer's buffer) and an
-            offloaded layer refines them from its device buffer.
+            offloaded layer refines them from its device buffer. ``float("inf")``: every
+            cached token is a candidate, so each layer keeps its own exact top ``budget``
+            (the per-layer oracle; the paper's "layer-wise retrieval"): it reads every key
+            of every layer, in place (no gather), and cannot be offloaded.
         min_coverage: the fidelity guard (0.0 = off, the default; needs ``candidates > 1``):
             per layer and step, the share of the candidates' attention mass (the layer's own
             softmax over the candidates) that the kept ``budget`` tokens hold, for the worst
@@ -194,10 +209,15 @@ class SpeContextConfig:
                 raise ValueError(f"specontext option {name!r} must be None, True or False, "
                                  f"got {getattr(self, name)!r}")
         c = self.candidates
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0 or c == float("inf"):
-            raise ValueError(f"specontext option 'candidates' must be a finite number >= 1 (candidate tokens "
-                             f"as a multiple of the budget; 1 = one shared selection), got {c!r}")
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0:
+            raise ValueError(f"specontext option 'candidates' must be a number >= 1 (candidate tokens as a "
+                             f"multiple of the budget; 1 = one shared selection; inf = every cached token), "
+                             f"got {c!r}")
         object.__setattr__(self, "candidates", float(c))
+        if c == math.inf and dm is not None:
+            raise ValueError("specontext options candidates=inf and 'device_memory_bytes' cannot be combined: "
+                             "every layer would read every cached key, so nothing can stay on the host tier; "
+                             "set a finite candidates (e.g. 4) or unset device_memory_bytes")
         g = self.min_coverage
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
             raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
@@ -218,7 +238,7 @@ class SpeContextConfig:
     def prefetch_tokens(self) -> int:
         """Tokens per KV head the selection node picks and KV offload prefetches each step:
         ``ceil(candidates * budget)`` (the rows of an offloaded layer's device buffer)."""
-        return max(self.budget, math.ceil(self.candidates * self.budget))
+        return candidate_slots(self.budget, self.candidates)
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> SpeContextConfig:

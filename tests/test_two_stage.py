@@ -299,3 +299,56 @@ def test_candidate_slots_round_up():
     p = SparseAttentionPass(100, 4, 8, None, candidates=1.5)
     assert p.candidate_slots == 150
     assert SparseAttentionPass(3, 0, 1, None, candidates=1.1).candidate_slots == math.ceil(3.3)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), pads=st.integers(0, 5), window=st.sampled_from([0, 7]),
+       additive=st.booleans(), q_len=st.sampled_from([1, 2]))
+def test_refinement_over_the_whole_store_equals_the_gathered_one(seed, pads, window, additive, q_len):
+    """candidates=inf reads the store in place: the same kept positions and coverage as the
+    gather path given the same candidate set (every position the step's rows may see)."""
+    g = torch.Generator().manual_seed(seed)
+    b, kv, heads, d, capacity, written = 2, 2, 4, 8, 40, 31
+    query = torch.randn(b, heads, q_len, d, generator=g)
+    keys = torch.randn(b, kv, capacity, d, generator=g)
+    length = torch.tensor(written)
+    visible = torch.ones(b, 1, capacity, dtype=torch.bool)
+    visible[1, :, :pads] = False  # row 1 is left-padded
+    mask = visible[:, :, None, :].expand(b, 1, q_len, capacity)
+    if additive:
+        mask = torch.zeros(b, 1, q_len, capacity).masked_fill(~mask, torch.finfo(torch.float32).min)
+    covering = torch.full((b, kv, capacity), 0)  # width == capacity: the in-place path
+    scores = torch.rand(b, kv, capacity, generator=g)
+    seen = aten_step.select_positions(scores, length - q_len, q_len, capacity - 1, 0, 0, window, visible)
+    args = (length, mask, 0.3, 6, 2, 3, None, window)
+    kept_all, cov_all = aten_step.refine_coverage(query, keys, covering, *args)
+    kept_gather, cov_gather = aten_step.refine_coverage(query, keys, seen, *args)
+    assert torch.equal(kept_all, kept_gather)
+    torch.testing.assert_close(cov_all, cov_gather, atol=1e-6, rtol=1e-6)
+
+
+SMALL_WINDOW = {"budget": 8, "sink_tokens": 1, "recent_window": 2, "inner": "eager"}  # 5 slots chosen by score
+
+
+def test_candidates_inf_is_each_layers_exact_top_budget():
+    """candidates=inf end to end: the same logits as a finite candidate set that holds every
+    written token on the gather path (so the in-place path keeps what the gather path keeps),
+    and not the shared selection's (the refinement really ran: counters)."""
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(4))
+    counters.clear()
+    every, cache = _compiled_steps(model, ids, 4, candidates=float("inf"), **SMALL_WINDOW)
+    assert counters["specontext"]["refine_calls"] == 4 * len(model.model.layers)
+    assert cache.path_counts()["gather_sites"] == 4 * len(model.model.layers)
+    gathered, _ = _compiled_steps(model, ids, 4, candidates=6.75, **SMALL_WINDOW)  # 54 of 55 slots
+    torch.testing.assert_close(every, gathered, atol=1e-5, rtol=1e-5)
+    shared, _ = _compiled_steps(model, ids, 4, **SMALL_WINDOW)
+    assert (every - shared).abs().max() > 1e-6  # another selection (a random tiny model: small logit moves)
+
+
+def test_candidates_inf_options():
+    from specontext_compile.config import ALL_TOKENS
+
+    assert sc.SpeContextConfig(budget=64, candidates=math.inf).prefetch_tokens == ALL_TOKENS
+    with pytest.raises(ValueError, match="candidates=inf"):
+        sc.SpeContextConfig(candidates=math.inf, device_memory_bytes=1 << 30)
