@@ -104,5 +104,25 @@ def test_floor_counts_the_retrieval_layers_and_candidates_of_each_variant():
     assert kv("specontext-r5-1024") == (30 * (1024 + 1024) + 5 * 8192) * per_token
     assert kv("specontext-c4-1024") == (30 * (4096 + 1024) + 8 * 8192) * per_token
     assert kv("specontext-r5c4-1024") == (30 * (4096 + 1024) + 5 * 8192) * per_token
+    assert kv("specontext-cinf-1024") == (30 * (8192 + 1024) + 8 * 8192) * per_token  # every key, in place
     assert kv("hf-eager") == 30 * 2 * 8192 * per_token
 
+
+def test_far_context_backend_is_exact_at_full_budget_on_the_gather_path():
+    """The benchmark's sparse run equals its dense run when the budget holds every token and
+    the covers-context shortcut is off (so the gather path really ran: counters asserted)."""
+    import torch
+
+    from benchmarks.far_context_backend import dense_logits, sparse_logits
+
+    model = decode.random_model(decode.tiny_config())
+    prompt, fed = torch.randint(0, 100, (40,)), torch.randint(0, 100, (6,))
+    forward = torch.compile(model.forward, backend="specontext",
+                            options={"budget": 64, "dense_shortcut": False, "inner": "eager"})
+    sparse, paths = sparse_logits(forward, model.config, prompt, fed, capacity=64)
+    dense = dense_logits(model, prompt, fed)
+    layers = model.config.num_hidden_layers
+    assert paths["gather_sites"] == paths["sparse_sites"] == layers * fed.numel(), paths
+    assert paths["dense_store_sites"] == 0, paths
+    torch.testing.assert_close(sparse, dense, atol=1e-4, rtol=1e-4)
+    assert torch.equal(sparse.argmax(-1), dense.argmax(-1))
