@@ -153,7 +153,7 @@ def _add_run(sub) -> None:
                           "`specontext distill --variant embedding`) used instead of the lagged query")
     run.add_argument("--candidates", type=float, default=None,
                      help="two-stage selection: candidate tokens as a multiple of the budget (default: the "
-                          "backend's; 1 = one selection shared by every layer)")
+                          "backend's; 1 = one selection shared by every layer; inf = each layer's exact top budget)")
     run.add_argument("--min-coverage", type=float, default=None,
                      help="fidelity guard: a layer whose kept tokens hold less of its candidates' attention "
                           "runs dense (0 = off; needs --candidates > 1)")

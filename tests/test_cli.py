@@ -139,7 +139,7 @@ def test_a_failed_final_write_keeps_the_figures(tmp_path, capsys):
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "0"], "'budget' must be an int >= 1"),
     (["--recent-window", "-1"], "'recent_window' must be an int >= 0"),
-    (["--candidates", "0.5"], "'candidates' must be a finite number >= 1"),
+    (["--candidates", "0.5"], "'candidates' must be a number >= 1"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
 ], ids=["budget", "recent-window", "candidates", "max-new-tokens"])
 def test_bad_option_values_are_refused_before_loading(tmp_path, monkeypatch, capsys, argv, message):
