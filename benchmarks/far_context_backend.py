@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import shlex
 import sys
 import time
@@ -161,7 +162,7 @@ def main() -> None:
                 logits, paths = sparse_logits(forward, model.config, prompt, fed, capacity)
                 argmax, nll = scored(logits, task, first)
                 result["results"].setdefault(setting, {}).setdefault(name, {})[f"b{budget}_c{c:g}"] = {
-                    "budget": budget, "candidates": c,
+                    "budget": budget, "candidates": c if math.isfinite(c) else "inf",
                     "agreement": float((argmax == d_arg).double().mean()),
                     "nll_delta": float((nll - d_nll).mean()),
                     "accuracy": float((argmax == task.continuation[1:]).double().mean()),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import logging
 import time
 from pathlib import Path
@@ -115,7 +116,7 @@ def main() -> None:
                     options["min_coverage"] = guard
                 run = sparse_run(model, ids, args.context, args.steps, **options)
                 res["runs"][name] = {
-                    "budget": budget, "candidates": cand, "min_coverage": guard,
+                    "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
                     "agreement": float((run["argmax"] == dense_argmax).double().mean()),
                     "nll_delta": float(run["nll"].mean()) - res["dense_nll"],
                     "paths": run["paths"], "seconds": round(run["seconds"], 1),

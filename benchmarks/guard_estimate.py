@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 import torch
@@ -44,7 +43,7 @@ from specontext_compile.runtime.policies import DecodeStep, Quest
 
 from benchmarks.fidelity import layer_probs, record
 from benchmarks.fidelity_backend import harness_ids
-from specontext_compile.config import default_retrieval_layers
+from specontext_compile.config import candidate_slots, default_retrieval_layers
 from specontext_compile.models import load_model
 
 __all__ = ["kept_recall", "measure"]
@@ -73,7 +72,8 @@ def page_rescued(cand: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, sc
     bound = Quest().scores(step, 0)  # [kv, n - 1]: every cached token takes its page's bound
     chosen = torch.zeros(keys.shape[1], n, dtype=torch.bool)
     chosen.scatter_(1, bound.topk(min(tokens, n - 1), dim=-1).indices, True)
-    chosen.scatter_(1, cand[0].clamp(min=0), cand[0] >= 0)
+    valid = cand[0] >= 0  # -1 padding marks nothing (it would clear position 0)
+    chosen.scatter_(1, torch.where(valid, cand[0], cand[0].amax(-1, keepdim=True)).clamp(min=0), True)
     width = int(chosen.sum(-1).max())
     ranked = torch.where(chosen, torch.arange(n), -1).sort(-1).values
     return ranked[:, -width:][None]
@@ -94,13 +94,15 @@ def measure(queries, keys, context: int, scale: float, budget: int, candidates: 
         recorded = torch.full((len(retrieval),), n_after - 1, dtype=torch.long)
         scores = aten_step.lagged_query_scores(state, recorded, [k[j] for j in retrieval],
                                                torch.tensor(n_after - 1), scale)
-        slots = min(math.ceil(candidates * budget), n_after)
+        slots = min(candidate_slots(budget, candidates), n_after)
         cand = aten_step.select_positions(scores, torch.tensor(n_after - 1), 1, slots, sink, window)
         for l in range(layers):
             layer_cand = page_rescued(cand, queries[i][l], k[l], scale, page_rescue) if page_rescue else cand
             if layer_cand.shape[-1] > budget:
-                kept, coverage = aten_step.refine_coverage(queries[i][l], k[l], layer_cand, torch.tensor(n_after),
-                                                           None, scale, budget, sink, window)
+                # gathered here: a candidate row as wide as the store must not read as "every position"
+                idx = layer_cand.clamp(min=0)[..., None].expand(-1, -1, -1, k[l].shape[-1])
+                kept, coverage = aten_step.refine_gathered(queries[i][l], k[l].gather(2, idx), layer_cand,
+                                                           torch.tensor(n_after), None, scale, budget, sink, window)
                 cov = float(coverage.min())
             else:
                 kept, cov = layer_cand, 1.0

@@ -55,6 +55,7 @@ import bisect
 import dataclasses
 import functools
 import json
+import math
 import logging
 import os
 import pydoc_data.topics
@@ -434,7 +435,8 @@ def main(argv: list[str] | None = None) -> None:
                 t0 = time.perf_counter()
                 answer, counts = run_ours(model, tok, prompt, args.max_new_tokens, capacity)
                 cases[name]["ours"][cname] = {
-                    "budget": budget, "candidates": candidates, "answer": answer,
+                    "budget": budget, "candidates": candidates if math.isfinite(candidates) else "inf",
+                    "answer": answer,
                     "solved": is_solved(answer, prompt.key), "path_counts": counts,
                     "seconds": round(time.perf_counter() - t0, 1)}
                 logger.info("%s %s: %r solved=%s sparse_sites=%s (%.0fs)", name, cname, answer,

@@ -350,7 +350,8 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
     option ``candidates=inf``, or a budget multiple that reaches the capacity) the keys are
     read in place, without a gather: the candidates are then every position the step's
     rows may see (causal limit, sliding window, visible in the mask), the same set the
-    selection node returned, in position order."""
+    selection node returned, in position order. The kept set is then the gather path's, up
+    to which of several exactly equal scores ``topk`` keeps."""
     if candidates.shape[-1] >= key_cache.shape[-2] and rope_cache is None:
         b, num_kv, capacity, _ = key_cache.shape
         pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)

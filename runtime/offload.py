@@ -437,6 +437,11 @@ class OffloadManager(OpaqueBase):
                    cached: int, q_len: int) -> None:
         """Start a decode step: run the adaptive plan for ``cached + q_len`` tokens and keep
         what :meth:`rollback` needs."""
+        if indices.shape[-1] > self.budget:
+            raise ValueError(
+                f"specontext offload: the step prefetches {indices.shape[-1]} tokens per KV head but the "
+                f"device buffers hold {self.budget}; with option candidates > 1 pass "
+                f"budget=ceil(candidates * budget) to enable_offload (specontext_compile.compile does)")
         if self._failed is not None:
             raise OffloadCopyError(
                 f"{self._failed}; call OffloadManager.rollback() (or cache.offload.rollback()) "
@@ -446,11 +451,6 @@ class OffloadManager(OpaqueBase):
         if self.trace is not None and self._step >= 0:
             self.trace.end_step(self._step)
             self.trace.write(self.trace_path)
-        if indices.shape[-1] > self.budget:
-            raise ValueError(
-                f"specontext offload: the step prefetches {indices.shape[-1]} tokens per KV head but the "
-                f"device buffers hold {self.budget}; with option candidates > 1 pass "
-                f"budget=ceil(candidates * budget) to enable_offload (specontext_compile.compile does)")
         self._step += 1
         self.selection = indices  # this step's selection [batch, kv_heads, budget]
         self._step_start = {

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import sys
 import tempfile
@@ -108,12 +109,24 @@ def _umask() -> int:
     return mask
 
 
+def _json_safe(data):
+    """``data`` with infinite floats (``candidates=inf``) as the string ``"inf"``: strict JSON
+    has no Infinity."""
+    if isinstance(data, float) and math.isinf(data):
+        return "inf" if data > 0 else "-inf"
+    if isinstance(data, dict):
+        return {k: _json_safe(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [_json_safe(v) for v in data]
+    return data
+
+
 def write_json(path: Path, data, what: str) -> int:
     """Write ``data`` as JSON to ``path`` through a temporary file and a rename (a reader never
     sees half a file; an old file survives a failed write). If that fails after all (the folder
     vanished, the disk filled up), the figures go to a file in the temp dir instead of being lost.
     Returns the exit code: 0, or 1 when the fallback was used."""
-    text = json.dumps(data, indent=2) + "\n"
+    text = json.dumps(_json_safe(data), indent=2) + "\n"
     path = Path(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -158,3 +158,16 @@ def test_json_report_gets_the_usual_file_mode(tmp_path):
     finally:
         os.umask(mask)
     assert (tmp_path / "run.json").stat().st_mode & 0o777 == 0o644
+
+
+def test_json_report_writes_candidates_inf_as_strict_json(tmp_path):
+    import json
+    import math
+
+    from specontext_compile.cli import write_json
+
+    out = tmp_path / "run.json"
+    write_json(out, {"candidates": math.inf, "nested": [1.0, {"x": -math.inf}]}, "report")
+    text = out.read_text()
+    assert "Infinity" not in text
+    assert json.loads(text) == {"candidates": "inf", "nested": [1.0, {"x": "-inf"}]}

@@ -51,3 +51,11 @@ def test_measure_with_page_rescue_recovers_a_token_the_candidates_miss():
     without = measure(queries, keys, context, D ** -0.5, 4, 1.0, 1, 2, (0,))
     with_pages = measure(queries, keys, context, D ** -0.5, 4, 1.0, 1, 2, (0,), page_rescue=16)
     assert without[0]["recall"] < 0.5 and with_pages[0]["recall"] > 0.9
+
+
+def test_page_rescued_padding_clears_nothing():
+    """-1 padding in the candidates marks no position (it once cleared position 0)."""
+    n, far = 96, 5
+    _, keys = _crafted(n - 1, 1, far)
+    out = page_rescued(torch.tensor([[[-1, -1, 93, 94]]]), torch.full((1, H, 1, D), 6.0), keys[0], D ** -0.5, 16)
+    assert set(range(16)) | {93, 94} == set(out[0, 0].tolist()) - {-1}
