@@ -267,7 +267,6 @@ SPECONTEXT_VARIANTS = {
     "cudagraphs": {"inner": "inductor", "mode": "reduce-overhead"},
     "c2": {"candidates": 2.0},  # two-stage selection (issue 12): 2 x budget candidates, per-layer top budget
     "c4": {"candidates": 4.0},
-    "c4g": {"candidates": 4.0, "min_coverage": 0.9},  # with the fidelity guard
     "cinf": {"candidates": math.inf},  # every layer its own exact top budget (reads every key, in place)
     # the five retrieval layers of the 30-layer default before issue 12's second pass (now eight)
     "r5": {"retrieval_layers": (2, 4, 8, 12, 20)},

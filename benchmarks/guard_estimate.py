@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.policies import DecodeStep, Quest
+from specontext_compile.runtime.sparse_attention import _gather_tokens  # the ops' own gather
 
 from benchmarks.fidelity import layer_probs, record
 from benchmarks.fidelity_backend import harness_ids
@@ -100,8 +101,8 @@ def measure(queries, keys, context: int, scale: float, budget: int, candidates: 
             layer_cand = page_rescued(cand, queries[i][l], k[l], scale, page_rescue) if page_rescue else cand
             if layer_cand.shape[-1] > budget:
                 # gathered here: a candidate row as wide as the store must not read as "every position"
-                idx = layer_cand.clamp(min=0)[..., None].expand(-1, -1, -1, k[l].shape[-1])
-                kept, coverage = aten_step.refine_gathered(queries[i][l], k[l].gather(2, idx), layer_cand,
+                keys_l = _gather_tokens(k[l], layer_cand.clamp(min=0))
+                kept, coverage = aten_step.refine_gathered(queries[i][l], keys_l, layer_cand,
                                                            torch.tensor(n_after), None, scale, budget, sink, window)
                 cov = float(coverage.min())
             else:

@@ -380,7 +380,7 @@ def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     assert all(buf.keys.shape[2] == 32 for buf in run.manager.buffers.values())  # candidate rows
     c = counters["specontext"]
     assert c["refine_calls"] == 3 * STEPS  # every layer refines every step
-    assert 0 < c["offloaded_refine_calls"] == c["offloaded_attention_calls"] < c["refine_calls"] + 1
+    assert 0 < c["offloaded_refine_calls"] == c["offloaded_attention_calls"] <= c["refine_calls"]
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     graph = decode[-1].graph_module.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
