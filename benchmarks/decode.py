@@ -271,6 +271,12 @@ SPECONTEXT_VARIANTS = {
     # the five retrieval layers of the 30-layer default before issue 12's second pass (now eight)
     "r5": {"retrieval_layers": (2, 4, 8, 12, 20)},
     "r5c4": {"retrieval_layers": (2, 4, 8, 12, 20), "candidates": 4.0},
+    # the page rescue (issue 12): each layer adds the tokens of its best pages by Quest's bound
+    "p0": {"page_rescue": 0},  # no page rescue (the default before issue 12's third pass)
+    "p1k": {"page_rescue": 1024},
+    "p2k": {"page_rescue": 2048},
+    "c2p2k": {"candidates": 2.0, "page_rescue": 2048},
+    "c4p1k": {"candidates": 4.0, "page_rescue": 1024},
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
 }
 
@@ -310,16 +316,23 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
     retrieval layer (the lagged-query head scores every cached token); with the two-stage
     selection (``candidates`` c > 1) each layer reads the keys of ``min(ceil(c * budget),
     context)`` candidates (to score them with its own query) and the values of the
-    ``budget`` it keeps.
+    ``budget`` it keeps. The page rescue (``page_rescue`` r) adds, per layer, the page
+    bounds (``2 / 16`` of the context's keys) and the keys of ``r`` more tokens.
     """
-    from specontext_compile.config import candidate_slots, default_retrieval_layers
+    from specontext_compile.config import SpeContextConfig, candidate_slots, default_retrieval_layers
+    from specontext_compile.runtime.page_bounds import PAGE_TOKENS
 
     layers, kv_heads, head_dim = kv_layout(config)
     per_token = kv_heads * head_dim * elem  # one of K or V, one layer
     if name.startswith("specontext"):
         budget, options = parse_specontext(name)
         selected = min(budget, context)
-        keys = min(candidate_slots(budget, options.get("candidates", 1.0)), context)
+        rescue = SpeContextConfig(budget=budget, **options).page_rescue  # resolves the default (2 x budget)
+        keys = candidate_slots(budget, options.get("candidates", 1.0))
+        if keys >= context:  # every position: keys read in place, no page bounds (candidates=inf)
+            keys = context
+        elif rescue:  # + the rescued keys and the page bounds (a min and a max row per page)
+            keys = min(keys + rescue, context) + 2 * -(-context // PAGE_TOKENS)
         retrieval = len(options.get("retrieval_layers", default_retrieval_layers(layers)))
         kv = batch * (layers * (keys + selected) + retrieval * context) * per_token
     else:

@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=128)
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024])
     parser.add_argument("--candidates", type=float, nargs="+", default=[1.0, 4.0])
+    parser.add_argument("--page-rescue", type=int, default=None,
+                        help="option page_rescue for every configuration (default: the backend's, 2 x budget)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
     parser.add_argument("--kvpress-json", type=Path, default=Path("docs/fidelity_kvpress_8k.json"),
                         help="the kvpress peer's JSON, to check that both ran the same tokens")
@@ -155,14 +157,16 @@ def main() -> None:
     for budget in args.budgets:
         for c in args.candidates:
             torch._dynamo.reset()
-            options = {"budget": budget, "candidates": c}
+            options = {"budget": budget, "candidates": c, "page_rescue": args.page_rescue}
+            rescue = sc.SpeContextConfig.from_options(options).page_rescue  # the default resolved
             forward = torch.compile(model.forward, backend="specontext", options=options)
             for (setting, name), (task, prompt, fed, first, d_arg, d_nll) in tqdm(inputs.items(), desc=str(options)):
                 start = time.perf_counter()
                 logits, paths = sparse_logits(forward, model.config, prompt, fed, capacity)
                 argmax, nll = scored(logits, task, first)
-                result["results"].setdefault(setting, {}).setdefault(name, {})[f"b{budget}_c{c:g}"] = {
-                    "budget": budget, "candidates": c if math.isfinite(c) else "inf",
+                key = f"b{budget}_c{c:g}" + (f"_r{rescue}" if rescue else "")  # no suffix: no rescue
+                result["results"].setdefault(setting, {}).setdefault(name, {})[key] = {
+                    "budget": budget, "candidates": c if math.isfinite(c) else "inf", "page_rescue": rescue,
                     "agreement": float((argmax == d_arg).double().mean()),
                     "nll_delta": float((nll - d_nll).mean()),
                     "accuracy": float((argmax == task.continuation[1:]).double().mean()),

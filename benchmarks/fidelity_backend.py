@@ -83,6 +83,11 @@ def sparse_run(model, ids: torch.Tensor, context: int, steps: int, **options) ->
             "seconds": time.perf_counter() - start}
 
 
+def _rescue_arg(text: str) -> int | None:
+    """``--page-rescue`` values: tokens, or "default" (None: the backend's default)."""
+    return None if text in ("default", "None") else int(text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8192)
@@ -91,6 +96,9 @@ def main() -> None:
     parser.add_argument("--candidates", type=float, nargs="+", default=[1.0, 2.0, 4.0])
     parser.add_argument("--min-coverage", type=float, nargs="+", default=[0.0],
                         help="fidelity guard thresholds (0 = off)")
+    parser.add_argument("--page-rescue", type=_rescue_arg, nargs="+", default=[None],
+                        help="tokens of rescued pages per layer (option page_rescue; 0 = off; 'default' = the "
+                             "backend's default, 2 x budget); every value is run with every --candidates")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -108,22 +116,26 @@ def main() -> None:
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items())
     for budget in args.budgets:
-        for cand in args.candidates:
-            for guard in args.min_coverage:
-                name = f"budget={budget} candidates={cand:g} min_coverage={guard:g}"
-                options = {"budget": budget, "candidates": cand, "inner": args.inner}
-                if guard:
-                    options["min_coverage"] = guard
-                run = sparse_run(model, ids, args.context, args.steps, **options)
-                res["runs"][name] = {
-                    "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
-                    "agreement": float((run["argmax"] == dense_argmax).double().mean()),
-                    "nll_delta": float(run["nll"].mean()) - res["dense_nll"],
-                    "paths": run["paths"], "seconds": round(run["seconds"], 1),
-                }
-                logger.info("%s: %s", name, res["runs"][name])
-                args.out.parent.mkdir(parents=True, exist_ok=True)
-                args.out.write_text(json.dumps(out, indent=1) + "\n")
+        for cand, guard, rescue in [(c, g, r) for r in args.page_rescue for c in args.candidates
+                                    for g in args.min_coverage]:
+            name = f"budget={budget} candidates={cand:g} min_coverage={guard:g}"
+            options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue}
+            if guard:
+                options["min_coverage"] = guard
+            rescue = sc.SpeContextConfig.from_options(options).page_rescue  # the default resolved
+            name += f" page_rescue={rescue}"
+            run = sparse_run(model, ids, args.context, args.steps, **options)
+            res["runs"][name] = {
+                "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
+                "page_rescue": rescue,
+                "agreement": float((run["argmax"] == dense_argmax).double().mean()),
+                "nll_delta": float(run["nll"].mean()) - res["dense_nll"],
+                "paths": run["paths"], "seconds": round(run["seconds"], 1),
+                "command": res["command"],  # each run keeps the command that made it (a file gathers several)
+            }
+            logger.info("%s: %s", name, res["runs"][name])
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps(out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

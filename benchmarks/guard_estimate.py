@@ -13,8 +13,8 @@ per layer, it runs the shipped selection code on the recorded tensors:
   that the kept tokens hold, mean over query heads; **worst-head recall**: its minimum.
 
 With ``--page-rescue T`` each layer also adds the ``T`` tokens of the best 16-token pages by
-Quest's bound under its own query to the candidates before refining (:func:`page_rescued`): a
-design measured offline only, since the KV store keeps no per-page key bounds.
+Quest's bound under its own query to the candidates before refining (:func:`page_rescued`,
+the backend's option ``page_rescue``, run here on the recorded tensors).
 
 Fixed in issue 12's second pass: the first version passed ``query_valid = 1`` to
 ``lagged_query_scores``, which then (rightly, for a stale query) fell back to recency scores,
@@ -38,8 +38,7 @@ import json
 from pathlib import Path
 
 import torch
-from specontext_compile.runtime import aten_step
-from specontext_compile.runtime.policies import DecodeStep, Quest
+from specontext_compile.runtime import aten_step, page_bounds
 from specontext_compile.runtime.sparse_attention import _gather_tokens  # the ops' own gather
 
 from benchmarks.fidelity import layer_probs, record
@@ -64,20 +63,21 @@ def kept_recall(probs: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
 def page_rescued(cand: torch.Tensor, query: torch.Tensor, keys: torch.Tensor, scale: float, tokens: int
                  ) -> torch.Tensor:
     """The candidates ``[1, num_kv_heads, slots]`` plus, per KV head, the ``tokens`` positions
-    of the best pages by Quest's bound under this layer's own query (:class:`Quest`, pages of
-    16), as a selection ``[1, num_kv_heads, slots']`` ascending, ``-1`` padding first.
-    Offline only (not a backend option): it needs per-page key bounds the KV store does not
-    keep."""
+    of the best 16-token pages by Quest's bound under this layer's own query, as candidates
+    ``[1, num_kv_heads, slots']`` (the given ones first, ``-1`` padding): the backend's own page
+    rescue (option ``page_rescue``: :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`,
+    :func:`~specontext_compile.runtime.page_bounds.page_scores`,
+    :func:`~specontext_compile.runtime.page_bounds.rescued_candidates`) on the recorded keys."""
     n = keys.shape[2]
-    step = DecodeStep(queries={0: query}, keys={0: keys}, previous_queries=None, accumulated=None, scale=scale)
-    bound = Quest().scores(step, 0)  # [kv, n - 1]: every cached token takes its page's bound
-    chosen = torch.zeros(keys.shape[1], n, dtype=torch.bool)
-    chosen.scatter_(1, bound.topk(min(tokens, n - 1), dim=-1).indices, True)
-    valid = cand[0] >= 0  # -1 padding marks nothing (it would clear position 0)
-    chosen.scatter_(1, torch.where(valid, cand[0], cand[0].amax(-1, keepdim=True)).clamp(min=0), True)
-    width = int(chosen.sum(-1).max())
-    ranked = torch.where(chosen, torch.arange(n), -1).sort(-1).values
-    return ranked[:, -width:][None]
+    pages = page_bounds.page_count(n, page_bounds.PAGE_TOKENS)
+    lo = keys.new_zeros((*keys.shape[:2], pages, keys.shape[-1]))
+    hi = torch.zeros_like(lo)
+    length = torch.tensor(n)
+    page_bounds.update_page_bounds(keys, lo, hi, length, n, page_bounds.PAGE_TOKENS)
+    seen = aten_step.seen_positions(length, None, n, 1, 0, keys.device)
+    scores = page_bounds.page_scores(query, lo, hi, seen, scale, page_bounds.PAGE_TOKENS)
+    rescue = min(-(-tokens // page_bounds.PAGE_TOKENS), pages)
+    return page_bounds.rescued_candidates(cand, scores, seen, rescue, page_bounds.PAGE_TOKENS)
 
 
 def measure(queries, keys, context: int, scale: float, budget: int, candidates: float, sink: int,
@@ -150,8 +150,8 @@ def main() -> None:
     parser.add_argument("--retrieval-layers", type=int, nargs="+", default=None,
                         help="layers of the lagged-query head (default: the backend's)")
     parser.add_argument("--page-rescue", type=int, nargs="+", default=[0],
-                        help="tokens of Quest pages each layer adds to the candidates (offline design "
-                             "measurement, see page_rescued); every value is run with every --candidates")
+                        help="tokens of Quest pages each layer adds to the candidates (the backend's "
+                             "page_rescue, see page_rescued); every value is run with every --candidates")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     model, tok = load_model("smollm2-135m")

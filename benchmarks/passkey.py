@@ -284,8 +284,17 @@ def run_ours(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int, capac
     return _decode_answer(tokenizer, out, prompt.tokens), cache.path_counts()
 
 
-def config_name(budget: int, candidates: float) -> str:
-    return f"b{budget}_c{candidates:g}"
+def config_name(budget: int, candidates: float, page_rescue: int = 0) -> str:
+    """``b<budget>_c<candidates>``, plus ``_r<tokens>`` with a page rescue (runs before the
+    third pass of issue 12 had none: their names have no suffix)."""
+    return f"b{budget}_c{candidates:g}" + (f"_r{page_rescue}" if page_rescue else "")
+
+
+def _rescue(budget: int, page_rescue: int | None) -> int:
+    """The page rescue a run uses: the option, or the backend's default for ``budget``."""
+    import specontext_compile as sc
+
+    return sc.SpeContextConfig(budget=budget, page_rescue=page_rescue).page_rescue
 
 
 def case_name(length: int, depth: float) -> str:
@@ -338,6 +347,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--depths", type=float, nargs="+", default=[0.1, 0.5, 0.9])
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024])
     parser.add_argument("--candidates", type=float, nargs="+", default=[1.0, 2.0])
+    parser.add_argument("--page-rescue", type=int, default=None,
+                        help="option page_rescue for every configuration (default: the backend's, 2 x budget)")
     parser.add_argument("--phrasing", default=DEFAULT_PHRASING, choices=list(PHRASINGS))
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="key seed")
@@ -375,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     result.setdefault("wall_seconds", 0.0)
     cases: dict[str, dict] = {case_name(c["length"], c["depth"]): c for c in result.get("cases", [])}
     configs = [] if args.dense_only else [(b, float(c)) for b in args.budgets for c in args.candidates]
-    config_names = [config_name(b, c) for b, c in configs]
+    config_names = [config_name(b, c, _rescue(b, args.page_rescue)) for b, c in configs]
     result["configs"] = sorted(set(result.get("configs", [])) | set(config_names),
                                key=lambda n: (int(n[1:].split("_")[0]), float(n.split("_c")[1])))
 
@@ -428,7 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         if not pending:
             continue
         torch._dynamo.reset()
-        sc.compile(model, budget=budget, candidates=candidates)
+        sc.compile(model, budget=budget, candidates=candidates, page_rescue=args.page_rescue)
         try:
             for name in pending:
                 prompt = prompts[name]
@@ -436,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
                 answer, counts = run_ours(model, tok, prompt, args.max_new_tokens, capacity)
                 cases[name]["ours"][cname] = {
                     "budget": budget, "candidates": candidates if math.isfinite(candidates) else "inf",
-                    "answer": answer,
+                    "page_rescue": _rescue(budget, args.page_rescue), "answer": answer,
                     "solved": is_solved(answer, prompt.key), "path_counts": counts,
                     "seconds": round(time.perf_counter() - t0, 1)}
                 logger.info("%s %s: %r solved=%s sparse_sites=%s (%.0fs)", name, cname, answer,

@@ -153,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--budget", type=int, default=1024)
     parser.add_argument("--candidates", type=float, default=1.0,
                         help="the backend's two-stage selection (issue 12), 1 = one shared selection")
+    parser.add_argument("--page-rescue", type=int, default=None,
+                        help="the backend's page rescue (tokens per layer; 0 = off; default: the backend's, 2 x budget)")
     parser.add_argument("--steps", type=int, default=5, help="profiled decode steps")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--dense", action="store_true",
@@ -199,7 +201,7 @@ def main(argv=None) -> int:
             inductor_config.cpp.enable_kernel_profile = True  # one profiler event per C++ kernel
         forward = torch.compile(model.forward, backend="specontext",
                                 options={"budget": args.budget, "inner": args.inner,
-                                         "candidates": args.candidates})
+                                         "candidates": args.candidates, "page_rescue": args.page_rescue})
     with torch.no_grad():
         fill_cache(cache, source, args.batch)
         token = first.expand(args.batch, 1).contiguous()
@@ -213,6 +215,7 @@ def main(argv=None) -> int:
     result.update({
         "context": args.context, "batch": args.batch, "budget": None if args.dense else args.budget,
         "candidates": None if args.dense else args.candidates,
+        "page_rescue": None if args.dense else args.page_rescue,
         "contender": "hf-eager" if args.dense else f"specontext-{args.inner}-{args.budget}",
         "threads": torch.get_num_threads(), "wall_ms_per_step": wall_ms,
         "python_framework_ms": wall_ms - result["ms_in_ops"],

@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--budget", type=int, default=1024)
     ap.add_argument("--candidates", type=float, default=1.0,
                     help="two-stage selection (issue 12): the step prefetches ceil(candidates * budget) tokens")
+    ap.add_argument("--page-rescue", type=int, default=0,
+                    help="tokens of rescued pages per layer (option page_rescue): loaded on demand from the host tier")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--offload-at-start", type=int, default=15)
     ap.add_argument("--json", type=Path)
@@ -60,15 +62,15 @@ def main() -> None:
     ids = build_prompt(tokenizer, args.prompt_file.read_text(encoding="utf-8"))
     prompt = ids.shape[1]
     cap = prompt + args.new_tokens + 1
-    opts = {"budget": args.budget, "candidates": args.candidates}
-    rows = sc.SpeContextConfig(**opts).prefetch_tokens  # an offloaded layer's buffer rows
+    opts = {"budget": args.budget, "candidates": args.candidates, "page_rescue": args.page_rescue}
+    rows = sc.SpeContextConfig(**opts).buffer_tokens  # an offloaded layer's buffer rows
 
     off = torch.compile(model.forward, backend="specontext", options=opts)
     ref_tokens, ref_times = _decode(off, sc.SpeContextCache(model.config, max_cache_len=cap), ids, args.new_tokens)
     torch._dynamo.reset()
 
     results = {"prompt_tokens": prompt, "budget": args.budget, "candidates": args.candidates,
-               "buffer_rows": rows, "new_tokens": args.new_tokens}
+               "page_rescue": args.page_rescue, "buffer_rows": rows, "new_tokens": args.new_tokens}
     for elastic in (True, False):
         on = torch.compile(model.forward, backend="specontext",
                            options=dict(opts, device_memory_bytes=1 << 40))
@@ -100,6 +102,7 @@ def main() -> None:
             "bytes_moved_mean": sum(per_step) / len(per_step),
             "bytes_moved_min": min(per_step), "bytes_moved_max": max(per_step),
             "bytes_full_reload_mean": sum(full) / len(full),
+            "rescued_rows_mean": sum(s.rescued_rows for s in steps) / len(steps),
             "ratio_vs_full_reload": sum(per_step) / sum(full),
             "tokens_equal_offload_off": tokens == ref_tokens,
             "decode_ms_median": sorted(times)[len(times) // 2] * 1e3,

@@ -33,7 +33,7 @@ import logging
 import torch
 from torch import fx
 
-from ..runtime import aten_step, mla
+from ..runtime import aten_step, mla, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import op_arguments
 
@@ -44,6 +44,8 @@ __all__ = ["LowerResult", "lower_to_aten"]
 _OPS = torch.ops.specontext
 _LOWERED = {
     _OPS.kv_write: aten_step.write_kv,
+    _OPS.page_bounds_write: page_bounds.update_page_bounds,
+    _OPS.page_shift_from_mask: page_bounds.shift_from_mask,
     _OPS.count_step: aten_step.count_step,
     _OPS.record_query: aten_step.record_query,
     _OPS.speculative_select: aten_step.speculative_select,

@@ -141,10 +141,11 @@ def _offload_refine(graph: fx.Graph, refine: fx.Node, manager: fx.Node, value_ca
     if min_coverage or rope is not None:
         raise ValueError("offload schedule: the fidelity guard (min_coverage) and MLA layers are not built "
                          "with offloaded two-stage selection")
+    rescue = tuple(refine.args[14:19])  # the page rescue's bounds, pages, page size, shift (if on)
     with graph.inserting_before(refine):
         new = graph.call_function(REFINE_OFFLOADED, (
             manager, query, key_cache, value_cache, candidates, length, mask, scale, budget, sink, window,
-            soft_cap, sliding, ready, layer))
+            soft_cap, sliding, ready, layer, *rescue))
     new.meta.update({k: v for k, v in refine.meta.items() if k in ("example_value", "val", "stack_trace")})
     refine.replace_all_uses_with(new)
     graph.erase_node(refine)

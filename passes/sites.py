@@ -750,8 +750,10 @@ def decoder_layer_outputs(graph: fx.Graph, layers: tuple[int, ...]) -> tuple[lis
 
     A decoder layer is told by the module stack (``nn_module_stack``) of its KV write: the
     outermost module that holds this write and no other (so models with one layer are not
-    handled). Its output is the one node inside that module used by a node outside it (the
-    graph's output node aside: stores allocated in prefill graphs are returned there).
+    handled). Its output is the one 3-D node inside that module used by a node outside it
+    (the graph's output node aside: stores allocated in prefill graphs are returned there;
+    placeholders and state shared by every layer, such as the cache's per-row page shift,
+    are no outputs).
 
     Returns:
         ``(nodes, None)`` in ``layers`` order, or ``(None, reason)``.
@@ -777,7 +779,8 @@ def decoder_layer_outputs(graph: fx.Graph, layers: tuple[int, ...]) -> tuple[lis
             return key in (n.meta.get("nn_module_stack") or {})
 
         found = [n for n in graph.nodes
-                 if inside(n) and any(u.op != "output" and not inside(u) for u in n.users)]
+                 if n.op != "placeholder" and inside(n) and getattr(_val(n), "dim", lambda: 0)() == 3
+                 and any(u.op != "output" and not inside(u) for u in n.users)]
         val = _val(found[0]) if len(found) == 1 else None
         if val is None or val.dim() != 3:
             return None, (f"found no single [batch, q_len, hidden] output of decoder layer {j} "

@@ -59,6 +59,8 @@ MLA_QUERY = torch.ops.specontext.mla_latent_query.default
 MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = torch.ops.specontext.store_selection.default
 LOAD = torch.ops.specontext.load_selection.default
+PAGE_BOUNDS = torch.ops.specontext.page_bounds_write
+PAGE_SHIFT = torch.ops.specontext.page_shift_from_mask.default
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ class RewriteResult:
     selection_inserted: bool = False
     selections: list[fx.Node] = dataclasses.field(default_factory=list)
     selection_head: str = "lagged-query"  # or "draft:<folder>" (option retrieval_head)
+    rescued: int = 0  # decode sites refining with the page rescue (option page_rescue)
 
     @property
     def total(self) -> int:
@@ -95,6 +98,39 @@ class RewriteResult:
         return f"layer {site.layer}" if site.layer is not None else f"unresolved store (node {site.node.name})"
 
 
+def _page_bounds_write(site: AttentionSite) -> fx.Node | None:
+    """The ``page_bounds_write`` of the site's store in this graph (its page bounds), or None."""
+    if site.write is None:
+        return None
+    for user in site.key_cache.users:
+        if is_op(user, PAGE_BOUNDS) and user.args[0] is site.key_cache and isinstance(user.args[5], int):
+            return user
+    return None
+
+
+def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None:
+    """Before the graph's first store write, ``page_shift_from_mask``: at a prompt's first
+    write each row's pages start at its first real token, read from the mask of a
+    full-attention site (a sliding window's mask hides more than the padding), so a
+    left-padded row's page bounds and page rescue are those of its prompt alone; with no mask
+    every row's shift becomes 0. Only where the stores keep bounds with a shared shift, some
+    site attends fully and the store's capacity is static; the caller runs it on the graph
+    that holds the step's first store write (prefill graphs included: the bounds are
+    written there)."""
+    full = [s for s in resolved if s.window == 0]
+    bounds = next((b for b in map(_page_bounds_write, resolved) if b is not None), None)
+    shift = None if bounds is None else (bounds.args[6] if len(bounds.args) > 6 else bounds.kwargs.get("page_shift"))
+    if shift is None or not full or _static_capacity(full[0]) is None:
+        return
+    mask = full[0].attn_mask if isinstance(full[0].attn_mask, fx.Node) else None
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    write = min((n for n in graph.nodes if is_op(n, KV_WRITE)), key=order.__getitem__)
+    if order[mask or write] > order[write] or order[shift] > order[write]:
+        return  # the mask is built after the first write: leave the shift as it is
+    with graph.inserting_before(write):
+        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, _static_capacity(full[0]), bounds.args[5]))
+
+
 def _source_hash() -> str:
     files = sorted(Path(__file__).parent.glob("*.py"))
     return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
@@ -114,14 +150,19 @@ class SparseAttentionPass:
             ``budget`` (1.0 = one selection shared by every layer).
         min_coverage: the fidelity guard's threshold (0 = off; refined sites only): a site
             whose kept tokens hold less of its candidates' attention mass runs dense.
+        page_rescue: tokens (rounded up to whole pages of the store's page bounds) each
+            refined layer adds to the candidates from the pages with the highest Quest
+            bound under its own query (0 = off); a site whose store keeps no page bounds
+            (MLA, Hugging Face's StaticCache, a cache built with page_tokens=0) uses the
+            candidates alone (at candidates=1: the shared selection, no refinement), logged.
     """
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
                  retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
                  kernel: str = "auto", retrieval_head: str | None = None, dense_shortcut: bool = True,
-                 candidates: float = 1.0, min_coverage: float = 0.0):
+                 candidates: float = 1.0, min_coverage: float = 0.0, page_rescue: int = 0):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
-        self.candidates, self.min_coverage = candidates, min_coverage
+        self.candidates, self.min_coverage, self.page_rescue = candidates, min_coverage, page_rescue
         self.candidate_slots = candidate_slots(budget, candidates)
         self.dense_shortcut = dense_shortcut
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
@@ -130,7 +171,7 @@ class SparseAttentionPass:
     def uuid(self) -> str:
         cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
                self.max_sparse_q_len, self.kernel, self.retrieval_head, self.dense_shortcut, self.candidates,
-               self.min_coverage)
+               self.min_coverage, self.page_rescue)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
@@ -155,6 +196,7 @@ class SparseAttentionPass:
         anchored = RetrievalAnchor.of(anchor)
         if anchored.layer != 0:  # a graph after a graph break: the step's selection is stored
             return self._continue_step(graph, result, resolved, anchor, anchored)
+        _align_pages_to_rows(graph, resolved)
         query_state, query_valid = anchored.query_state, anchored.query_valid
         if self.retrieval_head is None:
             drivers = _fitting_drivers([resolved[i] for i in self._pick_layers(len(resolved))], resolved,
@@ -221,10 +263,12 @@ class SparseAttentionPass:
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
             self._rewrite_site(graph, s, selection, self.kernel, self._dense_store(s), dense)
         result.rewritten = len(decode)
+        result.rescued = self._log_rescue(decode)
         self._store_for_later_graphs(graph, anchored, selections, decode)
         dense = sum(self._dense_store(s) for s in decode)
         with graph.inserting_after(anchor):
-            graph.call_function(COUNT, (anchored.stats, [1, len(decode), len(decode) - dense, dense]))
+            graph.call_function(COUNT, (anchored.stats, [1, len(decode), len(decode) - dense, dense, 0,
+                                                         result.rescued]))
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
@@ -293,9 +337,11 @@ class SparseAttentionPass:
                 chosen, dense = self._insert_refine(graph, s, selection, anchored.stats)
             self._rewrite_site(graph, s, chosen, self.kernel, self._dense_store(s), dense)
         result.rewritten = len(decode)
+        result.rescued = self._log_rescue(decode)
         dense = sum(self._dense_store(s) for s in decode)
         with graph.inserting_after(anchor):  # the step itself was counted by its first graph
-            graph.call_function(COUNT, (anchored.stats, [0, len(decode), len(decode) - dense, dense]))
+            graph.call_function(COUNT, (anchored.stats, [0, len(decode), len(decode) - dense, dense, 0,
+                                                         result.rescued]))
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
@@ -388,10 +434,43 @@ class SparseAttentionPass:
 
     def _refines(self, site: AttentionSite) -> bool:
         """Whether the site keeps its own ``budget`` of the step's candidates: the candidate
-        set is larger than the budget (option ``candidates > 1``) and the store may hold
-        more than ``budget`` tokens (a symbolic capacity counts as larger)."""
+        set is larger than the budget (option ``candidates > 1``) or the page rescue adds to
+        it, and the store may hold more than ``budget`` tokens (a symbolic capacity counts as
+        larger)."""
         capacity = _static_capacity(site)
-        return self.candidate_slots > self.budget and not (capacity is not None and capacity <= self.budget)
+        wider = self.candidate_slots > self.budget or self._rescue_of(site) is not None
+        return wider and not (capacity is not None and capacity <= self.budget)
+
+    def _rescue_of(self, site: AttentionSite) -> tuple | None:
+        """``(page_min, page_max, rescue_pages, page_tokens, page_shift)`` when the site
+        refines with the page rescue: the option is on, the site is no MLA site and its
+        store keeps page bounds (a ``page_bounds_write`` follows its ``kv_write`` here)."""
+        if self.page_rescue <= 0 or site.mla is not None or site.write is None:
+            return None
+        bounds = _page_bounds_write(site)
+        if bounds is None:
+            return None
+        page_tokens = bounds.args[5]
+        shift = bounds.args[6] if len(bounds.args) > 6 else bounds.kwargs.get("page_shift")
+        return bounds.args[1], bounds.args[2], -(-self.page_rescue // page_tokens), page_tokens, shift
+
+    def _below_store(self, site: AttentionSite) -> bool:
+        """Whether the candidates stay below the store's capacity (a symbolic one counts as
+        larger): else the refinement ranks every position in place and reads no bounds
+        (:func:`~..runtime.aten_step.refine_coverage`)."""
+        capacity = _static_capacity(site)
+        return capacity is None or self.candidate_slots < capacity
+
+    def _log_rescue(self, decode: list[AttentionSite]) -> int:
+        """Refined decode sites with the page rescue; logs those the option misses."""
+        rescued = [s for s in decode if self._refines(s) and self._rescue_of(s) is not None and self._below_store(s)]
+        missed = [s for s in decode if self.page_rescue > 0 and self._rescue_of(s) is None]
+        if missed:
+            logger.info("specontext: page_rescue is off at %d decode site(s) (layers %s): their store keeps no "
+                        "page bounds (MLA, Hugging Face's StaticCache, a cache built with page_tokens=0); they "
+                        "use the candidates alone (the shared selection at candidates=1)",
+                        len(missed), [s.layer for s in missed])
+        return len(rescued)
 
     def _insert_refine(self, graph: fx.Graph, site: AttentionSite, selection: fx.Node, stats: fx.Node
                        ) -> tuple[fx.Node, fx.Node | None]:
@@ -403,7 +482,8 @@ class SparseAttentionPass:
             refine = graph.call_function(REFINE, (
                 query, site.key_cache, selection, site.length, mask, site.scale, self.budget,
                 self.sink_tokens, self.recent_window, site.soft_cap, site.window or 0, stats,
-                self.min_coverage, site.value_cache if site.mla is not None else None))
+                self.min_coverage, site.value_cache if site.mla is not None else None,
+                *(self._rescue_of(site) or ())))
             kept = graph.call_function(operator.getitem, (refine, 0))
             dense = graph.call_function(operator.getitem, (refine, 1)) if self.min_coverage > 0 else None
         return kept, dense

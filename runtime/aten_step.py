@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from . import page_bounds
+from .page_bounds import PAGE_TOKENS
 from .protocol import GUARD_STAT
 from .sparse_attention import (
     _gather_tokens,
@@ -30,7 +32,8 @@ from .sparse_attention import (
 )
 
 __all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
-           "record_query", "refine_gathered", "refine_selection", "row_visibility", "select_positions", "sparse_attention",
+           "record_query", "refine_gathered", "refine_selection", "row_visibility", "seen_positions", "select_positions",
+           "sparse_attention",
            "speculative_select", "write_kv"]
 
 _NEG = float("-inf")
@@ -290,7 +293,10 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
                      length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
                      sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
                      stats: torch.Tensor | None = None, min_coverage: float = 0.0,
-                     rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     rope_cache: torch.Tensor | None = None, page_min: torch.Tensor | None = None,
+                     page_max: torch.Tensor | None = None, rescue_pages: int = 0,
+                     page_tokens: int = PAGE_TOKENS,
+                     page_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Second stage of the two-stage selection: a layer keeps the ``budget`` candidates its
     *own* query attends to most (``specontext::refine_selection``, issue 12).
 
@@ -319,6 +325,12 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
             :data:`~specontext_compile.runtime.protocol.GUARD_STAT`) on the device.
         rope_cache: MLA only (:mod:`.mla`): the rotary key store; ``key_cache`` is then the
             latent store and ``query`` the absorbed query.
+        page_min, page_max, rescue_pages, page_tokens, page_shift: the page rescue (option
+            ``page_rescue``, :mod:`.page_bounds`): the store's per-page key bounds
+            ``[batch, num_kv_heads, pages, head_dim]`` and per-row page shift (int64
+            ``[batch]`` or None); before refining, the tokens of the ``rescue_pages`` pages
+            with the highest Quest bound under this layer's query join the candidates (0 or
+            no bounds = off).
 
     Returns:
         ``(indices, dense)``: int64 ``[batch, num_kv_heads, budget]`` ascending (``-1``
@@ -332,7 +344,8 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
         ValueError: when ``budget`` does not leave room for the step's ``q_len`` tokens.
     """
     indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                        window, soft_cap, sliding_window, rope_cache)
+                                        window, soft_cap, sliding_window, rope_cache, page_min, page_max,
+                                        rescue_pages, page_tokens, page_shift)
     dense = (coverage < min_coverage).any()
     if stats is not None and min_coverage > 0:
         stats[GUARD_STAT].add_(dense.long())
@@ -342,7 +355,10 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
 def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
                     length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
                     sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
-                    rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    rope_cache: torch.Tensor | None = None, page_min: torch.Tensor | None = None,
+                    page_max: torch.Tensor | None = None, rescue_pages: int = 0,
+                    page_tokens: int = PAGE_TOKENS,
+                    page_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
     (float32 ``[batch, num_kv_heads]``), arguments as there.
 
@@ -351,16 +367,24 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
     read in place, without a gather: the candidates are then every position the step's
     rows may see (causal limit, sliding window, visible in the mask), the same set the
     selection node returned, in position order. The kept set is then the gather path's, up
-    to which of several exactly equal scores ``topk`` keeps."""
-    if candidates.shape[-1] >= key_cache.shape[-2] and rope_cache is None:
-        b, num_kv, capacity, _ = key_cache.shape
+    to which of several exactly equal scores ``topk`` keeps. (Candidates plus rescued pages
+    reaching the capacity do not count: the union is ranked as it is, so the same row gives
+    the same kept set in stores of any size, e.g. padded or alone.)
+
+    With the page rescue on (``rescue_pages > 0`` and bounds given; never for MLA), the
+    candidates become :func:`~.page_bounds.rescued_candidates` before the gather."""
+    b, num_kv, capacity, _ = key_cache.shape
+    rescue = rescue_pages > 0 and page_min is not None and rope_cache is None
+    if candidates.shape[-1] >= capacity and rope_cache is None:
         pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
-        seen = causal_limit_mask(pos, length, query.shape[2], sliding_window).any(dim=2)
-        visible = row_visibility(attn_mask, capacity)
-        if visible is not None:
-            seen = seen & visible
+        seen = seen_positions(length, attn_mask, capacity, query.shape[2], sliding_window, key_cache.device)
         return refine_gathered(query, key_cache, torch.where(seen, pos, -1), length, attn_mask, scale, budget,
                                sink, window, soft_cap, sliding_window)
+    if rescue:
+        seen = seen_positions(length, attn_mask, capacity, query.shape[2], sliding_window, key_cache.device)
+        scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
+        candidates = page_bounds.rescued_candidates(candidates, scores, seen, min(rescue_pages, page_min.shape[2]),
+                                                    page_tokens, page_shift)
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
     if rope_cache is not None:
         keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)
@@ -368,12 +392,26 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
                            sliding_window)
 
 
+def seen_positions(length: torch.Tensor, attn_mask: torch.Tensor | None, capacity: int, q_len: int,
+                   sliding_window: int, device: torch.device) -> torch.Tensor:
+    """bool ``[batch|1, 1, capacity]``: the store positions some row of the step may attend to
+    (causal limit from ``length``, tokens written with this step's; the sliding window; the
+    mask's visible positions, :func:`row_visibility`)."""
+    pos = torch.arange(capacity, device=device).view(1, 1, capacity)
+    seen = causal_limit_mask(pos, length, q_len, sliding_window).any(dim=2)
+    visible = row_visibility(attn_mask, capacity)
+    return seen if visible is None else seen & visible
+
+
 def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
                     attn_mask: torch.Tensor | None, scale: float, budget: int, sink: int, window: int,
                     soft_cap: float | None = None, sliding_window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_coverage` once the candidates' keys ``[batch, num_kv_heads, slots,
     head_dim]`` are gathered (from the store, or from an offloaded layer's device buffer:
-    :meth:`~.offload.OffloadManager.refine`); other arguments and the result as there."""
+    :meth:`~.offload.OffloadManager.refine`); other arguments and the result as there. The
+    candidates need not be sorted as a whole, only their first ``sink`` valid entries must
+    be the row's sinks (as a selection node's ascending output, or that output followed by
+    more positions: :func:`~.page_bounds.rescued_candidates`)."""
     q_len = query.shape[2]
     if budget < q_len:
         raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")

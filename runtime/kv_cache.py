@@ -29,6 +29,7 @@ from transformers.utils import is_torchdynamo_compiling
 
 from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
 from .draft_retrieval import DraftKeyCache, head_spec
+from .page_bounds import PAGE_TOKENS, clear_pages_from, page_count, update_page_bounds
 from .protocol import STATS, DraftAnchor, RetrievalAnchor
 from .retrieval import MAX_RETRIEVAL_LAYERS
 
@@ -62,12 +63,22 @@ class SpeContextLayer(StaticLayer):
         max_cache_len: capacity in tokens to allocate at the first write (rounded up to
             ``chunk_tokens``); ``None`` sizes it to the first write.
         chunk_tokens: growth step in tokens (eager mode only).
+        page_tokens: tokens per page of the per-page key bounds ``page_min``/``page_max``
+            ``[batch, num_kv_heads, pages, head_dim]`` (:mod:`.page_bounds`, the page rescue
+            reads them), kept up to date by every write; 0 = keep none.
     """
 
-    def __init__(self, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    def __init__(self, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+                 page_tokens: int = PAGE_TOKENS):
         super().__init__(max_cache_len=max_cache_len or 0)
         self.chunk_tokens = chunk_tokens
         self.cumulative_length = torch.zeros((), dtype=torch.long)
+        self.page_tokens = page_tokens
+        self.page_min: torch.Tensor | None = None
+        self.page_max: torch.Tensor | None = None
+        # per-row page shift (int64 [batch], :func:`.page_bounds.row_shift`): the cache's, shared
+        # by its layers (None on a layer used alone: pages start at position 0)
+        self.page_shift: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate ``max_cache_len`` tokens, or the first write plus one chunk of headroom."""
@@ -77,8 +88,24 @@ class SpeContextLayer(StaticLayer):
         self.keys = key_states.new_zeros((b, h, self.max_cache_len, key_states.shape[-1]))
         self.values = value_states.new_zeros((b, h, self.max_cache_len, value_states.shape[-1]))
         self.cumulative_length = self.cumulative_length.to(self.device)
+        self._allocate_page_bounds()
         _static_address(self.keys, self.values, self.cumulative_length)
         self.is_initialized = True
+
+    def _allocate_page_bounds(self) -> None:
+        """Zeroed bounds for the store's pages (none when ``page_tokens`` is 0)."""
+        if not self.page_tokens:
+            return
+        b, h, capacity, d = self.keys.shape
+        self.page_min = self.keys.new_zeros((b, h, page_count(capacity, self.page_tokens), d))
+        self.page_max = torch.zeros_like(self.page_min)
+        _static_address(self.page_min, self.page_max)
+
+    def _refresh_page_bounds(self, q_len: int) -> None:
+        """Eager: recompute the bounds of the pages the last ``q_len`` written tokens touch."""
+        if self.page_min is not None:
+            update_page_bounds(self.keys, self.page_min, self.page_max, self.cumulative_length, q_len,
+                               self.page_tokens, self.page_shift)
 
     def _initial_capacity(self, first_write: int) -> int:
         if self.max_cache_len:  # sized by the caller: allocate exactly that
@@ -98,6 +125,11 @@ class SpeContextLayer(StaticLayer):
             setattr(self, name, new)
         _static_address(self.keys, self.values)
         self.max_cache_len = new_len
+        if self.page_min is not None:  # written pages keep their bounds, new ones start at 0
+            old_min, old_max = self.page_min, self.page_max
+            self._allocate_page_bounds()
+            self.page_min[:, :, : old_min.shape[2]].copy_(old_min)
+            self.page_max[:, :, : old_max.shape[2]].copy_(old_max)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` ``[batch, num_kv_heads, q_len, head_dim]``
@@ -114,6 +146,9 @@ class SpeContextLayer(StaticLayer):
         torch.ops.specontext.kv_write(
             self.keys, self.values, self.cumulative_length, key_states, value_states
         )
+        if self.page_min is not None:
+            torch.ops.specontext.page_bounds_write(self.keys, self.page_min, self.page_max, self.cumulative_length,
+                                                   key_states.shape[-2], self.page_tokens, self.page_shift)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -133,6 +168,9 @@ class SpeContextLayer(StaticLayer):
         if self.is_initialized:
             self.keys.zero_()
             self.values.zero_()
+        for bound in (self.page_min, self.page_max):
+            if bound is not None:
+                bound.zero_()
 
     # --- Hugging Face cache operations (table: runtime/README.md, "Cache operations") -------
     @property
@@ -157,8 +195,9 @@ class SpeContextLayer(StaticLayer):
         if not self.is_initialized:
             return
         idx = _row_index(beam_idx, self.keys.shape[0], self.keys.device)
-        for t in (self.keys, self.values):
-            t.copy_(t.index_select(0, idx))
+        for t in (self.keys, self.values, self.page_min, self.page_max):
+            if t is not None:  # an offloaded layer's store is on the host, its bounds on the device
+                t.copy_(t.index_select(0, idx.to(t.device)))
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last ``-tokens_to_remove`` tokens (HF's convention: a negative count; 0 is
@@ -177,6 +216,9 @@ class SpeContextLayer(StaticLayer):
         self.keys[:, :, old - remove: old].zero_()
         self.values[:, :, old - remove: old].zero_()
         self.cumulative_length.fill_(old - remove)
+        if self.page_min is not None:  # pages past the new end are empty; the new last one lost tokens
+            clear_pages_from(self.page_min, self.page_max, old - remove, self.page_tokens, self.page_shift)
+            self._refresh_page_bounds(1)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every row ``repeats`` times (``[a, b]`` -> ``[a, a, b, b]``); new stores."""
@@ -185,6 +227,10 @@ class SpeContextLayer(StaticLayer):
         self.keys = self.keys.repeat_interleave(repeats, dim=0)
         self.values = self.values.repeat_interleave(repeats, dim=0)
         _static_address(self.keys, self.values)
+        if self.page_min is not None:
+            self.page_min = self.page_min.repeat_interleave(repeats, dim=0)
+            self.page_max = self.page_max.repeat_interleave(repeats, dim=0)
+            _static_address(self.page_min, self.page_max)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` (int indices or a bool mask over the rows); new stores."""
@@ -194,6 +240,10 @@ class SpeContextLayer(StaticLayer):
         self.keys = self.keys.index_select(0, idx)
         self.values = self.values.index_select(0, idx)
         _static_address(self.keys, self.values)
+        if self.page_min is not None:
+            self.page_min = self.page_min.index_select(0, idx.to(self.page_min.device))
+            self.page_max = self.page_max.index_select(0, idx.to(self.page_max.device))
+            _static_address(self.page_min, self.page_max)
 
 
 def _crop_count(tokens_to_remove: int) -> int:
@@ -432,9 +482,13 @@ class SpeContextCache(Cache):
         retrieval_head: folder of a draft retrieval head (the backend option of the same
             name); the cache then keeps the head's key cache (``draft``). Must name the same
             folder as the backend's option, else the backend keeps attention dense.
+        page_tokens: tokens per page of each store's per-page key bounds (what the option
+            ``page_rescue`` reads; +2/page_tokens of the keys' bytes, not counted in
+            :attr:`kv_bytes`); 0 = keep none. MLA stores keep none.
 
     Raises:
-        ValueError: on a non-positive ``max_cache_len`` or ``chunk_tokens``, or a bad
+        ValueError: on a non-positive ``max_cache_len`` or ``chunk_tokens``, a negative
+            ``page_tokens``, or a bad
             ``retrieval_head`` (see
             :func:`~specontext_compile.runtime.draft_retrieval.head_spec`).
     """
@@ -442,11 +496,13 @@ class SpeContextCache(Cache):
     is_compileable = True
 
     def __init__(self, config, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 retrieval_head: str | None = None):
+                 retrieval_head: str | None = None, page_tokens: int = PAGE_TOKENS):
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len must be >= 1 or None, got {max_cache_len}")
         if chunk_tokens < 1:
             raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        if not isinstance(page_tokens, int) or page_tokens < 0:
+            raise ValueError(f"page_tokens must be an int >= 0 (0 = no page bounds), got {page_tokens!r}")
         config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         layers = [_make_layer(kind, extra, max_cache_len, chunk_tokens) for kind, extra in zip(*_layer_kinds(config))]
         super().__init__(layers=layers)
@@ -470,7 +526,10 @@ class SpeContextCache(Cache):
         # multi-head latent attention (DeepSeek-V2/V3): the stores hold the latent and the
         # rotary key, and the recorded query is the absorbed one (runtime/mla.py)
         self.latent_widths = _latent_widths(first)
+        for layer in self.kv_layers:  # latent rows are no keys: MLA stores keep no page bounds
+            layer.page_tokens = 0 if self.latent_widths else page_tokens
         self.query_state: torch.Tensor | None = None
+        self.page_shift: torch.Tensor | None = None  # see _set_page_shift
         self.selection_state: torch.Tensor | None = None  # see _ensure_selection_state
         self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
         self.stats = torch.zeros((len(STATS),), dtype=torch.long)  # path counters, kept by the step
@@ -512,6 +571,15 @@ class SpeContextCache(Cache):
         self.query_valid = self.query_valid.to(like.device)
         self.stats = self.stats.to(like.device)
         _static_address(self.query_state, self.query_valid, self.stats)
+        self._set_page_shift(torch.zeros((b,), dtype=torch.long, device=like.device))
+
+    def _set_page_shift(self, shift: torch.Tensor) -> None:
+        """The per-row page shift (int64 ``[batch]``, set from the left padding at a prompt's
+        first write by ``specontext::page_shift_from_mask``), shared by every store."""
+        self.page_shift = shift
+        _static_address(shift)
+        for layer in self.kv_layers:
+            layer.page_shift = shift
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """HF's cache update, plus the retrieval anchor at layer 0 (see module docstring)."""
@@ -594,6 +662,8 @@ class SpeContextCache(Cache):
         self.query_valid.zero_()
         if self.query_state is not None:
             self.query_state.zero_()
+        if self.page_shift is not None:
+            self.page_shift.zero_()
         self.stats.zero_()
         if self.draft is not None:
             self.draft.reset()
@@ -619,6 +689,8 @@ class SpeContextCache(Cache):
             manager.before_cache_op("reorder_cache")
         idx = _row_index(beam_idx, rows, self.query_state.device if self.query_state is not None
                          else self.kv_layers[0].keys.device)
+        if self.page_shift is not None:  # before the stores: a crop-like refresh reads it
+            self.page_shift.copy_(self.page_shift.index_select(0, idx.to(self.page_shift.device)))
         super().reorder_cache(idx)
         if self.query_state is not None:
             self.query_state.copy_(self.query_state.index_select(1, idx))
@@ -668,6 +740,8 @@ class SpeContextCache(Cache):
         manager = self._offload_manager()
         if manager is not None:
             manager.before_cache_op(what)
+        if self.page_shift is not None:
+            self._set_page_shift(self.page_shift.index_select(0, idx.to(self.page_shift.device)))
         for layer in self.layers:
             if layer.is_initialized:
                 layer.batch_select_indices(idx)

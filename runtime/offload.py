@@ -43,7 +43,8 @@ except ImportError as _err:  # pragma: no cover - older torch
                       "(torch._opaque_base; torch 2.13 is tested): upgrade torch, or leave "
                       "device_memory_bytes unset") from _err
 
-from .aten_step import refine_gathered
+from . import page_bounds
+from .aten_step import refine_gathered, seen_positions
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
 from .sparse_attention import attend_gathered
@@ -210,6 +211,16 @@ class LayerBuffer:
         self.keys.masked_fill_(dropped.unsqueeze(-1), 0)
         self.values.masked_fill_(dropped.unsqueeze(-1), 0)
 
+    def grow(self, rows: int) -> None:
+        """Hold ``rows`` slots per (request, KV head): empty slots appended (new tensors)."""
+        extra = rows - self.pos_of_slot.shape[-1]
+        if extra <= 0:
+            return
+        pad = (0, 0, 0, extra)
+        self.keys = torch.nn.functional.pad(self.keys, pad)
+        self.values = torch.nn.functional.pad(self.values, pad)
+        self.pos_of_slot = torch.nn.functional.pad(self.pos_of_slot, (0, extra), value=-1)
+
     def slots_of(self, indices: torch.Tensor) -> torch.Tensor:
         """Slot of each position of ``indices`` ``[batch, kv, k]``; -1 = not loaded (or -1
         padding)."""
@@ -311,6 +322,7 @@ class StepStats:
     device_bytes: int
     bytes_elastic: int = 0
     bytes_full_reload: int = 0
+    rescued_rows: int = 0  # rows the page rescue loaded on demand (included in bytes_elastic)
     per_layer_rows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
@@ -410,6 +422,8 @@ class OffloadManager(OpaqueBase):
         fixed = qs.numel() * qs.element_size() if qs is not None else 0
         fixed += self.cache.query_valid.numel() * self.cache.query_valid.element_size()
         fixed += _selection_bytes(b, h, slots)  # the selection (int64) shared by every layer
+        fixed += sum(t.numel() * t.element_size() for layer in self.cache.kv_layers  # page bounds: on the device
+                     for t in (layer.page_min, layer.page_max) if t is not None)
         self.model = MemoryModel(
             num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
             head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,
@@ -639,7 +653,9 @@ class OffloadManager(OpaqueBase):
     def refine(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
                budget: int, sink: int, window: int, soft_cap: float | None = None,
-               sliding_window: int = 0) -> torch.Tensor:
+               sliding_window: int = 0, page_min: torch.Tensor | None = None, page_max: torch.Tensor | None = None,
+               rescue_pages: int = 0, page_tokens: int = page_bounds.PAGE_TOKENS,
+               page_shift: torch.Tensor | None = None) -> torch.Tensor:
         """Two-stage selection of an offloaded layer (option ``candidates > 1``): the layer's
         query keeps its ``budget`` of the prefetched ``candidates`` ``[batch, kv, slots]``,
         reading their keys from the device buffer, never the host tier (the step's own
@@ -647,9 +663,23 @@ class OffloadManager(OpaqueBase):
         of the buffer's, so the layer's attention then moves nothing. Same arithmetic as
         :func:`~.aten_step.refine_coverage` on the store. Returns int64 ``[batch, kv, budget]``.
 
+        With the page rescue (``rescue_pages > 0``; bounds on the device, :mod:`.page_bounds`)
+        the candidates first become their union with the best pages under the layer's query,
+        and the rescued tokens the buffer lacks are loaded from the host tier now, on demand
+        (counted in the step's ``rescued_rows``): the kept positions are still a subset of
+        the buffer's.
+
         Raises:
-            RuntimeError: a candidate is not on the device tier (prefetch/wait not run)."""
+            RuntimeError: a candidate is not on the device tier (prefetch/wait not run).
+
+        A buffer with no room for the candidates plus the rescued pages (a manager sized for
+        the candidates alone) grows, with a logged warning: the results stay those of the
+        resident layer, the memory plan did not count the extra rows."""
         buf = self._fixup(layer_idx, key_cache, value_cache, candidates, length)
+        if rescue_pages > 0 and page_min is not None:
+            candidates = self._rescue(layer_idx, buf, query, key_cache, value_cache, candidates, length, attn_mask,
+                                      scale, sliding_window, page_min, page_max, rescue_pages, page_tokens,
+                                      page_shift)
         slots = buf.slots_of(candidates)
         if bool(((candidates >= 0) & (slots < 0)).any()):
             raise RuntimeError("offloaded refinement: a candidate token is not on the device tier "
@@ -659,6 +689,31 @@ class OffloadManager(OpaqueBase):
         kept, _ = refine_gathered(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
                                   soft_cap, sliding_window)
         return kept
+
+    def _rescue(self, layer_idx, buf, query, key_cache, value_cache, candidates, length, attn_mask, scale,
+                sliding_window, page_min, page_max, rescue_pages, page_tokens, page_shift) -> torch.Tensor:
+        """The candidates plus the layer's rescued pages (:func:`.page_bounds.rescued_candidates`,
+        on the device), with the rescued tokens the buffer lacks loaded from the host tier."""
+        seen = seen_positions(length.to(page_min.device), attn_mask, key_cache.shape[-2], query.shape[2],
+                              sliding_window, page_min.device)
+        scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
+        union = page_bounds.rescued_candidates(candidates, scores, seen, min(rescue_pages, page_min.shape[2]),
+                                               page_tokens, page_shift)
+        rows, needed = buf.pos_of_slot.shape[-1], int((union >= 0).sum(-1).max())
+        if needed > rows:  # a manager sized for the candidates alone: grow, same results, plan off
+            logger.warning("specontext offload: layer %d needs %d rows per KV head (candidates plus rescued pages) "
+                           "but its device buffer was sized for %d; growing it (the memory plan did not count "
+                           "them). Pass SpeContextConfig(...).buffer_tokens to enable_offload "
+                           "(specontext_compile.compile does), or set page_rescue=0", layer_idx, needed, rows)
+            buf.grow(needed)
+        with self._span(f"rescue L{layer_idx}", "copy"):
+            moved = elastic_load(buf, key_cache, value_cache, union, int(length))
+        if moved:
+            step = self.stats[-1]
+            step.rescued_rows += moved
+            step.per_layer_rows[layer_idx] = step.per_layer_rows.get(layer_idx, 0) + moved
+            step.bytes_elastic += moved * self._row_bytes()
+        return union
 
     def _span(self, name: str, cat: str):
         return self.trace.span(name, cat) if self.trace else contextlib.nullcontext()

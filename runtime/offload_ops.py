@@ -157,27 +157,34 @@ def refine_selection_offloaded(
     manager: OffloadManager, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
     sink: int, window: int, soft_cap: float | None, sliding_window: int, ready: torch.Tensor, layer: int,
+    page_min: torch.Tensor | None = None, page_max: torch.Tensor | None = None, rescue_pages: int = 0,
+    page_tokens: int = 16, page_shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``specontext::refine_selection`` for a layer that may be offloaded (option
     ``candidates > 1`` with KV offload): the step prefetched the *candidates*; an offloaded
     layer scores them from its device buffer (:meth:`~.offload.OffloadManager.refine`), a
     resident one from its store. ``ready`` is the layer's wait token. The fidelity guard is
     not built for offloaded layers (the config refuses ``min_coverage`` with offload), so
-    the second output is always False. Returns ``(indices [batch, num_kv_heads, budget]
+    the second output is always False. ``page_min`` .. ``page_shift``: the page rescue (as
+    ``refine_selection``'s); an offloaded layer loads the rescued tokens it lacks from the
+    host tier. Returns ``(indices [batch, num_kv_heads, budget]
     int64, dense: bool scalar)`` as ``refine_selection``."""
     counters["specontext"]["refine_calls"] += 1
     if layer in manager.buffers:
         kept = manager.refine(layer, query, key_cache, value_cache, candidates, length, attn_mask, scale, budget,
-                              sink, window, soft_cap, sliding_window)
+                              sink, window, soft_cap, sliding_window, page_min, page_max, rescue_pages,
+                              page_tokens, page_shift)
     else:
         kept, _ = aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                             window, soft_cap, sliding_window)
+                                             window, soft_cap, sliding_window, page_min=page_min,
+                                             page_max=page_max, rescue_pages=rescue_pages,
+                                             page_tokens=page_tokens, page_shift=page_shift)
     return kept, torch.zeros((), dtype=torch.bool, device=kept.device)
 
 
 @refine_selection_offloaded.register_fake
 def _(manager, query, key_cache, value_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap,
-      sliding_window, ready, layer):
+      sliding_window, ready, layer, page_min=None, page_max=None, rescue_pages=0, page_tokens=16, page_shift=None):
     b, kv = candidates.shape[:2]
     return candidates.new_empty((b, kv, budget)), torch.empty((), dtype=torch.bool, device=candidates.device)
 

@@ -11,6 +11,8 @@ which changes no other global state. They live by role, each beside the aten bod
 op                     role
 =====================  ====================================================================
 kv_write               append this step's keys/values into a layer's preallocated KV store
+page_bounds_write      after a write: recompute the per-page key bounds of the touched pages
+page_shift_from_mask   at a prompt's first write: align each row's pages to its first real token
 retrieval_anchor       marks, in the traced graph, where the retrieval state enters (layer 0)
 count_step             advances the cache's path counters once per decode step
 check_capacity         (compiled CPU steps) raises before a write would pass the store's end
@@ -33,9 +35,11 @@ from .ops_attention import _mask_allows_selection, _use_triton, sparse_attention
 from .ops_mla import mla_latent_query, mla_sparse_attention
 from .ops_draft import draft_anchor, draft_record, draft_select, draft_step
 from .ops_selection import record_query, refine_selection, speculative_select
-from .ops_store import CacheCapacityError, check_capacity, count_step, kv_write, retrieval_anchor
+from .ops_store import (CacheCapacityError, check_capacity, count_step, kv_write, page_bounds_write,
+                        page_shift_from_mask, retrieval_anchor)
 from .sparse_attention import sparse_attention_reference  # noqa: F401  (the torch path's reference)
 
 __all__ = ["CacheCapacityError", "check_capacity", "count_step", "draft_anchor", "draft_record", "draft_select",
            "draft_step", "kv_write", "mla_latent_query",
-           "mla_sparse_attention", "record_query", "refine_selection", "retrieval_anchor", "sparse_attention", "speculative_select"]
+           "mla_sparse_attention", "page_bounds_write", "page_shift_from_mask", "record_query", "refine_selection",
+           "retrieval_anchor", "sparse_attention", "speculative_select"]

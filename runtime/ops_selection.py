@@ -94,6 +94,11 @@ def refine_selection(
     stats: torch.Tensor | None = None,
     min_coverage: float = 0.0,
     rope_cache: torch.Tensor | None = None,
+    page_min: torch.Tensor | None = None,
+    page_max: torch.Tensor | None = None,
+    rescue_pages: int = 0,
+    page_tokens: int = 16,
+    page_shift: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-layer second stage of the two-stage selection (option ``candidates > 1``): the
     layer's own query keeps the ``budget`` of the step's ``candidates`` it attends to most,
@@ -101,14 +106,18 @@ def refine_selection(
     Shapes, semantics and the coverage estimate:
     :func:`~specontext_compile.runtime.aten_step.refine_selection`.
     ``rope_cache``: MLA layers only (the rotary key store; ``key_cache`` is the latent one).
+    ``page_min``/``page_max``/``rescue_pages``/``page_tokens``/``page_shift``: the page rescue (option
+    ``page_rescue``, :mod:`~specontext_compile.runtime.page_bounds`).
     Returns ``(indices [batch, num_kv_heads, budget] int64, dense: bool scalar)``."""
     counters["specontext"]["refine_calls"] += 1
     return aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                      window, soft_cap, sliding_window, stats, min_coverage, rope_cache)
+                                      window, soft_cap, sliding_window, stats, min_coverage, rope_cache,
+                                      page_min, page_max, rescue_pages, page_tokens, page_shift)
 
 
 @refine_selection.register_fake
 def _(query, key_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap=None,
-      sliding_window=0, stats=None, min_coverage=0.0, rope_cache=None):
+      sliding_window=0, stats=None, min_coverage=0.0, rope_cache=None, page_min=None, page_max=None,
+      rescue_pages=0, page_tokens=16, page_shift=None):
     b, kv = candidates.shape[0], candidates.shape[1]
     return candidates.new_empty((b, kv, budget)), candidates.new_empty((), dtype=torch.bool)

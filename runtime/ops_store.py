@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
-from . import aten_step
+from . import aten_step, page_bounds
 
-__all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "load_selection", "retrieval_anchor",
-           "store_selection"]
+__all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "load_selection", "page_bounds_write",
+           "page_shift_from_mask", "retrieval_anchor", "store_selection"]
 
 
 class CacheCapacityError(RuntimeError):
@@ -39,6 +39,37 @@ def kv_write(
 
 @kv_write.register_fake
 def _(key_cache, value_cache, length, key, value) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::page_bounds_write", mutates_args=("page_min", "page_max"))
+def page_bounds_write(key_cache: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, length: torch.Tensor,
+                      q_len: int, page_tokens: int, page_shift: torch.Tensor | None = None) -> None:
+    """After ``kv_write``: recompute the per-page key bounds ``[batch, num_kv_heads, pages,
+    head_dim]`` of the pages the write of ``q_len`` tokens touched (``length``: tokens
+    written, this write's included; ``page_shift``: int64 ``[batch]`` per-row page shift or
+    None). Body: :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`."""
+    page_bounds.update_page_bounds(key_cache, page_min, page_max, length, q_len, page_tokens, page_shift)
+
+
+@page_bounds_write.register_fake
+def _(key_cache, page_min, page_max, length, q_len, page_tokens, page_shift=None) -> None:
+    return None
+
+
+@torch.library.custom_op("specontext::page_shift_from_mask", mutates_args=("page_shift",))
+def page_shift_from_mask(page_shift: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+                         capacity: int, page_tokens: int) -> None:
+    """At a prompt's first write (``length``, tokens written before the step, is 0), set each
+    row's page shift (int64 ``[batch]``) from its left padding in a full-attention site's
+    Hugging Face mask ``attn_mask`` (None: no padding, every shift 0), so that a padded row's pages hold the same tokens as its prompt alone.
+    Inserted by the rewrite pass before the graph's first ``kv_write``. Body:
+    :func:`~specontext_compile.runtime.page_bounds.shift_from_mask`."""
+    page_bounds.shift_from_mask(page_shift, length, attn_mask, capacity, page_tokens)
+
+
+@page_shift_from_mask.register_fake
+def _(page_shift, length, attn_mask, capacity, page_tokens) -> None:
     return None
 
 

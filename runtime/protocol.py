@@ -34,6 +34,7 @@ STATS = (
     "gather_sites",      # ... of which gathered the selected rows
     "dense_store_sites",  # ... of which attended densely over the store (budget >= capacity)
     "guard_dense_sites",  # ... of which the fidelity guard ran dense (coverage < min_coverage)
+    "page_rescue_sites",  # ... of which refined with the page rescue (option page_rescue)
 )
 GUARD_STAT = STATS.index("guard_dense_sites")
 

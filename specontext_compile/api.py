@@ -63,7 +63,7 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
     if isinstance(config.device_memory_bytes, int):  # refuse a tier that can never work, now
         from .runtime.offload import check_device_memory
 
-        check_device_memory(model, config.device_memory_bytes, config.prefetch_tokens)
+        check_device_memory(model, config.device_memory_bytes, config.buffer_tokens)
     model._specontext_options = dict(options)
     if getattr(model, "_specontext_original", None) is None:
         model._specontext_original = (model.forward, model.generate)
@@ -81,7 +81,7 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
                 from .runtime.offload import enable_offload
 
                 enable_offload(kwargs["cache"], model, options["device_memory_bytes"],
-                               SpeContextConfig.from_options(options).prefetch_tokens,
+                               SpeContextConfig.from_options(options).buffer_tokens,
                                trace_path=options.get("offload_trace"))
         return original_generate(*args, **kwargs)
 

@@ -130,7 +130,7 @@ def specontext_backend(
     rewrite = SparseAttentionPass(
         config.budget, config.sink_tokens, config.recent_window,
         config.retrieval_layers, config.max_sparse_q_len, config.kernel, config.retrieval_head,
-        config.dense_shortcut, config.candidates, config.min_coverage,
+        config.dense_shortcut, config.candidates, config.min_coverage, config.page_rescue,
     )
     dumper = GraphDumper.from_option(config.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None
@@ -143,7 +143,7 @@ def specontext_backend(
     if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
         from .passes.schedule import OffloadSchedulePass
 
-        schedule = OffloadSchedulePass(config.prefetch_tokens, _copy_bandwidth(config, example_inputs))
+        schedule = OffloadSchedulePass(config.buffer_tokens, _copy_bandwidth(config, example_inputs))
         gm.meta["specontext_offload_schedule"] = schedule(gm.graph)
         pass_uuid = f"{pass_uuid}+{schedule.uuid()}"
     if dumper is not None:

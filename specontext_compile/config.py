@@ -122,6 +122,22 @@ class SpeContextConfig:
             for that step. Counted in ``cache.path_counts()["guard_dense_sites"]``. On CUDA
             it costs one host read per guarded layer and step (the branch). A float in
             ``[0, 1)``. Not with KV offload (``device_memory_bytes``): ``ValueError``.
+        page_rescue: tokens each layer adds to the step's candidates before refining them
+            (issue 12): the tokens of the pages (``SpeContextCache(page_tokens=16)``) with the
+            highest Quest bound ``sum_c max(q_c min_c, q_c max_c)`` under the layer's own
+            current query, read from per-page key bounds the KV store keeps
+            (:mod:`~specontext_compile.runtime.page_bounds`), rounded up to whole pages. It
+            brings back what the layer's current query attends to and the lagged-query
+            candidates missed, at the cost of reading the bounds (``2/16`` of the keys) and
+            the rescued keys; it turns the refinement on even at ``candidates=1``. None (the
+            default) = ``2 * budget`` (docs/fidelity.md, "Third pass": at 8K, budget 1024,
+            agreement with dense 0.77 -> 0.96 for 1.5x the step time on CPU); 0 = off; an int
+            >= 0 = that many tokens. With KV offload the bounds stay on the device and an
+            offloaded layer loads the rescued tokens it lacks from the host tier on demand
+            (its buffer has :attr:`buffer_tokens` rows; not prefetched: set 0 to keep every
+            transfer prefetched), with the same text as without offload. Sites whose
+            store keeps no bounds (MLA, Hugging Face's ``StaticCache``, a cache built with
+            ``page_tokens=0``) refine without it (logged).
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
             None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
@@ -146,6 +162,7 @@ class SpeContextConfig:
     dense_shortcut: bool = True
     candidates: float = 1.0
     min_coverage: float = 0.0
+    page_rescue: int | None = None
     freezing: bool | None = None
     gemv: bool | None = None
 
@@ -231,14 +248,31 @@ class SpeContextConfig:
             raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
                              "yet (the guard's dense fallback would read an offloaded layer's host tier); set "
                              "min_coverage=0 or unset device_memory_bytes")
+        r = self.page_rescue
+        if r is None:  # the default: the rescue that keeps the text (with or without offload: same text)
+            r = 2 * self.budget
+            object.__setattr__(self, "page_rescue", r)
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"specontext option 'page_rescue' must be None (the default: 2 x budget) or an "
+                             f"int >= 0 (tokens of rescued pages per layer; 0 = off), got {r!r}")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 
     @property
     def prefetch_tokens(self) -> int:
         """Tokens per KV head the selection node picks and KV offload prefetches each step:
-        ``ceil(candidates * budget)`` (the rows of an offloaded layer's device buffer)."""
+        ``ceil(candidates * budget)`` (with ``page_rescue`` 0, the rows of an offloaded
+        layer's device buffer: :attr:`buffer_tokens`)."""
         return candidate_slots(self.budget, self.candidates)
+
+    @property
+    def buffer_tokens(self) -> int:
+        """Rows per KV head of an offloaded layer's device buffer: the prefetched candidates
+        (:attr:`prefetch_tokens`) plus, with ``page_rescue``, the rescued pages' tokens
+        (rounded up to whole 16-token pages), loaded on demand."""
+        from .runtime.page_bounds import PAGE_TOKENS
+
+        return self.prefetch_tokens + -(-self.page_rescue // PAGE_TOKENS) * PAGE_TOKENS
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> SpeContextConfig:

@@ -162,7 +162,7 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
         from .runtime.offload import enable_offload
 
         manager = enable_offload(cache, model, options["device_memory_bytes"],
-                                 SpeContextConfig.from_options(options).prefetch_tokens)
+                                 SpeContextConfig.from_options(options).buffer_tokens)
     with torch.no_grad():
         logits = forward(input_ids=input_ids, cache=cache, use_cache=True, **kwargs).logits
         for _ in range(decode_steps):

@@ -58,6 +58,7 @@ class RunReport:
     text: str
     candidates: float = 1.0
     min_coverage: float = 0.0
+    page_rescue: int = 0
     path_counts: dict = dataclasses.field(default_factory=dict)  # SpeContextCache.path_counts() of the sparse run
 
 
@@ -183,5 +184,6 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         speedup=ms_dense / ms_sparse if ms_sparse else float("nan"),
         kv_bytes=cache.kv_bytes,
         text=tokenizer.decode(tokens, skip_special_tokens=True),
-        candidates=config.candidates, min_coverage=config.min_coverage, path_counts=cache.path_counts(),
+        candidates=config.candidates, min_coverage=config.min_coverage, page_rescue=config.page_rescue,
+        path_counts=cache.path_counts(),
     )

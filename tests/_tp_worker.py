@@ -31,9 +31,10 @@ NEW_TOKENS = 6
 # inner compiler: ops lowered to aten and compiled by inductor) runs with ``--inductor``.
 CASES = (
     ("full", {"budget": 1024, "dense_shortcut": False, "inner": "eager"}),
-    ("budget32", {"budget": 32, "sink_tokens": 4, "recent_window": 8, "inner": "eager"}),
+    # page_rescue=0: the shared selection, recorded per rank (the rescue would make it per layer)
+    ("budget32", {"budget": 32, "sink_tokens": 4, "recent_window": 8, "inner": "eager", "page_rescue": 0}),
 )
-INDUCTOR_CASE = ("budget32_inductor", {"budget": 32, "sink_tokens": 4, "recent_window": 8})
+INDUCTOR_CASE = ("budget32_inductor", {"budget": 32, "sink_tokens": 4, "recent_window": 8, "page_rescue": 0})
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
 
 

@@ -100,11 +100,15 @@ def test_floor_counts_the_retrieval_layers_and_candidates_of_each_variant():
     def kv(name):
         return decode.floor_bytes(name, config, 0, 8192, 1)[1]
 
-    assert kv("specontext-1024") == (30 * (1024 + 1024) + 8 * 8192) * per_token  # 8 retrieval layers
-    assert kv("specontext-r5-1024") == (30 * (1024 + 1024) + 5 * 8192) * per_token
-    assert kv("specontext-c4-1024") == (30 * (4096 + 1024) + 8 * 8192) * per_token
-    assert kv("specontext-r5c4-1024") == (30 * (4096 + 1024) + 5 * 8192) * per_token
+    pages = 2 * 512  # the page rescue reads a min and a max row per 16-token page
+    # the default: one shared selection plus a page rescue of 2 x budget
+    assert kv("specontext-1024") == (30 * (1024 + 2048 + pages + 1024) + 8 * 8192) * per_token
+    assert kv("specontext-p0-1024") == (30 * (1024 + 1024) + 8 * 8192) * per_token  # 8 retrieval layers
+    assert kv("specontext-r5-1024") == (30 * (1024 + 2048 + pages + 1024) + 5 * 8192) * per_token
+    assert kv("specontext-c4-1024") == (30 * (4096 + 2048 + pages + 1024) + 8 * 8192) * per_token
     assert kv("specontext-cinf-1024") == (30 * (8192 + 1024) + 8 * 8192) * per_token  # every key, in place
+    assert kv("specontext-c4p1k-1024") == (30 * (4096 + 1024 + pages + 1024) + 8 * 8192) * per_token
+    assert kv("specontext-p1k-1024") == (30 * (2048 + pages + 1024) + 8 * 8192) * per_token
     assert kv("hf-eager") == 30 * 2 * 8192 * per_token
 
 

@@ -158,7 +158,8 @@ def test_small_budget_selection_equals_the_hand_computed_one(tmp_path, monkeypat
     prompt = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(1))
     budget, sink, window = 16, 2, 4
     compiled = torch.compile(model.forward, backend="specontext",
-                             options=options(folder, budget=budget, sink_tokens=sink, recent_window=window))
+                             options=options(folder, budget=budget, sink_tokens=sink, recent_window=window,
+                                             page_rescue=0))  # the head's own selection, not refined
     cache = sc.SpeContextCache(model.config, max_cache_len=80, retrieval_head=str(folder))
     tokens = [prompt]
     with torch.no_grad():
@@ -435,7 +436,8 @@ def test_fused_head_small_budget_selection_equals_the_hand_computed_one(tmp_path
     prompt = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(10))
     budget, sink, window = 16, 2, 4
     compiled = torch.compile(model.forward, backend="specontext",
-                             options=options(folder, budget=budget, sink_tokens=sink, recent_window=window))
+                             options=options(folder, budget=budget, sink_tokens=sink, recent_window=window,
+                                             page_rescue=0))  # the head's own selection, not refined
     cache = sc.SpeContextCache(model.config, max_cache_len=80, retrieval_head=str(folder))
     tokens, states = [prompt], []
     with torch.no_grad():  # the backend's own hidden states (sparse ones) feed the reference

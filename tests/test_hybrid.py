@@ -74,7 +74,8 @@ def test_eager_and_full_budget_gather_path_equal_hugging_face(family):
 def test_small_budget_runs_sparse_on_attention_layers_like_the_static_cache_path(family):
     model = _model(family)
     ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(2))
-    opts = {"budget": 12, "recent_window": 3, "sink_tokens": 2, "inner": "eager"}
+    # page_rescue=0: the static-cache path keeps no page bounds, so only ours could rescue
+    opts = {"budget": 12, "recent_window": 3, "sink_tokens": 2, "inner": "eager", "page_rescue": 0}
     cache = sc.SpeContextCache(model.config, max_cache_len=CAP)
     ours = _decode(torch.compile(model.forward, backend="specontext", options=opts), cache, ids)
     static = _decode(torch.compile(model.forward, backend="specontext", options=opts),

@@ -6,6 +6,7 @@ context, so the selection really changes between steps and layers really leave t
 """
 
 import json
+import logging
 import time
 
 import pytest
@@ -21,7 +22,8 @@ from _tiny import tiny_llama
 PROMPT, STEPS, CAP = 60, 50, 128
 # offload runs on the eager op chain (inner="auto" picks it for offloaded graphs); the
 # reference without offload runs the same chain, so logits must match bit for bit
-OPTS = {"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager"}
+# page_rescue=0: the default turns it off with offload, so the resident reference must too
+OPTS = {"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager", "page_rescue": 0}
 
 
 def _ids(seed=0):
@@ -293,6 +295,7 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     sc.api.restore(model)
     torch._dynamo.reset()
     counters.clear()
+    from specontext_compile.runtime import page_bounds
     from specontext_compile.runtime.offload import model_weight_bytes
     from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
 
@@ -300,6 +303,9 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     # in both layers (2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B per token), so the
     # plan must offload the last layer when the cache reaches 66 tokens (ST[0] = 66)
     fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8
+    # + the page bounds, which stay on the device: 2 layers x (min, max) x 2 KV heads x pages of
+    # a 60 + 20 + 1-token store x 16 x 4 B
+    fixed += 2 * 2 * 2 * page_bounds.page_count(81, 16) * 16 * 4
     mem = -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
     sc.compile(model, device_memory_bytes=mem, **OPTS)
     out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
@@ -358,7 +364,7 @@ class _OffloadedTwoStage(_Offloaded):
         self.forward = torch.compile(model.forward, backend="specontext",
                                      options=dict(options, device_memory_bytes=1 << 40))
         self.cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
-        rows = sc.SpeContextConfig(**options).prefetch_tokens
+        rows = sc.SpeContextConfig(**options).buffer_tokens
         self.manager = enable_offload(self.cache, model, 1 << 40, rows)
         self.size_fn, self._sized = size_fn, False
 
@@ -399,3 +405,44 @@ def test_offload_buffers_smaller_than_the_candidates_name_the_fix():
     enable_offload(cache, model, 1 << 40, OPTS["budget"])  # budget rows, not the 32 candidates
     with pytest.raises(Exception, match=r"ceil\(candidates \* budget\)"):
         _run(forward, cache, ids, 2)
+
+
+@pytest.mark.parametrize("size_fn", [_progressive, _all_at_once], ids=["progressive", "all"])
+def test_page_rescue_with_offload_equals_resident_bit_for_bit(size_fn):
+    """page_rescue (issue 12): an offloaded layer scores its pages from bounds kept on the
+    device, loads the rescued tokens it lacks from the host tier on demand (counted), and
+    gives the logits of the same options without offload, bit for bit."""
+    options = dict(OPTS, candidates=2.0, page_rescue=16)
+    model, ids = tiny_llama(layers=3), _ids()
+    forward = torch.compile(model.forward, backend="specontext", options=options)
+    resident = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+    ref = _run(forward, resident, ids, STEPS)
+    assert resident.path_counts()["page_rescue_sites"] == 3 * STEPS
+    torch._dynamo.reset()
+    counters.clear()
+    run = _OffloadedTwoStage(model, size_fn, options)
+    out = _run(run, run.cache, ids, STEPS)
+    _assert_same(out, ref)
+    assert len(run.manager.offloaded) >= 2
+    assert all(buf.keys.shape[2] == 32 + 16 for buf in run.manager.buffers.values())  # candidates + rescue
+    assert counters["specontext"]["offloaded_refine_calls"] > 0
+    assert sum(s.rescued_rows for s in run.manager.stats) > 0  # rescued tokens came from the host tier
+    assert run.cache.path_counts()["page_rescue_sites"] == 3 * STEPS
+
+
+def test_offload_buffers_without_room_for_the_rescue_grow_and_say_so(caplog):
+    """Buffers of only the candidates' rows (a manager built by hand with the candidates'
+    count, as before the rescue existed): the offloaded layer grows its buffer, logs the fix
+    (buffer_tokens), and the logits stay those of the resident run, bit for bit."""
+    options = dict(OPTS, candidates=2.0, page_rescue=16)
+    model, ids = tiny_llama(layers=2), _ids()
+    forward = torch.compile(model.forward, backend="specontext", options=options)
+    ref = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, 3)
+    torch._dynamo.reset()
+    run = _OffloadedTwoStage(model, _all_at_once, options)
+    run.manager = enable_offload(run.cache, model, 1 << 40, sc.SpeContextConfig(**options).prefetch_tokens)
+    with caplog.at_level(logging.WARNING, logger="specontext_compile.runtime.offload"):
+        out = _run(run, run.cache, ids, 3)
+    _assert_same(out, ref)
+    assert "buffer_tokens" in caplog.text
+    assert all(buf.keys.shape[2] > 32 for buf in run.manager.buffers.values())

@@ -75,9 +75,10 @@ def test_compile_config_recipe_runs_sparse(model):
 @pytest.mark.parametrize("inner", ["eager", "auto"])
 def test_small_budget_equals_specontext_cache(model, inner):
     """Same options, same selection code: StaticCache and SpeContextCache give the same
-    logits at budget 12 of a 40-token context, batch of 2."""
+    logits at budget 12 of a 40-token context, batch of 2 (page_rescue=0: Hugging Face's
+    StaticCache keeps no page bounds, so only our cache could rescue pages)."""
     ids = _prompt(batch=2, seed=2)
-    opts = dict(SMALL, inner=inner)
+    opts = dict(SMALL, inner=inner, page_rescue=0)
     static = _steps(torch.compile(model.forward, backend="specontext", options=opts),
                     StaticCache(config=model.config, max_cache_len=56), ids, steps=6)
     ours = sc.SpeContextCache(model.config, max_cache_len=56)

@@ -266,10 +266,11 @@ def test_guarded_attention_is_dense_attention_when_it_fires():
 
 
 def test_no_refinement_where_it_must_not_fire():
-    """candidates=1, or a store no larger than the budget: no refine node in the graph."""
+    """candidates=1 without a page rescue, or a store no larger than the budget (the default
+    rescue included): no refine node in the graph."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(7))
-    for options in ({"budget": 8}, {"budget": 64, "candidates": 4.0}):
+    for options in ({"budget": 8, "page_rescue": 0}, {"budget": 64, "candidates": 4.0}, {"budget": 64}):
         counters.clear()
         _compiled_steps(model, ids, 2, inner="eager", **options)
         assert counters["specontext"]["refine_calls"] == 0, options

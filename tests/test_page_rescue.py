@@ -1,0 +1,314 @@
+"""The page rescue of the two-stage selection (option ``page_rescue``, issue 12): per-page key
+bounds kept by the KV store, Quest's bound under each layer's own query, the rescued candidate
+set, and the backend path — values against float64 / by-hand references, the path that ran
+asserted by its counters, negative tests where it must stay off."""
+
+from __future__ import annotations
+
+import logging
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from specontext_compile.runtime import aten_step, page_bounds
+from specontext_compile.runtime.kv_cache import SpeContextLayer
+from test_two_stage import _compiled_steps, _refine_reference
+from torch._dynamo.utils import counters
+
+import specontext_compile as sc
+from specontext_compile.tiny_models import tiny_family
+
+
+def _bounds_by_hand(keys: torch.Tensor, length: int, page_tokens: int, pages: int):
+    """float64 per-page min / max of the written keys ``[b, kv, length, d]``; 0 for empty pages."""
+    b, kv, _, d = keys.shape
+    lo = torch.zeros(b, kv, pages, d, dtype=torch.float64)
+    hi = torch.zeros(b, kv, pages, d, dtype=torch.float64)
+    for p in range(pages):
+        seg = keys[:, :, p * page_tokens: min((p + 1) * page_tokens, length)].double()
+        if seg.shape[2]:
+            lo[:, :, p], hi[:, :, p] = seg.amin(2), seg.amax(2)
+    return lo, hi
+
+
+def _assert_bounds(layer: SpeContextLayer) -> None:
+    n = int(layer.cumulative_length)
+    lo, hi = _bounds_by_hand(layer.keys, n, layer.page_tokens, layer.page_min.shape[2])
+    assert torch.equal(layer.page_min.double(), lo) and torch.equal(layer.page_max.double(), hi)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), page_tokens=st.sampled_from([1, 4, 16]), chunk=st.integers(5, 40),
+       writes=st.lists(st.integers(1, 20), min_size=1, max_size=6), crop=st.integers(0, 12),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_store_keeps_exact_page_bounds_through_writes_growth_and_cache_operations(seed, page_tokens, chunk, writes,
+                                                                                  crop, dtype):
+    """After any sequence of writes (prefill-sized and one-token, across growth of the store),
+    a crop, a beam reorder, a batch selection and a reset, ``page_min``/``page_max`` equal the
+    per-page min / max of exactly the written keys (0 for a page with none)."""
+    g = torch.Generator().manual_seed(seed)
+    layer = SpeContextLayer(chunk_tokens=chunk, page_tokens=page_tokens)
+
+    def write(n):
+        layer.update(torch.randn(2, 3, n, 8, generator=g).to(dtype), torch.randn(2, 3, n, 8, generator=g).to(dtype))
+
+    for n in writes:
+        write(n)
+        _assert_bounds(layer)
+    layer.crop(-min(crop, int(layer.cumulative_length)))
+    _assert_bounds(layer)
+    write(3)
+    _assert_bounds(layer)
+    layer.reorder_cache(torch.tensor([1, 1]))
+    _assert_bounds(layer)
+    layer.batch_select_indices(torch.tensor([0]))
+    _assert_bounds(layer)
+    layer.reset()
+    layer.update(torch.randn(1, 3, 2, 8, generator=g).to(dtype), torch.randn(1, 3, 2, 8, generator=g).to(dtype))
+    _assert_bounds(layer)
+
+
+def test_cache_page_tokens_option():
+    model = tiny_family("llama", "sdpa")
+    assert sc.SpeContextCache(model.config, page_tokens=0).kv_layers[0].page_tokens == 0
+    with pytest.raises(ValueError, match="page_tokens"):
+        sc.SpeContextCache(model.config, page_tokens=-1)
+    layer = sc.SpeContextCache(model.config, page_tokens=0).kv_layers[0]
+    layer.update(torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16))
+    assert layer.page_min is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), groups=st.sampled_from([1, 3]), q_len=st.sampled_from([1, 2]),
+       length=st.integers(3, 45), dtype=st.sampled_from([torch.float32, torch.float16]))
+def test_page_scores_bound_every_logit_of_the_page(seed, groups, q_len, length, dtype):
+    """Quest's bound (section 3.2) is an upper bound: per KV head, a page's score is at least
+    the float64 logit of any query head of the group and row on any written token of the
+    page, and equals the float64 formula ``sum_c max(q_c min_c, q_c max_c)`` (group max);
+    pages no row sees score ``-inf``."""
+    g = torch.Generator().manual_seed(seed)
+    b, kv, d, cap, page = 2, 2, 8, 48, 4
+    keys = (torch.randn(b, kv, cap, d, generator=g) * 3).to(dtype)
+    query = (torch.randn(b, kv * groups, q_len, d, generator=g) * 3).to(dtype)
+    pages = page_bounds.page_count(cap, page)
+    lo = torch.zeros(b, kv, pages, d, dtype=dtype)
+    hi = torch.zeros(b, kv, pages, d, dtype=dtype)
+    page_bounds.update_page_bounds(keys, lo, hi, torch.tensor(length), length, page)
+    length_t = torch.tensor(length)
+    seen = aten_step.seen_positions(length_t, None, cap, q_len, 0, keys.device)
+    scores = page_bounds.page_scores(query, lo, hi, seen, 0.5, page)
+    q = query.double().view(b, kv, groups * q_len, d) * 0.5
+    formula = torch.maximum(q[:, :, :, None] * lo.double()[:, :, None], q[:, :, :, None] * hi.double()[:, :, None])
+    formula = formula.sum(-1).amax(2)
+    written = pages if length >= cap else -(-length // page)
+    torch.testing.assert_close(scores[..., :written].double(), formula[..., :written], atol=1e-4, rtol=1e-5)
+    assert torch.isneginf(scores[..., written:]).all()
+    logits = q @ keys.double()[..., :length, :].transpose(-1, -2)  # [b, kv, g*q, length]
+    best = torch.nn.functional.pad(logits.amax(2), (0, written * page - length), value=float("-inf"))
+    assert (scores[..., :written].double() >= best.view(b, kv, written, page).amax(-1) - 1e-4).all()
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), slots=st.integers(3, 20), rescue=st.integers(1, 6), pads=st.integers(0, 9),
+       shifted=st.booleans())
+def test_rescued_candidates_are_the_union_with_the_best_seen_pages(seed, slots, rescue, pads, shifted):
+    """The rescued set is exactly candidates ∪ (seen tokens of the top-``rescue`` pages by
+    score, each row's pages shifted to start at its first real token or not): the candidates
+    first, unchanged, then the rescued tokens, no position twice; a pad is never rescued."""
+    g = torch.Generator().manual_seed(seed)
+    b, kv, cap, page, length = 2, 2, 40, 4, 37
+    visible = torch.ones(b, 1, cap, dtype=torch.bool)
+    visible[0, 0, :pads] = False
+    seen = visible & (torch.arange(cap) < length)
+    shift = page_bounds.row_shift(torch.tensor([pads, 0]), page) if shifted else None
+    pages = page_bounds.page_count(cap, page)
+    pos = page_bounds.page_positions(pages, page, shift, b, "cpu")  # [b, 1, pages, page]
+    inside = (pos >= 0) & (pos < cap)
+    page_seen = (seen.expand(b, 1, cap).gather(-1, pos.clamp(0, cap - 1).view(b, 1, -1)).view(pos.shape)
+                 & inside).any(-1)
+    scores = torch.where(page_seen, torch.randn(b, kv, pages, generator=g), float("-inf"))
+    cand = []
+    for i in range(b):
+        allowed = seen[i, 0].nonzero().flatten()
+        rows = [allowed[torch.randperm(len(allowed), generator=g)[:slots]].sort().values for _ in range(kv)]
+        cand.append(torch.stack([torch.nn.functional.pad(r, (slots - len(r), 0), value=-1) for r in rows]))
+    cand = torch.stack(cand)
+    n = min(rescue, int(page_seen.sum(-1).min()))
+    out = page_bounds.rescued_candidates(cand, scores, seen, n, page, shift)
+    assert out.shape == (b, kv, slots + n * page)
+    for i in range(b):
+        for k in range(kv):
+            top = scores[i, k].topk(n).indices.tolist()
+            want = {int(p) for p in cand[i, k] if p >= 0}
+            want |= {int(pos[i, 0, p, t]) for p in top for t in range(page)
+                     if bool(inside[i, 0, p, t]) and bool(seen[i, 0, pos[i, 0, p, t]])}
+            row = out[i, k].tolist()
+            valid = [p for p in row if p >= 0]
+            assert sorted(valid) == sorted(want) and len(valid) == len(set(valid))  # no position twice
+            assert row[:slots] == cand[i, k].tolist()  # the candidates first, unchanged (their sinks lead)
+            assert all(p >= (pads if i == 0 else 0) for p in valid)
+
+
+def test_row_shift_starts_a_page_at_the_first_real_token():
+    for pads in range(40):
+        shift = page_bounds.row_shift(torch.tensor([pads]), 16)
+        pos = page_bounds.page_positions(page_bounds.page_count(64, 16), 16, shift, 1, "cpu")
+        assert pads in pos[0, 0, :, 0].tolist()  # some page starts exactly there
+
+
+def test_refine_with_rescue_keeps_the_layers_top_budget_of_the_union():
+    """A layer whose current query points at tokens the candidates missed: with the rescue it
+    keeps the float64 top ``budget`` of candidates ∪ rescued pages (by hand), and the missed
+    tokens are among them; without it they cannot be."""
+    g = torch.Generator().manual_seed(3)
+    b, kv, groups, d, cap, page, length, budget = 1, 2, 2, 16, 64, 4, 60, 8
+    keys = torch.randn(b, kv, cap, d, generator=g)
+    query = torch.randn(b, kv * groups, 1, d, generator=g)
+    target = torch.arange(20, 24)  # page 5: keys aligned with every query head of the group
+    for k in range(kv):
+        keys[0, k, target] = query[0, k * groups: (k + 1) * groups, 0].mean(0) * 4
+    lo = torch.zeros(b, kv, cap // page, d)
+    hi = torch.zeros_like(lo)
+    page_bounds.update_page_bounds(keys, lo, hi, torch.tensor(length), length, page)
+    base = torch.tensor([0, 1, 30, 33, 40, 41, 44, 50, 52, 56, 57, 58, 59])  # misses page 5
+    cand = base.expand(b, kv, -1).clone()
+    scale = d ** -0.5
+    length_t = torch.tensor(length)
+    plain, _ = aten_step.refine_coverage(query, keys, cand, length_t, None, scale, budget, 1, 2)
+    assert not set(target.tolist()) & set(plain.flatten().tolist())
+    kept, _ = aten_step.refine_coverage(query, keys, cand, length_t, None, scale, budget, 1, 2,
+                                        page_min=lo, page_max=hi, rescue_pages=2, page_tokens=page)
+    seen = aten_step.seen_positions(length_t, None, cap, 1, 0, keys.device)
+    union = page_bounds.rescued_candidates(cand, page_bounds.page_scores(query, lo, hi, seen, scale, page), seen, 2,
+                                           page)
+    want, _ = _refine_reference(query, keys, union, length, scale, budget, 1, 2)
+    assert kept.tolist() == want
+    assert set(target.tolist()) <= set(kept[0, 0].tolist())
+
+
+def test_compiled_rescue_step_equals_the_eager_op_chain_and_counts_its_sites():
+    """Inductor (rescue lowered to aten) == eager ops; ``page_rescue_sites`` counts every
+    layer of every step, and the refinement runs even at ``candidates=1``."""
+    model = tiny_family("llama", "sdpa")
+    layers = len(model.model.layers)
+    ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(2))
+    opts = dict(budget=12, page_rescue=16, sink_tokens=1, recent_window=2)
+    counters.clear()
+    eager, c_eager = _compiled_steps(model, ids, 4, inner="eager", **opts)
+    assert counters["specontext"]["refine_calls"] == 4 * layers
+    compiled, c_ind = _compiled_steps(model, ids, 4, **opts)
+    torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=0)
+    assert c_ind.path_counts() == c_eager.path_counts()
+    assert c_ind.path_counts()["page_rescue_sites"] == 4 * layers
+    plain, _ = _compiled_steps(model, ids, 4, inner="eager", budget=12, sink_tokens=1, recent_window=2)
+    assert (plain - eager).abs().max() > 1e-4  # the rescue changed what the layers read
+
+
+def test_rescue_of_every_page_is_each_layers_exact_top_budget():
+    """A rescue of more pages than the store holds brings every position the layer sees into
+    its ranking: the same logits as candidates=inf (each layer's exact top budget)."""
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    wide, _ = _compiled_steps(model, ids, 3, inner="eager", budget=8, page_rescue=4096, recent_window=2)
+    exact, _ = _compiled_steps(model, ids, 3, inner="eager", budget=8, candidates=float("inf"), recent_window=2)
+    torch.testing.assert_close(wide, exact, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("pad", [15, 16, 3])
+def test_left_padded_row_with_rescue_decodes_as_the_prompt_alone(pad):
+    """No pad is rescued, a row's sinks stay its first real tokens, and its pages start at its
+    first real token (``page_shift_from_mask``): a left-padded row gives the same logits as its
+    prompt alone with the rescue on and a budget far below the context, whatever the pad count
+    (a multiple of the page size or not)."""
+    from test_two_stage import _generate
+
+    g = torch.Generator().manual_seed(5)
+    b = torch.randint(1, 128, (1, 41), generator=g)
+    a = torch.randint(1, 128, (1, 41 - pad), generator=g)
+    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), a], 1), b])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    options = dict(budget=10, recent_window=3, sink_tokens=2, page_rescue=16, inner="eager")
+    model = tiny_family("llama", "sdpa")
+    counters.clear()
+    padded = _generate(model, batch, mask, 6, **options)[0]
+    assert counters["specontext"]["refine_calls"] > 0
+    alone = _generate(model, a, torch.ones_like(a), 6, **options)[0]
+    torch.testing.assert_close(padded, alone, atol=1e-4, rtol=0)
+
+
+def test_no_rescue_where_the_store_keeps_no_bounds(caplog):
+    """A cache built with ``page_tokens=0`` emits no bounds: the rewrite refines nothing at
+    candidates=1, counts no rescued site and logs why."""
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(7))
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(budget=8, page_rescue=16,
+                                                                              inner="eager"))
+    cache = sc.SpeContextCache(model.config, max_cache_len=60, page_tokens=0)
+    counters.clear()
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="specontext_compile.passes.sparse_rewrite"):
+        out = forward(input_ids=ids, cache=cache, use_cache=True)
+        forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert counters["specontext"]["refine_calls"] == 0
+    assert counters["specontext"]["gather_attention_calls"] > 0
+    assert cache.path_counts()["page_rescue_sites"] == 0
+    assert "page_rescue is off" in caplog.text
+
+
+@pytest.mark.parametrize("bad,match", [
+    ({"page_rescue": -1}, "page_rescue"), ({"page_rescue": 1.5}, "page_rescue"), ({"page_rescue": True}, "page_rescue"),
+])
+def test_bad_page_rescue_options_name_the_fix(bad, match):
+    with pytest.raises(ValueError, match=match):
+        sc.SpeContextConfig(**bad)
+
+
+def test_buffer_tokens_hold_the_candidates_and_the_rescued_pages():
+    assert sc.SpeContextConfig(budget=100, candidates=2.0, page_rescue=40).buffer_tokens == 200 + 48  # 3 pages
+    assert sc.SpeContextConfig(budget=100, page_rescue=0).buffer_tokens == 100
+    assert sc.SpeContextConfig(budget=100).page_rescue == 200  # the default: 2 x budget
+    assert sc.SpeContextConfig(budget=100).buffer_tokens == 100 + 208  # 13 pages
+    assert sc.SpeContextConfig(budget=100, device_memory_bytes=1 << 30).page_rescue == 200  # on with offload too
+
+
+def test_page_bound_ops_never_read_a_tensor_value_on_the_host():
+    """The bounds update, the page scores and the rescued refinement on the meta device (a host
+    read raises there): sync-free, like the rest of the step."""
+    meta = torch.device("meta")
+    b, h, kv, cap, d, page = 2, 6, 2, 96, 16, 16
+    keys = torch.empty(b, kv, cap, d, device=meta)
+    lo = torch.empty(b, kv, page_bounds.page_count(cap, page), d, device=meta)
+    length = torch.empty((), dtype=torch.long, device=meta)
+    shift = torch.empty(b, dtype=torch.long, device=meta)
+    mask = torch.empty(b, 1, 1, cap, device=meta)
+    page_bounds.shift_from_mask(shift, length, mask, cap, page)
+    page_bounds.update_page_bounds(keys, lo, lo.clone(), length, 1, page, shift)
+    page_bounds.update_page_bounds(keys, lo, lo.clone(), length, 40, page)
+    cand = torch.empty(b, kv, 24, dtype=torch.long, device=meta)
+    idx, _ = aten_step.refine_selection(torch.empty(b, h, 1, d, device=meta), keys, cand, length, mask, 0.25, 8,
+                                            4, 8, page_min=lo, page_max=lo, rescue_pages=2, page_tokens=page,
+                                            page_shift=shift)
+    assert idx.shape == (b, kv, 8)
+
+
+@pytest.mark.parametrize("family", ["gemma3", "llama", "mistral"])
+def test_page_shift_reads_the_padding_of_a_full_attention_site(family):
+    """The per-row page shift comes from a full-attention site's mask: gemma3's layer 0 is a
+    sliding-window layer (its mask hides more than the padding), yet a row with 15 pads gets
+    the shift that starts a page at its 16th position, a row without pads 0; a model whose
+    every layer slides (mistral here) sets no shift (0)."""
+    model = tiny_family(family, "sdpa")
+    g = torch.Generator().manual_seed(9)
+    pad = 15
+    ids = torch.randint(1, 128, (2, 41), generator=g)
+    mask = torch.ones_like(ids)
+    mask[0, :pad] = 0
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(budget=10, inner="eager"))
+    cache = sc.SpeContextCache(model.config, max_cache_len=48)
+    with torch.no_grad():
+        forward(input_ids=ids, attention_mask=mask, cache=cache, use_cache=True)
+    want = [int(page_bounds.row_shift(torch.tensor(pad), 16)), 0] if family != "mistral" else [0, 0]
+    assert cache.page_shift.tolist() == want
