@@ -422,8 +422,6 @@ class OffloadManager(OpaqueBase):
         fixed = qs.numel() * qs.element_size() if qs is not None else 0
         fixed += self.cache.query_valid.numel() * self.cache.query_valid.element_size()
         fixed += _selection_bytes(b, h, slots)  # the selection (int64) shared by every layer
-        fixed += sum(t.numel() * t.element_size() for layer in self.cache.kv_layers  # page bounds: on the device
-                     for t in (layer.page_min, layer.page_max) if t is not None)
         self.model = MemoryModel(
             num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
             head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,

@@ -133,7 +133,7 @@ def test_explain_prints_the_offload_plan_thresholds_and_bytes_per_step():
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     memory = minimum_device_bytes(model, 16, tokens=42)  # room for 42 tokens fully offloaded
     result = sc.explain(model, ids, decode_steps=2, budget=16, recent_window=4, sink_tokens=2,
-                        device_memory_bytes=memory, inner="eager")
+                        device_memory_bytes=memory, inner="eager", page_rescue=0)
     plan = result.offload
     assert plan is not None and len(plan["thresholds"]) == 3 and len(plan["steps"]) == 2
     assert all(s["offloaded"] >= 1 for s in plan["steps"])  # 40+ tokens do not fit resident

@@ -76,7 +76,7 @@ def test_prediction_matches_real_allocations_within_5_percent(offload_all):
     cache = sc.SpeContextCache(model.config, max_cache_len=100, chunk_tokens=50)
     manager = enable_offload(cache, model, 1 << 40, budget=16)
     forward = torch.compile(model.forward, backend="specontext",
-                            options={"budget": 16, "device_memory_bytes": 1 << 40})
+                            options={"budget": 16, "page_rescue": 0, "device_memory_bytes": 1 << 40})
     with torch.no_grad():
         forward(input_ids=ids, cache=cache, use_cache=True)
         mm = manager.prepare()
@@ -138,9 +138,9 @@ def test_compile_refuses_a_tier_below_the_fixed_part_before_compiling():
     need = minimum_device_bytes(model, 16)
     assert need > 1.3 * model_weight_bytes(model)
     with pytest.raises(DeviceMemoryError, match=f"device_memory_bytes >= {need}"):
-        sc.compile(model, budget=16, device_memory_bytes=model_weight_bytes(model) + 1024)
+        sc.compile(model, budget=16, page_rescue=0, device_memory_bytes=model_weight_bytes(model) + 1024)
     assert model.forward == forward and not hasattr(model, "_specontext_options")
-    sc.compile(model, budget=16, device_memory_bytes=need)
+    sc.compile(model, budget=16, page_rescue=0, device_memory_bytes=need)
     sc.api.restore(model)
 
 

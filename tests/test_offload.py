@@ -295,7 +295,6 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     sc.api.restore(model)
     torch._dynamo.reset()
     counters.clear()
-    from specontext_compile.runtime import page_bounds
     from specontext_compile.runtime.offload import model_weight_bytes
     from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
 
@@ -303,9 +302,6 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     # in both layers (2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B per token), so the
     # plan must offload the last layer when the cache reaches 66 tokens (ST[0] = 66)
     fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8
-    # + the page bounds, which stay on the device: 2 layers x (min, max) x 2 KV heads x pages of
-    # a 60 + 20 + 1-token store x 16 x 4 B
-    fixed += 2 * 2 * 2 * page_bounds.page_count(81, 16) * 16 * 4
     mem = -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
     sc.compile(model, device_memory_bytes=mem, **OPTS)
     out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
