@@ -108,6 +108,11 @@ def _page_bounds_write(site: AttentionSite) -> fx.Node | None:
     return None
 
 
+def _page_shift_of(bounds: fx.Node) -> fx.Node | None:
+    """The per-row page shift a ``page_bounds_write`` node reads (None: pages start at 0)."""
+    return bounds.args[6] if len(bounds.args) > 6 else bounds.kwargs.get("page_shift")
+
+
 def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None:
     """Before the graph's first store write, ``page_shift_from_mask``: at a prompt's first
     write each row's pages start at its first real token, read from the mask of a
@@ -119,7 +124,7 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     written there)."""
     full = [s for s in resolved if s.window == 0]
     bounds = next((b for b in map(_page_bounds_write, resolved) if b is not None), None)
-    shift = None if bounds is None else (bounds.args[6] if len(bounds.args) > 6 else bounds.kwargs.get("page_shift"))
+    shift = None if bounds is None else _page_shift_of(bounds)
     if shift is None or not full or _static_capacity(full[0]) is None:
         return
     mask = full[0].attn_mask if isinstance(full[0].attn_mask, fx.Node) else None
@@ -451,8 +456,7 @@ class SparseAttentionPass:
         if bounds is None:
             return None
         page_tokens = bounds.args[5]
-        shift = bounds.args[6] if len(bounds.args) > 6 else bounds.kwargs.get("page_shift")
-        return bounds.args[1], bounds.args[2], -(-self.page_rescue // page_tokens), page_tokens, shift
+        return bounds.args[1], bounds.args[2], -(-self.page_rescue // page_tokens), page_tokens, _page_shift_of(bounds)
 
     def _below_store(self, site: AttentionSite) -> bool:
         """Whether the candidates stay below the store's capacity (a symbolic one counts as

@@ -32,7 +32,8 @@ from .sparse_attention import (
 )
 
 __all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
-           "record_query", "refine_gathered", "refine_selection", "row_visibility", "seen_positions", "select_positions",
+           "record_query", "refine_gathered", "refine_selection", "rescue_pages_into", "row_visibility",
+           "seen_positions", "select_positions",
            "sparse_attention",
            "speculative_select", "write_kv"]
 
@@ -381,15 +382,30 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
         return refine_gathered(query, key_cache, torch.where(seen, pos, -1), length, attn_mask, scale, budget,
                                sink, window, soft_cap, sliding_window)
     if rescue:
-        seen = seen_positions(length, attn_mask, capacity, query.shape[2], sliding_window, key_cache.device)
-        scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
-        candidates = page_bounds.rescued_candidates(candidates, scores, seen, min(rescue_pages, page_min.shape[2]),
-                                                    page_tokens, page_shift)
+        candidates = rescue_pages_into(query, candidates, length, attn_mask, capacity, scale, sliding_window, page_min,
+                                       page_max, rescue_pages, page_tokens, page_shift)
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
     if rope_cache is not None:
         keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)
     return refine_gathered(query, keys, candidates, length, attn_mask, scale, budget, sink, window, soft_cap,
                            sliding_window)
+
+
+def rescue_pages_into(query: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
+                      attn_mask: torch.Tensor | None, capacity: int, scale: float, sliding_window: int,
+                      page_min: torch.Tensor, page_max: torch.Tensor, rescue_pages: int, page_tokens: int,
+                      page_shift: torch.Tensor | None) -> torch.Tensor:
+    """The page rescue, shared by the resident refinement (:func:`refine_coverage`) and an
+    offloaded layer's (:meth:`~.offload.OffloadManager.refine`): the positions the step's rows
+    see in a store of ``capacity`` slots (:func:`seen_positions`, on the bounds' device),
+    Quest's bound per page under ``query`` (:func:`~.page_bounds.page_scores`), and the
+    candidates plus the best ``rescue_pages`` pages' seen tokens
+    (:func:`~.page_bounds.rescued_candidates`)."""
+    device = page_min.device
+    seen = seen_positions(length.to(device), attn_mask, capacity, query.shape[2], sliding_window, device)
+    scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
+    return page_bounds.rescued_candidates(candidates, scores, seen, min(rescue_pages, page_min.shape[2]),
+                                          page_tokens, page_shift)
 
 
 def seen_positions(length: torch.Tensor, attn_mask: torch.Tensor | None, capacity: int, q_len: int,

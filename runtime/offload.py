@@ -44,7 +44,7 @@ except ImportError as _err:  # pragma: no cover - older torch
                       "device_memory_bytes unset") from _err
 
 from . import page_bounds
-from .aten_step import refine_gathered, seen_positions
+from .aten_step import refine_gathered, rescue_pages_into
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
 from .sparse_attention import attend_gathered
@@ -690,13 +690,10 @@ class OffloadManager(OpaqueBase):
 
     def _rescue(self, layer_idx, buf, query, key_cache, value_cache, candidates, length, attn_mask, scale,
                 sliding_window, page_min, page_max, rescue_pages, page_tokens, page_shift) -> torch.Tensor:
-        """The candidates plus the layer's rescued pages (:func:`.page_bounds.rescued_candidates`,
-        on the device), with the rescued tokens the buffer lacks loaded from the host tier."""
-        seen = seen_positions(length.to(page_min.device), attn_mask, key_cache.shape[-2], query.shape[2],
-                              sliding_window, page_min.device)
-        scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
-        union = page_bounds.rescued_candidates(candidates, scores, seen, min(rescue_pages, page_min.shape[2]),
-                                               page_tokens, page_shift)
+        """The candidates plus the layer's rescued pages (:func:`.aten_step.rescue_pages_into`,
+        the resident layer's code, on the device), with the rescued tokens the buffer lacks loaded from the host tier."""
+        union = rescue_pages_into(query, candidates, length, attn_mask, key_cache.shape[-2], scale, sliding_window,
+                                  page_min, page_max, rescue_pages, page_tokens, page_shift)
         rows, needed = buf.pos_of_slot.shape[-1], int((union >= 0).sum(-1).max())
         if needed > rows:  # a manager sized for the candidates alone: grow, same results, plan off
             logger.warning("specontext offload: layer %d needs %d rows per KV head (candidates plus rescued pages) "

@@ -353,6 +353,17 @@ def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplo
     _assert_same(bare, _reference(model, ids, 3))
 
 
+def _resident(model, ids, options, steps):
+    """The reference without offload: (logits of every call, its cache); dynamo and the
+    counters reset afterwards, so the offloaded run that follows counts alone."""
+    forward = torch.compile(model.forward, backend="specontext", options=options)
+    cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+    ref = _run(forward, cache, ids, steps)
+    torch._dynamo.reset()
+    counters.clear()
+    return ref, cache
+
+
 class _OffloadedTwoStage(_Offloaded):
     """Offload with the two-stage selection: device buffers hold the step's candidates."""
 
@@ -371,10 +382,7 @@ def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     layer refines them from its device buffer and attends to its 16 from the same buffer."""
     options = dict(OPTS, candidates=2.0)
     model, ids = tiny_llama(layers=3), _ids()
-    forward = torch.compile(model.forward, backend="specontext", options=options)
-    ref = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, STEPS)
-    torch._dynamo.reset()
-    counters.clear()
+    ref, _ = _resident(model, ids, options, STEPS)
     run = _OffloadedTwoStage(model, size_fn, options)
     out = _run(run, run.cache, ids, STEPS)
     _assert_same(out, ref)
@@ -410,12 +418,8 @@ def test_page_rescue_with_offload_equals_resident_bit_for_bit(size_fn):
     gives the logits of the same options without offload, bit for bit."""
     options = dict(OPTS, candidates=2.0, page_rescue=16)
     model, ids = tiny_llama(layers=3), _ids()
-    forward = torch.compile(model.forward, backend="specontext", options=options)
-    resident = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
-    ref = _run(forward, resident, ids, STEPS)
+    ref, resident = _resident(model, ids, options, STEPS)
     assert resident.path_counts()["page_rescue_sites"] == 3 * STEPS
-    torch._dynamo.reset()
-    counters.clear()
     run = _OffloadedTwoStage(model, size_fn, options)
     out = _run(run, run.cache, ids, STEPS)
     _assert_same(out, ref)
@@ -432,9 +436,7 @@ def test_offload_buffers_without_room_for_the_rescue_grow_and_say_so(caplog):
     (buffer_tokens), and the logits stay those of the resident run, bit for bit."""
     options = dict(OPTS, candidates=2.0, page_rescue=16)
     model, ids = tiny_llama(layers=2), _ids()
-    forward = torch.compile(model.forward, backend="specontext", options=options)
-    ref = _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP), ids, 3)
-    torch._dynamo.reset()
+    ref, _ = _resident(model, ids, options, 3)
     run = _OffloadedTwoStage(model, _all_at_once, options)
     run.manager = enable_offload(run.cache, model, 1 << 40, sc.SpeContextConfig(**options).prefetch_tokens)
     with caplog.at_level(logging.WARNING, logger="specontext_compile.runtime.offload"):
