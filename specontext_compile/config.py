@@ -115,9 +115,10 @@ class SpeContextConfig:
             cached token is a candidate, so each layer keeps its own exact top ``budget``
             (the per-layer oracle; the paper's "layer-wise retrieval"): it reads every key
             of every layer, in place (no gather), and cannot be offloaded.
-        min_coverage: the fidelity guard (0.0 = off, the default; needs ``candidates > 1``):
-            per layer and step, the share of the candidates' attention mass (the layer's own
-            softmax over the candidates) that the kept ``budget`` tokens hold, for the worst
+        min_coverage: the fidelity guard (0.0 = off, the default; needs a refinement:
+            ``candidates > 1`` or ``page_rescue > 0``): per layer and step, the share of the
+            ranked tokens' attention mass (the layer's own softmax over the candidates and
+            the rescued pages' tokens) that the kept ``budget`` tokens hold, for the worst
             KV head and query head; below ``min_coverage`` the layer attends densely (exact)
             for that step. Counted in ``cache.path_counts()["guard_dense_sites"]``. On CUDA
             it costs one host read per guarded layer and step (the branch). A float in
@@ -240,10 +241,6 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
                              f"got {g!r}")
         object.__setattr__(self, "min_coverage", float(g))
-        if g > 0 and self.candidates <= 1:
-            raise ValueError("specontext option 'min_coverage' needs 'candidates' > 1 (the guard's estimate "
-                             "is the share of the candidates' attention that each layer keeps); set "
-                             "candidates=2 for example")
         if g > 0 and dm is not None:
             raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
                              "yet (the guard's dense fallback would read an offloaded layer's host tier); set "
@@ -255,6 +252,11 @@ class SpeContextConfig:
         if not isinstance(r, int) or isinstance(r, bool) or r < 0:
             raise ValueError(f"specontext option 'page_rescue' must be None (the default: 2 x budget) or an "
                              f"int >= 0 (tokens of rescued pages per layer; 0 = off), got {r!r}")
+        if g > 0 and self.candidates <= 1 and r == 0:
+            raise ValueError("specontext option 'min_coverage' needs a refinement to estimate from: "
+                             "'candidates' > 1 or 'page_rescue' > 0 (the guard's estimate is the share of "
+                             "the ranked tokens' attention that each layer keeps); set candidates=2 or leave "
+                             "page_rescue at its default")
         if self.inner not in _INNER:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 

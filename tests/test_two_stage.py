@@ -220,17 +220,20 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
                                        atol=1e-5, rtol=0)
 
 
-def test_guard_runs_dense_where_the_selection_misses_and_counts_it():
-    """A random tiny model attends almost uniformly, so keeping 6 of 18 candidates holds about a
-    third of their mass: the guard at 0.999 runs every site dense — the step then equals the
-    dense model exactly and ``guard_dense_sites`` counts every site; at 0.01 it never fires
-    and the step differs from dense (the sparse path ran)."""
+@pytest.mark.parametrize("ranked", [dict(candidates=3.0, page_rescue=0), dict(candidates=1.0)],
+                         ids=["candidates", "page-rescue-only"])
+def test_guard_runs_dense_where_the_selection_misses_and_counts_it(ranked):
+    """A random tiny model attends almost uniformly, so keeping 6 of 18 candidates (or of the
+    shared selection plus one rescued 16-token page, the default rescue at ``candidates=1``)
+    holds at most about a third of their mass: the guard at 0.999 runs every site dense — the
+    step then equals the dense model exactly and ``guard_dense_sites`` counts every site; at
+    0.01 it never fires and the step differs from dense (the sparse path ran)."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         token = model(ids).logits[:, -1:].argmax(-1)
         dense = model(torch.cat([ids, token], 1)).logits[:, -1]
-    opts = dict(budget=6, candidates=3.0, sink_tokens=1, recent_window=1)
+    opts = dict(budget=6, sink_tokens=1, recent_window=1, **ranked)
     layers = len(model.model.layers)
     for inner in ("eager", "auto"):
         fired, cache = _compiled_steps(model, ids, 1, min_coverage=0.999, inner=inner, **opts)
@@ -280,7 +283,7 @@ def test_no_refinement_where_it_must_not_fire():
 @pytest.mark.parametrize("bad,match", [
     ({"candidates": 0.5}, "candidates"), ({"candidates": float("nan")}, "candidates"),
     ({"candidates": True}, "candidates"), ({"min_coverage": 1.0, "candidates": 2}, "min_coverage"),
-    ({"min_coverage": 0.5}, "needs 'candidates' > 1"),
+    ({"min_coverage": 0.5, "page_rescue": 0}, "needs a refinement"),
     ({"candidates": 2, "min_coverage": 0.5, "device_memory_bytes": 1 << 20}, "min_coverage=0"),
 ])
 def test_bad_two_stage_options_name_the_fix(bad, match):
