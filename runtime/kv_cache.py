@@ -484,7 +484,7 @@ class SpeContextCache(Cache):
             folder as the backend's option, else the backend keeps attention dense.
         page_tokens: tokens per page of each store's per-page key bounds (what the option
             ``page_rescue`` reads; +2/page_tokens of the keys' bytes, not counted in
-            :attr:`kv_bytes`); 0 = keep none. MLA stores keep none.
+            :attr:`kv_bytes`; the offload memory model counts them); 0 = keep none. MLA stores keep none.
 
     Raises:
         ValueError: on a non-positive ``max_cache_len`` or ``chunk_tokens``, a negative

@@ -14,8 +14,10 @@ generalised here to
 * the retrieval head's own KV (``draft_cache_layers``: the paper's "+1"; our lagged-query
   head reads the target's stores and keeps none, so 0 by default) and extra per-layer
   buffers (``alpha`` layers' worth of S rows, e.g. a repeat_kv expansion);
-* our own buffers: a constant ``fixed_bytes`` (retrieval state, selection) and, per
-  offloaded layer, its slot maps (``map_bytes_per_layer``) next to its ``B``-row buffer;
+* our own buffers: a constant ``fixed_bytes`` (retrieval state, selection, and the per-page
+  key bounds of the page rescue: every layer's, offloaded or not, stay on the device and are
+  allocated once for the stores' capacity) and, per offloaded layer, its slot maps
+  (``map_bytes_per_layer``) next to its ``B``-row buffer;
 * ``activation_factor`` (the paper's 0.3, an assumption it states).
 
 Every quantity is in bytes; ``S`` counts tokens in the cache after a step's write.
@@ -60,7 +62,7 @@ class MemoryModel:
         activation_factor: activations as a share of weights (paper: 0.3).
         draft_cache_layers: layers' worth of KV the retrieval head keeps itself (paper: 1).
         alpha: extra per-layer buffers of ``S`` rows each.
-        fixed_bytes: our constant device buffers (retrieval state, selection).
+        fixed_bytes: our constant device buffers (retrieval state, selection, page bounds).
         map_bytes_per_layer: slot-map bytes of each offloaded layer.
     """
 

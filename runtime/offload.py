@@ -105,13 +105,27 @@ def _selection_bytes(batch: int, kv_heads: int, slots: int) -> int:
     return batch * kv_heads * slots * 8
 
 
+def page_bound_bytes(layers: int, batch: int, kv_heads: int, head_dim: int, elem_bytes: int, capacity: int,
+                     page_tokens: int) -> int:
+    """Device bytes of every layer's per-page key bounds (min and max, ``[batch, kv_heads,
+    pages, head_dim]`` each; :mod:`.page_bounds`) for stores of ``capacity`` tokens: they stay
+    on the device for offloaded layers too (the rescue scores pages there). 0 when
+    ``page_tokens`` is 0 (no bounds)."""
+    if not page_tokens:
+        return 0
+    return layers * 2 * batch * kv_heads * head_dim * elem_bytes * page_bounds.page_count(capacity, page_tokens)
+
+
 def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, batch: int = 1,
-                         activation_factor: float = 0.3) -> int:
+                         activation_factor: float = 0.3, page_tokens: int = page_bounds.PAGE_TOKENS,
+                         capacity: int | None = None) -> int:
     """The least ``device_memory_bytes`` with which ``model`` can decode ``tokens`` cached
     tokens of ``batch`` rows, every layer offloaded (memory model, eq. 7 with
     ``L_cpu = L``): the weights x ``1 + activation_factor``, the retrieval state and the
-    selection, and one ``budget``-row buffer and slot map per layer, from the model's config
-    (heads, KV heads, head_dim, dtype) — what :class:`OffloadManager`'s model counts."""
+    selection, one ``budget``-row buffer and slot map per layer, and every layer's page
+    bounds for stores of ``capacity`` tokens (default ``tokens``; ``page_tokens``-token pages,
+    the cache's, 0 = none; MLA stores keep none), from the model's config (heads, KV heads,
+    head_dim, dtype) — what :class:`OffloadManager`'s model counts."""
     config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -122,23 +136,28 @@ def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, b
     mm = MemoryModel(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim_k=head_dim,
                      head_dim_v=head_dim, elem_bytes=elem, batch=batch, budget=budget,
                      weight_bytes=model_weight_bytes(model), activation_factor=activation_factor,
-                     fixed_bytes=state + _selection_bytes(batch, kv_heads, budget),
+                     fixed_bytes=state + _selection_bytes(batch, kv_heads, budget) + page_bound_bytes(
+                         config.num_hidden_layers, batch, kv_heads, head_dim, elem,
+                         tokens if capacity is None else capacity,
+                         0 if getattr(config, "kv_lora_rank", None) else page_tokens),
                      map_bytes_per_layer=_selection_bytes(batch, kv_heads, budget))
     return mm.minimum_device_bytes(tokens)
 
 
-def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget: int) -> None:
+def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget: int,
+                        page_tokens: int = page_bounds.PAGE_TOKENS) -> None:
     """Refuse a ``device_memory_bytes`` that cannot hold even an empty cache of one row
-    with every layer offloaded (:func:`minimum_device_bytes`).
+    with every layer offloaded (:func:`minimum_device_bytes`; ``page_tokens``: the cache's
+    page-bound pages, 0 = none).
 
     Raises:
         DeviceMemoryError: naming the minimum (bytes and MiB) and the fix.
     """
-    need = minimum_device_bytes(model, budget)
+    need = minimum_device_bytes(model, budget, page_tokens=page_tokens)
     if device_memory_bytes < need:
         raise DeviceMemoryError(
             f"device_memory_bytes={device_memory_bytes} is too small for this model: its fixed part "
-            f"alone (weights x1.3, one {budget}-row buffer per layer) needs {need} bytes "
+            f"alone (weights x1.3, one {budget}-row buffer per layer, page bounds) needs {need} bytes "
             f"({need / 2**20:.1f} MiB) before any token is cached; set device_memory_bytes >= {need} "
             "(plus the KV of the tokens you decode), lower budget, or leave it unset (no offload)")
 
@@ -422,6 +441,8 @@ class OffloadManager(OpaqueBase):
         fixed = qs.numel() * qs.element_size() if qs is not None else 0
         fixed += self.cache.query_valid.numel() * self.cache.query_valid.element_size()
         fixed += _selection_bytes(b, h, slots)  # the selection (int64) shared by every layer
+        fixed += sum(t.numel() * t.element_size() for layer in self.cache.layers  # the page bounds
+                     for t in (getattr(layer, "page_min", None), getattr(layer, "page_max", None)) if t is not None)
         self.model = MemoryModel(
             num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
             head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,
@@ -774,7 +795,9 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
     if param is not None:
         check_offload_device(param.device)
         if device_memory_bytes != AUTO:
-            check_device_memory(model, device_memory_bytes, budget)
+            layers = getattr(cache, "kv_layers", None) or [None]
+            check_device_memory(model, device_memory_bytes, budget,
+                                getattr(layers[0], "page_tokens", page_bounds.PAGE_TOKENS))
     weight_bytes = model_weight_bytes(model) if model is not None else 0
     from . import offload_ops  # noqa: F401  (registers the ops the cache's anchor calls)
 

@@ -86,12 +86,36 @@ def test_prediction_matches_real_allocations_within_5_percent(offload_all):
     n = len(manager.offloaded)
     assert n == (3 if offload_all else 0)
     capacity = cache.layers[0].keys.shape[2]
-    real = (cache.kv_bytes + sum(b.nbytes for b in manager.buffers.values())
+    bounds = sum(t.nbytes for layer in cache.kv_layers for t in (layer.page_min, layer.page_max))
+    assert bounds > 0  # the default cache keeps page bounds, on the device even when offloaded
+    real = (cache.kv_bytes + bounds + sum(b.nbytes for b in manager.buffers.values())
             + cache.query_state.numel() * cache.query_state.element_size()
             + cache.query_valid.numel() * cache.query_valid.element_size()
             + manager.selection.numel() * manager.selection.element_size())
     predicted = mm.allocated_bytes(capacity, n)
     assert abs(predicted - real) <= 0.05 * real, (predicted, real)
+
+
+def test_page_bounds_are_counted_exactly_in_the_fixed_part():
+    """Every layer's page bounds (min and max keys per 16-token page, kept on the device even
+    when the layer is offloaded) are in the manager's fixed bytes: page_bound_bytes equals
+    the real bound tensors of a default cache, and the up-front minimum with page_tokens=0
+    is smaller by exactly that."""
+    from specontext_compile.runtime.offload import minimum_device_bytes, page_bound_bytes
+
+    model = tiny_llama()
+    cfg = model.config
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    cache = sc.SpeContextCache(model.config, max_cache_len=64)
+    with torch.no_grad():
+        model(input_ids=torch.randint(0, 128, (2, 40)), cache=cache, use_cache=True)
+    capacity = cache.layers[0].keys.shape[2]
+    real = sum(t.nbytes for layer in cache.kv_layers for t in (layer.page_min, layer.page_max))
+    want = page_bound_bytes(cfg.num_hidden_layers, 2, kv_heads, head_dim, 4, capacity, 16)
+    assert real == want == cfg.num_hidden_layers * 2 * 2 * kv_heads * head_dim * 4 * -(-(capacity + 15) // 16)
+    assert page_bound_bytes(cfg.num_hidden_layers, 2, kv_heads, head_dim, 4, capacity, 0) == 0
+    with_bounds = minimum_device_bytes(model, 16, tokens=40, batch=2, capacity=capacity)
+    assert with_bounds - minimum_device_bytes(model, 16, tokens=40, batch=2, page_tokens=0) == want
 
 
 # --- degenerate plans (issue 15: memory too small is a clear error, not a crash) ----------
@@ -161,12 +185,13 @@ def test_the_up_front_minimum_is_the_managers_own_prediction():
     """minimum_device_bytes (from the config, before any cache exists) equals what the
     manager's memory model predicts once the stores exist, so the refusal names exactly
     the least tier that works: at that size the prompt fits fully offloaded, one byte less
-    it is refused (up front: fully offloaded, the device bytes do not grow with the length)."""
+    it is refused (by the plan: the page bounds are allocated for the stores' capacity, 64
+    here, which the check at enable_offload does not know, so it counts an empty cache's)."""
     from specontext_compile.runtime.offload import minimum_device_bytes
 
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
-    need = minimum_device_bytes(model, 16, tokens=40)
+    need = minimum_device_bytes(model, 16, tokens=40, capacity=64)
     for memory, fits in ((need, True), (need - 1, False)):
         cache = sc.SpeContextCache(model.config, max_cache_len=64)
         with torch.no_grad():
@@ -175,7 +200,7 @@ def test_the_up_front_minimum_is_the_managers_own_prediction():
             assert enable_offload(cache, model, memory, 16).prepare().minimum_device_bytes(40) == need
         else:
             with pytest.raises(DeviceMemoryError, match=f"device_memory_bytes >= {need}"):
-                enable_offload(cache, model, memory, 16)
+                enable_offload(cache, model, memory, 16).prepare()
 
 
 def test_auto_takes_free_device_memory_when_the_plan_is_made(monkeypatch):
@@ -190,7 +215,7 @@ def test_auto_takes_free_device_memory_when_the_plan_is_made(monkeypatch):
     assert sc.SpeContextConfig(device_memory_bytes="auto").device_memory_bytes == "auto"
     with pytest.raises(ValueError, match="'auto'"):
         sc.SpeContextConfig(device_memory_bytes="all")
-    tight = minimum_device_bytes(model, 16, tokens=40) + 100  # fully offloaded fits, resident not
+    tight = minimum_device_bytes(model, 16, tokens=40, capacity=64) + 100  # fully offloaded fits, resident not
     for free, offloaded in ((tight - model_weight_bytes(model), True), (1 << 40, False)):
         monkeypatch.setattr(offload, "free_device_bytes", lambda device, free=free: free)
         cache = sc.SpeContextCache(model.config, max_cache_len=64)

@@ -298,10 +298,12 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     from specontext_compile.runtime.offload import model_weight_bytes
     from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
 
-    # hand-sized device tier: weights x1.3 + retrieval state + selection + 65 tokens of KV
-    # in both layers (2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B per token), so the
-    # plan must offload the last layer when the cache reaches 66 tokens (ST[0] = 66)
-    fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8
+    # hand-sized device tier: weights x1.3 + retrieval state + selection + page bounds (the
+    # stores hold 60 + 20 + 1 = 81 tokens: ceil((81 + 15) / 16) = 6 pages x 2 layers x min and
+    # max of 2 KV heads x 16 fp32) + 65 tokens of KV in both layers (2 layers x 2 KV heads x
+    # (16 + 16) x 4 B = 512 B per token), so the plan must offload the last layer when the
+    # cache reaches 66 tokens (ST[0] = 66)
+    fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8 + 6 * 2 * 2 * 2 * 16 * 4
     mem = -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
     sc.compile(model, device_memory_bytes=mem, **OPTS)
     out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
