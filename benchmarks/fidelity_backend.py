@@ -99,6 +99,8 @@ def main() -> None:
     parser.add_argument("--page-rescue", type=_rescue_arg, nargs="+", default=[None],
                         help="tokens of rescued pages per layer (option page_rescue; 0 = off; 'default' = the "
                              "backend's default, 2 x budget); every value is run with every --candidates")
+    parser.add_argument("--dense-layers", type=int, nargs="*", default=[],
+                        help="option dense_layers for every configuration (layers kept dense; default none)")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
@@ -122,12 +124,15 @@ def main() -> None:
             options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue}
             if guard:
                 options["min_coverage"] = guard
+            if args.dense_layers:
+                options["dense_layers"] = tuple(args.dense_layers)
             rescue = sc.SpeContextConfig.from_options(options).page_rescue  # the default resolved
-            name += f" page_rescue={rescue}"
+            name += f" page_rescue={rescue}" + (f" dense_layers={','.join(map(str, args.dense_layers))}"
+                                               if args.dense_layers else "")
             run = sparse_run(model, ids, args.context, args.steps, **options)
             res["runs"][name] = {
                 "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
-                "page_rescue": rescue,
+                "page_rescue": rescue, "dense_layers": list(args.dense_layers),
                 "agreement": float((run["argmax"] == dense_argmax).double().mean()),
                 "nll_delta": float(run["nll"].mean()) - res["dense_nll"],
                 "paths": run["paths"], "seconds": round(run["seconds"], 1),

@@ -290,6 +290,12 @@ def config_name(budget: int, candidates: float, page_rescue: int = 0) -> str:
     return f"b{budget}_c{candidates:g}" + (f"_r{page_rescue}" if page_rescue else "")
 
 
+def config_order(name: str) -> tuple[int, float, int]:
+    """Sort key of a :func:`config_name`: ``(budget, candidates, page_rescue)``."""
+    parts = dict((p[0], p[1:]) for p in name.split("_"))
+    return int(parts["b"]), float(parts["c"]), int(parts.get("r", 0))
+
+
 def _rescue(budget: int, page_rescue: int | None) -> int:
     """The page rescue a run uses: the option, or the backend's default for ``budget``."""
     import specontext_compile as sc
@@ -387,8 +393,7 @@ def main(argv: list[str] | None = None) -> None:
     cases: dict[str, dict] = {case_name(c["length"], c["depth"]): c for c in result.get("cases", [])}
     configs = [] if args.dense_only else [(b, float(c)) for b in args.budgets for c in args.candidates]
     config_names = [config_name(b, c, _rescue(b, args.page_rescue)) for b, c in configs]
-    result["configs"] = sorted(set(result.get("configs", [])) | set(config_names),
-                               key=lambda n: (int(n[1:].split("_")[0]), float(n.split("_c")[1])))
+    result["configs"] = sorted(set(result.get("configs", [])) | set(config_names), key=config_order)
 
     model, tok = load_model(MODEL)
     max_positions = model.config.max_position_embeddings

@@ -160,13 +160,17 @@ class SparseAttentionPass:
             bound under its own query (0 = off); a site whose store keeps no page bounds
             (MLA, Hugging Face's StaticCache, a cache built with page_tokens=0) uses the
             candidates alone (at candidates=1: the shared selection, no refinement), logged.
+        dense_layers: decoder layers (negative counts from the end) whose decode sites are
+            left dense and exact (their reason says so); they may still drive the selection.
     """
 
     def __init__(self, budget: int, sink_tokens: int, recent_window: int,
                  retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
                  kernel: str = "auto", retrieval_head: str | None = None, dense_shortcut: bool = True,
-                 candidates: float = 1.0, min_coverage: float = 0.0, page_rescue: int = 0):
+                 candidates: float = 1.0, min_coverage: float = 0.0, page_rescue: int = 0,
+                 dense_layers: tuple[int, ...] = ()):
         self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
+        self.dense_layers = tuple(dense_layers)
         self.candidates, self.min_coverage, self.page_rescue = candidates, min_coverage, page_rescue
         self.candidate_slots = candidate_slots(budget, candidates)
         self.dense_shortcut = dense_shortcut
@@ -176,7 +180,7 @@ class SparseAttentionPass:
     def uuid(self) -> str:
         cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
                self.max_sparse_q_len, self.kernel, self.retrieval_head, self.dense_shortcut, self.candidates,
-               self.min_coverage, self.page_rescue)
+               self.min_coverage, self.page_rescue, self.dense_layers)
         return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
@@ -236,6 +240,9 @@ class SparseAttentionPass:
             for s in decode:
                 s.reason = reason
             return result
+        decode = self._without_dense_layers(decode, len(anchored.windows() or resolved))
+        if not decode:
+            return result
         selections: dict[int, fx.Node] = {}
         order = {n: i for i, n in enumerate(graph.nodes)}
         for window in sorted({s.window or 0 for s in decode}, reverse=True):
@@ -277,6 +284,17 @@ class SparseAttentionPass:
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
+
+    def _without_dense_layers(self, decode: list[AttentionSite], num_layers: int | None) -> list[AttentionSite]:
+        """The decode sites the option ``dense_layers`` does not keep dense; those it keeps get
+        their reason (negative layers count from ``num_layers``, the model's KV layers)."""
+        if not self.dense_layers:
+            return decode
+        dense = {j + num_layers if j < 0 and num_layers is not None else j for j in self.dense_layers}
+        for s in decode:
+            if s.layer in dense:
+                s.reason = "option dense_layers keeps this layer dense: dense and exact by choice"
+        return [s for s in decode if s.reason is None]
 
     def _decode_shaped(self, resolved: list[AttentionSite]) -> bool:
         """Whether the graph's sites have one-token (decode-step) queries though none can be
@@ -330,6 +348,9 @@ class SparseAttentionPass:
         if reason is not None:
             for s in decode:
                 s.reason = reason
+            return result
+        decode = self._without_dense_layers(decode, len(anchored.windows() or []) or None)
+        if not decode:
             return result
         slots = max(decode[0].q_len, min(self.candidate_slots, capacity))
         with graph.inserting_after(anchor):

@@ -131,6 +131,7 @@ def specontext_backend(
         config.budget, config.sink_tokens, config.recent_window,
         config.retrieval_layers, config.max_sparse_q_len, config.kernel, config.retrieval_head,
         config.dense_shortcut, config.candidates, config.min_coverage, config.page_rescue,
+        config.dense_layers,
     )
     dumper = GraphDumper.from_option(config.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None

@@ -169,10 +169,13 @@ def _add_run(sub) -> None:
                           "backend's; 1 = one selection shared by every layer; inf = each layer's exact top budget)")
     run.add_argument("--min-coverage", type=float, default=None,
                      help="fidelity guard: a layer whose kept tokens hold less of its candidates' attention "
-                          "runs dense (0 = off; needs --candidates > 1)")
+                          "runs dense (0 = off; needs --candidates > 1 or the page rescue)")
     run.add_argument("--page-rescue", type=int, default=None, metavar="TOKENS",
                      help="tokens each layer adds to the candidates from the pages its own query ranks highest "
                           "(Quest bounds; 0 = off); e.g. --candidates 4 --page-rescue 1024")
+    run.add_argument("--dense-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
+                     metavar="LAYERS", help="comma-separated decoder layers kept dense (exact; negative counts "
+                                            "from the end), e.g. 0")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
     run.add_argument("-v", "--verbose", action="store_true")
@@ -197,6 +200,7 @@ def _print_report(report, retrieval_head: str | None = None) -> None:
                                                f"{report.path_counts.get('guard_dense_sites', 0)}")),
         ("page rescue (tokens) / rescued sites", (f"{report.page_rescue} / "
                                                   f"{report.path_counts.get('page_rescue_sites', 0)}")),
+        ("layers kept dense (option)", ",".join(map(str, report.dense_layers)) or "-"),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),
         ("decode ms/token, specontext", f"{report.decode_ms_sparse:.1f}"),
@@ -218,7 +222,7 @@ def _cmd_run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = {}
-    for name in ("candidates", "min_coverage", "page_rescue"):
+    for name in ("candidates", "min_coverage", "page_rescue", "dense_layers"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     # every option value is checked before the model loads (a bad one costs seconds, not minutes)

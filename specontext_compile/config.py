@@ -139,6 +139,13 @@ class SpeContextConfig:
             transfer prefetched), with the same text as without offload. Sites whose
             store keeps no bounds (MLA, Hugging Face's ``StaticCache``, a cache built with
             ``page_tokens=0``) refine without it (logged).
+        dense_layers: decoder layers whose decode attention stays dense and exact (their
+            sites are not rewritten; the reason is logged), as Quest and ShadowKV keep their
+            first layers dense: a layer whose attention is spread over the whole context
+            loses most to any budget. An int or a tuple of ints (negative counts from the
+            end); ``()`` (the default) = none. Each costs a read of that layer's whole KV
+            per step. A dense layer can still be a retrieval layer (its query is recorded).
+            Not with KV offload (``device_memory_bytes``): ``ValueError``.
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
             None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
@@ -164,6 +171,7 @@ class SpeContextConfig:
     candidates: float = 1.0
     min_coverage: float = 0.0
     page_rescue: int | None = None
+    dense_layers: tuple[int, ...] | int = ()
     freezing: bool | None = None
     gemv: bool | None = None
 
@@ -190,6 +198,13 @@ class SpeContextConfig:
                 f"ints, got {self.retrieval_layers!r}"
             )
         object.__setattr__(self, "retrieval_layers", layers)
+        dense = self.dense_layers
+        dense = (dense,) if isinstance(dense, int) and not isinstance(dense, bool) else dense
+        dense = tuple(dense) if isinstance(dense, (list, tuple)) else dense
+        if not isinstance(dense, tuple) or any(not isinstance(j, int) or isinstance(j, bool) for j in dense):
+            raise ValueError(f"specontext option 'dense_layers' must be an int or a tuple of ints (decoder "
+                             f"layers kept dense; negative counts from the end), got {self.dense_layers!r}")
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(dense))))
         if self.kernel not in _KERNELS:
             raise ValueError(f"specontext option 'kernel' must be one of {_KERNELS}, got {self.kernel!r}")
         dm = self.device_memory_bytes
@@ -241,6 +256,10 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
                              f"got {g!r}")
         object.__setattr__(self, "min_coverage", float(g))
+        if self.dense_layers and dm is not None:
+            raise ValueError("specontext options 'dense_layers' and 'device_memory_bytes' cannot be combined "
+                             "yet (a dense layer reads its whole store, which offload keeps on the host); "
+                             "set dense_layers=() or unset device_memory_bytes")
         if g > 0 and dm is not None:
             raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
                              "yet (the guard's dense fallback would read an offloaded layer's host tier); set "

@@ -59,6 +59,7 @@ class RunReport:
     candidates: float = 1.0
     min_coverage: float = 0.0
     page_rescue: int = 0
+    dense_layers: tuple = ()  # option dense_layers: layers whose decode attention stayed dense
     path_counts: dict = dataclasses.field(default_factory=dict)  # SpeContextCache.path_counts() of the sparse run
 
 
@@ -185,5 +186,5 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         kv_bytes=cache.kv_bytes,
         text=tokenizer.decode(tokens, skip_special_tokens=True),
         candidates=config.candidates, min_coverage=config.min_coverage, page_rescue=config.page_rescue,
-        path_counts=cache.path_counts(),
+        dense_layers=config.dense_layers, path_counts=cache.path_counts(),
     )

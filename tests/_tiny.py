@@ -36,3 +36,21 @@ def save_tiny_hf_folder(folder, family: str = "llama", attn: str = "sdpa"):
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0")
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def compiled_steps(model, ids, steps, **options):
+    """Prefill ``ids`` then ``steps`` greedy decode steps through ``torch.compile(model.forward,
+    backend="specontext", options=options)`` on a fresh :class:`SpeContextCache`; returns the
+    decode steps' last-position logits ``[batch, steps, vocab]`` and the cache."""
+    import specontext_compile as sc
+
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext", options=options)
+    cache = sc.SpeContextCache(model.config, max_cache_len=ids.shape[1] + steps + 1)
+    logits = []
+    with torch.no_grad():
+        out = forward(input_ids=ids, cache=cache, use_cache=True)
+        for _ in range(steps):
+            out = forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+    return torch.stack(logits, 1), cache

@@ -15,7 +15,7 @@ from specontext_compile import cli
 RUN_KEYS = {
     "model", "prompt_tokens", "new_tokens", "budget", "sites_total", "sites_rewritten", "retrieval_layers",
     "greedy_agreement", "attention_recall", "decode_ms_sparse", "decode_ms_dense", "speedup", "kv_bytes",
-    "text", "candidates", "min_coverage", "page_rescue", "path_counts",
+    "text", "candidates", "min_coverage", "page_rescue", "dense_layers", "path_counts",
 }
 PATH_COUNT_KEYS = {"decode_steps", "sparse_sites", "gather_sites", "dense_store_sites", "guard_dense_sites",
                    "page_rescue_sites"}

@@ -127,3 +127,14 @@ def test_summary_counts_only_dense_solved_cases():
     table = summary_table(cases, ["b256_c1", "b256_c2"])
     assert "| 2048 | 0.5 | 22222 | yes | no | - |" in table
     assert "| **solved / dense-solved** | | | 2/3 | 1/2 | 1/1 |" in table
+
+
+def test_config_names_with_a_page_rescue_sort_by_budget_candidates_rescue():
+    """A resumed sweep mixes runs without and with a rescue (``_r<tokens>``): they sort by
+    budget, then candidates, then rescue tokens (a rescue suffix once crashed the sort)."""
+    from benchmarks.passkey import config_name, config_order
+
+    names = [config_name(1024, 1.0, 2048), config_name(512, 4.0), config_name(512, 1.0, 1024),
+             config_name(1024, float("inf")), config_name(1024, 1.0), config_name(256, 1.0, 512)]
+    assert sorted(names, key=config_order) == ["b256_c1_r512", "b512_c1_r1024", "b512_c4", "b1024_c1",
+                                               "b1024_c1_r2048", "b1024_cinf"]

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 import specontext_compile as sc
 from specontext_compile.runtime import aten_step
 from specontext_compile.tiny_models import tiny_family
+from _tiny import compiled_steps
 
 REFINE = torch.ops.specontext.refine_selection.default
 
@@ -160,27 +161,14 @@ def test_left_padded_row_decodes_as_the_prompt_alone(candidates):
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=0)
 
 
-def _compiled_steps(model, ids, steps, **options):
-    torch._dynamo.reset()
-    forward = torch.compile(model.forward, backend="specontext", options=options)
-    cache = sc.SpeContextCache(model.config, max_cache_len=ids.shape[1] + steps + 1)
-    logits = []
-    with torch.no_grad():
-        out = forward(input_ids=ids, cache=cache, use_cache=True)
-        for _ in range(steps):
-            out = forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
-    return torch.stack(logits, 1), cache
-
-
 def test_compiled_two_stage_step_equals_the_eager_op_chain():
     """Inductor-compiled (refinement lowered to aten) == eager ops, same path counts."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(2))
     counters.clear()
-    eager, c_eager = _compiled_steps(model, ids, 5, budget=12, candidates=2.0, inner="eager")
+    eager, c_eager = compiled_steps(model, ids, 5, budget=12, candidates=2.0, inner="eager")
     assert counters["specontext"]["refine_calls"] == 5 * len(model.model.layers)
-    compiled, c_ind = _compiled_steps(model, ids, 5, budget=12, candidates=2.0)
+    compiled, c_ind = compiled_steps(model, ids, 5, budget=12, candidates=2.0)
     torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=0)
     assert c_ind.path_counts() == c_eager.path_counts()
     assert c_ind.path_counts()["gather_sites"] == 5 * len(model.model.layers)
@@ -202,7 +190,7 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
 
     aten_step.sparse_attention = spy
     try:
-        _compiled_steps(model, ids, 2, budget=8, candidates=8.0, sink_tokens=1, recent_window=2, inner="eager")
+        compiled_steps(model, ids, 2, budget=8, candidates=8.0, sink_tokens=1, recent_window=2, inner="eager")
     finally:
         aten_step.sparse_attention = real
     assert seen
@@ -236,10 +224,10 @@ def test_guard_runs_dense_where_the_selection_misses_and_counts_it(ranked):
     opts = dict(budget=6, sink_tokens=1, recent_window=1, **ranked)
     layers = len(model.model.layers)
     for inner in ("eager", "auto"):
-        fired, cache = _compiled_steps(model, ids, 1, min_coverage=0.999, inner=inner, **opts)
+        fired, cache = compiled_steps(model, ids, 1, min_coverage=0.999, inner=inner, **opts)
         assert cache.path_counts()["guard_dense_sites"] == layers
         torch.testing.assert_close(fired[:, 0], dense, atol=1e-4, rtol=0)
-        quiet, cache = _compiled_steps(model, ids, 1, min_coverage=0.01, inner=inner, **opts)
+        quiet, cache = compiled_steps(model, ids, 1, min_coverage=0.01, inner=inner, **opts)
         assert cache.path_counts()["guard_dense_sites"] == 0
         assert cache.path_counts()["gather_sites"] == layers
         assert (quiet[:, 0] - dense).abs().max() > 1e-3
@@ -275,7 +263,7 @@ def test_no_refinement_where_it_must_not_fire():
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(7))
     for options in ({"budget": 8, "page_rescue": 0}, {"budget": 64, "candidates": 4.0}, {"budget": 64}):
         counters.clear()
-        _compiled_steps(model, ids, 2, inner="eager", **options)
+        compiled_steps(model, ids, 2, inner="eager", **options)
         assert counters["specontext"]["refine_calls"] == 0, options
         assert counters["specontext"]["sparse_attention_calls"] > 0
 
@@ -341,12 +329,12 @@ def test_candidates_inf_is_each_layers_exact_top_budget():
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(4))
     counters.clear()
-    every, cache = _compiled_steps(model, ids, 4, candidates=float("inf"), **SMALL_WINDOW)
+    every, cache = compiled_steps(model, ids, 4, candidates=float("inf"), **SMALL_WINDOW)
     assert counters["specontext"]["refine_calls"] == 4 * len(model.model.layers)
     assert cache.path_counts()["gather_sites"] == 4 * len(model.model.layers)
-    gathered, _ = _compiled_steps(model, ids, 4, candidates=6.75, **SMALL_WINDOW)  # 54 of 55 slots
+    gathered, _ = compiled_steps(model, ids, 4, candidates=6.75, **SMALL_WINDOW)  # 54 of 55 slots
     torch.testing.assert_close(every, gathered, atol=1e-5, rtol=1e-5)
-    shared, _ = _compiled_steps(model, ids, 4, **SMALL_WINDOW)
+    shared, _ = compiled_steps(model, ids, 4, **SMALL_WINDOW)
     assert (every - shared).abs().max() > 1e-6  # another selection (a random tiny model: small logit moves)
 
 

@@ -1,0 +1,67 @@
+"""Option ``dense_layers`` (issue 12): chosen decoder layers keep exact dense decode attention
+(their sites are not rewritten) while the others stay sparse; the path counters say which ran."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import specontext_compile as sc
+from specontext_compile.tiny_models import tiny_family
+from _tiny import compiled_steps
+
+OPTS = {"budget": 6, "sink_tokens": 1, "recent_window": 1, "inner": "eager"}
+
+
+def _steps(model, ids, steps, **options):
+    logits, cache = compiled_steps(model, ids, steps, **options)
+    return logits, cache.path_counts()
+
+
+def _eager(model, ids, steps):
+    logits, seq = [], ids
+    with torch.no_grad():
+        for _ in range(steps):
+            token = model(seq).logits[:, -1:].argmax(-1)
+            seq = torch.cat([seq, token], 1)
+            logits.append(model(seq).logits[:, -1])
+    return torch.stack(logits, 1)
+
+
+def test_every_layer_dense_is_the_dense_model_and_nothing_is_rewritten():
+    """dense_layers naming every layer: no decode site is rewritten (sparse_sites == 0) and the
+    logits are the eager dense model's; the same budget without the option is sparse and differs."""
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(3))
+    dense = _eager(model, ids, 3)
+    logits, counts = _steps(model, ids, 3, dense_layers=(0, -1), **OPTS)
+    assert counts["sparse_sites"] == 0, counts
+    torch.testing.assert_close(logits, dense, atol=1e-4, rtol=0)
+    sparse, counts = _steps(model, ids, 3, **OPTS)
+    assert counts["sparse_sites"] == 3 * len(model.model.layers), counts
+    assert (sparse - dense).abs().max() > 1e-3
+
+
+def test_one_dense_layer_leaves_the_others_sparse():
+    """dense_layers=(-1,) on a 2-layer model: layer 0 stays sparse (one sparse site a step), and
+    the logits lie neither on the all-sparse run nor on the dense model."""
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    one, counts = _steps(model, ids, 3, dense_layers=-1, **OPTS)
+    assert counts["sparse_sites"] == 3 and counts["decode_steps"] == 3, counts
+    every, _ = _steps(model, ids, 3, **OPTS)
+    assert (one - every).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("bad", ["0", 1.5, True, [0, "x"]])
+def test_bad_dense_layers_are_refused_naming_the_option(bad):
+    with pytest.raises(ValueError, match="dense_layers"):
+        sc.SpeContextConfig(dense_layers=bad)
+
+
+def test_dense_layers_with_offload_are_refused_with_the_fix():
+    assert sc.SpeContextConfig(dense_layers=[2, 0, 2]).dense_layers == (0, 2)
+    with pytest.raises(ValueError, match=re.escape("dense_layers=()")):
+        sc.SpeContextConfig(dense_layers=0, device_memory_bytes=1 << 30)
