@@ -277,6 +277,7 @@ SPECONTEXT_VARIANTS = {
     "p2k": {"page_rescue": 2048},
     "c2p2k": {"candidates": 2.0, "page_rescue": 2048},
     "c4p1k": {"candidates": 4.0, "page_rescue": 1024},
+    "d0": {"dense_layers": (0,)},  # layer 0 kept dense (option dense_layers), the rescue at its default
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
 }
 
@@ -317,7 +318,8 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
     selection (``candidates`` c > 1) each layer reads the keys of ``min(ceil(c * budget),
     context)`` candidates (to score them with its own query) and the values of the
     ``budget`` it keeps. The page rescue (``page_rescue`` r) adds, per layer, the page
-    bounds (``2 / 16`` of the context's keys) and the keys of ``r`` more tokens.
+    bounds (``2 / 16`` of the context's keys) and the keys of ``r`` more tokens. A layer kept
+    dense (``dense_layers``) reads its whole K and V instead.
     """
     from specontext_compile.config import SpeContextConfig, candidate_slots, default_retrieval_layers
     from specontext_compile.runtime.page_bounds import PAGE_TOKENS
@@ -327,14 +329,16 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
     if name.startswith("specontext"):
         budget, options = parse_specontext(name)
         selected = min(budget, context)
-        rescue = SpeContextConfig(budget=budget, **options).page_rescue  # resolves the default (2 x budget)
+        config_ = SpeContextConfig(budget=budget, **options)
+        rescue = config_.page_rescue  # resolves the default (2 x budget)
         keys = candidate_slots(budget, options.get("candidates", 1.0))
         if keys >= context:  # every position: keys read in place, no page bounds (candidates=inf)
             keys = context
         elif rescue:  # + the rescued keys and the page bounds (a min and a max row per page)
             keys = min(keys + rescue, context) + 2 * -(-context // PAGE_TOKENS)
         retrieval = len(options.get("retrieval_layers", default_retrieval_layers(layers)))
-        kv = batch * (layers * (keys + selected) + retrieval * context) * per_token
+        dense = len(config_.dense_layers)  # (a dense retrieval layer: its keys counted for both reads)
+        kv = batch * ((layers - dense) * (keys + selected) + dense * 2 * context + retrieval * context) * per_token
     else:
         kv = batch * layers * 2 * context * per_token
     return weight_bytes, kv

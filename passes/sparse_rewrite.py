@@ -240,9 +240,6 @@ class SparseAttentionPass:
             for s in decode:
                 s.reason = reason
             return result
-        decode = self._without_dense_layers(decode, len(anchored.windows() or resolved))
-        if not decode:
-            return result
         selections: dict[int, fx.Node] = {}
         order = {n: i for i, n in enumerate(graph.nodes)}
         for window in sorted({s.window or 0 for s in decode}, reverse=True):
@@ -269,17 +266,20 @@ class SparseAttentionPass:
                         mask))
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
-        for s in decode:
+        # the selection is made (and kept for later graphs) even when this graph's sites all
+        # stay dense by option: the graphs after a break read it
+        sparse = self._without_dense_layers(decode, len(anchored.windows() or resolved))
+        for s in sparse:
             selection, dense = selections[s.window or 0], None
             if self._refines(s):
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
             self._rewrite_site(graph, s, selection, self.kernel, self._dense_store(s), dense)
-        result.rewritten = len(decode)
-        result.rescued = self._log_rescue(decode)
+        result.rewritten = len(sparse)
+        result.rescued = self._log_rescue(sparse)
         self._store_for_later_graphs(graph, anchored, selections, decode)
-        dense = sum(self._dense_store(s) for s in decode)
+        dense = sum(self._dense_store(s) for s in sparse)
         with graph.inserting_after(anchor):
-            graph.call_function(COUNT, (anchored.stats, [1, len(decode), len(decode) - dense, dense, 0,
+            graph.call_function(COUNT, (anchored.stats, [1, len(sparse), len(sparse) - dense, dense, 0,
                                                          result.rescued]))
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
@@ -290,6 +290,13 @@ class SparseAttentionPass:
         their reason (negative layers count from ``num_layers``, the model's KV layers)."""
         if not self.dense_layers:
             return decode
+        unknown = [j for j in self.dense_layers if num_layers is None and j < 0
+                   or num_layers is not None and not -num_layers <= j < num_layers]
+        if unknown:
+            logger.warning("specontext: dense_layers %s name no KV layer of this model (%s): they keep nothing "
+                           "dense; use layers in [-L, L)", unknown,
+                           f"L = {num_layers}" if num_layers is not None else "its layer count is unknown in "
+                           "this graph, so negative layers cannot be resolved")
         dense = {j + num_layers if j < 0 and num_layers is not None else j for j in self.dense_layers}
         for s in decode:
             if s.layer in dense:
@@ -350,7 +357,7 @@ class SparseAttentionPass:
                 s.reason = reason
             return result
         decode = self._without_dense_layers(decode, len(anchored.windows() or []) or None)
-        if not decode:
+        if not decode:  # every site here stays dense by option
             return result
         slots = max(decode[0].q_len, min(self.candidate_slots, capacity))
         with graph.inserting_after(anchor):
@@ -487,9 +494,16 @@ class SparseAttentionPass:
         return capacity is None or self.candidate_slots < capacity
 
     def _log_rescue(self, decode: list[AttentionSite]) -> int:
-        """Refined decode sites with the page rescue; logs those the option misses."""
+        """Refined decode sites with the page rescue; logs those the rescue, or the guard, misses
+        (a site whose store the budget covers needs neither)."""
         rescued = [s for s in decode if self._refines(s) and self._rescue_of(s) is not None and self._below_store(s)]
         missed = [s for s in decode if self.page_rescue > 0 and self._rescue_of(s) is None]
+        covered = {id(s) for s in decode if (c := _static_capacity(s)) is not None and c <= self.budget}
+        unguarded = [s for s in decode if self.min_coverage > 0 and not self._refines(s) and id(s) not in covered]
+        if unguarded:
+            logger.warning("specontext: the fidelity guard (min_coverage) is off at %d decode site(s) (layers %s): "
+                           "they do not refine (candidates=1 and their store keeps no page bounds for the rescue); "
+                           "set candidates=2 to guard them", len(unguarded), [s.layer for s in unguarded])
         if missed:
             logger.info("specontext: page_rescue is off at %d decode site(s) (layers %s): their store keeps no "
                         "page bounds (MLA, Hugging Face's StaticCache, a cache built with page_tokens=0); they "

@@ -145,15 +145,16 @@ def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, b
 
 
 def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget: int,
-                        page_tokens: int = page_bounds.PAGE_TOKENS) -> None:
+                        page_tokens: int = page_bounds.PAGE_TOKENS, capacity: int = 0) -> None:
     """Refuse a ``device_memory_bytes`` that cannot hold even an empty cache of one row
     with every layer offloaded (:func:`minimum_device_bytes`; ``page_tokens``: the cache's
-    page-bound pages, 0 = none).
+    page-bound pages, 0 = none; ``capacity``: the stores' capacity in tokens when they
+    exist, else 0: the page bounds of an empty cache, a lower bound).
 
     Raises:
         DeviceMemoryError: naming the minimum (bytes and MiB) and the fix.
     """
-    need = minimum_device_bytes(model, budget, page_tokens=page_tokens)
+    need = minimum_device_bytes(model, budget, page_tokens=page_tokens, capacity=capacity)
     if device_memory_bytes < need:
         raise DeviceMemoryError(
             f"device_memory_bytes={device_memory_bytes} is too small for this model: its fixed part "
@@ -795,9 +796,10 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
     if param is not None:
         check_offload_device(param.device)
         if device_memory_bytes != AUTO:
-            layers = getattr(cache, "kv_layers", None) or [None]
+            first = (getattr(cache, "kv_layers", None) or [None])[0]
+            capacity = first.keys.shape[2] if getattr(first, "is_initialized", False) else 0
             check_device_memory(model, device_memory_bytes, budget,
-                                getattr(layers[0], "page_tokens", page_bounds.PAGE_TOKENS))
+                                getattr(first, "page_tokens", page_bounds.PAGE_TOKENS), capacity)
     weight_bytes = model_weight_bytes(model) if model is not None else 0
     from . import offload_ops  # noqa: F401  (registers the ops the cache's anchor calls)
 

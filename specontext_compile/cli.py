@@ -173,9 +173,9 @@ def _add_run(sub) -> None:
     run.add_argument("--page-rescue", type=int, default=None, metavar="TOKENS",
                      help="tokens each layer adds to the candidates from the pages its own query ranks highest "
                           "(Quest bounds; 0 = off); e.g. --candidates 4 --page-rescue 1024")
-    run.add_argument("--dense-layers", type=lambda s: tuple(int(x) for x in s.split(",")), default=None,
-                     metavar="LAYERS", help="comma-separated decoder layers kept dense (exact; negative counts "
-                                            "from the end), e.g. 0")
+    run.add_argument("--dense-layers", type=int, nargs="+", default=None, metavar="LAYER",
+                     help="KV (attention) layers kept dense (exact; negative counts from the end), e.g. "
+                          "--dense-layers 0 -1")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
     run.add_argument("-v", "--verbose", action="store_true")

@@ -139,11 +139,13 @@ class SpeContextConfig:
             transfer prefetched), with the same text as without offload. Sites whose
             store keeps no bounds (MLA, Hugging Face's ``StaticCache``, a cache built with
             ``page_tokens=0``) refine without it (logged).
-        dense_layers: decoder layers whose decode attention stays dense and exact (their
-            sites are not rewritten; the reason is logged), as Quest and ShadowKV keep their
-            first layers dense: a layer whose attention is spread over the whole context
-            loses most to any budget. An int or a tuple of ints (negative counts from the
-            end); ``()`` (the default) = none. Each costs a read of that layer's whole KV
+        dense_layers: KV (attention) layers, counted as ``retrieval_layers`` are, whose
+            decode attention stays dense and exact (their sites are not rewritten; the
+            reason is logged), as Quest and ShadowKV keep their first layers dense: a layer
+            whose attention is spread over the whole context loses most to any budget. An
+            int or a tuple of ints (negative counts from the end; a layer the model lacks is
+            logged as a warning and keeps nothing dense); ``()`` (the default) = none. The
+            step still runs its selection for the other layers. Each costs a read of that layer's whole KV
             per step. A dense layer can still be a retrieval layer (its query is recorded).
             Not with KV offload (``device_memory_bytes``): ``ValueError``.
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);

@@ -110,6 +110,8 @@ def test_floor_counts_the_retrieval_layers_and_candidates_of_each_variant():
     assert kv("specontext-c4p1k-1024") == (30 * (4096 + 1024 + pages + 1024) + 8 * 8192) * per_token
     assert kv("specontext-p1k-1024") == (30 * (2048 + pages + 1024) + 8 * 8192) * per_token
     assert kv("hf-eager") == 30 * 2 * 8192 * per_token
+    # layer 0 kept dense: its whole K and V instead of its sparse reads
+    assert kv("specontext-d0-1024") == (29 * (1024 + 2048 + pages + 1024) + 2 * 8192 + 8 * 8192) * per_token
 
 
 def test_far_context_backend_is_exact_at_full_budget_on_the_gather_path():

@@ -3,12 +3,14 @@
 
 from __future__ import annotations
 
+import logging
 import re
 
 import pytest
 import torch
 
 import specontext_compile as sc
+from specontext_compile.backend import clear_compile_reports, compile_reports
 from specontext_compile.tiny_models import tiny_family
 from _tiny import compiled_steps
 
@@ -45,14 +47,45 @@ def test_every_layer_dense_is_the_dense_model_and_nothing_is_rewritten():
 
 
 def test_one_dense_layer_leaves_the_others_sparse():
-    """dense_layers=(-1,) on a 2-layer model: layer 0 stays sparse (one sparse site a step), and
-    the logits lie neither on the all-sparse run nor on the dense model."""
+    """dense_layers=(-1,) on a 2-layer model: layer 1 (and only it) keeps its dense site with
+    the option's reason, layer 0 stays sparse (one sparse site a step), and the logits lie
+    neither on the all-sparse run nor on the dense model."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(4))
+    clear_compile_reports()
     one, counts = _steps(model, ids, 3, dense_layers=-1, **OPTS)
     assert counts["sparse_sites"] == 3 and counts["decode_steps"] == 3, counts
+    decode = [r for r in compile_reports() if r.result.phase == "decode"]
+    reasons = {s.layer: s.reason for r in decode for s in r.result.sites}
+    assert reasons[0] is None and "dense_layers" in reasons[1], reasons
     every, _ = _steps(model, ids, 3, **OPTS)
     assert (one - every).abs().max() > 1e-4
+    assert (one - _eager(model, ids, 3)).abs().max() > 1e-4
+
+
+def test_a_layer_the_model_lacks_is_a_warning_and_keeps_nothing_dense(caplog):
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    with caplog.at_level(logging.WARNING, logger="specontext_compile.passes.sparse_rewrite"):
+        _, counts = _steps(model, ids, 1, dense_layers=(5, -3), **OPTS)
+    assert counts["sparse_sites"] == 2, counts
+    assert "dense_layers [-3, 5] name no KV layer" in caplog.text and "L = 2" in caplog.text
+
+
+def test_the_guard_says_where_it_cannot_run(caplog):
+    """min_coverage with the rescue alone (candidates=1) on a cache without page bounds: no
+    site refines, so none is guarded; a warning says so and names the fix."""
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(OPTS, min_coverage=0.999))
+    cache = sc.SpeContextCache(model.config, max_cache_len=42, page_tokens=0)
+    with caplog.at_level(logging.WARNING, logger="specontext_compile.passes.sparse_rewrite"), torch.no_grad():
+        out = forward(input_ids=ids, cache=cache, use_cache=True)
+        forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+    assert cache.path_counts()["guard_dense_sites"] == 0
+    assert "the fidelity guard (min_coverage) is off at 2 decode site(s)" in caplog.text
+    assert "candidates=2" in caplog.text
 
 
 @pytest.mark.parametrize("bad", ["0", 1.5, True, [0, "x"]])

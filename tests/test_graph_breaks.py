@@ -100,3 +100,25 @@ def test_a_sliding_window_model_after_a_break_stays_dense_with_the_reason():
     reasons = {s.reason for r in _decode_reports(before) for s in r.result.sites if s.reason}
     assert any("sliding windows" in reason for reason in reasons), reasons
     assert torch.isfinite(got).all()
+
+
+def test_a_break_after_a_dense_by_option_first_part_still_selects_for_the_rest():
+    """dense_layers=(0,) with a break before layer 1: the first graph rewrites nothing (layer 0
+    stays dense by option) but must still make and store the step's selection, which layer 1
+    reads after the break; the split step equals the one-graph step and counts the same
+    (one step and one sparse site per decode step)."""
+    options = dict(SMALL, retrieval_layers=(0,), dense_layers=(0,))
+    model = tiny_family("llama", "sdpa")
+    ids = torch.randint(0, 128, (1, PROMPT), generator=torch.Generator().manual_seed(1))
+    whole = sc.SpeContextCache(model.config, max_cache_len=PROMPT + STEPS + 1)
+    want = _decode(torch.compile(model.forward, backend="specontext", options=options), whole, ids)
+    torch._dynamo.reset()
+    handle = _break_before_layer(model, 1)
+    split = sc.SpeContextCache(model.config, max_cache_len=PROMPT + STEPS + 1)
+    got = _decode(torch.compile(model.forward, backend="specontext", options=options), split, ids)
+    handle.remove()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    counts = split.path_counts()
+    assert counts == whole.path_counts()
+    assert counts["decode_steps"] == STEPS and counts["sparse_sites"] == STEPS, counts
+    assert int(split.selection_state.max()) >= 0  # a real selection was stored

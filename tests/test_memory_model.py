@@ -185,8 +185,8 @@ def test_the_up_front_minimum_is_the_managers_own_prediction():
     """minimum_device_bytes (from the config, before any cache exists) equals what the
     manager's memory model predicts once the stores exist, so the refusal names exactly
     the least tier that works: at that size the prompt fits fully offloaded, one byte less
-    it is refused (by the plan: the page bounds are allocated for the stores' capacity, 64
-    here, which the check at enable_offload does not know, so it counts an empty cache's)."""
+    it is refused up front (the stores exist, so the check counts the page bounds of their
+    real capacity, 64 here)."""
     from specontext_compile.runtime.offload import minimum_device_bytes
 
     model = tiny_llama()
@@ -200,7 +200,7 @@ def test_the_up_front_minimum_is_the_managers_own_prediction():
             assert enable_offload(cache, model, memory, 16).prepare().minimum_device_bytes(40) == need
         else:
             with pytest.raises(DeviceMemoryError, match=f"device_memory_bytes >= {need}"):
-                enable_offload(cache, model, memory, 16).prepare()
+                enable_offload(cache, model, memory, 16)
 
 
 def test_auto_takes_free_device_memory_when_the_plan_is_made(monkeypatch):
