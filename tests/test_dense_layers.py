@@ -8,11 +8,11 @@ import re
 
 import pytest
 import torch
+from _tiny import compiled_steps
 
 import specontext_compile as sc
 from specontext_compile.backend import clear_compile_reports, compile_reports
 from specontext_compile.tiny_models import tiny_family
-from _tiny import compiled_steps
 
 OPTS = {"budget": 6, "sink_tokens": 1, "recent_window": 1, "inner": "eager"}
 
