@@ -26,6 +26,9 @@ Run (about 1 minute per task and configuration at 8K on 2 CPU cores, plus compil
 
     .venv/bin/python -m benchmarks.far_context_backend --context 8192 --steps 128 \\
         --budgets 1024 --candidates 1 4 --out docs/fidelity_far_context_backend_8k.json
+
+An existing ``--out`` of the same context and steps is resumed: its configurations are kept
+(a run of the same configuration replaces them) and ``commands`` lists every run.
 """
 
 from __future__ import annotations
@@ -139,9 +142,15 @@ def main() -> None:
     tasks = build_tasks(tok, args.context, args.steps)
     capacity = args.context + args.steps + 128  # prompt + question + fed tokens, every task
     theirs = _kvpress_dense(args.kvpress_json, args.context, args.steps)
-    result = {"command": "python -m benchmarks.far_context_backend " + shlex.join(sys.argv[1:]),
+    command = "python -m benchmarks.far_context_backend " + shlex.join(sys.argv[1:])
+    result = {"command": command, "commands": [command],
               "context": args.context, "steps": args.steps, "tasks": [t.describe() for t in tasks],
               "dense": {}, "results": {}}
+    previous = json.loads(args.out.read_text()) if args.out.exists() else {}
+    if (previous.get("context"), previous.get("steps")) == (args.context, args.steps):
+        # resume: keep the configurations an earlier run measured on the same protocol
+        result["results"] = previous.get("results", {})
+        result["commands"] = previous.get("commands", [previous.get("command")]) + [command]
     runs = [(s, t) for s in args.settings for t in tasks if s == args.settings[0] or t.kind == "copy"]
     inputs = {}
     for setting, task in tqdm(runs, desc="dense"):
