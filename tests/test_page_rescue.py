@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from specontext_compile.runtime import aten_step, page_bounds
 from specontext_compile.runtime.kv_cache import SpeContextLayer
-from test_two_stage import _compiled_steps, _refine_reference
+from _tiny import compiled_steps
+from test_two_stage import _refine_reference
 from torch._dynamo.utils import counters
 
 import specontext_compile as sc
@@ -195,13 +196,13 @@ def test_compiled_rescue_step_equals_the_eager_op_chain_and_counts_its_sites():
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(2))
     opts = dict(budget=12, page_rescue=16, sink_tokens=1, recent_window=2)
     counters.clear()
-    eager, c_eager = _compiled_steps(model, ids, 4, inner="eager", **opts)
+    eager, c_eager = compiled_steps(model, ids, 4, inner="eager", **opts)
     assert counters["specontext"]["refine_calls"] == 4 * layers
-    compiled, c_ind = _compiled_steps(model, ids, 4, **opts)
+    compiled, c_ind = compiled_steps(model, ids, 4, **opts)
     torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=0)
     assert c_ind.path_counts() == c_eager.path_counts()
     assert c_ind.path_counts()["page_rescue_sites"] == 4 * layers
-    plain, _ = _compiled_steps(model, ids, 4, inner="eager", budget=12, sink_tokens=1, recent_window=2)
+    plain, _ = compiled_steps(model, ids, 4, inner="eager", budget=12, sink_tokens=1, recent_window=2)
     assert (plain - eager).abs().max() > 1e-4  # the rescue changed what the layers read
 
 
@@ -210,8 +211,8 @@ def test_rescue_of_every_page_is_each_layers_exact_top_budget():
     its ranking: the same logits as candidates=inf (each layer's exact top budget)."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(4))
-    wide, _ = _compiled_steps(model, ids, 3, inner="eager", budget=8, page_rescue=4096, recent_window=2)
-    exact, _ = _compiled_steps(model, ids, 3, inner="eager", budget=8, candidates=float("inf"), recent_window=2)
+    wide, _ = compiled_steps(model, ids, 3, inner="eager", budget=8, page_rescue=4096, recent_window=2)
+    exact, _ = compiled_steps(model, ids, 3, inner="eager", budget=8, candidates=float("inf"), recent_window=2)
     torch.testing.assert_close(wide, exact, atol=1e-5, rtol=0)
 
 
