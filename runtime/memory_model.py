@@ -18,7 +18,10 @@ generalised here to
   key bounds of the page rescue: every layer's, offloaded or not, stay on the device and are
   allocated once for the stores' capacity) and, per offloaded layer, its slot maps
   (``map_bytes_per_layer``) next to its ``B``-row buffer;
-* ``activation_factor`` (the paper's 0.3, an assumption it states).
+* ``activation_factor`` (the paper's 0.3, an assumption it states);
+* ``resident_layers``: layers never offloaded (option ``dense_layers``: their attention reads
+  the whole store every step), so ``L_cpu <= L - resident_layers``; their KV stays in the
+  ``(L - L_cpu) S`` term like any layer on the device.
 
 Every quantity is in bytes; ``S`` counts tokens in the cache after a step's write.
 
@@ -64,6 +67,8 @@ class MemoryModel:
         alpha: extra per-layer buffers of ``S`` rows each.
         fixed_bytes: our constant device buffers (retrieval state, selection, page bounds).
         map_bytes_per_layer: slot-map bytes of each offloaded layer.
+        resident_layers: layers that stay on the device at every length (never offloaded;
+            ``0 <= resident_layers < num_layers``).
     """
 
     num_layers: int
@@ -80,11 +85,20 @@ class MemoryModel:
     alpha: float = 0.0
     fixed_bytes: int = 0
     map_bytes_per_layer: int = 0
+    resident_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "elem_bytes", "batch", "budget"):
             if getattr(self, name) < 1:
                 raise ValueError(f"MemoryModel.{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.resident_layers < self.num_layers:
+            raise ValueError(f"MemoryModel.resident_layers must be in [0, num_layers={self.num_layers}) (at least "
+                             f"one layer must be offloadable), got {self.resident_layers}")
+
+    @property
+    def offloadable(self) -> int:
+        """The most layers the plan may offload: ``L - resident_layers``."""
+        return self.num_layers - self.resident_layers
 
     # --- symbolic model -------------------------------------------------------------------
     @property
@@ -130,7 +144,7 @@ class MemoryModel:
                 + offloaded * self.map_bytes_per_layer + self.fixed_bytes)
 
     def thresholds(self, device_memory_bytes: int) -> list[float]:
-        """``ST[i]`` for ``i = 0 .. L``: the first cache length (tokens) at which ``i``
+        """``ST[i]`` for ``i = 0 .. L - resident_layers``: the first cache length (tokens) at which ``i``
         offloaded layers no longer fit in ``device_memory_bytes`` (``inf``: always fits;
         ``0``: not even an empty cache fits). Exact rational arithmetic (sympy) on
         :meth:`expression`, which is linear in ``S``: ``M_part = c_i + k_i S``, so
@@ -138,7 +152,7 @@ class MemoryModel:
         alone is too big: then ``M_part = Mem`` has no root ``S >= 0``)."""
         expr, s, lc = self.expression()
         out: list[float] = []
-        for i in range(self.num_layers + 1):
+        for i in range(self.offloadable + 1):
             e = sympy.expand(expr.subs(lc, i))
             slope, const = e.coeff(s, 1), e.coeff(s, 0)
             if const > device_memory_bytes:
@@ -151,18 +165,19 @@ class MemoryModel:
 
     def minimum_device_bytes(self, tokens: int) -> int:
         """The least ``device_memory_bytes`` that holds ``tokens`` cached tokens with every
-        layer offloaded (the smallest device tier the plan can work with at that length)."""
-        return self.device_bytes(tokens, self.num_layers)
+        offloadable layer offloaded (the smallest device tier the plan can work with at that
+        length; the resident layers keep their ``tokens`` rows)."""
+        return self.device_bytes(tokens, self.offloadable)
 
     def plan(self, tokens: int, offloaded: int, thresholds: list[float]) -> int:
         """Layers to keep on the host at ``tokens`` cached tokens, starting from
         ``offloaded`` (the plan only grows: while ``tokens >= ST[n]``, ``n += 1``).
 
         Raises:
-            DeviceMemoryError: when even ``L`` offloaded layers do not fit.
+            DeviceMemoryError: when even ``L - resident_layers`` offloaded layers do not fit.
         """
         n = offloaded
-        while n < self.num_layers and tokens >= thresholds[n]:
+        while n < self.offloadable and tokens >= thresholds[n]:
             n += 1
         if tokens >= thresholds[n]:
             raise DeviceMemoryError(self.too_small_message(tokens))
@@ -171,9 +186,11 @@ class MemoryModel:
     def too_small_message(self, tokens: int) -> str:
         """Why ``tokens`` do not fit even fully offloaded, with the minimum that would."""
         need = self.minimum_device_bytes(tokens)
-        return (f"the device tier cannot hold {tokens} tokens even with all {self.num_layers} layers "
-                f"offloaded: it needs at least {need} bytes ({need / 2**20:.1f} MiB: weights "
-                f"x{1 + self.activation_factor:g}, {self.num_layers} buffers of budget={self.budget} "
+        kept = (f" ({self.resident_layers} kept on the device by dense_layers: fewer dense layers need less)"
+                if self.resident_layers else "")
+        return (f"the device tier cannot hold {tokens} tokens even with all {self.offloadable} offloadable "
+                f"layers offloaded{kept}: it needs at least {need} bytes ({need / 2**20:.1f} MiB: weights "
+                f"x{1 + self.activation_factor:g}, {self.offloadable} buffers of budget={self.budget} "
                 f"rows, own buffers); set device_memory_bytes >= {need} or lower budget")
 
     def describe(self, device_memory_bytes: int) -> str:

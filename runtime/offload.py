@@ -21,7 +21,9 @@ drive it once per step:
    identical.
 
 Layers still resident run the ordinary sparse attention, so one compiled graph serves every
-plan as the output grows (no recompiles).
+plan as the output grows (no recompiles). Layers the option ``dense_layers`` keeps dense are
+never offloaded (``resident_layers``): their attention reads the whole store every step, so
+the store stays on the device and the memory model counts it there at every length.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from .trace import TraceRecorder
 logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadManager", "OffloadCopyError", "LayerBuffer", "check_device_memory", "enable_offload",
-           "auto_device_bytes", "elastic_load", "free_device_bytes", "minimum_device_bytes", "model_weight_bytes"]
+           "auto_device_bytes", "elastic_load", "free_device_bytes", "minimum_device_bytes", "model_weight_bytes",
+           "resident_layer_indices"]
 
 class OffloadCopyError(RuntimeError):
     """A prefetch copy failed; raised at the layer's wait."""
@@ -100,6 +103,22 @@ def auto_device_bytes(device: torch.device, weight_bytes: int) -> int:
     return total
 
 
+def resident_layer_indices(layers, num_layers: int) -> tuple[int, ...]:
+    """The layer indices ``[0, num_layers)`` that ``layers`` (an int or ints, option
+    ``dense_layers``; negative counts from the end) names, sorted; indices the model lacks
+    are left out (the rewrite pass logs them and keeps nothing dense for them).
+
+    Raises:
+        ValueError: when they name every layer (nothing could be offloaded).
+    """
+    layers = (layers,) if isinstance(layers, int) else tuple(layers or ())
+    out = tuple(sorted({j + num_layers if j < 0 else j for j in layers} & set(range(num_layers))))
+    if num_layers and len(out) == num_layers:
+        raise ValueError(f"dense_layers keeps all {num_layers} layers dense, so KV offload has no layer to move "
+                         "to the host tier; keep fewer layers dense or unset device_memory_bytes")
+    return out
+
+
 def _selection_bytes(batch: int, kv_heads: int, slots: int) -> int:
     """Bytes of one int64 ``[batch, kv_heads, slots]`` selection (or slot map)."""
     return batch * kv_heads * slots * 8
@@ -118,10 +137,11 @@ def page_bound_bytes(layers: int, batch: int, kv_heads: int, head_dim: int, elem
 
 def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, batch: int = 1,
                          activation_factor: float = 0.3, page_tokens: int = page_bounds.PAGE_TOKENS,
-                         capacity: int | None = None) -> int:
+                         capacity: int | None = None, resident_layers: int = 0) -> int:
     """The least ``device_memory_bytes`` with which ``model`` can decode ``tokens`` cached
-    tokens of ``batch`` rows, every layer offloaded (memory model, eq. 7 with
-    ``L_cpu = L``): the weights x ``1 + activation_factor``, the retrieval state and the
+    tokens of ``batch`` rows, every layer but ``resident_layers`` (option ``dense_layers``)
+    offloaded (memory model, eq. 7 with ``L_cpu = L - resident_layers``; the resident
+    layers hold their ``tokens`` rows): the weights x ``1 + activation_factor``, the retrieval state and the
     selection, one ``budget``-row buffer and slot map per layer, and every layer's page
     bounds for stores of ``capacity`` tokens (default ``tokens``; ``page_tokens``-token pages,
     the cache's, 0 = none; MLA stores keep none), from the model's config (heads, KV heads,
@@ -140,21 +160,25 @@ def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, b
                          config.num_hidden_layers, batch, kv_heads, head_dim, elem,
                          tokens if capacity is None else capacity,
                          0 if getattr(config, "kv_lora_rank", None) else page_tokens),
-                     map_bytes_per_layer=_selection_bytes(batch, kv_heads, budget))
+                     map_bytes_per_layer=_selection_bytes(batch, kv_heads, budget),
+                     resident_layers=resident_layers)
     return mm.minimum_device_bytes(tokens)
 
 
 def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget: int,
-                        page_tokens: int = page_bounds.PAGE_TOKENS, capacity: int = 0) -> None:
+                        page_tokens: int = page_bounds.PAGE_TOKENS, capacity: int = 0,
+                        resident_layers: int = 0) -> None:
     """Refuse a ``device_memory_bytes`` that cannot hold even an empty cache of one row
     with every layer offloaded (:func:`minimum_device_bytes`; ``page_tokens``: the cache's
     page-bound pages, 0 = none; ``capacity``: the stores' capacity in tokens when they
-    exist, else 0: the page bounds of an empty cache, a lower bound).
+    exist, else 0: the page bounds of an empty cache, a lower bound; ``resident_layers``:
+    layers kept on the device by ``dense_layers``, which need no buffer).
 
     Raises:
         DeviceMemoryError: naming the minimum (bytes and MiB) and the fix.
     """
-    need = minimum_device_bytes(model, budget, page_tokens=page_tokens, capacity=capacity)
+    need = minimum_device_bytes(model, budget, page_tokens=page_tokens, capacity=capacity,
+                                resident_layers=resident_layers)
     if device_memory_bytes < need:
         raise DeviceMemoryError(
             f"device_memory_bytes={device_memory_bytes} is too small for this model: its fixed part "
@@ -366,11 +390,18 @@ class OffloadManager(OpaqueBase):
         activation_factor, draft_cache_layers, alpha: see :class:`~.memory_model.MemoryModel`.
         trace_path: when set, the Chrome trace of the latest finished decode step is written
             there at the start of every step (:mod:`.trace`).
+        resident_layers: layers never offloaded (option ``dense_layers``: an int or ints,
+            negative counts from the end; see :func:`resident_layer_indices`): their store
+            stays on the device and the plan offloads the others, last layers first.
+
+    Raises:
+        ValueError: a bad ``device_memory_bytes``, a hybrid model, or ``resident_layers``
+            naming every layer.
     """
 
     def __init__(self, cache, device_memory_bytes: int | str, budget: int, weight_bytes: int = 0, *,
                  elastic: bool = True, activation_factor: float = 0.3, draft_cache_layers: int = 0,
-                 alpha: float = 0.0, trace_path: str | Path | None = None):
+                 alpha: float = 0.0, trace_path: str | Path | None = None, resident_layers=()):
         if device_memory_bytes != AUTO and (not isinstance(device_memory_bytes, int) or device_memory_bytes < 1):
             raise ValueError(f"device_memory_bytes must be an int >= 1 or {AUTO!r}, got {device_memory_bytes!r}")
         self.auto = device_memory_bytes == AUTO
@@ -378,6 +409,7 @@ class OffloadManager(OpaqueBase):
             raise ValueError("KV offload of a hybrid model (layers without a KV cache) is not supported yet; "
                              "leave device_memory_bytes unset")
         self.cache = cache
+        self.resident = resident_layer_indices(resident_layers, len(cache.layers))
         self.device_memory_bytes = device_memory_bytes
         self.budget = budget
         self.weight_bytes = weight_bytes
@@ -448,7 +480,8 @@ class OffloadManager(OpaqueBase):
             num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
             head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,
             budget=slots, weight_bytes=self.weight_bytes, fixed_bytes=fixed,
-            map_bytes_per_layer=_selection_bytes(b, h, slots), **self._model_args)
+            map_bytes_per_layer=_selection_bytes(b, h, slots), resident_layers=len(self.resident),
+            **self._model_args)
         self.thresholds = self.model.thresholds(self.device_memory_bytes)
         tokens = int(layer.cumulative_length)
         if tokens >= self.thresholds[-1]:  # not even every layer offloaded holds the prompt
@@ -495,7 +528,8 @@ class OffloadManager(OpaqueBase):
         total = cached + q_len
         before = len(self.buffers)
         target = self.model.plan(total, before, self.thresholds)
-        free = [i for i in reversed(range(len(self.cache.layers))) if i not in self.buffers]
+        free = [i for i in reversed(range(len(self.cache.layers)))
+                if i not in self.buffers and i not in self.resident]
         for layer_idx in free[: target - before]:
             self.offload_layer(layer_idx)
             self.offload_events.append((total, layer_idx))
@@ -752,6 +786,7 @@ class OffloadManager(OpaqueBase):
         return {
             "device_memory_bytes": self.device_memory_bytes,
             "thresholds": [None if t == INF else int(t) for t in (self.thresholds or [])],
+            "resident_layers": list(self.resident),
             "offload_events": list(self.offload_events),
             "steps_with_offload": len(steps),
             "bytes_elastic_mean": mean([s.bytes_elastic for s in steps[1:]]),
@@ -798,8 +833,9 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
         if device_memory_bytes != AUTO:
             first = (getattr(cache, "kv_layers", None) or [None])[0]
             capacity = first.keys.shape[2] if getattr(first, "is_initialized", False) else 0
+            resident = resident_layer_indices(kwargs.get("resident_layers", ()), len(cache.layers))
             check_device_memory(model, device_memory_bytes, budget,
-                                getattr(first, "page_tokens", page_bounds.PAGE_TOKENS), capacity)
+                                getattr(first, "page_tokens", page_bounds.PAGE_TOKENS), capacity, len(resident))
     weight_bytes = model_weight_bytes(model) if model is not None else 0
     from . import offload_ops  # noqa: F401  (registers the ops the cache's anchor calls)
 

@@ -61,9 +61,12 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
     """
     config = SpeContextConfig.from_options(options)
     if isinstance(config.device_memory_bytes, int):  # refuse a tier that can never work, now
-        from .runtime.offload import check_device_memory
+        from .runtime.offload import check_device_memory, resident_layer_indices
 
-        check_device_memory(model, config.device_memory_bytes, config.buffer_tokens)
+        text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        layers = text.num_hidden_layers
+        check_device_memory(model, config.device_memory_bytes, config.buffer_tokens,
+                            resident_layers=len(resident_layer_indices(config.dense_layers, layers)))
     model._specontext_options = dict(options)
     if getattr(model, "_specontext_original", None) is None:
         model._specontext_original = (model.forward, model.generate)
@@ -82,7 +85,8 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
 
                 enable_offload(kwargs["cache"], model, options["device_memory_bytes"],
                                SpeContextConfig.from_options(options).buffer_tokens,
-                               trace_path=options.get("offload_trace"))
+                               trace_path=options.get("offload_trace"),
+                               resident_layers=SpeContextConfig.from_options(options).dense_layers)
         return original_generate(*args, **kwargs)
 
     model.generate = generate

@@ -147,7 +147,9 @@ class SpeContextConfig:
             logged as a warning and keeps nothing dense); ``()`` (the default) = none. The
             step still runs its selection for the other layers. Each costs a read of that layer's whole KV
             per step. A dense layer can still be a retrieval layer (its query is recorded).
-            Not with KV offload (``device_memory_bytes``): ``ValueError``.
+            With KV offload (``device_memory_bytes``) a dense layer is never offloaded: its
+            whole store stays on the device, counted there by the memory model at every
+            length (naming every layer is then a ``ValueError``).
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
             None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
@@ -258,10 +260,6 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
                              f"got {g!r}")
         object.__setattr__(self, "min_coverage", float(g))
-        if self.dense_layers and dm is not None:
-            raise ValueError("specontext options 'dense_layers' and 'device_memory_bytes' cannot be combined "
-                             "yet (a dense layer reads its whole store, which offload keeps on the host); "
-                             "set dense_layers=() or unset device_memory_bytes")
         if g > 0 and dm is not None:
             raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
                              "yet (the guard's dense fallback would read an offloaded layer's host tier); set "

@@ -161,8 +161,9 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
     if options.get("device_memory_bytes") is not None:  # KV offload: show the memory model's plan
         from .runtime.offload import enable_offload
 
-        manager = enable_offload(cache, model, options["device_memory_bytes"],
-                                 SpeContextConfig.from_options(options).buffer_tokens)
+        config = SpeContextConfig.from_options(options)
+        manager = enable_offload(cache, model, options["device_memory_bytes"], config.buffer_tokens,
+                                 resident_layers=config.dense_layers)
     with torch.no_grad():
         logits = forward(input_ids=input_ids, cache=cache, use_cache=True, **kwargs).logits
         for _ in range(decode_steps):

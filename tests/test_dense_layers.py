@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import logging
-import re
 
 import pytest
 import torch
@@ -94,7 +93,16 @@ def test_bad_dense_layers_are_refused_naming_the_option(bad):
         sc.SpeContextConfig(dense_layers=bad)
 
 
-def test_dense_layers_with_offload_are_refused_with_the_fix():
+def test_dense_layers_are_normalised_and_combine_with_offload():
+    """Sorted, deduplicated; with device_memory_bytes accepted (tests/test_offload.py runs it)."""
     assert sc.SpeContextConfig(dense_layers=[2, 0, 2]).dense_layers == (0, 2)
-    with pytest.raises(ValueError, match=re.escape("dense_layers=()")):
-        sc.SpeContextConfig(dense_layers=0, device_memory_bytes=1 << 30)
+    assert sc.SpeContextConfig(dense_layers=0, device_memory_bytes=1 << 30).dense_layers == (0,)
+
+
+def test_resident_layer_indices_resolve_like_the_pass():
+    from specontext_compile.runtime.offload import resident_layer_indices
+
+    assert resident_layer_indices((-1, 0, 7, 0), 3) == (0, 2)  # 7: no such layer, left out
+    assert resident_layer_indices(1, 3) == (1,) and resident_layer_indices((), 3) == ()
+    with pytest.raises(ValueError, match="all 3 layers dense"):
+        resident_layer_indices((0, 1, -1), 3)

@@ -225,3 +225,20 @@ def test_auto_takes_free_device_memory_when_the_plan_is_made(monkeypatch):
         mm = manager.prepare()
         assert manager.device_memory_bytes == free + model_weight_bytes(model)
         assert (mm.plan(41, 0, manager.thresholds) > 0) == offloaded
+
+
+def test_resident_layers_are_never_offloaded_and_keep_their_rows():
+    """resident_layers=1 (option dense_layers): at most 3 of 4 layers go, and with all 3 gone
+    the resident layer still grows: 1300 + 64 (S + 3 x 16) <= mem  <=>  S <= 4000 - 48."""
+    mem = 1300 + 64 * 4 * 1000
+    mm = MemoryModel(**dict(SMALL, resident_layers=1))
+    st = mm.thresholds(mem)
+    assert len(st) == 4 and st[:2] == MemoryModel(**SMALL).thresholds(mem)[:2]
+    assert st[3] == 3953 and mm.offloadable == 3
+    assert mm.plan(3952, 0, st) == 3
+    with pytest.raises(DeviceMemoryError, match="3 offloadable layers offloaded \\(1 kept on the device by dense_layers"):
+        mm.plan(3953, 3, st)
+    assert mm.minimum_device_bytes(100) == 1300 + 64 * (100 + 3 * 16)
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match="resident_layers"):
+            MemoryModel(**dict(SMALL, resident_layers=bad))

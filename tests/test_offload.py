@@ -78,7 +78,7 @@ def _progressive(mm):
 
 
 def _all_at_once(mm):
-    return mm.device_bytes(PROMPT + 1, mm.num_layers)
+    return mm.device_bytes(PROMPT + 1, mm.offloadable)
 
 
 def _assert_same(a_list, b_list):
@@ -288,6 +288,20 @@ def test_offload_options_are_validated():
     assert sc.SpeContextConfig(device_memory_bytes=1 << 30).device_memory_bytes == 1 << 30
 
 
+def _tier_offloading_at_66(model):
+    """A hand-sized device tier for a 2-layer tiny Llama decoding 20 tokens after a 60-token
+    prompt: weights x1.3 + retrieval state + selection + page bounds (the stores hold 60 + 20
+    + 1 = 81 tokens: ceil((81 + 15) / 16) = 6 pages x 2 layers x min and max of 2 KV heads x
+    16 fp32) + 65 tokens of KV in both layers (2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B
+    per token), so the plan must offload a layer when the cache reaches 66 tokens (ST[0] =
+    66)."""
+    from specontext_compile.runtime.offload import model_weight_bytes
+    from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
+
+    fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8 + 6 * 2 * 2 * 2 * 16 * 4
+    return -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
+
+
 def test_compile_helper_attaches_offload_and_generates_the_same_text():
     model, ids = tiny_llama(layers=2), _ids(9)
     sc.compile(model, **OPTS)
@@ -295,17 +309,7 @@ def test_compile_helper_attaches_offload_and_generates_the_same_text():
     sc.api.restore(model)
     torch._dynamo.reset()
     counters.clear()
-    from specontext_compile.runtime.offload import model_weight_bytes
-    from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
-
-    # hand-sized device tier: weights x1.3 + retrieval state + selection + page bounds (the
-    # stores hold 60 + 20 + 1 = 81 tokens: ceil((81 + 15) / 16) = 6 pages x 2 layers x min and
-    # max of 2 KV heads x 16 fp32) + 65 tokens of KV in both layers (2 layers x 2 KV heads x
-    # (16 + 16) x 4 B = 512 B per token), so the plan must offload the last layer when the
-    # cache reaches 66 tokens (ST[0] = 66)
-    fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8 + 6 * 2 * 2 * 2 * 16 * 4
-    mem = -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
-    sc.compile(model, device_memory_bytes=mem, **OPTS)
+    sc.compile(model, device_memory_bytes=_tier_offloading_at_66(model), **OPTS)
     out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert torch.equal(out, ref)
     assert counters["specontext"]["offloaded_layers"] == 1
@@ -369,12 +373,12 @@ def _resident(model, ids, options, steps):
 class _OffloadedTwoStage(_Offloaded):
     """Offload with the two-stage selection: device buffers hold the step's candidates."""
 
-    def __init__(self, model, size_fn, options):
+    def __init__(self, model, size_fn, options, **manager_kwargs):
         self.forward = torch.compile(model.forward, backend="specontext",
                                      options=dict(options, device_memory_bytes=1 << 40))
         self.cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
         rows = sc.SpeContextConfig(**options).buffer_tokens
-        self.manager = enable_offload(self.cache, model, 1 << 40, rows)
+        self.manager = enable_offload(self.cache, model, 1 << 40, rows, **manager_kwargs)
         self.size_fn, self._sized = size_fn, False
 
 
@@ -446,3 +450,52 @@ def test_offload_buffers_without_room_for_the_rescue_grow_and_say_so(caplog):
     _assert_same(out, ref)
     assert "buffer_tokens" in caplog.text
     assert all(buf.keys.shape[2] > 32 for buf in run.manager.buffers.values())
+
+
+def test_dense_layers_with_offload_stay_on_the_device_and_equal_resident_bit_for_bit():
+    """dense_layers=0 with offload (issue 12): layer 0 attends densely over its whole store
+    every step, so the plan never offloads it; the memory model caps the offloaded layers at
+    L - 1 and keeps layer 0's rows in its S term. Sized so that the two other layers must
+    go and the cache's last length (111 tokens) is the last that fits: ST[2] = 112 exactly."""
+    options = dict(OPTS, dense_layers=0)
+    model, ids = tiny_llama(layers=3), _ids()
+    ref, resident = _resident(model, ids, options, STEPS)
+    assert resident.path_counts()["sparse_sites"] == 2 * STEPS  # layer 0 dense, 1 and 2 sparse
+    last = PROMPT + STEPS + 1
+    run = _OffloadedTwoStage(model, lambda mm: mm.device_bytes(last, mm.offloadable), options,
+                             resident_layers=options["dense_layers"])
+    out = _run(run, run.cache, ids, STEPS)
+    _assert_same(out, ref)
+    m = run.manager
+    assert m.resident == (0,) and m.model.resident_layers == 1 and m.model.offloadable == 2
+    assert [layer for _, layer in m.offload_events] == [2, 1], m.offload_events  # never layer 0
+    assert len(m.thresholds) == 3 and m.thresholds[2] == last + 1
+    assert m.summary()["resident_layers"] == [0]
+    assert counters["specontext"]["offloaded_attention_calls"] > STEPS
+    assert run.cache.path_counts()["sparse_sites"] == 2 * STEPS
+
+
+def test_compile_helper_keeps_dense_layers_on_the_device_with_offload():
+    """sc.compile(dense_layers=-1, device_memory_bytes=...) passes the dense layers to the
+    manager: the plan offloads layer 0 (the last *sparse* layer) instead of layer 1, whose
+    dense site reads its store on the device; the text is the resident run's."""
+    options = dict(OPTS, dense_layers=-1)
+    model, ids = tiny_llama(layers=2), _ids(9)
+    sc.compile(model, **options)
+    ref = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    sc.api.restore(model)
+    torch._dynamo.reset()
+    counters.clear()
+    # ST[0] = 66, and with one layer offloaded the resident layer 1 fits to the end (81)
+    sc.compile(model, device_memory_bytes=_tier_offloading_at_66(model), **options)
+    out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
+    assert torch.equal(out, ref)
+    assert counters["specontext"]["offloaded_layers"] == 1
+    assert counters["specontext"]["offloaded_attention_calls"] == 14  # layer 0's sparse site, steps 6..19
+
+
+def test_dense_layers_naming_every_layer_leave_nothing_to_offload():
+    model = tiny_llama(layers=2)
+    cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+    with pytest.raises(ValueError, match="keep fewer layers dense or unset device_memory_bytes"):
+        enable_offload(cache, model, 1 << 40, OPTS["budget"], resident_layers=(0, -1))
