@@ -51,6 +51,8 @@ def main() -> None:
                     help="two-stage selection (issue 12): the step prefetches ceil(candidates * budget) tokens")
     ap.add_argument("--page-rescue", type=int, default=0,
                     help="tokens of rescued pages per layer (option page_rescue): loaded on demand from the host tier")
+    ap.add_argument("--dense-layers", type=int, nargs="+", default=[], metavar="LAYER",
+                    help="option dense_layers: layers kept dense, and so kept on the device (never offloaded)")
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--offload-at-start", type=int, default=15)
     ap.add_argument("--json", type=Path)
@@ -62,7 +64,8 @@ def main() -> None:
     ids = build_prompt(tokenizer, args.prompt_file.read_text(encoding="utf-8"))
     prompt = ids.shape[1]
     cap = prompt + args.new_tokens + 1
-    opts = {"budget": args.budget, "candidates": args.candidates, "page_rescue": args.page_rescue}
+    opts = {"budget": args.budget, "candidates": args.candidates, "page_rescue": args.page_rescue,
+            "dense_layers": tuple(args.dense_layers)}
     rows = sc.SpeContextConfig(**opts).buffer_tokens  # an offloaded layer's buffer rows
 
     off = torch.compile(model.forward, backend="specontext", options=opts)
@@ -70,17 +73,19 @@ def main() -> None:
     torch._dynamo.reset()
 
     results = {"prompt_tokens": prompt, "budget": args.budget, "candidates": args.candidates,
-               "page_rescue": args.page_rescue, "buffer_rows": rows, "new_tokens": args.new_tokens}
+               "page_rescue": args.page_rescue, "dense_layers": list(args.dense_layers), "buffer_rows": rows,
+               "new_tokens": args.new_tokens}
     for elastic in (True, False):
         on = torch.compile(model.forward, backend="specontext",
                            options=dict(opts, device_memory_bytes=1 << 40))
         cache = sc.SpeContextCache(model.config, max_cache_len=cap)
         manager = enable_offload(cache, model, 1 << 40, rows, elastic=elastic,
-                                 trace_path=str(args.trace) if (args.trace and elastic) else None)
+                                 trace_path=str(args.trace) if (args.trace and elastic) else None,
+                                 resident_layers=opts["dense_layers"])
         with torch.no_grad():  # prefill, then size the emulated device tier
             logits = on(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
         mm = manager.prepare()
-        mem = mm.device_bytes(prompt + 1, args.offload_at_start)
+        mem = mm.device_bytes(prompt + 1, min(args.offload_at_start, mm.offloadable))
         manager.prepare(mem)
         tokens, times = [], []
         with torch.no_grad():
@@ -98,6 +103,7 @@ def main() -> None:
             "device_memory_bytes": mem,
             "thresholds": manager.summary()["thresholds"],
             "offload_events": manager.offload_events,
+            "resident_layers": manager.summary()["resident_layers"],
             "first_step_bytes": manager.stats[0].bytes_elastic,
             "bytes_moved_mean": sum(per_step) / len(per_step),
             "bytes_moved_min": min(per_step), "bytes_moved_max": max(per_step),
