@@ -48,24 +48,31 @@ def harness_ids(tokenizer) -> torch.Tensor:
 
 
 def teacher_forced(forward, cache, ids: torch.Tensor, context: int, steps: int, desc: str
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prefill ``ids[:, :context]`` then feed ``ids[:, context + i]`` for ``i < steps``.
 
-    Returns ``(argmax, nll)``: int64 ``[steps]`` greedy token after each fed token and
-    float64 ``[steps]`` NLL (nats) of the true next token ``ids[:, context + i + 1]``."""
+    Returns ``(argmax, nll, margin)``: int64 ``[steps]`` greedy token after each fed token,
+    float64 ``[steps]`` NLL (nats) of the true next token ``ids[:, context + i + 1]``, and
+    float64 ``[steps]`` the greedy token's lead over the runner-up (log-probability gap,
+    nats: near 0 = a near tie, which any change of the logits may flip)."""
     argmax = torch.zeros(steps, dtype=torch.long)
     nll = torch.zeros(steps, dtype=torch.float64)
+    margin = torch.zeros(steps, dtype=torch.float64)
     with torch.no_grad():
         forward(input_ids=ids[:, :context], cache=cache, use_cache=True)
         for i in tqdm(range(steps), desc=desc, leave=False):
             logits = forward(input_ids=ids[:, context + i : context + i + 1], cache=cache,
                              use_cache=True).logits[0, -1].double()
             argmax[i] = logits.argmax()
-            nll[i] = -torch.log_softmax(logits, -1)[int(ids[0, context + i + 1])]
-    return argmax, nll
+            logp = torch.log_softmax(logits, -1)
+            nll[i] = -logp[int(ids[0, context + i + 1])]
+            top = logp.topk(2).values
+            margin[i] = top[0] - top[1]
+    return argmax, nll, margin
 
 
-def dense_run(model, ids: torch.Tensor, context: int, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_run(model, ids: torch.Tensor, context: int, steps: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The dense reference: eager Hugging Face decoding (SDPA) with a ``DynamicCache``."""
     from transformers import DynamicCache
 
@@ -78,9 +85,21 @@ def sparse_run(model, ids: torch.Tensor, context: int, steps: int, **options) ->
     forward = torch.compile(model.forward, backend="specontext", options=options)
     cache = sc.SpeContextCache(model.config, max_cache_len=context + steps + 1)
     start = time.perf_counter()
-    argmax, nll = teacher_forced(forward, cache, ids, context, steps, f"specontext {options}")
+    argmax, nll, _ = teacher_forced(forward, cache, ids, context, steps, f"specontext {options}")
     return {"argmax": argmax, "nll": nll, "paths": cache.path_counts(),
             "seconds": time.perf_counter() - start}
+
+
+NEAR_TIE_NATS = (0.1, 0.5, 1.0)
+
+
+def _lost_steps(argmax: torch.Tensor, dense_argmax: torch.Tensor, dense_margin: torch.Tensor) -> dict:
+    """The steps whose greedy token differs from dense, with dense's own margin there (nats),
+    and how many of them were dense near ties (margin below each of :data:`NEAR_TIE_NATS`)."""
+    lost = (argmax != dense_argmax).nonzero().flatten()
+    margins = dense_margin[lost]
+    return {"lost_steps": lost.tolist(), "lost_dense_margins": [round(float(m), 4) for m in margins],
+            "lost_near_ties": {f"margin<{t:g}": int((margins < t).sum()) for t in NEAR_TIE_NATS}}
 
 
 def _rescue_arg(text: str) -> int | None:
@@ -112,8 +131,9 @@ def main() -> None:
     out = json.loads(args.out.read_text()) if args.out.exists() else {}
     key = f"{args.context}x{args.steps}"
     res = out.setdefault(key, {"context": args.context, "steps": args.steps, "runs": {}})
-    dense_argmax, dense_nll = dense_run(model, ids, args.context, args.steps)
+    dense_argmax, dense_nll, dense_margin = dense_run(model, ids, args.context, args.steps)
     res["dense_nll"] = float(dense_nll.mean())
+    res["dense_near_ties"] = {f"margin<{t:g}": int((dense_margin < t).sum()) for t in NEAR_TIE_NATS}
     res["command"] = "python -m benchmarks.fidelity_backend " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
         for k, v in vars(args).items())
@@ -134,6 +154,7 @@ def main() -> None:
                 "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
                 "page_rescue": rescue, "dense_layers": list(args.dense_layers),
                 "agreement": float((run["argmax"] == dense_argmax).double().mean()),
+                **_lost_steps(run["argmax"], dense_argmax, dense_margin),
                 "nll_delta": float(run["nll"].mean()) - res["dense_nll"],
                 "paths": run["paths"], "seconds": round(run["seconds"], 1),
                 "command": res["command"],  # each run keeps the command that made it (a file gathers several)

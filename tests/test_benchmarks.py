@@ -132,3 +132,18 @@ def test_far_context_backend_is_exact_at_full_budget_on_the_gather_path():
     assert paths["dense_store_sites"] == 0, paths
     torch.testing.assert_close(sparse, dense, atol=1e-4, rtol=1e-4)
     assert torch.equal(sparse.argmax(-1), dense.argmax(-1))
+
+
+def test_fidelity_backend_lost_steps_name_the_dense_near_ties():
+    """The steps where the backend's greedy token differs from dense, dense's margin there,
+    and how many were dense near ties: by hand on four steps."""
+    import torch
+
+    from benchmarks.fidelity_backend import _lost_steps
+
+    ours = torch.tensor([1, 2, 3, 4])
+    dense = torch.tensor([1, 5, 3, 6])
+    margin = torch.tensor([2.0, 0.05, 0.01, 0.7], dtype=torch.float64)
+    got = _lost_steps(ours, dense, margin)
+    assert got["lost_steps"] == [1, 3] and got["lost_dense_margins"] == [0.05, 0.7]
+    assert got["lost_near_ties"] == {"margin<0.1": 1, "margin<0.5": 1, "margin<1": 2}
