@@ -102,6 +102,20 @@ def _lost_steps(argmax: torch.Tensor, dense_argmax: torch.Tensor, dense_margin: 
             "lost_near_ties": {f"margin<{t:g}": int((margins < t).sum()) for t in NEAR_TIE_NATS}}
 
 
+def _dense(model, ids: torch.Tensor, context: int, steps: int, cache: Path | None):
+    """:func:`dense_run`, or its saved result from ``cache`` (same context and steps)."""
+    if cache is not None and cache.exists():
+        saved = torch.load(cache)
+        if (saved["context"], saved["steps"]) == (context, steps):
+            logger.info("dense reference from %s", cache)
+            return saved["argmax"], saved["nll"], saved["margin"]
+    argmax, nll, margin = dense_run(model, ids, context, steps)
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        torch.save({"context": context, "steps": steps, "argmax": argmax, "nll": nll, "margin": margin}, cache)
+    return argmax, nll, margin
+
+
 def _rescue_arg(text: str) -> int | None:
     """``--page-rescue`` values: tokens, or "default" (None: the backend's default)."""
     return None if text in ("default", "None") else int(text)
@@ -122,6 +136,9 @@ def main() -> None:
                         help="option dense_layers for every configuration (layers kept dense; default none)")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--dense-cache", type=Path,
+                        help="keep the dense reference run here (torch.save) and reuse it when it exists for the "
+                             "same context and steps (saves the dense run: minutes at 8K)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model, tok = load_model("smollm2-135m")
@@ -131,12 +148,12 @@ def main() -> None:
     out = json.loads(args.out.read_text()) if args.out.exists() else {}
     key = f"{args.context}x{args.steps}"
     res = out.setdefault(key, {"context": args.context, "steps": args.steps, "runs": {}})
-    dense_argmax, dense_nll, dense_margin = dense_run(model, ids, args.context, args.steps)
+    dense_argmax, dense_nll, dense_margin = _dense(model, ids, args.context, args.steps, args.dense_cache)
     res["dense_nll"] = float(dense_nll.mean())
     res["dense_near_ties"] = {f"margin<{t:g}": int((dense_margin < t).sum()) for t in NEAR_TIE_NATS}
     res["command"] = "python -m benchmarks.fidelity_backend " + " ".join(
         f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
-        for k, v in vars(args).items())
+        for k, v in vars(args).items() if v is not None)
     for budget in args.budgets:
         for cand, guard, rescue in [(c, g, r) for r in args.page_rescue for c in args.candidates
                                     for g in args.min_coverage]:
