@@ -103,16 +103,22 @@ def _lost_steps(argmax: torch.Tensor, dense_argmax: torch.Tensor, dense_margin: 
 
 
 def _dense(model, ids: torch.Tensor, context: int, steps: int, cache: Path | None):
-    """:func:`dense_run`, or its saved result from ``cache`` (same context and steps)."""
+    """:func:`dense_run`, or its saved result from ``cache`` when it was made for the same
+    tokens (``ids[:, :context + steps + 1]``) and model (parameter count); else the dense run
+    is made again and the file rewritten (logged)."""
+    key = {"context": context, "steps": steps, "ids": ids[:, : context + steps + 1].clone(),
+           "parameters": sum(p.numel() for p in model.parameters())}
     if cache is not None and cache.exists():
-        saved = torch.load(cache)
-        if (saved["context"], saved["steps"]) == (context, steps):
+        saved = torch.load(cache, weights_only=True)
+        if all(k in saved and (torch.equal(saved[k], v) if isinstance(v, torch.Tensor) else saved[k] == v)
+               for k, v in key.items()):
             logger.info("dense reference from %s", cache)
             return saved["argmax"], saved["nll"], saved["margin"]
+        logger.info("%s was made for other tokens or another model: running dense again", cache)
     argmax, nll, margin = dense_run(model, ids, context, steps)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        torch.save({"context": context, "steps": steps, "argmax": argmax, "nll": nll, "margin": margin}, cache)
+        torch.save(dict(key, argmax=argmax, nll=nll, margin=margin), cache)
     return argmax, nll, margin
 
 

@@ -211,8 +211,8 @@ class OffloadSchedulePass:
         if len(anchors) != 1:
             logger.warning("specontext: compiled with device_memory_bytes, but the cache has no offload manager "
                            "(found %d), so every layer stays resident. Use specontext_compile.compile(model, "
-                           "device_memory_bytes=...) or runtime.offload.enable_offload(cache, model, ...) "
-                           "before the first call", len(anchors))
+                           "device_memory_bytes=...) or runtime.offload.enable_offload(cache, model, ..., "
+                           "resident_layers=<the dense_layers option>) before the first call", len(anchors))
             return result
         manager = anchors[0].args[0]
         select = selects[0]  # one per distinct sliding window; all sit right after the anchor

@@ -197,5 +197,6 @@ class MemoryModel:
         """One line per threshold, for logs and inspection tools."""
         ths = self.thresholds(device_memory_bytes)
         parts = [f"ST[{i}]={'inf' if t == INF else int(t)}" for i, t in enumerate(ths)]
-        return (f"memory model: device {device_memory_bytes} B, weights {self.weight_bytes} B, "
+        kept = f", {self.resident_layers} layer(s) never offloaded (dense_layers)" if self.resident_layers else ""
+        return (f"memory model: device {device_memory_bytes} B, weights {self.weight_bytes} B{kept}, "
                 f"KV row {self.row_bytes} B/token/layer, budget {self.budget}; " + " ".join(parts))

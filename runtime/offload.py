@@ -142,7 +142,7 @@ def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, b
     tokens of ``batch`` rows, every layer but ``resident_layers`` (option ``dense_layers``)
     offloaded (memory model, eq. 7 with ``L_cpu = L - resident_layers``; the resident
     layers hold their ``tokens`` rows): the weights x ``1 + activation_factor``, the retrieval state and the
-    selection, one ``budget``-row buffer and slot map per layer, and every layer's page
+    selection, one ``budget``-row buffer and slot map per offloadable layer, and every layer's page
     bounds for stores of ``capacity`` tokens (default ``tokens``; ``page_tokens``-token pages,
     the cache's, 0 = none; MLA stores keep none), from the model's config (heads, KV heads,
     head_dim, dtype) — what :class:`OffloadManager`'s model counts."""
@@ -169,7 +169,7 @@ def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget
                         page_tokens: int = page_bounds.PAGE_TOKENS, capacity: int = 0,
                         resident_layers: int = 0) -> None:
     """Refuse a ``device_memory_bytes`` that cannot hold even an empty cache of one row
-    with every layer offloaded (:func:`minimum_device_bytes`; ``page_tokens``: the cache's
+    with every offloadable layer offloaded (:func:`minimum_device_bytes`; ``page_tokens``: the cache's
     page-bound pages, 0 = none; ``capacity``: the stores' capacity in tokens when they
     exist, else 0: the page bounds of an empty cache, a lower bound; ``resident_layers``:
     layers kept on the device by ``dense_layers``, which need no buffer).
@@ -182,7 +182,7 @@ def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget
     if device_memory_bytes < need:
         raise DeviceMemoryError(
             f"device_memory_bytes={device_memory_bytes} is too small for this model: its fixed part "
-            f"alone (weights x1.3, one {budget}-row buffer per layer, page bounds) needs {need} bytes "
+            f"alone (weights x1.3, one {budget}-row buffer per offloadable layer, page bounds) needs {need} bytes "
             f"({need / 2**20:.1f} MiB) before any token is cached; set device_memory_bytes >= {need} "
             "(plus the KV of the tokens you decode), lower budget, or leave it unset (no offload)")
 
@@ -821,7 +821,11 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
     Use with a graph compiled with the ``device_memory_bytes`` backend option (which inserts
     the prefetch/wait ops); ``specontext_compile.compile(model, device_memory_bytes=...)``
     does both. ``model`` gives ``M_O`` (its weights); ``kwargs`` go to
-    :class:`OffloadManager`.
+    :class:`OffloadManager`. With a graph compiled with option ``dense_layers``, pass
+    ``resident_layers=SpeContextConfig(...).dense_layers`` (``sc.compile`` does): the manager
+    does not read the compiled graph, and without it the plan may offload a dense layer (on
+    CPU the text stays right, but the memory plan counts a buffer for a layer that reads its
+    whole store).
 
     Raises:
         DeviceMemoryError: ``device_memory_bytes`` below :func:`minimum_device_bytes` (the

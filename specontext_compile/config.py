@@ -149,7 +149,9 @@ class SpeContextConfig:
             per step. A dense layer can still be a retrieval layer (its query is recorded).
             With KV offload (``device_memory_bytes``) a dense layer is never offloaded: its
             whole store stays on the device, counted there by the memory model at every
-            length (naming every layer is then a ``ValueError``).
+            length (naming every layer is then a ``ValueError`` from ``sc.compile`` or
+            ``enable_offload``). A dense layer's attention scratch (e.g. Hugging Face's
+            ``repeat_kv`` copy of its keys and values on the SDPA path) is not modelled.
         freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
             None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused

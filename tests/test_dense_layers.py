@@ -99,7 +99,7 @@ def test_dense_layers_are_normalised_and_combine_with_offload():
     assert sc.SpeContextConfig(dense_layers=0, device_memory_bytes=1 << 30).dense_layers == (0,)
 
 
-def test_resident_layer_indices_resolve_like_the_pass():
+def test_resident_layer_indices_resolve_negative_and_missing_layers():
     from specontext_compile.runtime.offload import resident_layer_indices
 
     assert resident_layer_indices((-1, 0, 7, 0), 3) == (0, 2)  # 7: no such layer, left out

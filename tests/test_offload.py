@@ -453,26 +453,32 @@ def test_offload_buffers_without_room_for_the_rescue_grow_and_say_so(caplog):
 
 
 def test_dense_layers_with_offload_stay_on_the_device_and_equal_resident_bit_for_bit():
-    """dense_layers=0 with offload (issue 12): layer 0 attends densely over its whole store
-    every step, so the plan never offloads it; the memory model caps the offloaded layers at
-    L - 1 and keeps layer 0's rows in its S term. Sized so that the two other layers must
-    go and the cache's last length (111 tokens) is the last that fits: ST[2] = 112 exactly."""
-    options = dict(OPTS, dense_layers=0)
+    """dense_layers=-1 with offload (issue 12): the last layer attends densely over its whole
+    store every step, so the plan never offloads it and offloads the last *sparse* layers
+    first (1, then 0; without the rule it would take layer 2 first). The memory model caps the
+    offloaded layers at L - 1 and keeps the resident layer's rows: sized to hold the run's last
+    length (110 tokens) with both others offloaded, one more step no longer fits."""
+    options = dict(OPTS, dense_layers=-1)
     model, ids = tiny_llama(layers=3), _ids()
     ref, resident = _resident(model, ids, options, STEPS)
-    assert resident.path_counts()["sparse_sites"] == 2 * STEPS  # layer 0 dense, 1 and 2 sparse
-    last = PROMPT + STEPS + 1
+    assert resident.path_counts()["sparse_sites"] == 2 * STEPS  # layer 2 dense, 0 and 1 sparse
+    last = PROMPT + STEPS  # the cache's length after the run
     run = _OffloadedTwoStage(model, lambda mm: mm.device_bytes(last, mm.offloadable), options,
                              resident_layers=options["dense_layers"])
     out = _run(run, run.cache, ids, STEPS)
     _assert_same(out, ref)
     m = run.manager
-    assert m.resident == (0,) and m.model.resident_layers == 1 and m.model.offloadable == 2
-    assert [layer for _, layer in m.offload_events] == [2, 1], m.offload_events  # never layer 0
+    assert m.resident == (2,) and m.model.resident_layers == 1 and m.model.offloadable == 2
+    assert [layer for _, layer in m.offload_events] == [1, 0], m.offload_events  # never layer 2
+    # by hand: with both others offloaded, each token costs the resident layer one row of
+    # 2 KV heads x (16 + 16) x 4 B = 256 B, and nothing else grows
+    assert m.model.device_bytes(last + 1, 2) - m.model.device_bytes(last, 2) == 256
     assert len(m.thresholds) == 3 and m.thresholds[2] == last + 1
-    assert m.summary()["resident_layers"] == [0]
+    assert m.summary()["resident_layers"] == [2]
     assert counters["specontext"]["offloaded_attention_calls"] > STEPS
     assert run.cache.path_counts()["sparse_sites"] == 2 * STEPS
+    with pytest.raises(Exception, match="kept on the device by dense_layers"):
+        run(input_ids=out[-1].argmax(-1, keepdim=True), cache=run.cache, use_cache=True)
 
 
 def test_compile_helper_keeps_dense_layers_on_the_device_with_offload():
