@@ -188,8 +188,9 @@ class MemoryModel:
         need = self.minimum_device_bytes(tokens)
         kept = (f" ({self.resident_layers} kept on the device by dense_layers: fewer dense layers need less)"
                 if self.resident_layers else "")
-        return (f"the device tier cannot hold {tokens} tokens even with all {self.offloadable} offloadable "
-                f"layers offloaded{kept}: it needs at least {need} bytes ({need / 2**20:.1f} MiB: weights "
+        which = "offloadable layers" if self.resident_layers else "layers"
+        return (f"the device tier cannot hold {tokens} tokens even with all {self.offloadable} {which} "
+                f"offloaded{kept}: it needs at least {need} bytes ({need / 2**20:.1f} MiB: weights "
                 f"x{1 + self.activation_factor:g}, {self.offloadable} buffers of budget={self.budget} "
                 f"rows, own buffers); set device_memory_bytes >= {need} or lower budget")
 
