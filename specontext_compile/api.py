@@ -83,10 +83,8 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
             if options.get("device_memory_bytes") is not None:  # KV offload (docs/offload.md)
                 from .runtime.offload import enable_offload
 
-                enable_offload(kwargs["cache"], model, options["device_memory_bytes"],
-                               SpeContextConfig.from_options(options).buffer_tokens,
-                               trace_path=options.get("offload_trace"),
-                               resident_layers=SpeContextConfig.from_options(options).dense_layers)
+                enable_offload(kwargs["cache"], model, options["device_memory_bytes"], config.buffer_tokens,
+                               trace_path=options.get("offload_trace"), resident_layers=config.dense_layers)
         return original_generate(*args, **kwargs)
 
     model.generate = generate

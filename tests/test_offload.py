@@ -302,14 +302,21 @@ def _tier_offloading_at_66(model):
     return -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
 
 
-def test_compile_helper_attaches_offload_and_generates_the_same_text():
+@pytest.mark.parametrize("dense_layers", [(), -1], ids=["all-sparse", "dense-last"])
+def test_compile_helper_attaches_offload_and_generates_the_same_text(dense_layers):
+    """sc.compile(device_memory_bytes=...) attaches the manager and gives the resident run's
+    text. With dense_layers=-1 it passes the dense layer to the manager: the plan offloads
+    layer 0 (the last *sparse* layer) instead of layer 1, whose dense site reads its store
+    on the device, so the offloaded calls are still layer 0's."""
+    options = dict(OPTS, dense_layers=dense_layers)
     model, ids = tiny_llama(layers=2), _ids(9)
-    sc.compile(model, **OPTS)
+    sc.compile(model, **options)
     ref = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     sc.api.restore(model)
     torch._dynamo.reset()
     counters.clear()
-    sc.compile(model, device_memory_bytes=_tier_offloading_at_66(model), **OPTS)
+    # ST[0] = 66; with one layer offloaded the other fits to the end (81 tokens)
+    sc.compile(model, device_memory_bytes=_tier_offloading_at_66(model), **options)
     out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
     assert torch.equal(out, ref)
     assert counters["specontext"]["offloaded_layers"] == 1
@@ -479,25 +486,6 @@ def test_dense_layers_with_offload_stay_on_the_device_and_equal_resident_bit_for
     assert run.cache.path_counts()["sparse_sites"] == 2 * STEPS
     with pytest.raises(Exception, match="kept on the device by dense_layers"):
         run(input_ids=out[-1].argmax(-1, keepdim=True), cache=run.cache, use_cache=True)
-
-
-def test_compile_helper_keeps_dense_layers_on_the_device_with_offload():
-    """sc.compile(dense_layers=-1, device_memory_bytes=...) passes the dense layers to the
-    manager: the plan offloads layer 0 (the last *sparse* layer) instead of layer 1, whose
-    dense site reads its store on the device; the text is the resident run's."""
-    options = dict(OPTS, dense_layers=-1)
-    model, ids = tiny_llama(layers=2), _ids(9)
-    sc.compile(model, **options)
-    ref = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    sc.api.restore(model)
-    torch._dynamo.reset()
-    counters.clear()
-    # ST[0] = 66, and with one layer offloaded the resident layer 1 fits to the end (81)
-    sc.compile(model, device_memory_bytes=_tier_offloading_at_66(model), **options)
-    out = model.generate(ids, max_new_tokens=20, min_new_tokens=20, do_sample=False)
-    assert torch.equal(out, ref)
-    assert counters["specontext"]["offloaded_layers"] == 1
-    assert counters["specontext"]["offloaded_attention_calls"] == 14  # layer 0's sparse site, steps 6..19
 
 
 def test_dense_layers_naming_every_layer_leave_nothing_to_offload():
