@@ -1,4 +1,11 @@
-"""Shared fixtures: tiny random decoders (no downloads) and the real SmolLM2-135M."""
+"""Shared fixtures: tiny random decoders (no downloads) and the real SmolLM2-135M; the two
+test tiers (docs/testing.md).
+
+The fast tier is what ``pytest`` runs by default: every test not marked ``slow``. ``pytest
+--slow`` runs the full suite (both tiers); ``pytest -m slow`` only the slow tier (an explicit
+``-m`` expression always decides by itself). Slow tests get a longer per-test timeout than the
+fast tier's (``timeout`` in pyproject.toml), so that one hung test still fails fast.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,28 @@ from torch._dynamo.utils import counters
 
 import specontext_compile
 import specontext_compile.backend
+
+
+SLOW_TIMEOUT_S = 1800  # a slow test loads SmolLM2 and compiles its 30-layer graph, or sweeps
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the tests marked slow: the full suite (docs/testing.md)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the slow tier unless ``--slow`` or an explicit ``-m`` asks for it; give slow
+    tests without their own ``timeout`` mark the longer per-test timeout."""
+    for item in items:
+        if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
+            item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
+    if config.getoption("--slow") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
 @pytest.fixture(autouse=True)

@@ -32,6 +32,7 @@ def test_bloom_rewritten_and_exact_at_full_budget_on_the_gather_path(monkeypatch
     assert select.args[-1] is not None  # the selection receives the bias
 
 
+@pytest.mark.slow
 def test_bloom_small_budget_inductor_equals_eager_op_chain():
     """Budget 8 of 50 tokens: the lowered step and the eager op chain give the same logits,
     and every site gathers 8 positions."""

@@ -24,6 +24,7 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow
 def test_decode_quick_on_tiny_model_writes_sane_json(tmp_path):
     out = tmp_path / "bench.json"
     rc = decode.main(["--model", "tiny", "--quick", "--contexts", "1200", "--batches", "1", "2",
@@ -62,6 +63,7 @@ def test_decode_rejects_unknown_contender():
         decode.main(["--model", "tiny", "--quick", "--contenders", "vllm"])
 
 
+@pytest.mark.slow
 def test_gpu_script_dry_run(tmp_path, capsys):
     out = tmp_path / "gpu.json"
     rc = gpu_end_to_end.main(["--dry-run", "--workloads", "32:96", "--batches", "2",

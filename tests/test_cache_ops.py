@@ -110,7 +110,7 @@ def test_reorder_cache_moves_every_row_state(kind, tmp_path):
             for i in moved.offload.offloaded)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [k if k != "draft" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
 def test_batch_select_and_repeat_move_every_row_state(kind, tmp_path):
     """3 rows, 2 steps, keep rows [2, 0] (2 steps), then repeat each twice (1 step): the
     rows of the untouched run, selected and repeated."""

@@ -152,6 +152,7 @@ def _nvidia_toolchain() -> bool:
         return False
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _nvidia_toolchain(), reason="triton's NVIDIA backend/ptxas not found")
 def test_kernels_build_for_sm90_without_spills():
     """AOT build for Hopper in a child process (TRITON_INTERPRET unset there)."""

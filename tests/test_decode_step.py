@@ -63,7 +63,8 @@ def test_unlowered_inductor_graph_calls_our_ops():
     assert counters["specontext"]["ops_lowered"] == 0
 
 
-@pytest.mark.parametrize("budget, path", [(16, "gather_sites"), (64, "dense_store_sites")])
+@pytest.mark.parametrize("budget, path", [pytest.param(16, "gather_sites", marks=pytest.mark.slow),
+                                          pytest.param(64, "dense_store_sites", marks=pytest.mark.slow)])
 def test_inductor_step_equals_eager_step(budget, path):
     """Same logits (fp32 rounding) from the inductor-compiled step and the eager op chain,
     small budget (gather path) and a budget covering the store (dense shortcut)."""

@@ -258,6 +258,7 @@ def test_no_token_embedding_in_the_graph_keeps_attention_dense(tmp_path):
     assert counters["specontext"]["draft_selection_calls"] == 0
 
 
+@pytest.mark.slow
 def test_compile_helper_and_explain_use_the_draft_head(tmp_path):
     from specontext_compile.explain import explain
 
@@ -314,6 +315,7 @@ def test_cli_run_accepts_retrieval_head(tmp_path, monkeypatch):
     assert cli.main(["run", "--prompt-file", str(prompt), "--retrieval-head", str(tmp_path / "nope")]) == 2
 
 
+@pytest.mark.slow
 def test_cli_explain_names_the_draft_head(tmp_path, capsys):
     from specontext_compile import cli
     from specontext_compile.tiny_models import tiny_family

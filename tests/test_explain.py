@@ -32,6 +32,7 @@ def test_explain_reports_every_site_windows_and_selection_placement():
     assert sum("dense: " in line and "prefill" in line for line in text.splitlines()) == 2
 
 
+@pytest.mark.slow
 def test_explain_shows_mla_rewritten_and_why_mpt_stays_dense():
     """MLA (DeepSeek-V3) decode sites are rewritten; MPT's, split by a graph break inside its
     attention, are still counted, with the reason."""
@@ -76,6 +77,7 @@ def test_dump_dir_option_writes_text_and_dot(tmp_path):
     _check_dumps(tmp_path)
 
 
+@pytest.mark.slow
 def test_dump_dir_from_environment(tmp_path, monkeypatch):
     monkeypatch.setenv(ENV_VAR, str(tmp_path / "env"))
     sc.explain(tiny_family("qwen3", "sdpa"), _ids(), budget=64)

@@ -36,9 +36,15 @@ EXPECTED["mpt"] = (0, "graph break inside the attention")
 NO_SDPA = {"gemma2", "bloom", "mpt"}  # transformers refuses attn_implementation="sdpa" for these
 
 CASES = [(f, a) for f in FAMILIES for a in ("eager", "sdpa")]
+# the fast tier keeps one family per class: rotary GQA (llama), soft cap + sliding window
+# (gemma2), learned positions and Conv1D projections (gpt2), a site left dense with its reason
+# (mpt); MLA, ALiBi, graph breaks and hybrids have their own fast tests. The rest: slow tier.
+FAST_CASES = {("llama", "sdpa"), ("gemma2", "eager"), ("gpt2", "eager"), ("mpt", "eager")}
+PARAMS = [pytest.param(f, a, id=f"{f}-{a}", marks=() if (f, a) in FAST_CASES else pytest.mark.slow)
+          for f, a in CASES]
 
 
-@pytest.mark.parametrize("family,attn", CASES, ids=[f"{f}-{a}" for f, a in CASES])
+@pytest.mark.parametrize("family,attn", PARAMS)
 def test_family_sites_rewritten_or_explained_and_exact(family, attn, monkeypatch, record_property):
     caches = record_caches(monkeypatch)
     try:
@@ -106,6 +112,7 @@ def test_sliding_window_layers_select_only_inside_their_window(family, monkeypat
     assert all(torch.isfinite(x).all() for x in result["compiled"])
 
 
+@pytest.mark.slow
 def test_opt_through_generate_is_fully_rewritten_and_exact():
     """OPT's forward without ``attention_mask`` builds ``torch.ones(past + new)`` from the
     cache's tensor length: a data-dependent graph break that puts layer 1 in a graph with no

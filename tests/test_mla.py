@@ -163,6 +163,7 @@ def test_mla_two_stage_selection_and_guard_equal_eager_at_full_budget(options, m
     assert_gather_path(caches[-1], 2 * DECODE_STEPS)
 
 
+@pytest.mark.slow
 def test_mla_refined_small_budget_inductor_equals_eager_op_chain():
     """Two-stage selection at budget 8 of 36: the lowered (inductor) step gives the logits
     of the eager op chain (same code, same numbers)."""

@@ -188,6 +188,7 @@ def test_refine_with_rescue_keeps_the_layers_top_budget_of_the_union():
     assert set(target.tolist()) <= set(kept[0, 0].tolist())
 
 
+@pytest.mark.slow
 def test_compiled_rescue_step_equals_the_eager_op_chain_and_counts_its_sites():
     """Inductor (rescue lowered to aten) == eager ops; ``page_rescue_sites`` counts every
     layer of every step, and the refinement runs even at ``candidates=1``."""

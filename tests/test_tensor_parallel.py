@@ -73,6 +73,7 @@ def _run(args: list[str]) -> None:
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                     reason="torch.distributed with the gloo backend is not available in this build")
+@pytest.mark.slow
 def test_two_ranks_match_one_process(tmp_path):
     folder, single = tmp_path / "model", tmp_path / "single.json"
     _run([str(WORKER), "build", str(folder)])

@@ -208,7 +208,8 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
                                        atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("ranked", [dict(candidates=3.0, page_rescue=0), dict(candidates=1.0)],
+@pytest.mark.parametrize("ranked", [dict(candidates=3.0, page_rescue=0),
+                                    pytest.param(dict(candidates=1.0), marks=pytest.mark.slow)],
                          ids=["candidates", "page-rescue-only"])
 def test_guard_runs_dense_where_the_selection_misses_and_counts_it(ranked):
     """A random tiny model attends almost uniformly, so keeping 6 of 18 candidates (or of the
