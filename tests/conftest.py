@@ -5,9 +5,16 @@ The fast tier is what ``pytest`` runs by default: every test not marked ``slow``
 --slow`` runs the full suite (both tiers); ``pytest -m slow`` only the slow tier (an explicit
 ``-m`` expression always decides by itself). Slow tests get a longer per-test timeout than the
 fast tier's (``timeout`` in pyproject.toml), so that one hung test still fails fast.
+
+Every test starts from ``torch._dynamo.reset()``; what is compiled once across tests is
+inductor's work, through its on-disk FX-graph and kernel caches. The run's last lines say how
+often a test's graph was found there (``inductor FX graph cache: N hits, M misses``), summed
+over pytest-xdist's workers.
 """
 
 from __future__ import annotations
+
+from collections import Counter
 
 import pytest
 import torch
@@ -40,14 +47,38 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if not item.get_closest_marker("slow")]
 
 
+_CACHE_EVENTS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
+_cache_totals: Counter = Counter()  # this process's inductor FX-graph cache events, all tests
+
+
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():
-    """Each test compiles from scratch and counts from zero."""
+    """Each test compiles from scratch (dynamo) and counts from zero; inductor's cache events
+    of the test are added to the run's totals before the next test clears the counters."""
     torch._dynamo.reset()
     counters.clear()
     specontext_compile.backend.clear_compile_reports()
     yield
+    _cache_totals.update({event: counters["inductor"][event] for event in _CACHE_EVENTS})
     torch._dynamo.reset()
+
+
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its cache totals to the controller."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["inductor_cache"] = dict(_cache_totals)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The controller sums the totals of each pytest-xdist worker as it finishes."""
+    _cache_totals.update(getattr(node, "workeroutput", {}).get("inductor_cache", {}))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if sum(_cache_totals.values()):
+        hit, miss, bypass = (_cache_totals[event] for event in _CACHE_EVENTS)
+        terminalreporter.write_line(f"inductor FX graph cache: {hit} hits, {miss} misses, {bypass} bypassed")
 
 
 @pytest.fixture(scope="module")
