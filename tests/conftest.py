@@ -3,7 +3,9 @@ test tiers (docs/testing.md).
 
 The fast tier is what ``pytest`` runs by default: every test not marked ``slow``. ``pytest
 --slow`` runs the full suite (both tiers); ``pytest -m slow`` only the slow tier (an explicit
-``-m`` expression always decides by itself). Slow tests get a longer per-test timeout than the
+``-m`` expression always decides by itself); a test named by its node id
+(``pytest tests/test_smollm2.py::test_...``) runs in either tier. A run that left slow tests
+out says so in its last lines. Slow tests get a longer per-test timeout than the
 fast tier's (``timeout`` in pyproject.toml), so that one hung test still fails fast.
 
 Every test starts from ``torch._dynamo.reset()``; what is compiled once across tests is
@@ -33,18 +35,31 @@ def pytest_addoption(parser):
                      help="also run the tests marked slow: the full suite (docs/testing.md)")
 
 
+_deselected_slow: list[int] = [0]  # slow tests this run left out (for the closing hint)
+
+
+def _named_on_the_command_line(config, item) -> bool:
+    """Whether the command line names this test itself (``path::test`` or ``path::test[id]``):
+    a test asked for by name runs in either tier."""
+    return any("::" in arg and item.nodeid.startswith(arg.removeprefix("./"))
+               for arg in config.args)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Deselect the slow tier unless ``--slow`` or an explicit ``-m`` asks for it; give slow
-    tests without their own ``timeout`` mark the longer per-test timeout."""
+    """Deselect the slow tier unless ``--slow``, an explicit ``-m`` or the test's own node id
+    asks for it; give slow tests without their own ``timeout`` mark the longer per-test timeout."""
     for item in items:
         if item.get_closest_marker("slow") and not item.get_closest_marker("timeout"):
             item.add_marker(pytest.mark.timeout(SLOW_TIMEOUT_S))
     if config.getoption("--slow") or config.getoption("markexpr"):
         return
-    slow = [item for item in items if item.get_closest_marker("slow")]
+    slow = [item for item in items
+            if item.get_closest_marker("slow") and not _named_on_the_command_line(config, item)]
     if slow:
         config.hook.pytest_deselected(items=slow)
-        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+        kept = set(map(id, slow))
+        items[:] = [item for item in items if id(item) not in kept]
+        _deselected_slow[0] = len(slow)
 
 
 _CACHE_EVENTS = ("fxgraph_cache_hit", "fxgraph_cache_miss", "fxgraph_cache_bypass")
@@ -67,15 +82,22 @@ def pytest_sessionfinish(session):
     """A pytest-xdist worker hands its cache totals to the controller."""
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["inductor_cache"] = dict(_cache_totals)
+        session.config.workeroutput["deselected_slow"] = _deselected_slow[0]
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_testnodedown(node, error):
-    """The controller sums the totals of each pytest-xdist worker as it finishes."""
-    _cache_totals.update(getattr(node, "workeroutput", {}).get("inductor_cache", {}))
+    """The controller sums the cache totals of each pytest-xdist worker as it finishes (each
+    worker collects, and so deselects, the whole run)."""
+    output = getattr(node, "workeroutput", {})
+    _cache_totals.update(output.get("inductor_cache", {}))
+    _deselected_slow[0] = max(_deselected_slow[0], output.get("deselected_slow", 0))
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _deselected_slow[0]:
+        terminalreporter.write_line(f"{_deselected_slow[0]} slow-tier tests left out: the full suite is "
+                                    "`pytest --slow` (docs/testing.md)")
     if sum(_cache_totals.values()):
         hit, miss, bypass = (_cache_totals[event] for event in _CACHE_EVENTS)
         terminalreporter.write_line(f"inductor FX graph cache: {hit} hits, {miss} misses, {bypass} bypassed")
