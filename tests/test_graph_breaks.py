@@ -44,7 +44,8 @@ def _break_before_layer(model, index):
 
 
 @pytest.mark.parametrize("options", [dict(SMALL, retrieval_layers=(0,)),
-                                     dict(SMALL, retrieval_layers=(0,), candidates=2.0)], ids=["shared", "two-stage"])
+                                     pytest.param(dict(SMALL, retrieval_layers=(0,), candidates=2.0),
+                                                  marks=pytest.mark.slow)], ids=["shared", "two-stage"])
 def test_an_artificial_break_selects_exactly_as_one_graph(options):
     """Retrieval layer 0 (before the break) drives both runs: the selection is made in the
     step's first graph, from the retrieval layers it holds."""

@@ -389,7 +389,9 @@ class _OffloadedTwoStage(_Offloaded):
         self.size_fn, self._sized = size_fn, False
 
 
-@pytest.mark.parametrize("size_fn", [_progressive, _all_at_once], ids=["progressive", "all"])
+# progressive offload is checked by test_offload_on_vs_off_identical_logits_for_50_steps; its twin here: slow tier
+@pytest.mark.parametrize("size_fn", [pytest.param(_progressive, marks=pytest.mark.slow), _all_at_once],
+                         ids=["progressive", "all"])
 def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     """candidates=2 (issue 12): the step prefetches its 32 candidates per KV head; an offloaded
     layer refines them from its device buffer and attends to its 16 from the same buffer."""
@@ -424,7 +426,9 @@ def test_offload_buffers_smaller_than_the_candidates_name_the_fix():
         _run(forward, cache, ids, 2)
 
 
-@pytest.mark.parametrize("size_fn", [_progressive, _all_at_once], ids=["progressive", "all"])
+# progressive offload is checked by test_offload_on_vs_off_identical_logits_for_50_steps; its twin here: slow tier
+@pytest.mark.parametrize("size_fn", [pytest.param(_progressive, marks=pytest.mark.slow), _all_at_once],
+                         ids=["progressive", "all"])
 def test_page_rescue_with_offload_equals_resident_bit_for_bit(size_fn):
     """page_rescue (issue 12): an offloaded layer scores its pages from bounds kept on the
     device, loads the rescued tokens it lacks from the host tier on demand (counted), and
