@@ -57,8 +57,8 @@ def pytest_collection_modifyitems(config, items):
             if item.get_closest_marker("slow") and not _named_on_the_command_line(config, item)]
     if slow:
         config.hook.pytest_deselected(items=slow)
-        kept = set(map(id, slow))
-        items[:] = [item for item in items if id(item) not in kept]
+        left_out = set(map(id, slow))
+        items[:] = [item for item in items if id(item) not in left_out]
         _deselected_slow[0] = len(slow)
 
 
