@@ -100,7 +100,8 @@ def pytest_terminal_summary(terminalreporter):
                                     "`pytest --slow` (docs/testing.md)")
     if sum(_cache_totals.values()):
         hit, miss, bypass = (_cache_totals[event] for event in _CACHE_EVENTS)
-        terminalreporter.write_line(f"inductor FX graph cache: {hit} hits, {miss} misses, {bypass} bypassed")
+        terminalreporter.write_line(f"inductor FX graph cache: {hit} hits, {miss} misses, {bypass} bypassed "
+                                    "(a test that clears torch's counters itself counts only after that)")
 
 
 @pytest.fixture(scope="module")
