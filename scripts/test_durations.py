@@ -3,7 +3,7 @@
 Usage (docs/testing.md has the commands that made its tables)::
 
     .venv/bin/python -m pytest -q --slow --junitxml=out/full.xml
-    python scripts/test_durations.py out/full.xml --json docs/testing_durations_full.json --top 40
+    python scripts/test_durations.py out/full.xml --json docs/testing/durations_full.json --top 40
 
 Prints two Markdown tables (files by total seconds, then the slowest tests) and, with
 ``--json``, writes every test's duration (seconds: setup + call + teardown, as pytest's
@@ -27,14 +27,15 @@ def read_junit(path: Path) -> list[dict]:
     ``outcome`` (passed, failed, error, skipped)."""
     rows = []
     for case in ET.parse(path).getroot().iter("testcase"):
-        module = case.get("classname", "")
-        parts = module.split(".")
-        file = "/".join(parts) + ".py"
+        parts = case.get("classname", "").split(".")  # tests.test_x[.TestClass]
+        module = next((i for i, part in enumerate(parts) if part.startswith("test_")), len(parts) - 1)
+        file = "/".join(parts[:module + 1]) + ".py"
+        name = "::".join([*parts[module + 1:], case.get("name", "")])
         outcome = "passed"
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = {"failure": "failed"}.get(child.tag, child.tag)
-        rows.append({"id": f"{file}::{case.get('name')}", "file": file,
+        rows.append({"id": f"{file}::{name}", "file": file,
                      "seconds": float(case.get("time", 0.0)), "outcome": outcome})
     return rows
 
