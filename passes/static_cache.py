@@ -33,7 +33,7 @@ import operator
 import torch
 from torch import fx
 
-from ..runtime.static_state import StaticCacheState, state_for
+from ..runtime.static_state import StaticCacheState, bind_state, state_for
 from .sites import ANCHOR, KV_WRITE, find_attention_sites, is_op
 
 logger = logging.getLogger(__name__)
@@ -48,23 +48,31 @@ class AdoptedStaticCache:
     """What :func:`adopt_static_cache` did to one graph.
 
     ``writes``: K/V write groups turned into ``kv_write`` (one per layer); ``state``: the
-    state of the model the graph was compiled for (None when no anchor was added, e.g. no
-    attention reads the stores); ``reason``: why no anchor was added, else None.
+    state the graph was compiled with (None when no anchor was added, e.g. no attention
+    reads the stores); ``reason``: why no anchor was added, else None.
 
-    Dynamo may run one compiled graph for several models of the same code (their
-    parameters are graph inputs), so :meth:`state_inputs` looks the state up from the
-    parameter the call actually passes, at input ``owner_index``."""
+    The retrieval state is per *cache* (``runtime/static_state.py``): a call finds it from
+    the first adopted key store it passes (input ``store_input``). A graph that creates that
+    store itself (Hugging Face initialises a ``StaticCache`` lazily, in its first call) runs
+    with a fresh state and binds it to the store it returns (output ``store_output``)."""
 
     writes: int = 0
     state: StaticCacheState | None = None
     reason: str | None = None
-    owner_index: int | None = None
+    store_input: int | None = None
+    store_output: int | None = None
     shape: tuple | None = None  # (batch, num_heads, head_dim, dtype, device)
 
-    def state_inputs(self, args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The extra inputs of one call: the state of the model whose parameter is
-        ``args[owner_index]``."""
-        return state_for(args[self.owner_index], *self.shape).tensors()
+    def state_for_call(self, args) -> StaticCacheState:
+        """The state of the cache this call writes (fresh when the call creates its stores)."""
+        if self.store_input is not None:
+            return state_for(args[self.store_input], *self.shape)
+        return StaticCacheState.allocate(*self.shape)
+
+    def bind(self, outputs, state: StaticCacheState) -> None:
+        """After a call that created the cache's stores: ``state`` becomes that cache's."""
+        if self.store_input is None and self.store_output is not None:
+            bind_state(outputs[self.store_output], state, *self.shape)
 
 
 def _is_index_copy(node: fx.Node) -> bool:
@@ -149,9 +157,15 @@ def has_static_cache_writes(graph: fx.Graph) -> bool:
     return not any(is_op(n, ANCHOR) for n in graph.nodes) and bool(_write_groups(graph))
 
 
-def _owner(example_inputs) -> int | None:
-    """Index of the first parameter among the inputs (the model's identity at call time)."""
-    return next((i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)), None)
+def _store_slots(graph: fx.Graph, store: fx.Node) -> tuple[int | None, int | None]:
+    """``(input, output)``: the position of ``store`` among the graph's inputs (None when
+    the graph creates it) and among its outputs (None when not returned)."""
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    if store in placeholders:
+        return placeholders.index(store), None
+    outputs = graph.output_node().args[0]
+    outputs = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+    return None, (outputs.index(store) if store in outputs else None)
 
 
 def _add_state_inputs(graph: fx.Graph, state: StaticCacheState) -> list[fx.Node]:
@@ -172,18 +186,14 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
     module docstring). Returns None when the graph holds no such write or already has an
     anchor (a ``SpeContextCache`` graph); the graph is then untouched.
 
-    The caller must append ``result.state_inputs(args)`` to every call's inputs when
-    ``result.state`` is set."""
+    When ``result.state`` is set, the caller appends ``result.state_for_call(args).tensors()``
+    to every call's inputs and calls ``result.bind(outputs, state)`` after it."""
     graph = gm.graph
     if any(is_op(n, ANCHOR) for n in graph.nodes):
         return None
     groups = _write_groups(graph)
     if not groups:
         return None
-    owner = _owner(example_inputs)
-    if owner is None:
-        return AdoptedStaticCache(reason="no parameter among the graph inputs to key the retrieval state on "
-                                         "(torch._dynamo.config.inline_inbuilt_nn_modules is off?)")
     writes = [_replace(graph, g) for g in groups]
     result = AdoptedStaticCache(writes=len(writes))
     sites = [s for s in find_attention_sites(graph) if s.num_heads and s.head_dim and s.query is not None]
@@ -192,10 +202,16 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
         graph.lint()
         return result
     query = sites[0].query.meta.get("example_value", sites[0].query.meta.get("val"))
-    store = writes[0].args[0].meta.get("example_value", writes[0].args[0].meta.get("val"))
-    result.owner_index = owner
+    store_node = writes[0].args[0]
+    store = store_node.meta.get("example_value", store_node.meta.get("val"))
+    result.store_input, result.store_output = _store_slots(graph, store_node)
+    if result.store_input is None and result.store_output is None:
+        result.reason = "the first adopted key store is neither a graph input nor an output (no cache to key on)"
+        graph.lint()
+        return result
     result.shape = (store.shape[0], sites[0].num_heads, sites[0].query_width, query.dtype, store.device)
-    result.state = state_for(example_inputs[owner], *result.shape)
+    result.state = (state_for(example_inputs[result.store_input], *result.shape)
+                    if result.store_input is not None else StaticCacheState.allocate(*result.shape))
     query_state, query_valid, stats = _add_state_inputs(graph, result.state)
     with graph.inserting_before(writes[0]):
         anchor = graph.call_function(ANCHOR, (query_state, query_valid, stats, ""))

@@ -1,21 +1,32 @@
-"""Retrieval state for graphs that write Hugging Face's own ``StaticCache``.
+"""Per-cache retrieval state for Hugging Face's ``StaticCache``, and per-model path counters.
 
 A ``SpeContextCache`` carries the lagged-query state and the path counters itself. A
-``StaticCache`` does not, so the backend owns them: :class:`StaticCacheState` holds, per
-model and per shape, the tensors that the adopted graphs (``passes/static_cache.py``) take
-as *extra graph inputs*, appended after dynamo's own. The prefill graph records the
-retrieval layers' last query rows into them and the next decode graph reads them, so both
-graphs of one model must get the same tensors: the state is keyed by the first parameter
-the graph reads (a weak key: it goes away with the model) and by (batch, query heads,
-head_dim, dtype, device).
+``StaticCache`` does not, so the backend keeps them beside it: :class:`StaticCacheState`
+holds the tensors that the adopted graphs (``passes/static_cache.py``) take as *extra graph
+inputs*, appended after dynamo's own. The prefill graph records the retrieval layers' last
+query rows into them and the next decode graph of the *same cache* reads them.
+
+Keys:
+- **Retrieval state: per cache** (issue 25: two conversations on one model, each with its
+  own ``StaticCache``, must not read each other's lagged query). The key is the cache's
+  first adopted key store ``[batch, num_kv_heads, max_cache_len, head_dim]`` (a weak key:
+  the state goes with the store), plus (batch, query heads, head_dim, dtype, device). A
+  graph that *creates* the stores (Hugging Face initialises a ``StaticCache`` lazily, inside
+  the first compiled call) runs with a fresh state, bound to the store it returns.
+- **Path counters: per cache and per model.** Every rewritten graph, whatever its cache,
+  also adds what it counted to the counters of the model whose parameters it reads
+  (:func:`model_stats`), so :func:`path_counts` answers for the model in every way the
+  README gives (``sc.compile`` + ``generate``, ``torch.compile`` with either cache, Hugging
+  Face's ``compile_config``).
 
 Invariants:
 - **Never read stale.** Every adopted prefill or decode graph records the query of its
   retrieval layers, stamped with the cache length after its write (``query_valid``); a
   decode step uses the queries only when it starts at that length, else it selects the
   recent window (on the device, no host read). So a prefill Hugging Face ran eagerly (its
-  ``CompileConfig`` path), a crop, or a new prompt never reads another step's query
-  (except a new prompt whose length happens to equal the previous recorded length).
+  ``CompileConfig`` path), a crop, or a new prompt never reads another step's query.
+- **Never another cache's.** A state is found from the store tensors the call passes, so
+  two caches never share one (nor two models: their stores differ).
 - **Nothing here changes the KV cache.** The K/V stores are Hugging Face's tensors, written
   by the adopted graph exactly where ``StaticLayer.update`` writes them.
 - **Stale only across a row reorder.** ``StaticCache.reorder_cache`` (beam search) cannot
@@ -34,24 +45,26 @@ import torch
 from .protocol import STATS
 from .retrieval import MAX_RETRIEVAL_LAYERS
 
-__all__ = ["StaticCacheState", "path_counts", "state_for"]
+__all__ = ["StaticCacheState", "bind_state", "model_stats", "path_counts", "state_for"]
 
-# id(model parameter) -> {shape key -> StaticCacheState}; an entry goes with its parameter
-# (weakref.finalize), filled on first compile. Keyed by id: tensors compare elementwise.
+# id(key store) -> {shape key -> StaticCacheState}; an entry goes with its store
+# (weakref.finalize). Keyed by id: tensors compare elementwise.
 _STATES: dict[int, dict[tuple, StaticCacheState]] = {}
+# id(model parameter) -> {device -> int64 [len(STATS)]}: what every graph of the model counted
+_MODEL_STATS: dict[int, dict[str, torch.Tensor]] = {}
 
 
 @dataclasses.dataclass
 class StaticCacheState:
-    """The retrieval state of one model at one batch size, owned by the backend.
+    """The retrieval state of one ``StaticCache`` at one batch size, owned by the backend.
 
     Attributes:
         query_state: ``[slots, batch, num_heads, 1, head_dim]`` last query rows of the
             retrieval layers (slot ``i`` = the ``i``-th retrieval layer), the model's dtype.
         query_valid: int64 ``[slots]``, the cache length a slot's query was recorded at
             (0 = never).
-        stats: int64 ``[len(STATS)]`` path counters (names: ``protocol.STATS``), advanced by
-            every adopted decode step.
+        stats: int64 ``[len(STATS)]`` path counters of this cache (names:
+            ``protocol.STATS``), advanced by every adopted decode step.
     """
 
     query_state: torch.Tensor
@@ -64,9 +77,7 @@ class StaticCacheState:
         state = torch.zeros((MAX_RETRIEVAL_LAYERS, batch, num_heads, 1, head_dim), dtype=dtype, device=device)
         valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long, device=device)
         stats = torch.zeros((len(STATS),), dtype=torch.long, device=device)
-        if device.type == "cuda":  # keep their address for CUDA graphs, like StaticCache's stores
-            for t in (state, valid, stats):
-                torch._dynamo.mark_static_address(t, guard=False)
+        _static_address(state, valid, stats)
         return cls(state, valid, stats)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -74,27 +85,87 @@ class StaticCacheState:
         return self.query_state, self.query_valid, self.stats
 
 
-def state_for(owner: torch.Tensor, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype,
+def _static_address(*tensors: torch.Tensor) -> None:
+    if tensors and tensors[0].device.type == "cuda":  # keep their address for CUDA graphs, like the stores
+        for t in tensors:
+            torch._dynamo.mark_static_address(t, guard=False)
+
+
+def _shape_key(batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    return (batch, num_heads, head_dim, dtype, str(device))
+
+
+def state_for(store: torch.Tensor, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype,
               device: torch.device) -> StaticCacheState:
-    """The state of the model that owns parameter ``owner`` at this shape (allocated on
-    first use, zeros)."""
-    if id(owner) not in _STATES:
-        _STATES[id(owner)] = {}
-        weakref.finalize(owner, _STATES.pop, id(owner), None)
-    per_shape = _STATES[id(owner)]
-    key = (batch, num_heads, head_dim, dtype, str(device))
+    """The state of the cache whose first adopted key store is ``store``, at this shape
+    (allocated on first use, zeros)."""
+    per_shape = _STATES.get(id(store))
+    if per_shape is None:
+        per_shape = _STATES[id(store)] = {}
+        weakref.finalize(store, _STATES.pop, id(store), None)
+    key = _shape_key(batch, num_heads, head_dim, dtype, device)
     if key not in per_shape:
         per_shape[key] = StaticCacheState.allocate(batch, num_heads, head_dim, dtype, device)
     return per_shape[key]
 
 
-def path_counts(model: torch.nn.Module) -> dict[str, int]:
-    """Path counters of every step the backend ran for ``model`` with a Hugging Face
-    ``StaticCache`` (summed over batch sizes), e.g. ``{"decode_steps": 20, "sparse_sites":
-    600, ...}``; names as :meth:`SpeContextCache.path_counts`. All zeros when no adopted
-    graph ran (e.g. the model was never compiled with ``backend="specontext"``)."""
+def bind_state(store: torch.Tensor, state: StaticCacheState, batch: int, num_heads: int, head_dim: int,
+               dtype: torch.dtype, device: torch.device) -> None:
+    """Make ``state`` (used by a graph that created ``store``) the state of ``store``'s cache."""
+    per_shape = _STATES.get(id(store))
+    if per_shape is None:
+        per_shape = _STATES[id(store)] = {}
+        weakref.finalize(store, _STATES.pop, id(store), None)
+    per_shape[_shape_key(batch, num_heads, head_dim, dtype, device)] = state
+
+
+def model_stats(owner: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The int64 ``[len(STATS)]`` counters of the model that owns parameter ``owner`` on
+    ``device`` (zeros on first use); every rewritten graph of that model adds to them."""
+    per_device = _MODEL_STATS.get(id(owner))
+    if per_device is None:
+        per_device = _MODEL_STATS[id(owner)] = {}
+        weakref.finalize(owner, _MODEL_STATS.pop, id(owner), None)
+    key = str(device)
+    if key not in per_device:
+        per_device[key] = torch.zeros((len(STATS),), dtype=torch.long, device=device)
+        _static_address(per_device[key])
+    return per_device[key]
+
+
+def path_counts(obj) -> dict[str, int]:
+    """Path counters of the decode steps the backend ran, e.g. ``{"decode_steps": 20,
+    "sparse_sites": 600, "gather_sites": 600, ...}`` (names: ``protocol.STATS``, as
+    :meth:`SpeContextCache.path_counts`).
+
+    Args:
+        obj: a model compiled with ``backend="specontext"`` (every step of every cache it
+            ran with, in every way: ``specontext_compile.compile`` + ``generate``,
+            ``torch.compile`` with a ``SpeContextCache`` or Hugging Face's ``StaticCache``,
+            ``generate(compile_config=...)``); a ``SpeContextCache``; or a Hugging Face
+            ``StaticCache`` (the steps run with that cache).
+
+    Returns all zeros when no rewritten graph ran for ``obj`` (e.g. never compiled with the
+    backend, or every step fell back to dense: see the backend's warnings).
+
+    Raises:
+        TypeError: ``obj`` is none of these.
+    """
     total = torch.zeros((len(STATS),), dtype=torch.long)
-    for param in model.parameters():
-        for state in _STATES.get(id(param), {}).values():
+    if isinstance(obj, torch.nn.Module):
+        for param in obj.parameters():
+            for stats in _MODEL_STATS.get(id(param), {}).values():
+                total += stats.cpu()
+        return dict(zip(STATS, total.tolist()))
+    own = getattr(obj, "path_counts", None)
+    if callable(own):  # SpeContextCache
+        return own()
+    layers = getattr(obj, "layers", None)
+    if layers is None:
+        raise TypeError(f"specontext: path_counts takes a model, a SpeContextCache or a Hugging Face cache, "
+                        f"not {type(obj).__name__}")
+    for layer in layers:
+        keys = getattr(layer, "keys", None)
+        for state in _STATES.get(id(keys), {}).values() if keys is not None else ():
             total += state.stats.cpu()
     return dict(zip(STATS, total.tolist()))

@@ -78,10 +78,11 @@ def test_small_budget_runs_sparse_on_attention_layers_like_the_static_cache_path
     opts = {"budget": 12, "recent_window": 3, "sink_tokens": 2, "inner": "eager", "page_rescue": 0}
     cache = sc.SpeContextCache(model.config, max_cache_len=CAP)
     ours = _decode(torch.compile(model.forward, backend="specontext", options=opts), cache, ids)
-    static = _decode(torch.compile(model.forward, backend="specontext", options=opts),
-                     StaticCache(config=model.config, max_cache_len=CAP), ids)
+    hf_cache = StaticCache(config=model.config, max_cache_len=CAP)
+    static = _decode(torch.compile(model.forward, backend="specontext", options=opts), hf_cache, ids)
     assert cache.path_counts()["gather_sites"] == STEPS * 2
-    assert sc.path_counts(model)["gather_sites"] == STEPS * 2
+    assert sc.path_counts(hf_cache)["gather_sites"] == STEPS * 2
+    assert sc.path_counts(model)["gather_sites"] == 2 * STEPS * 2  # both caches' steps
     torch.testing.assert_close(ours, static, atol=1e-5, rtol=1e-5)
     dense = _decode(model.forward, StaticCache(config=model.config, max_cache_len=CAP), ids)
     assert (ours - dense).abs().max() > 1e-4  # a budget of 12 of 30+ tokens really sparsified

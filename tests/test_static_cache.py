@@ -79,12 +79,14 @@ def test_small_budget_equals_specontext_cache(model, inner):
     StaticCache keeps no page bounds, so only our cache could rescue pages)."""
     ids = _prompt(batch=2, seed=2)
     opts = dict(SMALL, inner=inner, page_rescue=0)
-    static = _steps(torch.compile(model.forward, backend="specontext", options=opts),
-                    StaticCache(config=model.config, max_cache_len=56), ids, steps=6)
+    hf_cache = StaticCache(config=model.config, max_cache_len=56)
+    static = _steps(torch.compile(model.forward, backend="specontext", options=opts), hf_cache, ids, steps=6)
+    assert path_counts(hf_cache)["gather_sites"] == 12  # the StaticCache's own steps
     ours = sc.SpeContextCache(model.config, max_cache_len=56)
     reference = _steps(torch.compile(model.forward, backend="specontext", options=opts), ours, ids, steps=6)
     assert ours.path_counts()["gather_sites"] == 12
-    _assert_gathered(model, steps=6, sites=2)
+    assert path_counts(ours) == ours.path_counts()
+    _assert_gathered(model, steps=12, sites=2)  # the model counts both caches' steps
     torch.testing.assert_close(static, reference, atol=1e-5, rtol=1e-5)
     dense = _steps(model.forward, StaticCache(config=model.config, max_cache_len=56), ids, steps=6)
     assert (static - dense).abs().max() > 1e-3  # the budget really sparsified
