@@ -58,7 +58,17 @@ class SpeContextConfig:
             eight layers over the whole depth (2, 4, 8, 12, 16, 20, 24, 28 of 30; see
             :func:`default_retrieval_layers`), the best measured on SmolLM2
             (docs/design.md, docs/fidelity.md).
-        max_sparse_q_len: steps with more query tokens than this stay dense (prefill).
+        max_sparse_q_len: the longest step (query tokens) that may run sparse. The rule
+            (docs/design.md, "Which steps are sparse"): a one-token step with a past is a
+            decode step and runs sparse; a step of several tokens is prefill unless this
+            option says otherwise — a whole prompt, a chunk of ``generate(...,
+            prefill_chunk_size=N)``, a new chat turn appended to a reused cache, an
+            assisted-decoding verification — and stays dense and exact. Default 1: only
+            one-token decode steps are sparse. Raising it to ``N`` declares every step of up
+            to ``N`` tokens a decode step (e.g. speculative verification you want sparse):
+            prefill chunks of up to ``N`` tokens then run sparse too. (Compile with
+            ``dynamic=False`` then: dynamo otherwise makes the query length of a step after
+            one of another length symbolic, and a symbolic step stays dense.)
         inner: compiler for the rewritten graph: ``"auto"`` (default: inductor for decode
             graphs, those with a rewritten site, where it removes the host from the step,
             except with KV offload, whose ops keep state outside the graph;
@@ -163,7 +173,7 @@ class SpeContextConfig:
     sink_tokens: int = 4
     recent_window: int = 64
     retrieval_layers: tuple[int, ...] | int | None = None
-    max_sparse_q_len: int = 16
+    max_sparse_q_len: int = 1
     inner: str = "auto"
     kernel: str = "auto"
     device_memory_bytes: int | str | None = None

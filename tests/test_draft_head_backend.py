@@ -475,7 +475,8 @@ def test_fused_head_multi_token_step_stays_dense_and_keeps_the_key_cache_whole(t
     model = tiny_llama(layers=3)
     folder = write_head(tmp_path, model, variant="fused", aux=(1, 0, 1))
     ids = torch.randint(0, 128, (1, 45), generator=torch.Generator().manual_seed(12))
-    compiled = torch.compile(model.forward, backend="specontext", options=options(folder, budget=64),
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options=options(folder, budget=64, max_sparse_q_len=16),  # 3 tokens: a decode step
                              dynamic=False)  # a static graph per step length
     cache = sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
     with torch.no_grad():
