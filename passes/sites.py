@@ -27,7 +27,7 @@ from torch import fx
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops used below)
 from ..runtime.protocol import RetrievalAnchor, is_op
 
-__all__ = ["SDPA_TARGETS", "AttentionSite", "decoder_layer_outputs", "find_attention_sites",
+__all__ = ["SDPA_TARGETS", "AttentionSite", "static_int", "decoder_layer_outputs", "find_attention_sites",
            "find_token_embedding", "is_op", "layer_windows"]
 
 SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -103,12 +103,21 @@ class AttentionSite:
         return self.write.args[2]
 
 
+WEIGHTS_USED = ("the attention weights leave the attention (output_attentions=True returns them, or the model "
+                "reads its scores elsewhere): dense and exact, so the returned weights are the model's")
+
+
 def _val(node) -> torch.Tensor | None:
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
-def _static_int(x) -> int | None:
-    return x if isinstance(x, int) else None
+def static_int(x) -> int | None:
+    """``x`` as an int when it is one, or a ``SymInt`` that dynamo's guards already pin to a
+    constant (its shape environment replaced the symbol: e.g. a size automatic dynamic shapes
+    made symbolic, then ``Eq(s0, 32)`` was guarded); None when it is truly symbolic."""
+    if isinstance(x, torch.SymInt):
+        return x.node.maybe_as_int()
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
 
 
 def _sdpa_args(node: fx.Node) -> dict:
@@ -217,7 +226,7 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     if isinstance(mla, tuple):
         key_src, value_src, site.mla = mla
         site.pattern += "+mla"
-        kg = vg = _static_int(_val(site.query).shape[1]) if _val(site.query) is not None else None
+        kg = vg = static_int(_val(site.query).shape[1]) if _val(site.query) is not None else None
     if key_src not in by_key or value_src not in by_value:
         stores = set(by_key) | set(by_value)
         if stores and (_reads_store(args["key"], stores) or _reads_store(args["value"], stores)):
@@ -229,9 +238,9 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
         return "key and value come from different KV writes"
     if order[write] > order[site.node]:
         return "KV write happens after the attention"
-    site.num_kv_heads = _static_int(_val(key_src).shape[1])
+    site.num_kv_heads = static_int(_val(key_src).shape[1])
     q = _val(site.query)
-    site.num_heads = _static_int(q.shape[1]) if q is not None and q.dim() == 4 else None
+    site.num_heads = static_int(q.shape[1]) if q is not None and q.dim() == 4 else None
     groups = kg
     if args.get("enable_gqa", False) and site.num_heads and site.num_kv_heads:
         groups = site.num_heads // site.num_kv_heads
@@ -331,7 +340,7 @@ def _check_constants(site: AttentionSite, args: dict) -> str | None:
     q = _val(site.query)
     if args.get("dropout_p", 0.0) != 0.0:
         return f"dropout_p={args['dropout_p']} (sparse attention has no dropout)"
-    site.q_len, site.head_dim = _static_int(q.shape[2]), _static_int(q.shape[3])
+    site.q_len, site.head_dim = static_int(q.shape[2]), static_int(q.shape[3])
     if site.q_len is None or site.head_dim is None:
         return "query length or head_dim is dynamic (prefill graphs stay dense)"
     if args.get("is_causal", False) and site.q_len != 1:
@@ -339,8 +348,10 @@ def _check_constants(site: AttentionSite, args: dict) -> str | None:
     if _strip_prefix_slice(args["key"]) is not args["key"]:
         return "key is a cropped prefix of the store (prefill-style call)"
     scale = args.get("scale")
-    if scale is not None and not isinstance(scale, float):
-        return "scale is not a constant"
+    if scale is not None:
+        scale = _const_float(_val(scale) if isinstance(scale, fx.Node) else scale)
+        if scale is None:
+            return "scale is not a constant"
     site.scale = scale if scale is not None else site.head_dim**-0.5
     mask = site.attn_mask
     if mask is not None and (_val(mask) is None or _val(mask).dim() != 4):
@@ -429,6 +440,13 @@ def _sink_logits(softmax_input: fx.Node, chain: list) -> tuple[fx.Node | None, f
 
 
 def _const_float(x) -> float | None:
+    """``x`` as a float when it is a number, or a ``SymFloat``/``SymInt`` pinned to a constant
+    by dynamo's guards (see :func:`static_int`); None otherwise."""
+    if isinstance(x, torch.SymFloat):
+        return x.node.maybe_as_float()
+    if isinstance(x, torch.SymInt):
+        value = x.node.maybe_as_int()
+        return None if value is None else float(value)
     return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
 
 
@@ -526,7 +544,7 @@ def _match_eager(site: AttentionSite, by_key: dict, by_value: dict, order: dict,
         return
     chain += [node, softmax]
     if any(len(n.users) != 1 for n in chain if n not in shared) or not _sink_path_closed(shared):
-        site.reason = "intermediate attention scores or weights are used elsewhere"
+        site.reason = WEIGHTS_USED
         return
     key = _transposed_key(node.args[1])
     if key is None:
@@ -597,7 +615,7 @@ def _match_baddbmm(site: AttentionSite, by_key: dict, by_value: dict, order: dic
         site.reason = "the ALiBi bias is not one [batch * heads, 1, keys] row per head"
         return
     if any(len(n.users) != 1 for n in chain + [softmax]):
-        site.reason = "intermediate attention scores or weights are used elsewhere"
+        site.reason = WEIGHTS_USED
         return
     site.query, site.attn_mask, site.position_bias = query, mask, bias
     args = {"key": key, "value": value4}
@@ -651,7 +669,7 @@ def _other_value_products(graph: fx.Graph, by_value: dict, seen: set) -> list[At
         site = AttentionSite(node=node, pattern="other")
         site.layer, site.write = by_value[value]
         weights = _val(node.args[0])
-        site.q_len = _static_int(weights.shape[-2]) if weights is not None and weights.dim() >= 2 else None
+        site.q_len = static_int(weights.shape[-2]) if weights is not None and weights.dim() >= 2 else None
         site.reason = ("attention weights over the KV store are not a recognised softmax (e.g. weights "
                        "rescaled or sliced after the softmax): dense and exact")
         found.append(site)
@@ -682,7 +700,7 @@ def _split_score_products(graph: fx.Graph, by_key: dict) -> list[AttentionSite]:
         site = AttentionSite(node=node, query=node.args[0], pattern="split")
         site.layer, site.write = by_key[key]
         q = _val(site.query)
-        site.q_len = _static_int(q.shape[-2]) if q is not None else None
+        site.q_len = static_int(q.shape[-2]) if q is not None else None
         site.reason = ("the attention's scores over the KV store leave this graph before the softmax: a graph "
                        "break inside the attention (e.g. the model reads cache.get_seq_length() on the host); "
                        "dense and exact")

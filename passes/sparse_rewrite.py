@@ -38,7 +38,7 @@ from torch import fx
 
 from ..config import candidate_slots, default_retrieval_layers
 from ..runtime.protocol import DraftAnchor, RetrievalAnchor
-from .sites import (KV_WRITE, AttentionSite, decoder_layer_outputs, find_attention_sites,
+from .sites import (KV_WRITE, AttentionSite, static_int, decoder_layer_outputs, find_attention_sites,
                     find_token_embedding, is_op)
 
 logger = logging.getLogger(__name__)
@@ -671,8 +671,7 @@ def _static_capacity(site: AttentionSite) -> int | None:
     """The site's store capacity (tokens) when it is a static int, else None (symbolic or
     unknown): the pass's per-site decisions (dense shortcut, refinement) need static shapes."""
     key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
-    capacity = key.shape[-2] if key is not None else None
-    return capacity if isinstance(capacity, int) else None
+    return static_int(key.shape[-2]) if key is not None else None
 
 
 def keeps_side_effects(node: fx.Node) -> bool:

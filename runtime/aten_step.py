@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import torch
 
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
 from . import page_bounds
 from .page_bounds import PAGE_TOKENS
 from .protocol import GUARD_STAT
@@ -217,7 +219,7 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
         ValueError: when ``slots < q_len`` or ``slots > capacity``.
     """
     b, num_kv, capacity = scores.shape
-    if slots < q_len or slots > capacity:
+    if known(slots < q_len) or known(slots > capacity):
         raise ValueError(f"a selection of {slots} tokens must hold the step's {q_len} tokens and fit "
                          f"the store's {capacity} slots")
     pos = torch.arange(capacity, device=scores.device)
@@ -226,8 +228,8 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
     seen = (pos >= start) & (pos < total)
     if visible is not None:
         seen = seen & visible
-    recent = min(max(window, q_len), slots)
-    sinks = 0 if sliding_window > 0 else min(sink, slots - recent)
+    recent = torch.sym_min(max(window, q_len), slots)
+    sinks = 0 if sliding_window > 0 else torch.sym_min(sink, slots - recent)
     # sinks and window are counted over the positions the row sees: from the left and the right
     from_left = seen.cumsum(-1)
     from_right = seen.flip(-1).cumsum(-1).flip(-1)
@@ -256,7 +258,7 @@ def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key
         half = len(key_caches) // 2
         key_caches, rope_caches = key_caches[:half], key_caches[half:]
     capacity = key_caches[0].shape[-2]
-    slots = max(q_len, min(budget, capacity))
+    slots = torch.sym_max(q_len, torch.sym_min(budget, capacity))
     visible = row_visibility(attn_mask, capacity)
     scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale, visible, rope_caches,
                                  position_bias)
@@ -286,7 +288,7 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
     scores = map_to_target_heads(scores, num_kv)
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
     scores = torch.where(draft_length >= total, scores, recency)
-    slots = max(q_len, min(budget, capacity))
+    slots = torch.sym_max(q_len, torch.sym_min(budget, capacity))
     return select_positions(scores, length, q_len, slots, sink, window, sliding_window, visible)
 
 
@@ -315,7 +317,8 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
         query: ``[batch, num_heads, q_len, head_dim]`` (this layer's).
         key_cache: ``[batch, num_kv_heads, capacity, head_dim]``.
         candidates: int64 ``[batch, num_kv_heads, slots]`` ascending, ``-1`` padding first
-            (a selection node's output), ``slots > budget``.
+            (a selection node's output). ``slots <= budget`` (a store whose capacity was
+            symbolic when the pass ran) keeps every candidate.
         length: int64 scalar tensor, tokens written *including* this step's.
         attn_mask: the site's Hugging Face mask or None; scale, soft_cap, sliding_window:
             the site's attention parameters.
@@ -376,7 +379,7 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
     candidates become :func:`~.page_bounds.rescued_candidates` before the gather."""
     b, num_kv, capacity, _ = key_cache.shape
     rescue = rescue_pages > 0 and page_min is not None and rope_cache is None
-    if candidates.shape[-1] >= capacity and rope_cache is None:
+    if known(candidates.shape[-1] >= capacity) and rope_cache is None:
         pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
         seen = seen_positions(length, attn_mask, capacity, query.shape[2], sliding_window, key_cache.device)
         return refine_gathered(query, key_cache, torch.where(seen, pos, -1), length, attn_mask, scale, budget,
@@ -404,7 +407,7 @@ def rescue_pages_into(query: torch.Tensor, candidates: torch.Tensor, length: tor
     device = page_min.device
     seen = seen_positions(length.to(device), attn_mask, capacity, query.shape[2], sliding_window, device)
     scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
-    return page_bounds.rescued_candidates(candidates, scores, seen, min(rescue_pages, page_min.shape[2]),
+    return page_bounds.rescued_candidates(candidates, scores, seen, torch.sym_min(rescue_pages, page_min.shape[2]),
                                           page_tokens, page_shift)
 
 
@@ -429,15 +432,16 @@ def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.T
     be the row's sinks (as a selection node's ascending output, or that output followed by
     more positions: :func:`~.page_bounds.rescued_candidates`)."""
     q_len = query.shape[2]
-    if budget < q_len:
+    budget = torch.sym_min(budget, candidates.shape[-1])  # a budget above the candidates keeps them all
+    if known(budget < q_len):
         raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
     logits = selected_logits(query, keys, candidates, length, attn_mask, scale, soft_cap, sliding_window)
     allowed = logits > _NEG  # [b, kv, g, q, slots]
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     score = probs.amax(dim=(2, 3))  # [b, kv, slots]
     valid = candidates >= 0
-    recent = min(max(window, q_len), budget)
-    sinks = 0 if sliding_window > 0 else min(sink, budget - recent)
+    recent = torch.sym_min(max(window, q_len), budget)
+    sinks = 0 if sliding_window > 0 else torch.sym_min(sink, budget - recent)
     length = length.reshape(-1, 1, 1) if length.dim() else length
     forced = valid & ((valid.cumsum(-1) <= sinks) | (candidates >= length - recent))
     rank = torch.where(valid, score, _NEG)
@@ -453,7 +457,7 @@ def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.T
 def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True when a selection has a slot for every position of the store (decided from
     shapes alone): it then holds every written position and attention is dense."""
-    return indices.shape[-1] >= key_cache.shape[-2]
+    return known(indices.shape[-1] >= key_cache.shape[-2])
 
 
 def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale):
