@@ -71,7 +71,8 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
     if getattr(model, "_specontext_original", None) is None:
         model._specontext_original = (model.forward, model.generate)
     original_forward, original_generate = model._specontext_original
-    model.forward = torch.compile(original_forward, backend="specontext", options=options, dynamic=dynamic)
+    model.forward = torch.compile(original_forward, backend="specontext", options=options, dynamic=dynamic,
+                                  **_isolated())
 
     @functools.wraps(original_generate)
     def generate(*args: Any, **kwargs: Any):
@@ -89,6 +90,15 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
 
     model.generate = generate
     return model
+
+
+def _isolated() -> dict[str, Any]:
+    """``isolate_recompiles=True`` where torch has it (2.13+): each :func:`compile` keeps its
+    own graphs, so recompiling one model with new options (a budget sweep) never counts
+    against another compile's ``recompile_limit``, and old settings' graphs are never reused."""
+    import inspect
+
+    return {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
 
 
 def restore(model: torch.nn.Module) -> torch.nn.Module:

@@ -15,14 +15,17 @@ from typing import Any
 import torch
 from torch._dynamo.utils import counters
 
+from . import fallbacks
 from . import logs as _logs
 from .config import MODES as _MODES
 from .config import SpeContextConfig
 from .passes.dump import GraphDumper, graph_text
 from .passes.gemv import rewrite_one_row_linears
 from .passes.lower import LowerResult, lower_to_aten
+from .passes.model_counts import add_model_counts
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
+from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
 
 logger = logging.getLogger(__name__)
@@ -124,6 +127,8 @@ def specontext_backend(
         ValueError: for unknown options or bad values.
     """
     config = SpeContextConfig.from_options(options)
+    fallbacks.watch_recompile_limit()  # never silently uncompiled (fallbacks.py)
+    fallbacks.note_frame()
     mode = config.mode or mode or "default"
     if mode not in _MODES:
         raise ValueError(f"specontext: unknown compile mode {mode!r}; valid modes are {_MODES}")
@@ -139,7 +144,13 @@ def specontext_backend(
     gm, adopted = _adopt_static_cache(gm, example_inputs, config)
     stateful = adopted if adopted is not None and adopted.state is not None else None
     result = rewrite(gm.graph)
-    _warn_if_dense_cache(result, adopted)
+    extra = _ExtraInputs(stateful, _owner(example_inputs) if result.rewritten else None)
+    if extra.owner_index is not None:
+        if stateful is None:
+            gm = _copy(gm)  # a new graph input: dynamo's own graph must keep its placeholders
+        if not add_model_counts(gm.graph):
+            extra.owner_index = None
+    _warn_if_dense_cache(result, adopted, gm.graph)
     pass_uuid = rewrite.uuid()
     if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
         from .passes.schedule import OffloadSchedulePass
@@ -156,6 +167,7 @@ def specontext_backend(
     counters["specontext"]["sites_rewritten"] += result.rewritten
     _REPORTS.append(CompileReport(config, result, gm, pass_uuid))
     _log_result(result)
+    fallbacks.warn_dense_decode(result, _graph_label(result), _writes_store(gm.graph))
     inner = config.inner
     offload = "specontext_offload_schedule" in gm.meta or _holds_offload_manager(gm.graph)
     if inner == "auto":  # offload stays on the eager op chain (its manager is an opaque graph input)
@@ -168,7 +180,7 @@ def specontext_backend(
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
-        return _with_inputs(gm.forward, stateful)
+        return extra.wrap(gm.forward)
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
     if config.gemv if config.gemv is not None else not on_cuda:
@@ -180,10 +192,9 @@ def specontext_backend(
     gm.recompile()
     from torch._inductor.compile_fx import compile_fx
 
-    if stateful is not None:
-        example_inputs = [*example_inputs, *stateful.state_inputs(example_inputs)]
+    example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
     compiled = compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, example_inputs))
-    return _with_inputs(compiled, stateful)
+    return extra.wrap(_checked_backward(compiled))
 
 
 def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], config: SpeContextConfig):
@@ -207,13 +218,15 @@ def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], con
 _DENSE_CACHE_WARNED = False
 
 
-def _warn_if_dense_cache(result: RewriteResult, adopted) -> None:
+def _warn_if_dense_cache(result: RewriteResult, adopted, graph: torch.fx.Graph) -> None:
     """One WARNING per process when attention reads no store we can make sparse (Hugging
-    Face's ``DynamicCache``, or no cache): name the two ways to get sparsity."""
+    Face's ``DynamicCache``, or no cache): name the two ways to get sparsity. Not when the
+    graph writes one of our stores (the sites then have reasons of their own:
+    :func:`fallbacks.warn_dense_decode`)."""
     global _DENSE_CACHE_WARNED
     if _DENSE_CACHE_WARNED or not result.sites or adopted is not None:
         return
-    if any(s.write is not None for s in result.sites):
+    if any(s.write is not None for s in result.sites) or _writes_store(graph):
         return
     _DENSE_CACHE_WARNED = True
     logger.warning(
@@ -224,17 +237,95 @@ def _warn_if_dense_cache(result: RewriteResult, adopted) -> None:
         len(result.sites))
 
 
-def _with_inputs(fn: Callable, adopted) -> Callable:
-    """``fn`` called with the retrieval state of the calling model appended to dynamo's
-    inputs (an adopted StaticCache graph, ``passes/static_cache.py``); dynamo calls a
-    backend's result with positional inputs."""
-    if adopted is None:
-        return fn
+def _owner(example_inputs: list[Any]) -> int | None:
+    """Index of the first parameter among the inputs (the model's identity at call time:
+    dynamo may run one compiled graph for several models of the same code)."""
+    return next((i for i, t in enumerate(example_inputs) if isinstance(t, torch.nn.Parameter)), None)
+
+
+@dataclasses.dataclass
+class _ExtraInputs:
+    """The inputs the backend appends to dynamo's on every call of a graph: an adopted
+    StaticCache's retrieval state (that cache's: ``passes/static_cache.py``), then the
+    model's counters (``passes/model_counts.py``; the model whose parameter is input
+    ``owner_index``). Dynamo calls a backend's result with positional inputs."""
+
+    adopted: Any = None  # AdoptedStaticCache with a state, or None
+    owner_index: int | None = None
+
+    def inputs(self, args) -> tuple[tuple[torch.Tensor, ...], Any]:
+        """``(extra inputs, the adopted cache's state or None)`` for one call."""
+        extra, state = (), None
+        if self.adopted is not None:
+            state = self.adopted.state_for_call(args)
+            extra = state.tensors()
+        if self.owner_index is not None:
+            from .runtime.static_state import model_stats
+
+            owner = args[self.owner_index]
+            extra = (*extra, model_stats(owner, owner.device))
+        return extra, state
+
+    def wrap(self, fn: Callable) -> Callable:
+        if self.adopted is None and self.owner_index is None:
+            return fn
+
+        def call(*args):
+            extra, state = self.inputs(args)
+            try:
+                out = fn(*args, *extra)
+            except CacheCapacityError as error:
+                if self.adopted is None:
+                    raise
+                raise CacheCapacityError(_static_cache_full(error)) from error
+            if state is not None:
+                self.adopted.bind(out, state)
+            return out
+
+        return call
+
+
+BACKWARD_SUPPORT = (
+    "backward through a compiled specontext step whose saved inputs a later step changed in place "
+    "(the KV store and its length are written in place by every step, as in Hugging Face's StaticCache). "
+    "Backward works through the latest step of a cache only: call backward (or detach) before the next "
+    "step, or, for a loss over several steps, run them uncompiled with a DynamicCache")
+
+
+def _static_cache_full(error: Exception) -> str:
+    """The capacity error of an adopted graph, naming the cache the caller passed."""
+    detail = str(error).split(":", 1)[-1].split(". ", 1)[0].strip()  # "{length} + {q_len} tokens > capacity {C}"
+    return (f"Hugging Face's StaticCache is full: {detail}. Create it with a larger max_cache_len "
+            "(StaticCache(config=..., max_cache_len=...), or generate(..., max_length=...) with "
+            "cache_implementation=\"static\").")
+
+
+def _checked_backward(fn: Callable) -> Callable:
+    """``fn`` whose tensors saved for backward (with gradients enabled) are checked when
+    backward reads them: one a later step wrote in place raises :data:`BACKWARD_SUPPORT`
+    instead of autograd's bare version-counter error. Free under ``torch.no_grad()``."""
+
+    def pack(tensor: torch.Tensor):
+        return tensor, tensor._version
+
+    def unpack(packed) -> torch.Tensor:
+        tensor, version = packed
+        if tensor._version != version:
+            raise RuntimeError(f"specontext: {BACKWARD_SUPPORT}")
+        return tensor
 
     def call(*args):
-        return fn(*args, *adopted.state_inputs(args))
+        if not torch.is_grad_enabled():
+            return fn(*args)
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            return fn(*args)
 
     return call
+
+
+def _writes_store(graph: torch.fx.Graph) -> bool:
+    """Whether the graph writes a KV store the pass can make sparse (``specontext::kv_write``)."""
+    return any(is_op(n, torch.ops.specontext.kv_write) for n in graph.nodes)
 
 
 def _holds_offload_manager(graph: torch.fx.Graph) -> bool:

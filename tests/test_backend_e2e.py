@@ -123,6 +123,10 @@ def test_compile_helper_generate_runs_rewritten_graph_without_recompiles():
     assert_gather_path(cache, 2 * 49)
     assert counters["specontext"]["graphs"] == 2  # one prefill + one decode graph, 50 steps
     assert sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)) <= 2
+    assert sc.path_counts(model) == cache.path_counts()  # the model counts its caches' steps
+    model.generate(ids, max_new_tokens=50, min_new_tokens=50, do_sample=False)  # the one-call path
+    counts = sc.path_counts(model)  # its cache is gone; the model still says what ran
+    assert counts["decode_steps"] == 2 * 49 and counts["gather_sites"] == 2 * 2 * 49, counts
 
 
 def test_forward_compile_path_with_generate():
