@@ -28,7 +28,7 @@ def _one_thread():
 def test_decode_quick_on_tiny_model_writes_sane_json(tmp_path):
     out = tmp_path / "bench.json"
     rc = decode.main(["--model", "tiny", "--quick", "--contexts", "1200", "--batches", "1", "2",
-                      "--contenders", "hf-eager", "specontext-256", "--steps", "3", "--warmup", "0",
+                      "--contenders", "hf-eager", "own-dense", "specontext-256", "--steps", "3", "--warmup", "0",
                       "--json", str(out), "--no-plots", "--no-progress"])
     assert rc == 0
     result = json.loads(out.read_text())
@@ -38,7 +38,7 @@ def test_decode_quick_on_tiny_model_writes_sane_json(tmp_path):
     assert result["copy_bandwidth_bytes_per_s"] > 1e8
     rows = result["rows"]
     assert {(r["batch"], r["contender"]) for r in rows} == {
-        (1, "hf-eager"), (1, "specontext-256"), (2, "hf-eager"), (2, "specontext-256")}
+        (b, name) for b in (1, 2) for name in ("hf-eager", "own-dense", "specontext-256")}
     for r in rows:
         for key in ("ms_median", "ms_p10", "ms_p90", "tokens_per_s", "floor_ms", "kv_bytes",
                     "peak_rss_bytes", "first_step_s", "x_floor"):
@@ -49,9 +49,13 @@ def test_decode_quick_on_tiny_model_writes_sane_json(tmp_path):
         assert r["speedup_vs_hf_eager"] > 0
     sparse = [r for r in rows if r["contender"] == "specontext-256"]
     assert all(r["sites_rewritten"] == "4/4" for r in sparse)
+    assert all(r["speedup_vs_own_dense"] > 0 for r in rows)
+    own = {r["batch"]: r for r in rows if r["contender"] == "own-dense"}
+    assert all(r["sites_rewritten"] == "4/4" for r in own.values())  # every site: dense over the store
     # the sparse step reads fewer KV bytes than the dense one at the same shape
     dense = {r["batch"]: r for r in rows if r["contender"] == "hf-eager"}
     assert all(r["floor_kv_bytes"] < dense[r["batch"]]["floor_kv_bytes"] for r in sparse)
+    assert all(own[b]["floor_kv_bytes"] == dense[b]["floor_kv_bytes"] for b in (1, 2))
     # KV held grows with the batch
     assert dense[2]["kv_bytes"] > dense[1]["kv_bytes"]
     key = "random/ctx=1200/batch=1"
