@@ -22,13 +22,19 @@ Invariants:
   kernel; ``"auto"`` is lowered) stay ops. A graph with any
   offload op is left as it is.
 - **Order is kept.** Nodes are replaced in place; mutations stay where the ops were.
+- **One body per refined site.** A refinement whose kept tokens only one plain sparse
+  attention reads (guard off, no learned sinks, no dense shortcut, no MLA) is lowered with
+  that attention as one :func:`~..runtime.aten_step.refine_and_attend`: the same logits,
+  computed once (``LowerResult.fused`` counts them; the eager op chain keeps two ops).
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 import logging
+import operator
 
 import torch
 from torch import fx
@@ -66,6 +72,7 @@ class LowerResult:
     lowered: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     removed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     kept: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> reason
+    fused: int = 0  # (refine_selection, sparse_attention) pairs lowered as one refine_and_attend
 
 
 def _packet(target):
@@ -94,6 +101,60 @@ def _is_triton(node: fx.Node) -> bool:
     position = 9 if _packet(node.target) is _OPS.mla_sparse_attention else 7
     kernel = node.args[position] if len(node.args) > position else node.kwargs.get("kernel", "torch")
     return kernel == "triton"
+
+
+_REFINE_PARAMS = inspect.signature(aten_step.refine_selection).parameters
+_SPARSE_PARAMS = inspect.signature(_sparse_body).parameters
+
+
+def _bound(node: fx.Node, params) -> dict:
+    bound = dict(zip(params, node.args))
+    bound.update(node.kwargs)
+    return {name: bound.get(name, p.default) for name, p in params.items()}
+
+
+def _fusable(sparse: fx.Node) -> fx.Node | None:
+    """The lowered refinement whose kept tokens are all that lowered sparse attention node
+    ``sparse`` reads, when the pair can be one :func:`aten_step.refine_and_attend` (guard off,
+    no learned sinks, no dense shortcut, no MLA); else None."""
+    args = _bound(sparse, _SPARSE_PARAMS)
+    kept = args["indices"]
+    if (args["dense"] is not None or args["sinks"] is not None or args["dense_shortcut"]
+            or not (isinstance(kept, fx.Node) and kept.target is operator.getitem and kept.args[1] == 0)
+            or list(kept.users) != [sparse]):
+        return None
+    refine = kept.args[0]
+    if not (isinstance(refine, fx.Node) and refine.target is aten_step.refine_selection and list(refine.users) == [kept]):
+        return None
+    mine = _bound(refine, _REFINE_PARAMS)
+    same = all(mine[name] is args[name] or mine[name] == args[name] and not isinstance(mine[name], fx.Node)
+               for name in ("query", "key_cache", "length", "attn_mask", "scale", "soft_cap", "sliding_window"))
+    return refine if same and mine["rope_cache"] is None and not mine["min_coverage"] else None
+
+
+def _fuse_refine_attend(graph: fx.Graph) -> int:
+    """Replace each fusable (refinement, sparse attention) pair by one
+    :func:`aten_step.refine_and_attend` node at the attention's place; returns how many."""
+    fused = 0
+    for sparse in [n for n in graph.nodes if n.target is _sparse_body]:
+        refine = _fusable(sparse)
+        if refine is None:
+            continue
+        mine, args = _bound(refine, _REFINE_PARAMS), _bound(sparse, _SPARSE_PARAMS)
+        with graph.inserting_before(sparse):
+            node = graph.call_function(aten_step.refine_and_attend, (
+                mine["query"], mine["key_cache"], args["value_cache"], mine["candidates"], mine["length"],
+                mine["attn_mask"], mine["scale"], mine["budget"], mine["sink"], mine["window"], mine["soft_cap"],
+                mine["sliding_window"], mine["page_min"], mine["page_max"], mine["rescue_pages"],
+                mine["page_tokens"], mine["page_shift"]))
+        node.meta.update(sparse.meta)
+        kept = sparse.args[3] if len(sparse.args) > 3 else sparse.kwargs["indices"]
+        sparse.replace_all_uses_with(node)
+        graph.erase_node(sparse)
+        graph.erase_node(kept)
+        graph.erase_node(refine)
+        fused += 1
+    return fused
 
 
 def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
@@ -144,6 +205,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"
+    result.fused = _fuse_refine_attend(graph)
     graph.lint()
     for name, reason in result.kept.items():
         logger.info("specontext: %s stays an op: %s", name, reason)

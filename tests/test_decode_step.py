@@ -52,6 +52,10 @@ def test_default_decode_graph_is_one_inductor_graph_without_our_ops():
     # the default page rescue (issue 12, third pass), lowered too (no op call above)
     assert cache.path_counts() == {"decode_steps": 3, "sparse_sites": 9, "gather_sites": 9, "dense_store_sites": 0,
                                    "guard_dense_sites": 0, "page_rescue_sites": 9}
+    # each refined site's refinement and attention were lowered as one body (logits once)
+    from specontext_compile.backend import compile_reports
+
+    assert [r.lowered.fused for r in compile_reports() if r.lowered is not None] == [3]
 
 
 def test_unlowered_inductor_graph_calls_our_ops():

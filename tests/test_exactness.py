@@ -145,13 +145,13 @@ def test_sparse_op_equals_float64_reference_over_the_selection_on_a_left_padded_
         for row, pad in enumerate(PADS):
             visible = [_mask_at(call["attn_mask"], row, 0, 0, p)[0] for p in range(total)]
             assert visible == [p >= pad for p in range(total)], f"{where} row {row}: mask {visible}"
-        # selections: ascending, unique, written positions, -1 only as leading padding
+        # selections: a set (the refinement keeps no order) of unique written positions, -1 padding
         for row in range(len(PADS)):
             for kv in range(2):
                 sel = idx[row, kv].tolist()
                 real = [p for p in sel if p >= 0]
-                assert sel == [-1] * (BUDGET - len(real)) + real, f"{where} row {row} kv {kv}: {sel}"
-                assert real == sorted(set(real)) and all(p < total for p in real), f"{where}: {sel}"
+                assert len(real) + sel.count(-1) == BUDGET, f"{where} row {row} kv {kv}: {sel}"
+                assert len(set(real)) == len(real) and all(p < total for p in real), f"{where}: {sel}"
                 assert total - 1 in real, f"{where}: the current token is always selected: {sel}"
         # padding-aware selection: no selected position is a pad position of its row
         for row, pad in enumerate(PADS):

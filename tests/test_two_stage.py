@@ -74,7 +74,7 @@ def test_refine_keeps_each_layers_own_top_budget_and_reports_its_coverage(seed, 
     indices, coverage = aten_step.refine_coverage(query, keys, cand, torch.tensor(length), None, d ** -0.5,
                                                   budget, sink=2, window=3)
     ref, ref_cov = _refine_reference(query.float(), keys.float(), cand, length, d ** -0.5, budget, 2, 3)
-    assert indices.tolist() == ref
+    assert indices.sort(-1).values.tolist() == ref  # a set: the refinement keeps no order
     tol = 1e-5 if dtype == torch.float32 else 2e-3
     torch.testing.assert_close(coverage.double(), ref_cov, atol=tol, rtol=0)
 
@@ -199,7 +199,7 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
         scale = d ** -0.5
         every = torch.arange(length).view(1, 1, -1).expand(1, keys.shape[1], length)
         want, _ = _refine_reference(query, keys, every, length, scale, 8, 1, 2)
-        assert indices.tolist() == want
+        assert indices.sort(-1).values.tolist() == want  # a set: the refinement keeps no order
         g = query.shape[1] // keys.shape[1]
         for h in range(query.shape[1]):
             pos = want[0][h // g]
@@ -316,7 +316,7 @@ def test_refinement_over_the_whole_store_equals_the_gathered_one(seed, pads, win
     args = (length, mask, 0.3, 6, 2, 3, None, window)
     kept_all, cov_all = aten_step.refine_coverage(query, keys, covering, *args)
     kept_gather, cov_gather = aten_step.refine_coverage(query, keys, seen, *args)
-    assert torch.equal(kept_all, kept_gather)
+    assert torch.equal(kept_all.sort(-1).values, kept_gather.sort(-1).values)  # sets
     torch.testing.assert_close(cov_all, cov_gather, atol=1e-6, rtol=1e-6)
 
 

@@ -1,0 +1,116 @@
+"""One layer's share of a sparse decode step, compiled alone: what the page rescue costs.
+
+The default step (page rescue on) is ~1.5x the no-rescue step on SmolLM2 at 8K (issue 26);
+the difference is per layer: the refinement (page scores, the rescued union, a gather of
+the candidates' keys, a top-k) before the attention over the kept tokens. This script
+compiles, with inductor, the aten bodies the compiled step runs for ONE layer at SmolLM2's
+shapes (9 query heads over 3 KV heads, head_dim 64, fp32, batch 1) and times them on
+random keys and values, so variants of that work can be compared in seconds instead of
+compiling the 30-layer model:
+
+* ``attend`` — sparse attention over a given selection of ``budget`` tokens (no rescue);
+* ``refine+attend`` — the default: refinement with the page rescue, then attention over the
+  kept ``budget`` tokens;
+* ``dense`` — SDPA over the whole store with the causal limit (own dense's per-layer step).
+
+Also printed: the bytes each variant must read and the copy-bandwidth floor.
+
+    python -m benchmarks.layer_step --context 8192 --budget 1024 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from specontext_compile.runtime import aten_step
+from specontext_compile.runtime.page_bounds import PAGE_TOKENS, page_count, update_page_bounds
+
+
+def _inputs(context: int, capacity: int, heads: int, kv_heads: int, head_dim: int, budget: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    key = torch.randn(1, kv_heads, capacity, head_dim, generator=gen)
+    value = torch.randn(1, kv_heads, capacity, head_dim, generator=gen)
+    query = torch.randn(1, heads, 1, head_dim, generator=gen)
+    length = torch.tensor(context)
+    pages = page_count(capacity, PAGE_TOKENS)
+    page_min = torch.zeros(1, kv_heads, pages, head_dim)
+    page_max = torch.zeros(1, kv_heads, pages, head_dim)
+    update_page_bounds(key, page_min, page_max, length, context, PAGE_TOKENS)
+    scores = torch.rand(1, kv_heads, capacity, generator=gen)
+    candidates = aten_step.select_positions(scores, length - 1, 1, budget, 4, 64)
+    return query, key, value, length, page_min, page_max, candidates
+
+
+def variants(budget: int, rescue_tokens: int, scale: float):
+    rescue_pages = -(-rescue_tokens // PAGE_TOKENS)
+
+    def attend(query, key, value, length, page_min, page_max, candidates):
+        return aten_step.sparse_attention(query, key, value, candidates, length, None, scale)
+
+    def refine_attend(query, key, value, length, page_min, page_max, candidates):
+        kept, _ = aten_step.refine_selection(query, key, candidates, length, None, scale, budget, 4, 64,
+                                             page_min=page_min, page_max=page_max, rescue_pages=rescue_pages,
+                                             page_tokens=PAGE_TOKENS)
+        return aten_step.sparse_attention(query, key, value, kept, length, None, scale)
+
+    def dense(query, key, value, length, page_min, page_max, candidates):
+        return aten_step.sparse_attention(query, key, value, torch.arange(key.shape[2]).expand(1, key.shape[1], -1),
+                                          length, None, scale, dense_shortcut=True)
+
+    return {"attend": attend, "refine+attend": refine_attend, "dense": dense}
+
+
+def time_fn(fn, args, steps: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn(*args)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        fn(*args)
+        times.append(1000 * (time.perf_counter() - t0))
+    return times
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--rescue", type=int, default=None, help="rescued tokens (default: 2 x budget)")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--only", nargs="+", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    rescue = 2 * args.budget if args.rescue is None else args.rescue
+    inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
+    rows = []
+    with torch.no_grad():
+        for name, fn in variants(args.budget, rescue, 64 ** -0.5).items():
+            if args.only and name not in args.only:
+                continue
+            compiled = torch.compile(fn, dynamic=False)
+            t0 = time.perf_counter()
+            compiled(*inputs)
+            compile_s = time.perf_counter() - t0
+            ms = time_fn(compiled, inputs, args.steps, args.warmup)
+            rows.append({"variant": name, "ms_median": statistics.median(ms), "ms_min": min(ms),
+                         "compile_s": compile_s})
+            print(f"{name:<16} {statistics.median(ms):7.3f} ms/layer (min {min(ms):.3f}), compile {compile_s:.1f} s",
+                  flush=True)
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
+                                         "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
+                                         "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                         "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
