@@ -9,8 +9,10 @@ random keys and values, so variants of that work can be compared in seconds inst
 compiling the 30-layer model:
 
 * ``attend`` — sparse attention over a given selection of ``budget`` tokens (no rescue);
-* ``refine+attend`` — the default: refinement with the page rescue, then attention over the
-  kept ``budget`` tokens;
+* ``refine+attend`` — the default's two bodies: refinement with the page rescue, then
+  attention over the kept ``budget`` tokens (what the eager op chain runs);
+* ``refine_and_attend`` — the same as one body, the logits computed once (what the lowered
+  default step runs, ``passes/lower.py``);
 * ``dense`` — SDPA over the whole store with the causal limit (own dense's per-layer step).
 
 Also printed: the bytes each variant must read and the copy-bandwidth floor.
@@ -60,11 +62,16 @@ def variants(budget: int, rescue_tokens: int, scale: float):
                                              page_tokens=PAGE_TOKENS)
         return aten_step.sparse_attention(query, key, value, kept, length, None, scale)
 
+    def fused(query, key, value, length, page_min, page_max, candidates):
+        return aten_step.refine_and_attend(query, key, value, candidates, length, None, scale, budget, 4, 64,
+                                           page_min=page_min, page_max=page_max, rescue_pages=rescue_pages,
+                                           page_tokens=PAGE_TOKENS)
+
     def dense(query, key, value, length, page_min, page_max, candidates):
         return aten_step.sparse_attention(query, key, value, torch.arange(key.shape[2]).expand(1, key.shape[1], -1),
                                           length, None, scale, dense_shortcut=True)
 
-    return {"attend": attend, "refine+attend": refine_attend, "dense": dense}
+    return {"attend": attend, "refine+attend": refine_attend, "refine_and_attend": fused, "dense": dense}
 
 
 def time_fn(fn, args, steps: int, warmup: int) -> list[float]:
