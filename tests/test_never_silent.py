@@ -184,7 +184,10 @@ def test_budget_above_a_symbolic_store_is_exact(inner):
         got = decode_logits(None, forward, ids, 3, sc.SpeContextCache(model.config, max_cache_len=capacity))
         want = decode_logits(None, model.forward, ids, 3, sc.SpeContextCache(model.config, max_cache_len=capacity))
         torch.testing.assert_close(torch.stack(got), torch.stack(want), atol=ATOL, rtol=0)
-    assert sc.path_counts(model)["decode_steps"] == 9
+    counts = sc.path_counts(model)
+    # the static 64-slot graph takes the dense shortcut; the symbolic graphs gather every position
+    assert counts["decode_steps"] == 9 and counts["dense_store_sites"] == 3 * 2, counts
+    assert counts["gather_sites"] == 6 * 2, counts
 
 
 def test_refinement_with_a_budget_above_its_candidates_keeps_them_all():
