@@ -27,6 +27,7 @@ from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
+from .runtime.static_state import model_stats
 
 logger = logging.getLogger(__name__)
 _graphs_log = _logs.artifact_logger(__name__, _logs.GRAPHS)  # TORCH_LOGS=specontext_graphs
@@ -260,8 +261,6 @@ class _ExtraInputs:
             state = self.adopted.state_for_call(args)
             extra = state.tensors()
         if self.owner_index is not None:
-            from .runtime.static_state import model_stats
-
             owner = args[self.owner_index]
             extra = (*extra, model_stats(owner, owner.device))
         return extra, state
