@@ -95,14 +95,20 @@ def _shape_key(batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, de
     return (batch, num_heads, head_dim, dtype, str(device))
 
 
+def _entries(table: dict, tensor: torch.Tensor) -> dict:
+    """``table``'s dict for ``tensor`` (created empty on first use; it goes with the tensor)."""
+    entries = table.get(id(tensor))
+    if entries is None:
+        entries = table[id(tensor)] = {}
+        weakref.finalize(tensor, table.pop, id(tensor), None)
+    return entries
+
+
 def state_for(store: torch.Tensor, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype,
               device: torch.device) -> StaticCacheState:
     """The state of the cache whose first adopted key store is ``store``, at this shape
     (allocated on first use, zeros)."""
-    per_shape = _STATES.get(id(store))
-    if per_shape is None:
-        per_shape = _STATES[id(store)] = {}
-        weakref.finalize(store, _STATES.pop, id(store), None)
+    per_shape = _entries(_STATES, store)
     key = _shape_key(batch, num_heads, head_dim, dtype, device)
     if key not in per_shape:
         per_shape[key] = StaticCacheState.allocate(batch, num_heads, head_dim, dtype, device)
@@ -112,20 +118,13 @@ def state_for(store: torch.Tensor, batch: int, num_heads: int, head_dim: int, dt
 def bind_state(store: torch.Tensor, state: StaticCacheState, batch: int, num_heads: int, head_dim: int,
                dtype: torch.dtype, device: torch.device) -> None:
     """Make ``state`` (used by a graph that created ``store``) the state of ``store``'s cache."""
-    per_shape = _STATES.get(id(store))
-    if per_shape is None:
-        per_shape = _STATES[id(store)] = {}
-        weakref.finalize(store, _STATES.pop, id(store), None)
-    per_shape[_shape_key(batch, num_heads, head_dim, dtype, device)] = state
+    _entries(_STATES, store)[_shape_key(batch, num_heads, head_dim, dtype, device)] = state
 
 
 def model_stats(owner: torch.Tensor, device: torch.device) -> torch.Tensor:
     """The int64 ``[len(STATS)]`` counters of the model that owns parameter ``owner`` on
     ``device`` (zeros on first use); every rewritten graph of that model adds to them."""
-    per_device = _MODEL_STATS.get(id(owner))
-    if per_device is None:
-        per_device = _MODEL_STATS[id(owner)] = {}
-        weakref.finalize(owner, _MODEL_STATS.pop, id(owner), None)
+    per_device = _entries(_MODEL_STATS, owner)
     key = str(device)
     if key not in per_device:
         per_device[key] = torch.zeros((len(STATS),), dtype=torch.long, device=device)
