@@ -15,9 +15,10 @@ compiling the 30-layer model:
   default step runs, ``passes/lower.py``);
 * ``dense`` — SDPA over the whole store with the causal limit (own dense's per-layer step).
 
-Also printed: the bytes each variant must read and the copy-bandwidth floor.
+``--parts`` times the refinement's pieces instead (cumulative prefixes, each compiled alone).
 
     python -m benchmarks.layer_step --context 8192 --budget 1024 --json out.json
+    python -m benchmarks.layer_step --context 8192 --budget 1024 --parts
 """
 
 from __future__ import annotations
@@ -74,6 +75,42 @@ def variants(budget: int, rescue_tokens: int, scale: float):
     return {"attend": attend, "refine+attend": refine_attend, "refine_and_attend": fused, "dense": dense}
 
 
+def parts(budget: int, rescue_tokens: int, scale: float):
+    """The refinement's pieces, each compiled alone (``--parts``): cumulative prefixes of
+    :func:`aten_step.refine_inputs` / ``refine_gathered``, so a piece's cost is the
+    difference between consecutive rows."""
+    from specontext_compile.runtime import page_bounds
+    from specontext_compile.runtime.sparse_attention import _gather_tokens, selected_logits
+
+    rescue_pages = -(-rescue_tokens // PAGE_TOKENS)
+
+    def seen(key, length):
+        return aten_step.seen_positions(length, None, key.shape[2], 1, 0, key.device)
+
+    def scores(query, key, value, length, page_min, page_max, candidates):
+        return page_bounds.page_scores(query, page_min, page_max, seen(key, length), scale, PAGE_TOKENS)
+
+    def union(query, key, value, length, page_min, page_max, candidates):
+        return aten_step.rescue_pages_into(query, candidates, length, None, key.shape[2], scale, 0, page_min,
+                                           page_max, rescue_pages, PAGE_TOKENS, None)
+
+    def gathered(query, key, value, length, page_min, page_max, candidates):
+        rescued = union(query, key, value, length, page_min, page_max, candidates)
+        return _gather_tokens(key, rescued.clamp(min=0))
+
+    def logits(query, key, value, length, page_min, page_max, candidates):
+        rescued = union(query, key, value, length, page_min, page_max, candidates)
+        return selected_logits(query, _gather_tokens(key, rescued.clamp(min=0)), rescued, length, None, scale)
+
+    def refine(query, key, value, length, page_min, page_max, candidates):
+        return aten_step.refine_selection(query, key, candidates, length, None, scale, budget, 4, 64,
+                                          page_min=page_min, page_max=page_max, rescue_pages=rescue_pages,
+                                          page_tokens=PAGE_TOKENS)[0]
+
+    return {"page scores": scores, "+ rescued union": union, "+ gather of the keys": gathered,
+            "+ logits": logits, "+ softmax, top-k (the refinement)": refine}
+
+
 def time_fn(fn, args, steps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn(*args)
@@ -93,13 +130,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", nargs="+", default=None)
+    parser.add_argument("--parts", action="store_true", help="time the refinement's pieces instead")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rescue = 2 * args.budget if args.rescue is None else args.rescue
     inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
     rows = []
     with torch.no_grad():
-        for name, fn in variants(args.budget, rescue, 64 ** -0.5).items():
+        table = parts if args.parts else variants
+        for name, fn in table(args.budget, rescue, 64 ** -0.5).items():
             if args.only and name not in args.only:
                 continue
             compiled = torch.compile(fn, dynamic=False)
@@ -109,11 +148,12 @@ def main(argv=None) -> int:
             ms = time_fn(compiled, inputs, args.steps, args.warmup)
             rows.append({"variant": name, "ms_median": statistics.median(ms), "ms_min": min(ms),
                          "compile_s": compile_s})
-            print(f"{name:<16} {statistics.median(ms):7.3f} ms/layer (min {min(ms):.3f}), compile {compile_s:.1f} s",
+            print(f"{name:<36} {statistics.median(ms):7.3f} ms/layer (min {min(ms):.3f}), compile {compile_s:.1f} s",
                   flush=True)
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
                                          "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
+                                         "parts": args.parts,
                                          "torch": torch.__version__, "threads": torch.get_num_threads(),
                                          "rows": rows}, indent=2))
     return 0

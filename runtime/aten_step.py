@@ -339,8 +339,8 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
 
     Returns:
         ``(indices, dense)``: int64 ``[batch, num_kv_heads, budget]`` in no particular order
-        (``-1`` padding anywhere: attention reads a set; sorting 3 x 1024 kept positions per
-        layer cost 0.19 ms of a 1.9 ms layer at 8K, ``benchmarks/layer_step.py``), and a bool scalar, True when the guard asks for dense attention
+        (``-1`` padding anywhere: attention reads a set, and a sort per layer is not free),
+        and a bool scalar, True when the guard asks for dense attention
         (always False with the guard off). The guard's per-layer estimate, *coverage*, is
         per KV head the smallest (over the group's query heads and the step's rows)
         softmax mass among the candidates that the kept positions hold (1.0 = the
@@ -490,9 +490,8 @@ def refine_and_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     :func:`~.sparse_attention.selected_logits` serves both). Only the kept tokens' values are
     gathered. The lowering (``passes/lower.py``) uses it for a refined site without the guard,
     learned sinks or the dense shortcut; arguments as those two functions'. Returns
-    ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Measured on one SmolLM2 layer
-    at 8K, budget 1024, rescue 2048 (``benchmarks/layer_step.py``): 1.49 ms vs 1.70 ms for the
-    two bodies."""
+    ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
+    bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
     candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, scale, sliding_window, None,
                                      page_min, page_max, rescue_pages, page_tokens, page_shift)
     logits, _, values, top = _ranked(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
