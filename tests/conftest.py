@@ -8,8 +8,9 @@ The fast tier is what ``pytest`` runs by default: every test not marked ``slow``
 out says so in its last lines. Slow tests get a longer per-test timeout than the
 fast tier's (``timeout`` in pyproject.toml), so that one hung test still fails fast.
 
-Every test starts from ``torch._dynamo.reset()``; what is compiled once across tests is
-inductor's work, through its on-disk FX-graph and kernel caches. The run's last lines say how
+Every test starts from ``torch._dynamo.reset()`` unless it is marked ``shared_compile`` (it
+runs a model its module compiled once: ``_fresh_dynamo``); what is compiled once across the
+other tests is inductor's work, through its on-disk FX-graph and kernel caches. The run's last lines say how
 often a test's graph was found there (``inductor FX graph cache: N hits, M misses``), summed
 over pytest-xdist's workers.
 """
@@ -67,14 +68,37 @@ _cache_totals: Counter = Counter()  # this process's inductor FX-graph cache eve
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
+def _fresh_dynamo(request):
     """Each test compiles from scratch (dynamo) and counts from zero; inductor's cache events
-    of the test are added to the run's totals before the next test clears the counters."""
-    torch._dynamo.reset()
+    of the test are added to the run's totals before the next test clears the counters.
+
+    A test marked ``shared_compile`` keeps dynamo's compiled code: it runs a model its module
+    compiled once (a module-scoped fixture) and neither resets before nor after itself, so the
+    next shared test reuses the graphs. Any other test still resets on both sides, so the
+    shared graphs never leak into it (and a shared test after it simply compiles again). A
+    shared test fails if a frame the backend compiled reached dynamo's recompile limit during
+    it: a shared model must never silently run uncompiled."""
+    shared = request.node.get_closest_marker("shared_compile") is not None
+    if not shared:
+        torch._dynamo.reset()
     counters.clear()
     specontext_compile.backend.clear_compile_reports()
     yield
     _cache_totals.update({event: counters["inductor"][event] for event in _CACHE_EVENTS})
+    if shared:
+        assert not counters["specontext"]["recompile_limit_frames"], (
+            "a shared compiled model hit dynamo's recompile limit: give the test its own compile")
+    else:
+        torch._dynamo.reset()
+
+
+@pytest.fixture(scope="module")
+def shared_dynamo():
+    """For a module-scoped fixture that compiles a model its ``shared_compile`` tests share:
+    dynamo starts clean for the module and is reset when the module is done, so the shared
+    graphs never pile up on Hugging Face's ``forward`` code objects across modules."""
+    torch._dynamo.reset()
+    yield
     torch._dynamo.reset()
 
 

@@ -50,7 +50,7 @@ def test_two_static_cache_conversations_do_not_share_retrieval_state():
     """Case static_cache_two_conversations: conversation A interleaved with B (equal and
     different prompt lengths) gives exactly A's solo logits; each cache counts its own steps."""
     model = tiny_llama(layers=2)
-    forward = torch.compile(model.forward, backend="specontext", options={**SMALL, "inner": "eager"})
+    forward = torch.compile(model.forward, backend="specontext", options=SMALL)  # the default step
     a_ids = _ids(40, seed=1)
     alone = _Conversation(forward, StaticCache(config=model.config, max_cache_len=56), a_ids)
     for _ in range(4):
@@ -81,7 +81,7 @@ def test_chunked_prefill_is_dense_and_exact():
     ids = _ids(40, seed=4)
     kw = {"max_new_tokens": 3, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     want = model.generate(ids, **kw).logits[0]
-    sc.compile(model, **SMALL, inner="eager")
+    sc.compile(model, **SMALL)  # the default step
     got = model.generate(ids, prefill_chunk_size=8, **kw).logits[0]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     reasons = {s.reason for r in compile_reports() for s in r.result.sites if s.q_len == 8}
