@@ -11,10 +11,12 @@ Small budget: each operation must leave the cache equal to one that got there wi
 (rows permuted / selected / repeated: the same logits with the rows moved, exactly; a
 reset: a fresh cache). Full budget, gather path (``dense_shortcut=False``): ``generate``
 with beam search, prompt-lookup decoding and a reused cache equals eager dense ``generate``.
-Resident and draft-head caches run the default step (lowered into inductor); offload runs the
-eager op chain (the backend's rule while the offload manager is an opaque graph input). Each
-kind's compiled forward is compiled once for the module and shared by its tests
-(``shared_compile``): every test builds fresh caches, and the compiled step reads nothing else.
+The resident cache runs the default step (lowered into inductor); offload runs the eager op
+chain (the backend's rule while the offload manager is an opaque graph input), and so does the
+draft head here (its state is what these tests move; the draft head on the default step is
+``test_draft_head_backend.py::test_inductor_inner_matches_eager_inner``). Each kind's forward
+is compiled once for the module and shared by its tests (``shared_compile``): every test
+builds fresh caches, and the compiled step reads nothing else.
 """
 
 import pytest
@@ -47,6 +49,7 @@ class Runner:
         if kind == "draft":
             self.head = str(write_head(folder, self.model, heads=4, kv_heads=2, variant="fused", aux=(0, 1, 2)))
             opts["retrieval_head"] = self.head
+            opts["inner"] = "eager"
         if kind == "offload":
             opts["device_memory_bytes"] = 1 << 40
         # isolate_recompiles: the kinds' forwards share Hugging Face's code objects; each keeps
@@ -130,7 +133,9 @@ def test_reorder_cache_moves_every_row_state(kind, runner):
             for i in moved.offload.offloaded)
 
 
-@pytest.mark.parametrize("kind", [k if k != "draft" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
+# resident: slow tier (its 2- and 4-row steps are new graphs of the default step, ~100 s cold);
+# the fast tier moves rows of the offloaded cache (the op chain)
+@pytest.mark.parametrize("kind", [k if k == "offload" else pytest.param(k, marks=pytest.mark.slow) for k in KINDS])
 @pytest.mark.shared_compile
 def test_batch_select_and_repeat_move_every_row_state(kind, runner):
     """3 rows, 2 steps, keep rows [2, 0] (2 steps), then repeat each twice (1 step): the

@@ -34,6 +34,7 @@ def _eager(model, ids, steps):
     return torch.stack(logits, 1)
 
 
+@pytest.mark.slow  # the option's fast test is the next one (docs/testing.md)
 def test_every_layer_dense_is_the_dense_model_and_nothing_is_rewritten():
     """dense_layers naming every layer: no decode site is rewritten (sparse_sites == 0) and the
     logits are the eager dense model's; the same budget without the option is sparse and differs."""

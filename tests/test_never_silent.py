@@ -72,7 +72,8 @@ def test_two_static_cache_conversations_do_not_share_retrieval_state():
     assert sc.path_counts(model)["decode_steps"] == 4 * 5  # the model counts every cache's steps
 
 
-def test_chunked_prefill_is_dense_and_exact():
+@pytest.mark.parametrize("inner", ["eager", pytest.param("auto", marks=pytest.mark.slow)])
+def test_chunked_prefill_is_dense_and_exact(inner):
     """Case chunked_prefill_stays_dense: generate(prefill_chunk_size=8) at budget 12 of a
     40-token prompt gives eager dense generate's first-token logits; the 8-token graph says
     why it stayed dense. Decode steps after it are still sparse."""
@@ -81,7 +82,7 @@ def test_chunked_prefill_is_dense_and_exact():
     ids = _ids(40, seed=4)
     kw = {"max_new_tokens": 3, "do_sample": False, "output_logits": True, "return_dict_in_generate": True}
     want = model.generate(ids, **kw).logits[0]
-    sc.compile(model, **SMALL)  # the default step
+    sc.compile(model, **SMALL, inner=inner)
     got = model.generate(ids, prefill_chunk_size=8, **kw).logits[0]
     torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
     reasons = {s.reason for r in compile_reports() for s in r.result.sites if s.q_len == 8}

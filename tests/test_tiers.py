@@ -24,10 +24,10 @@ def collect(*args: str) -> str:
     return done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("args, collected, left_out", [
+@pytest.mark.parametrize("args, collected, left_out", [  # a child pytest each (~10 s): one fast
     ((SLOW_FILE,), 0, 4),
-    ((SLOW_FILE, "--slow"), 4, 0),
-    ((ONE,), 1, 0),
+    pytest.param((SLOW_FILE, "--slow"), 4, 0, marks=pytest.mark.slow),
+    pytest.param((ONE,), 1, 0, marks=pytest.mark.slow),
 ], ids=["default", "--slow", "node-id"])
 def test_slow_tests_run_only_when_asked(args, collected, left_out):
     out = collect(*args)

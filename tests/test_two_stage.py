@@ -145,7 +145,9 @@ def _generate(model, ids, mask, new, **options):
     return torch.stack(out.logits, 1), counts
 
 
-@pytest.mark.parametrize("candidates", [pytest.param(1.0, marks=pytest.mark.slow), 2.0])
+# slow tier: the fast default-step left-padding test is test_page_rescue.py's (the default selection)
+@pytest.mark.slow
+@pytest.mark.parametrize("candidates", [1.0, 2.0])
 def test_left_padded_row_decodes_as_the_prompt_alone(candidates):
     """Padding invariance (what dense decoding has): a row padded on the left gives the same
     logits as its prompt alone, with a budget far below the context (sparse path)."""
@@ -215,10 +217,11 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
                                        atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("inner", ["auto", pytest.param("eager", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("ranked", [dict(candidates=3.0, page_rescue=0),
                                     pytest.param(dict(candidates=1.0), marks=pytest.mark.slow)],
                          ids=["candidates", "page-rescue-only"])
-def test_guard_runs_dense_where_the_selection_misses_and_counts_it(ranked):
+def test_guard_runs_dense_where_the_selection_misses_and_counts_it(ranked, inner):
     """A random tiny model attends almost uniformly, so keeping 6 of 18 candidates (or of the
     shared selection plus one rescued 16-token page, the default rescue at ``candidates=1``)
     holds at most about a third of their mass: the guard at 0.999 runs every site dense — the
@@ -231,14 +234,13 @@ def test_guard_runs_dense_where_the_selection_misses_and_counts_it(ranked):
         dense = model(torch.cat([ids, token], 1)).logits[:, -1]
     opts = dict(budget=6, sink_tokens=1, recent_window=1, **ranked)
     layers = len(model.model.layers)
-    for inner in ("eager", "auto"):
-        fired, cache = compiled_steps(model, ids, 1, min_coverage=0.999, inner=inner, **opts)
-        assert cache.path_counts()["guard_dense_sites"] == layers
-        torch.testing.assert_close(fired[:, 0], dense, atol=1e-4, rtol=0)
-        quiet, cache = compiled_steps(model, ids, 1, min_coverage=0.01, inner=inner, **opts)
-        assert cache.path_counts()["guard_dense_sites"] == 0
-        assert cache.path_counts()["gather_sites"] == layers
-        assert (quiet[:, 0] - dense).abs().max() > 1e-3
+    fired, cache = compiled_steps(model, ids, 1, min_coverage=0.999, inner=inner, **opts)
+    assert cache.path_counts()["guard_dense_sites"] == layers
+    torch.testing.assert_close(fired[:, 0], dense, atol=1e-4, rtol=0)
+    quiet, cache = compiled_steps(model, ids, 1, min_coverage=0.01, inner=inner, **opts)
+    assert cache.path_counts()["guard_dense_sites"] == 0
+    assert cache.path_counts()["gather_sites"] == layers
+    assert (quiet[:, 0] - dense).abs().max() > 1e-3
 
 
 def test_guarded_attention_is_dense_attention_when_it_fires():
