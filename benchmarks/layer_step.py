@@ -15,10 +15,12 @@ compiling the 30-layer model:
   default step runs, ``passes/lower.py``);
 * ``dense`` — SDPA over the whole store with the causal limit (own dense's per-layer step).
 
-``--parts`` times the refinement's pieces instead (cumulative prefixes, each compiled alone).
+``--parts`` times the refinement's pieces instead (cumulative prefixes, each compiled alone);
+``--scatter`` the rescued union's membership table built by a bool and by an int32 scatter.
 
     python -m benchmarks.layer_step --context 8192 --budget 1024 --json out.json
     python -m benchmarks.layer_step --context 8192 --budget 1024 --parts
+    python -m benchmarks.layer_step --context 8192 --budget 1024 --scatter
 """
 
 from __future__ import annotations
@@ -111,6 +113,22 @@ def parts(budget: int, rescue_tokens: int, scale: float):
             "+ logits": logits, "+ softmax, top-k (the refinement)": refine}
 
 
+def scatter_dtypes(budget: int, rescue_tokens: int, scale: float):
+    """The candidates' membership table of the rescued union built with a bool and with an
+    int32 scatter (``--scatter``): the same table; inductor's CPU code differs in speed
+    (why :func:`~specontext_compile.runtime.page_bounds.rescued_candidates` uses int32)."""
+
+    def membership(dtype):
+        def build(query, key, value, length, page_min, page_max, candidates):
+            capacity = key.shape[2]
+            table = torch.zeros(*candidates.shape[:2], capacity + 1, dtype=dtype)
+            table.scatter_(-1, torch.where(candidates >= 0, candidates, capacity), 1)
+            return table.gather(-1, torch.arange(capacity).expand(*candidates.shape[:2], capacity)) != 0
+        return build
+
+    return {"membership, bool scatter": membership(torch.bool), "membership, int32 scatter": membership(torch.int32)}
+
+
 def time_fn(fn, args, steps: int, warmup: int) -> list[float]:
     for _ in range(warmup):
         fn(*args)
@@ -131,13 +149,15 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--only", nargs="+", default=None)
     parser.add_argument("--parts", action="store_true", help="time the refinement's pieces instead")
+    parser.add_argument("--scatter", action="store_true",
+                        help="time the rescued union's membership table as a bool and as an int32 scatter")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rescue = 2 * args.budget if args.rescue is None else args.rescue
     inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
     rows = []
     with torch.no_grad():
-        table = parts if args.parts else variants
+        table = scatter_dtypes if args.scatter else parts if args.parts else variants
         for name, fn in table(args.budget, rescue, 64 ** -0.5).items():
             if args.only and name not in args.only:
                 continue
@@ -153,7 +173,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
                                          "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
-                                         "parts": args.parts,
+                                         "parts": args.parts, "scatter": args.scatter,
                                          "torch": torch.__version__, "threads": torch.get_num_threads(),
                                          "rows": rows}, indent=2))
     return 0

@@ -449,7 +449,8 @@ def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.T
     logits, probs, values, top = _ranked(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
                                          soft_cap, sliding_window)
     allowed = logits > _NEG  # [b, kv, g, q, slots]
-    kept = torch.zeros_like(candidates, dtype=torch.bool).scatter_(-1, top, values != _NEG)
+    # int32, not bool: inductor's CPU scatter into bool is much slower (benchmarks.layer_step --scatter)
+    kept = torch.zeros_like(candidates, dtype=torch.int32).scatter_(-1, top, (values != _NEG).int())
     coverage = (probs * kept[:, :, None, None, :]).sum(-1)  # [b, kv, g, q]
     coverage = torch.where(allowed.any(-1), coverage, 1.0).amin(dim=(2, 3))
     indices = torch.where(values == _NEG, -1, candidates.gather(-1, top))

@@ -171,16 +171,19 @@ def rescued_candidates(candidates: torch.Tensor, scores: torch.Tensor, seen: tor
     """
     b, num_kv, _ = candidates.shape
     capacity = seen.shape[-1]
-    pages = torch.where(torch.isfinite(scores), scores, _NEG).topk(rescue_pages, dim=-1)
+    # which pages, not their order: an unsorted top-k
+    pages = torch.where(torch.isfinite(scores), scores, _NEG).topk(rescue_pages, dim=-1, sorted=False)
     shift = _shift(page_shift, b, candidates.device).view(b, 1, 1, 1)
     offsets = torch.arange(page_tokens, device=candidates.device)
     tokens = (pages.indices[..., None] * page_tokens - shift + offsets).flatten(-2)  # [b, kv, rescue * P]
     usable = (pages.values > _NEG)[..., None].expand(-1, -1, -1, page_tokens).flatten(-2)
     usable = usable & _seen_at(seen, tokens.view(b, 1, -1)).view(b, num_kv, -1)
     tokens = tokens.clamp(0, capacity - 1)
-    member = torch.zeros(b, num_kv, capacity + 1, dtype=torch.bool, device=candidates.device)
-    member.scatter_(-1, torch.where(candidates >= 0, candidates, capacity), True)
-    usable = usable & ~member.gather(-1, tokens)
+    # candidates' membership as int32, not bool: inductor's CPU scatter into a bool tensor is
+    # much slower (python -m benchmarks.layer_step --scatter)
+    member = torch.zeros(b, num_kv, capacity + 1, dtype=torch.int32, device=candidates.device)
+    member.scatter_(-1, torch.where(candidates >= 0, candidates, capacity), 1)
+    usable = usable & (member.gather(-1, tokens) == 0)
     return torch.cat([candidates, torch.where(usable, tokens, -1)], dim=-1)
 
 
