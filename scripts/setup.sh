@@ -16,7 +16,9 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
   fi
 fi
-pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+# --no-compile: no byte-compiling of every installed module (torch has thousands); Python
+# compiles what it imports, once
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check --no-compile)
 
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
   if [ "$has_cuda" = 1 ]; then
