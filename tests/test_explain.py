@@ -106,6 +106,7 @@ def test_pass_uuid_is_stable_and_covers_config():
                 make(max_sparse_q_len=4).uuid(), make(kernel="torch").uuid()}) == 7
 
 
+@pytest.mark.slow  # fast tier: explain by test_explain_reports_every_site_windows_..., the CLI by test_cli.py
 def test_cli_explain_on_a_tiny_family(tmp_path, capsys):
     out = tmp_path / "sites.json"
     assert main(["explain", "--model", "tiny:mistral", "--attn", "eager", "--budget", "64",

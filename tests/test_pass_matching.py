@@ -122,6 +122,7 @@ def test_mask_in_another_dtype_is_rewritten_and_exact():
     torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow  # fast tier: test_never_silent.py::test_budget_above_a_symbolic_store_is_exact[eager]
 def test_dynamic_shapes_with_symbolic_sizes_stay_exact():
     """``dynamic=True`` on a tiny Llama: sizes and even head counts become symbols
     (``SymInt`` graph inputs); whatever is not provably constant stays dense with a reason,

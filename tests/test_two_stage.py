@@ -170,6 +170,7 @@ def test_left_padded_row_decodes_as_the_prompt_alone(candidates):
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow  # fast tier: candidates on the default step in the guard test's [candidates-auto] case
 def test_compiled_two_stage_step_equals_the_eager_op_chain():
     """Inductor-compiled (refinement lowered to aten) == eager ops, same path counts."""
     model = tiny_family("llama", "sdpa")
