@@ -31,8 +31,8 @@ from specontext_compile.tiny_models import tiny_family
 
 CAP = 48
 OPTS = {"budget": 10, "recent_window": 3, "sink_tokens": 2}
-# the same compiled step over rows moved between calls (a new batch size can be a new graph):
-# observed differences below 1e-7; bound for safety
+# the same compiled step over rows moved between calls; a new batch size can be a new graph,
+# whose float32 rounding may differ: a bound well above that rounding
 ATOL = 1e-6
 KINDS = ["resident", "draft", "offload"]
 
