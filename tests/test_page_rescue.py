@@ -231,23 +231,13 @@ def test_left_padded_row_with_rescue_decodes_as_the_prompt_alone(pad, inner):
     first real token (``page_shift_from_mask``): a left-padded row gives the same logits as its
     prompt alone with the rescue on and a budget far below the context, whatever the pad count
     (a multiple of the page size or not)."""
-    from test_two_stage import _generate
+    from test_two_stage import padded_and_alone
 
-    g = torch.Generator().manual_seed(5)
-    b = torch.randint(1, 128, (1, 41), generator=g)
-    a = torch.randint(1, 128, (1, 41 - pad), generator=g)
-    batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), a], 1), b])
-    mask = torch.ones_like(batch)
-    mask[0, :pad] = 0
-    options = dict(budget=10, recent_window=3, sink_tokens=2, page_rescue=16, inner=inner)
-    model = tiny_family("llama", "sdpa")
-    logits, counts = _generate(model, batch, mask, 6, **options)
-    padded = logits[0]
-    layers = len(model.model.layers)
+    padded, alone, counts, alone_counts = padded_and_alone(
+        pad, 41 - pad, budget=10, recent_window=3, sink_tokens=2, page_rescue=16, inner=inner)
+    layers = len(tiny_family("llama", "sdpa").model.layers)
     assert counts["page_rescue_sites"] == counts["gather_sites"] == 5 * layers, counts  # 5 decode steps
-    logits, counts = _generate(model, a, torch.ones_like(a), 6, **options)
-    alone = logits[0]
-    assert counts["page_rescue_sites"] == 5 * layers, counts
+    assert alone_counts["page_rescue_sites"] == 5 * layers, alone_counts
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=0)
 
 
