@@ -212,7 +212,8 @@ def test_rescue_of_every_page_is_each_layers_exact_top_budget(inner):
     """A rescue of more pages than the store holds brings every position the layer sees into
     its ranking: the same logits as candidates=inf (each layer's exact top budget). On the op
     chain in the fast tier; the default step's twin (about 70 s of new inductor kernels) is
-    slow, the fast tier's default-step rescue test being the left-padded one above."""
+    slow, the default step's rescue being counted in the fast tier by test_decode_step.py's
+    default-graph test (``page_rescue_sites``)."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(4))
     wide, cache = compiled_steps(model, ids, 3, inner=inner, budget=8, page_rescue=4096, recent_window=2)
@@ -233,9 +234,10 @@ def test_left_padded_row_with_rescue_decodes_as_the_prompt_alone(pad, inner):
     (a multiple of the page size or not)."""
     from test_two_stage import padded_and_alone
 
+    model = tiny_family("llama", "sdpa")
     padded, alone, counts, alone_counts = padded_and_alone(
-        pad, 41 - pad, budget=10, recent_window=3, sink_tokens=2, page_rescue=16, inner=inner)
-    layers = len(tiny_family("llama", "sdpa").model.layers)
+        model, pad, 41 - pad, budget=10, recent_window=3, sink_tokens=2, page_rescue=16, inner=inner)
+    layers = len(model.model.layers)
     assert counts["page_rescue_sites"] == counts["gather_sites"] == 5 * layers, counts  # 5 decode steps
     assert alone_counts["page_rescue_sites"] == 5 * layers, alone_counts
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=0)

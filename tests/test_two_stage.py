@@ -145,31 +145,32 @@ def _generate(model, ids, mask, new, **options):
     return torch.stack(out.logits, 1), counts
 
 
-def padded_and_alone(pad: int, alone_len: int, **options):
+def padded_and_alone(model, pad: int, alone_len: int, **options):
     """A batch of a prompt left-padded by ``pad`` tokens and another prompt, generated 6
-    greedy tokens through ``sc.compile(**options)``, then the first prompt alone: the padded
-    row's logits, the alone row's, and both calls' path counters (tiny Llama, seed 5)."""
+    greedy tokens through ``sc.compile(model, **options)``, then the first prompt alone: the
+    padded row's logits, the alone row's, and both calls' path counters (seed 5)."""
     g = torch.Generator().manual_seed(5)
     b = torch.randint(1, 128, (1, alone_len + pad), generator=g)
     a = torch.randint(1, 128, (1, alone_len), generator=g)
     batch = torch.cat([torch.cat([torch.zeros(1, pad, dtype=torch.long), a], 1), b])
     mask = torch.ones_like(batch)
     mask[0, :pad] = 0
-    model = tiny_family("llama", "sdpa")
     padded, padded_counts = _generate(model, batch, mask, 6, **options)
     alone, alone_counts = _generate(model, a, torch.ones_like(a), 6, **options)
     return padded[0], alone[0], padded_counts, alone_counts
 
 
-# slow tier: the fast left-padding test is test_page_rescue.py's (the default selection, pad 15)
+# slow tier: the fast left-padding test is test_page_rescue.py's (pad 15 on the op chain; its
+# default-step twin is in the slow tier too)
 @pytest.mark.slow
 @pytest.mark.parametrize("candidates", [1.0, 2.0])
 def test_left_padded_row_decodes_as_the_prompt_alone(candidates):
     """Padding invariance (what dense decoding has): a row padded on the left gives the same
     logits as its prompt alone, with a budget far below the context (sparse path)."""
+    model = tiny_family("llama", "sdpa")
     padded, alone, counts, alone_counts = padded_and_alone(
-        15, 26, budget=10, recent_window=3, sink_tokens=2, candidates=candidates)  # the default step
-    layers = len(tiny_family("llama", "sdpa").model.layers)
+        model, 15, 26, budget=10, recent_window=3, sink_tokens=2, candidates=candidates)  # the default step
+    layers = len(model.model.layers)
     assert counts["gather_sites"] == counts["sparse_sites"] == 5 * layers, counts  # 5 decode steps
     assert alone_counts["gather_sites"] == 5 * layers, alone_counts
     torch.testing.assert_close(padded, alone, atol=1e-4, rtol=0)
