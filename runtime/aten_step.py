@@ -80,14 +80,21 @@ def load_selection(selection_state: torch.Tensor, slots: int) -> torch.Tensor:
     return selection_state[..., :slots].clone()
 
 
-def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int,
-                 length: torch.Tensor) -> None:
+def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor,
+                 slot: int | torch.Tensor, length: torch.Tensor) -> None:
     """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
     ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]`` and stamp the slot
     in ``query_valid`` (int64 ``[slots]``) with ``length`` (int64 scalar: tokens written,
     this step's included). The next step may use the query only if it starts at exactly that
     length (:func:`lagged_query_scores`): a query from before a crop, a reset or another
-    prompt is never used."""
+    prompt is never used. ``slot`` may be a 0-d int64 tensor instead of an int (regional
+    compilation lifts it, so that every retrieval layer runs the same compiled region:
+    specontext_compile/regional.py); the same copies then go through ``index_copy_``."""
+    if isinstance(slot, torch.Tensor):
+        index = slot.reshape(1)
+        query_state.index_copy_(0, index, query[:, :, -1:, :].unsqueeze(0).to(query_state.dtype))
+        query_valid.index_copy_(0, index, length.reshape(1).to(query_valid.dtype))
+        return
     query_state[slot].copy_(query[:, :, -1:, :])
     query_valid[slot].copy_(length)
 

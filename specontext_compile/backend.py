@@ -24,7 +24,9 @@ from .passes.gemv import rewrite_one_row_linears
 from .passes.lower import LowerResult, lower_to_aten
 from .passes.model_counts import add_model_counts
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
+from .regional import compile_regions
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
+from .runtime.aten_step import record_query
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
 from .runtime.static_state import model_stats
@@ -194,8 +196,29 @@ def specontext_backend(
     from torch._inductor.compile_fx import compile_fx
 
     example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
-    compiled = compile_fx(gm, example_inputs, config_patches=inductor_patches(config, mode, example_inputs))
+    patches = inductor_patches(config, mode, example_inputs)
+    compiled = None
+    if _regional(config, on_cuda):  # each distinct decoder layer compiled once
+        regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
+        compiled = compile_regions(gm, example_inputs,
+                                   lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
+                                   lift=_LAYER_SLOTS)
+    if compiled is None:
+        compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return extra.wrap(_checked_backward(compiled))
+
+
+# calls whose int argument differs by layer (the lagged query's slot): a tensor in regional graphs
+_LAYER_SLOTS = {record_query: 3}
+
+
+def _regional(config: SpeContextConfig, on_cuda: bool) -> bool:
+    """Regional compilation (``regional.py``): option ``regional``; None = on for CPU graphs
+    unless weight freezing was asked for (a frozen region is not shared). The compile mode's
+    settings apply to each region (CUDA graphs, the one that would not, are CUDA-only)."""
+    if config.regional is not None:
+        return config.regional
+    return not on_cuda and config.freezing is not True
 
 
 def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], config: SpeContextConfig):

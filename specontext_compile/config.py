@@ -167,6 +167,12 @@ class SpeContextConfig:
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
             multiply-and-sum that inductor vectorises (``passes/gemv.py``: the weights are
             then read near the copy rate on CPU); None = on for CPU graphs, off on CUDA.
+        regional: regional compilation (``regional.py``): inductor compiles each distinct
+            decoder layer once and the graph calls it for every layer of its kind (the first
+            step of 30-layer SmolLM2 compiles several times faster); its graphs are not frozen
+            (weights stay inputs). None = on for CPU graphs in the default mode unless
+            ``freezing=True``; off on CUDA, where a region's Python call per layer and CUDA
+            graphs per region are not yet measured.
     """
 
     budget: int = 1024
@@ -190,6 +196,7 @@ class SpeContextConfig:
     dense_layers: tuple[int, ...] | int = ()
     freezing: bool | None = None
     gemv: bool | None = None
+    regional: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("budget", "max_sparse_q_len"):
@@ -253,7 +260,7 @@ class SpeContextConfig:
         for name in ("lower", "dense_shortcut"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"specontext option {name!r} must be True or False, got {getattr(self, name)!r}")
-        for name in ("freezing", "gemv"):
+        for name in ("freezing", "gemv", "regional"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"specontext option {name!r} must be None, True or False, "
                                  f"got {getattr(self, name)!r}")
