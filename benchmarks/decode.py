@@ -57,7 +57,9 @@ CONTENDERS = ("hf-eager", "hf-static-inductor", "own-dense", "specontext-512", "
 # own-dense: every site dense over the store (budget >= any store: the pass's dense shortcut,
 # SDPA over the store with the causal limit), compiled per shape (dynamic=False keeps the
 # store length static, so the shortcut is decided from shapes on every graph)
-OWN_DENSE = {"options": {"budget": 1 << 30, "page_rescue": 0}, "dynamic": False}
+# regional=False: the graph compiled whole and frozen, the faster step (regional compilation
+# costs the step ~11% at 30 layers: docs/benchmarks.md, "Compile time"), the slower compile
+OWN_DENSE = {"options": {"budget": 1 << 30, "page_rescue": 0, "regional": False}, "dynamic": False}
 DOCS = Path(__file__).resolve().parent.parent / "docs"
 
 

@@ -153,3 +153,31 @@ def test_fidelity_backend_lost_steps_name_the_dense_near_ties():
     got = _lost_steps(ours, dense, margin)
     assert got["lost_steps"] == [1, 3] and got["lost_dense_margins"] == [0.05, 0.7]
     assert got["lost_near_ties"] == {"margin<0.1": 1, "margin<0.5": 1, "margin<1": 2}
+
+
+@pytest.mark.slow
+def test_compile_time_script_on_tiny_model(tmp_path):
+    """benchmarks.compile_time on the tiny model: a cold and a restart row per variant, the
+    regional variant split into regions that share code (fewer compiled than run), the whole
+    variant none; every row ran the sparse path; the interleaved mode times both variants."""
+    import json
+
+    from benchmarks import compile_time
+
+    out = tmp_path / "c.json"
+    regional, whole = {"budget": 8}, {"budget": 8, "regional": False}
+    assert compile_time.main(["--model", "tiny", "--context", "64", "--steps", "3", "--variants",
+                              json.dumps(regional), json.dumps(whole), "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["options"], r["run"]) for r in rows] == [
+        (regional, "cold"), (regional, "restart"), (whole, "cold"), (whole, "restart")]
+    for row in rows:
+        assert row["path_counts"]["gather_sites"] == 3 * 4  # 3 steps x 4 layers, sparse
+        if row["options"] == regional:
+            assert row["regions"] > row["regions_compiled"] > 0
+        else:
+            assert row["regions"] == 0
+    steps = tmp_path / "s.json"
+    assert compile_time.main(["--model", "tiny", "--context", "64", "--steps", "10", "--interleaved",
+                              "--json", str(steps)]) == 0
+    assert [r["options"] for r in json.loads(steps.read_text())["rows"]] == [{}, {"regional": False}]
