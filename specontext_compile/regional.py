@@ -171,11 +171,31 @@ def _fill_values(graph: fx.Graph) -> bool:
     return True
 
 
+def _symbols_bound(graph: fx.Graph) -> bool:
+    """Whether every size symbol of a node's example value is bound by a node whose value is
+    that symbol (a SymInt input or a computed size): ``split_module`` passes such nodes to the
+    regions that need the symbol. Graphs where the backend added inputs with symbolic sizes
+    (an adopted StaticCache's state) can miss them."""
+    import sympy
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    bound, used = set(), set()
+    for node in graph.nodes:
+        value = node.meta.get("example_value")
+        if isinstance(value, (torch.SymInt, torch.SymFloat)) and isinstance(value.node.expr, sympy.Symbol):
+            bound.add(value.node.expr)
+        elif isinstance(value, torch.Tensor):
+            used |= free_symbols(value)
+    return used <= bound
+
+
 def _whole_reason(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> str | None:
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return "the graph holds get_attr constants"
     if not _fill_values(gm.graph):
         return "a node's value cannot be derived from fake inputs"
+    if not _symbols_bound(gm.graph):
+        return "a size symbol has no node that binds it (split_module needs one per symbol)"
     layers = {label for label in labels.values() if label not in (PROLOGUE, EPILOGUE)}
     if len(layers) < 2:
         return "fewer than two decoder layers"
