@@ -1,8 +1,7 @@
 """Regional compilation: inductor compiles each distinct decoder layer once.
 
 Dynamo traces a decoder's layers into one flat graph, and inductor's scheduler (fusion,
-dependency and peak-memory analysis) costs more than linearly in the graph's size: the
-decode graph of 30-layer SmolLM2 spends most of its first-step compile there, while the
+dependency and peak-memory analysis) works over all of it: the decode graph of 30-layer SmolLM2 spends most of its first-step compile there, while the
 C++ kernels of identical layers are already shared by their source (docs/benchmarks.md,
 "Compile time"). This module splits a graph at decoder-layer boundaries
 (``torch.fx.passes.split_module``; a node's layer is the outermost indexed module in dynamo's
