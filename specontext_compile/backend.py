@@ -200,8 +200,7 @@ def specontext_backend(
     compiled = None
     if _regional(config, on_cuda):  # each distinct decoder layer compiled once
         regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
-        compiled = compile_regions(gm, example_inputs,
-                                   lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
+        compiled = compile_regions(gm, lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
                                    lift=_LAYER_SLOTS)
     if compiled is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -216,7 +216,7 @@ def _fresh_inputs(values: list[Any]) -> list[Any]:
     return out
 
 
-def compile_regions(gm: fx.GraphModule, example_inputs: Sequence[Any],
+def compile_regions(gm: fx.GraphModule,
                     compile_region: Callable[[fx.GraphModule, list[Any]], Callable],
                     lift: dict[Callable, int] | None = None) -> Callable | None:
     """Compile ``gm`` region by region with ``compile_region(module, example_inputs)`` (e.g.
@@ -225,8 +225,6 @@ def compile_regions(gm: fx.GraphModule, example_inputs: Sequence[Any],
     Args:
         gm: a graph dynamo traced (node metadata ``nn_module_stack`` and ``example_value``),
             rewritten and lowered by the backend; its node order is its execution order.
-        example_inputs: the inputs ``gm`` is compiled for (only their count is used: regions
-            read their example values from the graph's metadata).
         compile_region: compiles one region's ``GraphModule`` for its (fake) example inputs.
         lift: call targets whose int argument at the given position differs by layer (a
             slot): lifted to a tensor input by :func:`lift_layer_constants` (``gm`` is edited
@@ -239,7 +237,6 @@ def compile_regions(gm: fx.GraphModule, example_inputs: Sequence[Any],
     Counters: ``counters["specontext"]["regions"]`` (regions run per call of the new graph),
     ``["regions_compiled"]`` (distinct regions compiled).
     """
-    del example_inputs
     from torch.fx.passes.split_module import split_module
 
     labels = region_labels(gm.graph)

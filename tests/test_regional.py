@@ -142,7 +142,7 @@ def test_a_graph_without_layers_is_compiled_whole():
     """No decoder layer in the graph: ``compile_regions`` declines (None) without compiling."""
     gm = _tiny_graph(torch.float32, 2.0)
     called = []
-    assert compile_regions(gm, [], lambda region, inputs: called.append(region)) is None
+    assert compile_regions(gm, lambda region, inputs: called.append(region)) is None
     assert not called
 
 
