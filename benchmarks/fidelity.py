@@ -3,7 +3,7 @@
 For each context length, prefills SmolLM2-135M with the first ``context`` tokens of
 ``pydoc_data.topics`` (dense), then decodes ``--steps`` more tokens of the same text
 (teacher-forced, dense), recording every layer's query and keys. Each policy of
-``runtime/policies.py`` then selects ``budget`` tokens per KV head (4 sinks and a 64-token
+``benchmarks/policies.py`` then selects ``budget`` tokens per KV head (4 sinks and a 64-token
 window inside the budget, for every policy) and we report the attention recall: the share of
 each layer/head's dense attention mass inside the selection, averaged over layers, heads and
 steps 1.. (step 0 has no previous query for the lagged-query head).
@@ -30,7 +30,7 @@ import pydoc_data.topics
 from pathlib import Path
 
 import torch
-from specontext_compile.runtime import policies as P
+from benchmarks import policies as P
 from specontext_compile.runtime.selection import select_tokens
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache

@@ -1,7 +1,7 @@
 """Selection policies inside the model's attention: greedy agreement and NLL (issue 6, part 3).
 
 The recall harness (:mod:`benchmarks.fidelity`) scores selections against attention recorded
-from a *dense* run. Here every policy of ``runtime/policies.py`` runs inside the model: one
+from a *dense* run. Here every policy of ``benchmarks/policies.py`` runs inside the model: one
 dense prefill of ``context`` tokens (shared by every run), then ``decode_tokens``
 teacher-forced decode steps in which each layer's attention sees only the tokens the policy
 selected (``budget`` per KV head, sinks and a recent window inside the budget, as in the recall
@@ -38,7 +38,7 @@ import logging
 from collections.abc import Sequence
 
 import torch
-from specontext_compile.runtime import policies as P
+from benchmarks import policies as P
 from specontext_compile.runtime.selection import select_tokens
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache

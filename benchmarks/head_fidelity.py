@@ -21,7 +21,7 @@ import pydoc_data.topics
 from pathlib import Path
 
 import torch
-from specontext_compile.runtime import policies as P
+from benchmarks import policies as P
 from specontext_compile.runtime.selection import select_tokens
 from tqdm.auto import tqdm
 

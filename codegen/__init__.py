@@ -8,7 +8,6 @@ Public API:
   (CLI: ``python -m specontext_compile.codegen show --head-dim 128 --group 4 --dtype bf16``).
 * ``load_kernels(spec)``: compile once and cache by spec.
 * ``sparse_decode_attention(...)``, ``sparse_mla_decode_attention(...)``: validated wrappers.
-* ``retrieval_scores(...)``, ``select_topk(...)``: selection helpers.
 * ``triton_available()``: whether the kernels can run here (CUDA, or TRITON_INTERPRET=1).
 * ``reference_*``: float64 PyTorch oracles.
 
@@ -32,7 +31,6 @@ from .compiler import (
 )
 from .generator import generated_source
 from .reference import reference_retrieval_scores, reference_sparse_decode_attention
-from .retrieval import retrieval_scores, select_topk
 from .spec import KernelSpec, RetrievalSpec
 
 __all__ = [
@@ -48,8 +46,6 @@ __all__ = [
     "load_kernels",
     "reference_retrieval_scores",
     "reference_sparse_decode_attention",
-    "retrieval_scores",
-    "select_topk",
     "sparse_decode_attention",
     "sparse_mla_decode_attention",
     "triton_available",

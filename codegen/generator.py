@@ -579,7 +579,7 @@ def retrieval_reduce_kernel(
 
 def launch(query, key_cache, valid_length, logits, part_lse, scores, *,
            length, scale, split_size, num_splits):
-    """Run both retrieval phases. Inputs are validated by specontext_compile.codegen.retrieval.
+    """Run both retrieval phases. Inputs are validated by benchmarks/retrieval_scorer.py.
 
     Shapes: query [batch, heads, ${head_dim}] (${dtype}, token axis dropped), key_cache
     [batch, kv_heads, capacity, ${head_dim}], valid_length int64 [batch] (stride 0 allowed),

@@ -1,5 +1,5 @@
 """The model-family table: every causal-LM family of transformers, built tiny and random from
-its config (``specontext_compile.family_matrix``), decoded eagerly (dense) and through the
+its config (``tests/_family_matrix.py``), decoded eagerly (dense) and through the
 specontext backend (prompt 30 tokens + 20 decode steps, budget 128 >= context,
 ``dense_shortcut=False``: the gather path), each case in its own subprocess with a timeout.
 
@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # tests/_family_matrix.py
+
 STATUSES = ("rewritten", "partial", "dense", "cache_refuses", "no_config", "no_model", "refused", "wrong", "crash",
             "timeout")
 
@@ -35,7 +37,7 @@ def run_worker(case: str, out: str) -> int:
     import logging
 
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    from specontext_compile.family_matrix import run_case
+    from _family_matrix import run_case
 
     family, attn = case.split(":")
     Path(out).write_text(json.dumps(run_case(family, attn)))
@@ -135,11 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.case:
         return run_worker(args.case, args.out)
 
+    import _family_matrix as fm
     import torch
     import transformers
     from tqdm import tqdm
-
-    from specontext_compile import family_matrix as fm
 
     if args.render:
         saved = json.loads(args.json.read_text())

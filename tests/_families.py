@@ -1,9 +1,9 @@
 """Family matrix helpers: the tiny random decoders of ``specontext_compile.tiny_models`` run
-eagerly (dense) and through the specontext backend (``specontext_compile.family_matrix``)."""
+eagerly (dense) and through the specontext backend (``tests/_family_matrix.py``)."""
 
 from __future__ import annotations
 
-from specontext_compile.family_matrix import BUDGET, DECODE_STEPS, PROMPT_TOKENS, run_family  # noqa: F401
+from _family_matrix import BUDGET, DECODE_STEPS, PROMPT_TOKENS, run_family  # noqa: F401
 from specontext_compile.tiny_models import FAMILIES, VOCAB, tiny_family  # noqa: F401
 
 

@@ -7,6 +7,9 @@ window, never selects an invalid position and pads with -1.
 """
 
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -14,6 +17,9 @@ from hypothesis import strategies as st
 from specontext_compile.codegen.testing import strided_cache
 
 from specontext_compile import codegen
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
+from benchmarks.retrieval_scorer import retrieval_scores, select_topk  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
@@ -50,7 +56,7 @@ def test_scores_match_reference(
     for b in range(2):
         keys[b, :, int(vlen[b]) :] = float("nan")  # never written: must never be read
     scale = scale_mul * head_dim**-0.5
-    got = codegen.retrieval_scores(
+    got = retrieval_scores(
         query, keys, length, scale=scale, valid_length=vlen, num_splits=splits, block_n=16
     )
     want = codegen.reference_retrieval_scores(query, keys, length, scale=scale, valid_length=vlen)
@@ -63,11 +69,11 @@ def test_scores_validate_arguments():
     q = torch.zeros(1, 4, 1, 16, device=DEVICE)
     k = torch.zeros(1, 2, 8, 16, device=DEVICE)
     with pytest.raises(ValueError, match="length=9"):
-        codegen.retrieval_scores(q, k, 9)
+        retrieval_scores(q, k, 9)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        codegen.retrieval_scores(q[:, :3], k, 4)
+        retrieval_scores(q[:, :3], k, 4)
     with pytest.raises(ValueError, match="one token"):
-        codegen.retrieval_scores(q.expand(1, 4, 2, 16), k, 4)
+        retrieval_scores(q.expand(1, 4, 2, 16), k, 4)
 
 
 @settings(max_examples=25, deadline=None)
@@ -84,7 +90,7 @@ def test_select_topk_properties(length, short, budget, sink, window, seed):
     gen = torch.Generator().manual_seed(seed)
     scores = torch.rand(2, 3, length, generator=gen)
     vlen = torch.tensor([length, min(short, length)])
-    idx = codegen.select_topk(scores, budget, sink=sink, window=window, valid_length=vlen)
+    idx = select_topk(scores, budget, sink=sink, window=window, valid_length=vlen)
     assert idx.shape == (2, 3, budget) and idx.dtype == torch.int64
     for b in range(2):
         n = int(vlen[b])
@@ -105,7 +111,7 @@ def test_select_topk_properties(length, short, budget, sink, window, seed):
 
 def test_select_topk_rejects_overfull_forced_set():
     with pytest.raises(ValueError, match="sink \\+ window = 9 exceeds budget=8"):
-        codegen.select_topk(torch.rand(1, 1, 20), 8, sink=4, window=5)
+        select_topk(torch.rand(1, 1, 20), 8, sink=4, window=5)
 
 
 def test_scores_then_topk_pick_the_attended_tokens():
@@ -115,6 +121,6 @@ def test_scores_then_topk_pick_the_attended_tokens():
     query = torch.zeros(1, 2, 1, 32)
     query[0, 0, 0] = 8 * keys[0, 0, 11] / keys[0, 0, 11].norm()  # head 0 likes token 11
     query[0, 1, 0] = 8 * keys[0, 0, 37] / keys[0, 0, 37].norm()  # head 1 likes token 37
-    scores = codegen.retrieval_scores(query.to(DEVICE), keys.to(DEVICE), 50, scale=1.0)
-    idx = codegen.select_topk(scores, 4, sink=1, window=1)
+    scores = retrieval_scores(query.to(DEVICE), keys.to(DEVICE), 50, scale=1.0)
+    idx = select_topk(scores, 4, sink=1, window=1)
     assert {0, 49, 11, 37} == set(idx[0, 0].tolist())

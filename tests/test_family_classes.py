@@ -6,11 +6,11 @@ not silently skipped), and retrieval layers whose shape differs from layer 0's."
 import pytest
 import torch
 from _families import record_caches
+from _family_matrix import DECODE_STEPS, run_family, tiny_model
 from specontext_compile.runtime.kv_cache import SpeContextIndexedLayer
 from test_backend_e2e import assert_gather_path
 
 import specontext_compile as sc
-from specontext_compile.family_matrix import DECODE_STEPS, run_family, tiny_model
 
 
 # glm_moe_dsa (DSA indexer + MLA) stays in the fast tier; the other three are slow (docs/testing.md)

@@ -1,12 +1,12 @@
-"""The generated family matrix (issue 14 item 5, ``specontext_compile.family_matrix``;
+"""The generated family matrix (issue 14 item 5, ``tests/_family_matrix.py``;
 table: ``scripts/family_table.py`` -> ``docs/families_table.md``): a few quick families
 beyond the hand-listed 13 of ``tests/test_families.py``, run as the table runs them (tiny
 generic config, sdpa, prompt 30 + 20 decode steps, full budget on the gather path), and the
 generic config shrinking itself."""
 
+import _family_matrix as fm
 import pytest
 
-from specontext_compile import family_matrix as fm
 from specontext_compile.tiny_models import FAMILIES as HAND_TUNED
 
 # picked from docs/families.json: quick, and each with something of its own

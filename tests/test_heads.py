@@ -1,13 +1,17 @@
 """The retrieval heads shipped in the package load with SmolLM2-135M's embedding shape."""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from specontext_compile.runtime import heads
 from specontext_compile.runtime.eagle3 import load_eagle3_head
-from specontext_compile.runtime.policies import DecodeStep, DraftHead
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
+from benchmarks.policies import DecodeStep, DraftHead  # noqa: E402
 
 VOCAB, HIDDEN, KV_HEADS, HEAD_DIM, LAYERS = 49152, 576, 3, 64, 30
 SHIPPED = ["smollm2-135m-embedding", "smollm2-135m-fused"]
@@ -51,10 +55,6 @@ def test_shipped_head_scores_a_decode_step(name):
 
 
 def test_head_fidelity_scores_a_distilled_head_on_a_tiny_model():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
     from benchmarks import head_fidelity
 
     from _tiny import tiny_llama

@@ -1,8 +1,13 @@
 """Every selection policy through the same checks (shapes, finiteness, defining property)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from specontext_compile.runtime import policies as P
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
+from benchmarks import policies as P  # noqa: E402
 
 LAYERS, HEADS, KV, D, N = 3, 4, 2, 8, 50
 

@@ -28,8 +28,8 @@ import dataclasses
 
 import torch
 
-from .retrieval import group_max_softmax
-from .sparse_attention import query_key_logits
+from specontext_compile.runtime.retrieval import group_max_softmax
+from specontext_compile.runtime.sparse_attention import query_key_logits
 
 __all__ = ["H2O", "DecodeStep", "LaggedQuery", "OracleTopK", "Quest", "RandomTokens", "StreamingLLM"]
 

@@ -14,15 +14,15 @@ import math
 
 import torch
 
-from .attention import (
+from specontext_compile.codegen.attention import (
     MAX_SPLITS,
     _check_tensor,
     _prepare_valid_length,
     _require,
     _require_runnable,
 )
-from .compiler import load_kernels
-from .spec import RetrievalSpec, canonical_dtype
+from specontext_compile.codegen.compiler import load_kernels
+from specontext_compile.codegen.spec import RetrievalSpec, canonical_dtype
 
 __all__ = ["retrieval_scores", "select_topk"]
 
