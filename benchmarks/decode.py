@@ -39,6 +39,7 @@ within this run.
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import gc
 import json
@@ -61,6 +62,8 @@ CONTENDERS = ("hf-eager", "hf-static-inductor", "own-dense", "specontext-512", "
 # costs the step ~11% at 30 layers: docs/benchmarks.md, "Compile time"), the slower compile
 OWN_DENSE = {"options": {"budget": 1 << 30, "page_rescue": 0, "regional": False}, "dynamic": False}
 DOCS = Path(__file__).resolve().parent.parent / "docs"
+# --dtypes: what users load; the weights and the KV cache both take the dtype
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 # --------------------------------------------------------------------------- machine
@@ -454,15 +457,19 @@ def random_source(config, context: int, seed: int = 0):
 def run_group(model, tokenizer, group: Group, contenders, steps, warmup, bandwidth, bar,
               rows: list[dict], on_row=None) -> list[dict]:
     """Append every (context, batch, contender) row of one model group to ``rows``;
-    ``on_row(rows)`` is called after each (to save partial results)."""
+    ``on_row(rows)`` is called after each (to save partial results). The model's dtype is
+    the run's: prefill, the random KV and every contender's cache take it."""
     forwards = Forwards(model)
+    dtype = next(model.parameters()).dtype
+    dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     weight_bytes = param_bytes(model)
     for context in group.contexts:
         if group.weights == "real" and tokenizer is not None:
             ids = real_text_ids(tokenizer, context)
             prefill_s, source, first = prefill_source(model, ids)
         else:
-            prefill_s, source = None, random_source(model.config, context)
+            prefill_s, source = None, [(k.to(dtype), v.to(dtype))
+                                       for k, v in random_source(model.config, context)]
             first = torch.tensor([[1]])
         for batch in group.batches:
             for name in contenders:
@@ -470,11 +477,12 @@ def run_group(model, tokenizer, group: Group, contenders, steps, warmup, bandwid
                     bar.set_postfix_str(f"{group.weights} ctx={context} b={batch} {name}")
                 result = run_contender(name, forwards, model.config, source, first, context,
                                        batch, steps, warmup, bar)
-                wb, kvb = floor_bytes(name, model.config, weight_bytes, context, batch)
+                wb, kvb = floor_bytes(name, model.config, weight_bytes, context, batch,
+                                      elem=torch.finfo(dtype).bits // 8)
                 floor_ms = 1000.0 * (wb + kvb) / bandwidth
                 rows.append({
-                    "model": group.label, "weights": group.weights, "context": context,
-                    "batch": batch, "contender": name,
+                    "model": group.label, "weights": group.weights, "dtype": dtype_name,
+                    "context": context, "batch": batch, "contender": name,
                     "prefill_s": prefill_s if name == "hf-eager" else None,
                     **result,
                     "floor_weight_bytes": wb, "floor_kv_bytes": kvb, "floor_ms": floor_ms,
@@ -487,17 +495,59 @@ def run_group(model, tokenizer, group: Group, contenders, steps, warmup, bandwid
     return rows
 
 
+def _ratio_key(row: dict) -> str:
+    dtype = row.get("dtype", "fp32")  # rows of runs before --dtypes are fp32
+    return f"{row['weights']}/{dtype}/ctx={row['context']}/batch={row['batch']}"
+
+
+def crossovers(rows: list[dict], contender: str, baseline: str = "own-dense") -> list[dict]:
+    """Where ``contender`` starts to beat ``baseline``, per (weights, dtype, batch).
+
+    For each series of measured contexts (ascending), the speed-up ``baseline ms /
+    contender ms`` at each context, and ``crossover_tokens``: the context where the speed-up
+    crosses 1 for good, interpolated linearly in log2(context) between the last measured context
+    below 1 and the next (every larger one is at or above 1); ``None`` with ``"always"`` in
+    ``note`` when every measured context is at or above 1, ``"never"`` when the largest is
+    below 1 (tokens)."""
+    ms: dict[tuple, dict[int, dict[str, float]]] = {}
+    for r in rows:
+        if r["contender"] in (contender, baseline):
+            key = (r["weights"], r.get("dtype", "fp32"), r["batch"])
+            ms.setdefault(key, {}).setdefault(r["context"], {})[r["contender"]] = r["ms_median"]
+    out = []
+    for (weights, dtype, batch), by_ctx in sorted(ms.items()):
+        pts = [(c, v[baseline] / v[contender]) for c, v in sorted(by_ctx.items())
+               if contender in v and baseline in v]
+        if not pts:
+            continue
+        entry = {"weights": weights, "dtype": dtype, "batch": batch, "contender": contender,
+                 "baseline": baseline, "speedups": {str(c): s for c, s in pts},
+                 "crossover_tokens": None, "note": None}
+        below = [i for i, (_, s) in enumerate(pts) if s < 1]
+        if not below:
+            entry["note"] = "always"
+        elif below[-1] == len(pts) - 1:
+            entry["note"] = "never"
+        else:
+            i = below[-1] + 1  # from here on every measured context is at or above 1
+            (c0, s0), (c1, s1) = pts[i - 1], pts[i]
+            t = (1 - s0) / (s1 - s0)
+            entry["crossover_tokens"] = round(2 ** (math.log2(c0) + t * (math.log2(c1) - math.log2(c0))))
+        out.append(entry)
+    return out
+
+
 def add_ratios(rows: list[dict]) -> dict:
     """Pairwise speed-ups within each (model, context, batch): ``ratios[key][a][b]`` =
     ms/token of b / ms/token of a (> 1: a is faster)."""
     groups: dict[str, dict[str, float]] = {}
     for row in rows:
-        key = f"{row['weights']}/ctx={row['context']}/batch={row['batch']}"
+        key = _ratio_key(row)
         groups.setdefault(key, {})[row["contender"]] = row["ms_median"]
     ratios = {key: {a: {b: mb / ma for b, mb in ms.items()} for a, ma in ms.items()}
               for key, ms in groups.items()}
     for row in rows:
-        key = f"{row['weights']}/ctx={row['context']}/batch={row['batch']}"
+        key = _ratio_key(row)
         mine = ratios[key][row["contender"]]
         row["speedup_vs_hf_eager"] = mine.get("hf-eager")
         row["speedup_vs_hf_static_inductor"] = mine.get("hf-static-inductor")
@@ -514,13 +564,14 @@ def _fmt(value, spec: str) -> str:
 
 def format_table(rows: list[dict]) -> str:
     """The results as a Markdown table."""
-    head = ("| weights | ctx | batch | contender | prefill s | first step s | ms/token median "
+    head = ("| weights | dtype | ctx | batch | contender | prefill s | first step s | ms/token median "
             "[p10-p90] | tok/s | floor ms | x floor | **vs own dense** | vs eager | vs inductor | KV MB | "
             "peak RSS MB |")
-    lines = [head, "|" + "---|" * 15]
+    lines = [head, "|" + "---|" * 16]
     for r in rows:
         lines.append(
-            f"| {r['weights']} | {r['context']} | {r['batch']} | {r['contender']} | "
+            f"| {r['weights']} | {r.get('dtype', 'fp32')} | {r['context']} | {r['batch']} | "
+            f"{r['contender']} | "
             f"{_fmt(r['prefill_s'], '.2f')} | {r['first_step_s']:.2f} | "
             f"{r['ms_median']:.1f} [{r['ms_p10']:.1f}-{r['ms_p90']:.1f}] | "
             f"{r['tokens_per_s']:.1f} | {r['floor_ms']:.1f} | {r['x_floor']:.2f} | "
@@ -531,8 +582,25 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_crossovers(rows: list[dict]) -> str:
+    """One line per (sparse contender, weights, dtype, batch): speed-up vs own dense by
+    context and where it crosses 1 (see :func:`crossovers`)."""
+    lines = []
+    for name in dict.fromkeys(r["contender"] for r in rows):
+        if not name.startswith("specontext"):
+            continue
+        for c in crossovers(rows, name):
+            ups = ", ".join(f"{k}: {v:.2f}x" for k, v in c["speedups"].items())
+            where = (f"crosses 1x at ~{c['crossover_tokens']} tokens" if c["crossover_tokens"]
+                     else {"always": "faster at every measured context",
+                           "never": "slower at the largest measured context"}[c["note"]])
+            lines.append(f"{name} vs own dense, {c['weights']} {c['dtype']} batch {c['batch']}: "
+                         f"{ups}; {where}")
+    return "\n".join(lines)
+
+
 def write_plots(rows: list[dict], directory: Path, prefix: str) -> list[str]:
-    """ms/token vs context per contender (one panel per batch), floors dashed."""
+    """ms/token vs context per contender (one panel per dtype and batch), floors dashed."""
     try:
         import matplotlib
 
@@ -542,14 +610,19 @@ def write_plots(rows: list[dict], directory: Path, prefix: str) -> list[str]:
         print("matplotlib is not installed (pip install -e .[bench]): no plots", file=sys.stderr)
         return []
     directory.mkdir(parents=True, exist_ok=True)
-    batches = sorted({r["batch"] for r in rows})
+    panels = sorted({(r.get("dtype", "fp32"), r["batch"]) for r in rows})
     contenders = list(dict.fromkeys(r["contender"] for r in rows))
-    fig, axes = plt.subplots(1, len(batches), figsize=(5.5 * len(batches), 4.5), squeeze=False)
+    cols = min(len(panels), 3)
+    nrows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(5.5 * cols, 4.5 * nrows), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    for ax, batch in zip(axes[0], batches):
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (dtype, batch) in zip(axes.flat, panels):
         for i, name in enumerate(contenders):
             pts = sorted((r["context"], r["ms_median"], r["floor_ms"], r["weights"])
-                         for r in rows if r["batch"] == batch and r["contender"] == name)
+                         for r in rows if r["batch"] == batch and r["contender"] == name
+                         and r.get("dtype", "fp32") == dtype)
             if not pts:
                 continue
             color = colors[i % len(colors)]
@@ -565,9 +638,9 @@ def write_plots(rows: list[dict], directory: Path, prefix: str) -> list[str]:
         ax.set_yscale("log")
         ax.set_xlabel("context tokens (rw = random weights)")
         ax.set_ylabel("decode ms/token (median)")
-        ax.set_title(f"batch {batch}")
+        ax.set_title(f"{dtype}, batch {batch}")
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize=7)
+    axes.flat[0].legend(fontsize=7)
     fig.tight_layout()
     path = directory / f"{prefix}.png"
     fig.savefig(path, dpi=110)
@@ -597,6 +670,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="batch sizes for --random-contexts (default 1)")
     parser.add_argument("--contenders", nargs="+", default=None,
                         help=f"subset of {' '.join(CONTENDERS)} (any specontext-<budget>)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=tuple(DTYPES),
+                        help="weight and KV dtypes, each a run of every group (default fp32)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 20)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3)")
     parser.add_argument("--quick", action="store_true",
@@ -668,6 +743,8 @@ def _result(args, argv, info, bandwidth, started, rows, complete: bool) -> dict:
             "floor_ms = (weight bytes + KV bytes the step must read) / copy bandwidth",
         ],
         "rows": rows, "ratios": add_ratios(rows),
+        "crossovers": [c for name in args.contenders if name.startswith("specontext")
+                       for c in crossovers(rows, name)],
     }
 
 
@@ -686,6 +763,7 @@ def main(argv=None) -> int:
         if not args.no_plots:
             write_plots(rows, args.plot_dir, args.table_from.stem)
         print(format_table(rows))
+        print(format_crossovers(rows))
         print(f"complete: {result.get('complete')}; copy bandwidth "
               f"{result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s; "
               f"command: {result['command']}")
@@ -717,7 +795,8 @@ def main(argv=None) -> int:
                             args.random_contexts, args.random_batches))
     groups = [g for g in groups if g.contexts]
     per_row = args.warmup + args.steps + 1
-    total = sum(len(g.contexts) * len(g.batches) for g in groups) * len(args.contenders) * per_row
+    total = (sum(len(g.contexts) * len(g.batches) for g in groups) * len(args.contenders)
+             * per_row * len(args.dtypes))
     bar = None if args.no_progress else tqdm(total=total, desc="decode steps", unit="step")
     args.json.parent.mkdir(parents=True, exist_ok=True)
 
@@ -736,8 +815,12 @@ def main(argv=None) -> int:
                               "(KV filled with random values, no prefill)")
                 model = random_like(model, max(group.contexts) + per_row + 2)
                 gc.collect()
-            run_group(model, tokenizer if group.weights == "real" else None, group,
-                      args.contenders, args.steps, args.warmup, bandwidth, bar, rows, save)
+            for dtype in args.dtypes:
+                typed = model if DTYPES[dtype] == torch.float32 else copy.deepcopy(model).to(DTYPES[dtype])
+                run_group(typed, tokenizer if group.weights == "real" else None, group,
+                          args.contenders, args.steps, args.warmup, bandwidth, bar, rows, save)
+                del typed
+                gc.collect()
     finally:
         if bar is not None:
             bar.close()
@@ -745,6 +828,7 @@ def main(argv=None) -> int:
     plots = [] if args.no_plots else write_plots(rows, args.plot_dir, "benchmarks_decode" + (
         "_quick" if args.quick else ""))
     print(format_table(rows))
+    print(format_crossovers(rows))
     if any(r["weights"] == "random" for r in rows):
         print("weights=random rows: random-weight model (decode speed does not depend on "
               "weight values)")
