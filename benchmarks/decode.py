@@ -645,6 +645,31 @@ def write_plots(rows: list[dict], directory: Path, prefix: str) -> list[str]:
     path = directory / f"{prefix}.png"
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return [str(path)] + _speedup_plot(plt, rows, directory, prefix)
+
+
+def _speedup_plot(plt, rows: list[dict], directory: Path, prefix: str) -> list[str]:
+    """Speed-up of each sparse contender over own dense against context, one line per
+    (dtype, batch), with 1x drawn: where a line crosses it, sparsity starts to pay."""
+    series = [c for name in dict.fromkeys(r["contender"] for r in rows) if name.startswith("specontext")
+              for c in crossovers(rows, name)]
+    if not series:
+        return []
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for c in series:
+        pts = sorted((int(k), v) for k, v in c["speedups"].items())
+        label = f"{c['contender']} {c['dtype']} b{c['batch']}" + (" (rw)" if c["weights"] == "random" else "")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=label)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context tokens (rw = random weights)")
+    ax.set_ylabel("speed-up over own dense (ms own dense / ms)")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = directory / f"{prefix}_speedup.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return [str(path)]
 
 
@@ -680,7 +705,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="results file (default docs/benchmarks_decode.json; "
                              "quick: out/benchmarks_decode_quick.json)")
     parser.add_argument("--plot-dir", type=Path, default=None,
-                        help="where plots go (default docs/; quick: out/)")
+                        help="where plots go, named as the JSON file (default docs/; quick: out/)")
     parser.add_argument("--no-plots", action="store_true")
     parser.add_argument("--table-from", type=Path, default=None, metavar="JSON",
                         help="print the table of an earlier run's JSON (also a partial one), "
@@ -825,8 +850,7 @@ def main(argv=None) -> int:
         if bar is not None:
             bar.close()
     result = save(rows, complete=True)
-    plots = [] if args.no_plots else write_plots(rows, args.plot_dir, "benchmarks_decode" + (
-        "_quick" if args.quick else ""))
+    plots = [] if args.no_plots else write_plots(rows, args.plot_dir, args.json.stem)  # plot named as its JSON
     print(format_table(rows))
     print(format_crossovers(rows))
     if any(r["weights"] == "random" for r in rows):

@@ -181,3 +181,74 @@ def test_compile_time_script_on_tiny_model(tmp_path):
     assert compile_time.main(["--model", "tiny", "--context", "64", "--steps", "10", "--interleaved",
                               "--json", str(steps)]) == 0
     assert [r["options"] for r in json.loads(steps.read_text())["rows"]] == [{}, {"regional": False}]
+
+
+def _row(context, contender, ms, batch=1, dtype="fp32", weights="real"):
+    return {"weights": weights, "dtype": dtype, "context": context, "batch": batch,
+            "contender": contender, "ms_median": ms}
+
+
+def test_crossover_interpolates_in_log_context_and_names_the_always_and_never_cases():
+    rows = [_row(2048, "own-dense", 50.0), _row(2048, "specontext-1024", 100.0),   # 0.5x
+            _row(8192, "own-dense", 100.0), _row(8192, "specontext-1024", 50.0),   # 2.0x
+            _row(2048, "own-dense", 10.0, batch=4), _row(2048, "specontext-1024", 5.0, batch=4),
+            _row(8192, "own-dense", 10.0, batch=4), _row(8192, "specontext-1024", 20.0, batch=4),
+            _row(2048, "own-dense", 1.0, dtype="bf16"), _row(2048, "specontext-1024", 0.5, dtype="bf16")]
+    got = {(c["batch"], c["dtype"]): c for c in decode.crossovers(rows, "specontext-1024")}
+    # speed-up 0.5 at 2^11, 2.0 at 2^13: crosses 1 a third of the way, 2^(11 + 2/3)
+    assert got[(1, "fp32")]["crossover_tokens"] == round(2 ** (11 + 2 / 3))
+    assert got[(1, "fp32")]["speedups"] == {"2048": 0.5, "8192": 2.0}
+    assert got[(4, "fp32")]["crossover_tokens"] is None and got[(4, "fp32")]["note"] == "never"
+    assert got[(1, "bf16")]["note"] == "always"
+    assert "crosses 1x at ~3251 tokens" in decode.format_crossovers(rows)
+
+
+def test_long_generation_greedy_decode_equals_hf_generate_and_replay_agrees():
+    """The harness's own greedy loop is Hugging Face's greedy generation (same tokens), and a
+    teacher-forced replay of those tokens through the same dense forward agrees at every step."""
+    import torch
+    from transformers import DynamicCache
+
+    from benchmarks import long_generation as lg
+
+    model = decode.random_model(decode.tiny_config())
+    prompt = torch.randint(3, 512, (1, 40), generator=torch.Generator().manual_seed(1))
+    dense = lg.decode(model.forward, DynamicCache(config=model.config), prompt, 24, progress=False)
+    want = model.generate(prompt, max_new_tokens=24, min_new_tokens=24, do_sample=False)[0, 40:]
+    assert dense["chosen"].tolist() == want.tolist()
+    replay = lg.decode(model.forward, DynamicCache(config=model.config), prompt, 24,
+                       feed=dense["chosen"], progress=False)
+    row = lg.compare(replay, dense, 40, window=8)
+    assert row["agreement"] == 1.0 and row["lost_steps"] == 0
+    assert [w["first_step"] for w in row["windows"]] == [1, 9, 17]
+    assert [w["context_at_start"] for w in row["windows"]] == [41, 49, 57]
+    assert abs(row["nll_delta"]) < 1e-9
+    # a suppressed id is never chosen even where it is the argmax
+    top = int(dense["argmax"][0])
+    masked = lg.decode(model.forward, DynamicCache(config=model.config), prompt, 3,
+                       suppress=[top], progress=False)
+    assert int(masked["chosen"][0]) != top and int(masked["argmax"][0]) == top
+
+
+def test_distinct_ngram_share():
+    from benchmarks import long_generation as lg
+
+    assert lg.distinct_ngram_share([1, 2, 3, 4, 5, 6]) == 1.0
+    assert lg.distinct_ngram_share([7] * 10) == 1 / 7
+
+
+@pytest.mark.slow
+def test_long_generation_tiny_end_to_end(tmp_path):
+    """The whole protocol on a tiny model: own dense agrees at every step; the default ran
+    its sparse path (counters) at a budget below the context."""
+    from benchmarks import long_generation as lg
+
+    out = tmp_path / "lg.json"
+    assert lg.main(["--model", "tiny", "--prompt", "96", "--generate", "40", "--window", "16",
+                    "--budget", "32", "--json", str(out), "--no-progress"]) == 0
+    result = json.loads(out.read_text())
+    own, ours = result["contenders"]["own-dense"], result["contenders"]["default"]
+    assert own["agreement"] == 1.0 and own["decode_steps"] == 39
+    assert ours["paths"]["decode_steps"] == 39 and ours["paths"]["gather_sites"] == 39 * 4
+    assert 0.0 <= ours["agreement"] <= 1.0 and len(ours["windows"]) == 3
+    assert result["default_vs_own_dense"]["all"] > 0
