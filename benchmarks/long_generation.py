@@ -6,9 +6,12 @@ token needs. Protocol (one process, one run):
 
 1. **prompt**: a chat turn of ``--prompt`` tokens — the first tokens of ``pydoc_data.topics``
    (real text) wrapped in an instruction to explain it step by step (SmolLM2's chat template);
-2. **dense greedy generation** of ``--generate`` tokens with Hugging Face eager decoding
-   (``DynamicCache``, SDPA; end-of-sequence suppressed so the output reaches its length);
-   each step records the dense argmax, its lead over the runner-up (nats) and the step time;
+2. **dense generation** of ``--generate`` tokens with Hugging Face eager decoding
+   (``DynamicCache``, SDPA; end-of-sequence suppressed so the output reaches its length),
+   greedy or, with ``--temperature``, sampled with a seed (SmolLM2-135M's greedy output
+   falls into a loop within a few hundred tokens, an easy case for any selection: the sampled
+   text is the model's own and does not loop); each step records the dense argmax, its lead
+   over the runner-up (nats) and the step time;
 3. **teacher-forced replays** of prompt + generated tokens through each contender: the
    default backend (``torch.compile(..., backend="specontext")``, budget ``--budget``, every
    other option at its default) and our own compiled dense step (``own-dense`` of
@@ -23,7 +26,7 @@ per window** (decode steps timed one by one, ``perf_counter`` around each call),
 path counters of the cache (how many sites ran sparse). The generated text's repetition
 (distinct 4-gram share) is reported too: a looping output is an easy case for any selection.
 
-    python -m benchmarks.long_generation --prompt 2048 --generate 4096 --json docs/long_generation.json
+    python -m benchmarks.long_generation --prompt 2048 --generate 4096 --temperature 1.0 --top-k 50 --json docs/long_generation.json
     python -m benchmarks.long_generation --model tiny --prompt 96 --generate 64 --window 16 --json /tmp/lg.json
 """
 
@@ -85,12 +88,15 @@ def distinct_ngram_share(tokens: list[int], n: int = 4) -> float:
 
 
 def decode(forward, cache, prompt: torch.Tensor, steps: int, feed: torch.Tensor | None = None,
-           suppress: list[int] = (), desc: str = "", progress: bool = True) -> dict:
+           suppress: list[int] = (), temperature: float = 0.0, top_k: int = 0, seed: int = 0,
+           desc: str = "", progress: bool = True) -> dict:
     """Prefill ``prompt`` (``[1, P]``) then ``steps - 1`` decode steps.
 
     With ``feed`` (int64 ``[steps]``) the steps are teacher-forced: step ``i`` feeds
-    ``feed[i - 1]``; without it, greedy: each step feeds the previous argmax (``suppress``'d
-    ids masked out first, e.g. end-of-sequence). Returns float64/int64 tensors of length
+    ``feed[i - 1]``; without it the run generates: greedy (``temperature`` 0) or sampled
+    from ``softmax(logits / temperature)`` over the ``top_k`` best ids (0 = all; a
+    ``torch.Generator`` seeded with ``seed``), ``suppress``'d ids (e.g. end-of-sequence)
+    masked out first. Returns float64/int64 tensors of length
     ``steps``: ``argmax`` (the unmasked argmax after step ``i``; step 0 is the prefill's),
     ``chosen`` (the token decoded or fed next), ``margin`` (nats between the top two),
     ``nll`` (nats of ``chosen``), ``ms`` (the step's wall time; ``nan`` for the prefill) and
@@ -102,6 +108,7 @@ def decode(forward, cache, prompt: torch.Tensor, steps: int, feed: torch.Tensor 
     chosen = torch.zeros(steps, dtype=torch.long)
     out["ms"][0] = math.nan
     bar = tqdm(total=steps, desc=desc, leave=False, disable=not progress)
+    generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         t0 = time.perf_counter()
         logits = forward(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
@@ -121,11 +128,20 @@ def decode(forward, cache, prompt: torch.Tensor, steps: int, feed: torch.Tensor 
             else:
                 masked = logp.clone()
                 masked[list(suppress)] = -math.inf
-                chosen[i] = masked.argmax()
+                chosen[i] = masked.argmax() if temperature <= 0 else _sample(masked, temperature, top_k, generator)
             out["nll"][i] = -logp[chosen[i]]
             bar.update(1)
     bar.close()
     return {"argmax": argmax, "chosen": chosen, **out, "prefill_s": prefill_s}
+
+
+def _sample(logp: torch.Tensor, temperature: float, top_k: int, generator) -> torch.Tensor:
+    """One id drawn from ``softmax(logp / temperature)`` restricted to the ``top_k`` best."""
+    if top_k:
+        best = logp.topk(top_k)
+        pick = torch.multinomial(torch.softmax(best.values / temperature, -1), 1, generator=generator)
+        return best.indices[pick[0]]
+    return torch.multinomial(torch.softmax(logp / temperature, -1), 1, generator=generator)[0]
 
 
 def windows(values: torch.Tensor, window: int, start: int = 1) -> list[torch.Tensor]:
@@ -135,8 +151,9 @@ def windows(values: torch.Tensor, window: int, start: int = 1) -> list[torch.Ten
 
 
 def compare(run: dict, dense: dict, prompt_tokens: int, window: int) -> dict:
-    """Agreement, NLL increase, near ties among lost steps and step ms of ``run`` against the
-    dense greedy run, overall and per window (decode steps only: step 0 is the prefill)."""
+    """Agreement, NLL increase, near ties among lost steps and step ms (median, max, steps
+    over 5x the median) of ``run`` against the dense run's argmax, overall and per window
+    (decode steps only: step 0 is the prefill)."""
     same = (run["argmax"] == dense["argmax"]).double()
     lost = (same[1:] == 0).nonzero().flatten() + 1
     margins = dense["margin"][lost]
@@ -145,8 +162,9 @@ def compare(run: dict, dense: dict, prompt_tokens: int, window: int) -> dict:
         first = 1 + w * window
         per_window.append({"first_step": first, "context_at_start": prompt_tokens + first,
                            "steps": s.numel(), "agreement": float(s.mean()),
-                           "ms_median": float(m.median())})
+                           "ms_median": float(m.median()), "ms_max": float(m.max())})
     ms = run["ms"][1:]
+    slow = (ms > 5 * ms.median()).nonzero().flatten()
     return {
         "agreement": float(same[1:].mean()), "decode_steps": int(same[1:].numel()),
         "lost_steps": int(lost.numel()),
@@ -154,6 +172,8 @@ def compare(run: dict, dense: dict, prompt_tokens: int, window: int) -> dict:
         "nll_delta": float((run["nll"][1:] - dense["nll"][1:]).mean()),
         "ms_median": float(ms.median()), "ms_first_window": per_window[0]["ms_median"],
         "ms_last_window": per_window[-1]["ms_median"], "prefill_s": run["prefill_s"],
+        # steps over 5x the median (a recompile, a page fault storm): step index and ms
+        "slow_steps": [[int(i) + 1, round(float(ms[i]), 1)] for i in slow],
         "windows": per_window,
     }
 
@@ -209,6 +229,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="generated tokens (default 4096)")
     parser.add_argument("--budget", type=int, default=1024, help="the default's budget (tokens)")
     parser.add_argument("--window", type=int, default=512, help="steps per reported window")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0: the dense run generates greedily; > 0: it samples (seeded), so "
+                             "the output does not loop; every replay is still compared with "
+                             "the dense argmax at each step")
+    parser.add_argument("--top-k", type=int, default=0, help="sample among the k best ids (0: all)")
+    parser.add_argument("--seed", type=int, default=0, help="the sampler's seed")
     parser.add_argument("--contenders", nargs="+", default=["default", "own-dense"],
                         choices=("default", "own-dense"), help="teacher-forced replays")
     parser.add_argument("--json", type=Path, default=DOCS / "long_generation.json")
@@ -216,6 +242,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.prompt < 2 or args.generate < 2 or args.window < 1 or args.budget < 1:
         parser.error("--prompt and --generate must be >= 2, --window and --budget >= 1")
+    if args.temperature < 0 or args.top_k < 0:
+        parser.error("--temperature and --top-k must be >= 0")
     return args
 
 
@@ -243,18 +271,20 @@ def main(argv=None) -> int:
     progress = not args.no_progress
     forward, make = contender_forward(model, "dense", args.budget)
     dense = decode(forward, make(capacity), prompt, steps, suppress=suppress,
-                   desc="dense greedy generation", progress=progress)
+                   temperature=args.temperature, top_k=args.top_k, seed=args.seed,
+                   desc="dense generation", progress=progress)
     generated = dense["chosen"].tolist()
     result = {
         "command": "python -m benchmarks.long_generation " + " ".join(sys.argv[1:] if argv is None else argv),
         "model": label, "prompt_tokens": prompt_tokens, "generated_tokens": steps,
         "budget": args.budget, "window": args.window, "torch": torch.__version__,
+        "temperature": args.temperature, "top_k": args.top_k, "seed": args.seed,
         "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
         "dense": {"ms_median": float(dense["ms"][1:].median()),
                   "windows": [{"first_step": 1 + i * args.window, "ms_median": float(m.median())}
                               for i, m in enumerate(windows(dense["ms"], args.window))],
                   "prefill_s": dense["prefill_s"],
-                  "suppressed_eos_steps": int((dense["argmax"] != dense["chosen"]).sum())},
+                  "steps_not_fed_the_argmax": int((dense["argmax"] != dense["chosen"]).sum())},
         "generated_distinct_4gram_share": distinct_ngram_share(generated),
         "contenders": {},
     }

@@ -252,3 +252,48 @@ def test_long_generation_tiny_end_to_end(tmp_path):
     assert ours["paths"]["decode_steps"] == 39 and ours["paths"]["gather_sites"] == 39 * 4
     assert 0.0 <= ours["agreement"] <= 1.0 and len(ours["windows"]) == 3
     assert result["default_vs_own_dense"]["all"] > 0
+
+
+def test_long_generation_sampling_is_seeded_and_respects_top_k_and_suppress():
+    import torch
+    from transformers import DynamicCache
+
+    from benchmarks import long_generation as lg
+
+    model = decode.random_model(decode.tiny_config())
+    prompt = torch.randint(3, 512, (1, 20), generator=torch.Generator().manual_seed(2))
+
+    def run(seed, **kw):
+        return lg.decode(model.forward, DynamicCache(config=model.config), prompt, 12,
+                         temperature=1.0, seed=seed, progress=False, **kw)
+
+    a, b = run(0, top_k=5), run(0, top_k=5)
+    assert a["chosen"].tolist() == b["chosen"].tolist()  # same seed, same text
+    assert run(1)["chosen"].tolist() != run(2)["chosen"].tolist()
+    # top_k=1 is greedy; a suppressed id is never drawn
+    greedy = lg.decode(model.forward, DynamicCache(config=model.config), prompt, 12, progress=False)
+    assert run(3, top_k=1)["chosen"].tolist() == greedy["chosen"].tolist()
+    banned = greedy["chosen"].tolist()
+    assert not set(run(4, top_k=1, suppress=banned[:1])["chosen"].tolist()[:1]) & set(banned[:1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("regional", [True, False])
+def test_profile_decode_splits_the_step_by_compiled_region(tmp_path, regional):
+    """With regional compilation the profile sees one compiled graph per region (prologue,
+    4 layers, epilogue: 6 calls, 4 distinct graphs on the tiny model), compiled whole one."""
+    from benchmarks import profile_decode
+
+    out = tmp_path / "p.json"
+    assert profile_decode.main(["--model", "tiny", "--context", "300", "--budget", "64", "--steps", "2",
+                                "--warmup", "1", "--options", json.dumps({"regional": regional}),
+                                "--json", str(out)]) == 0
+    split = json.loads(out.read_text())["regions"]
+    if regional:
+        assert split["graph_calls_per_step"] == 6 and len(split["graphs"]) == 4
+        assert [g["positions"][0] for g in split["graphs"]] == [0, 1, 2, 5]
+        assert sum(g["calls_per_step"] for g in split["graphs"]) == 6
+    else:
+        assert split["graph_calls_per_step"] == 1 and len(split["graphs"]) == 1
+    assert all(g["us_per_call"] > 0 and g["kernels"] for g in split["graphs"])
+    assert 0 < split["ms_in_graphs"]
