@@ -2,10 +2,9 @@
 
 A decode step of batch 1 multiplies one activation row by every weight matrix: a
 matrix-vector product whose cost is reading the weights. On CPU, ``aten::mm`` of a
-``[1, k]`` row (MKL's GEMM path) reads SmolLM2-135M's 538 MB of fp32 weights at 11.1 GB/s
-on the project's 2-core machine, inductor's own vectorised reduction of
-``(w * x).sum(-1)`` at 21.5 GB/s (``python -m benchmarks.linear_bandwidth``, 2026-11-30,
-2 threads; a copy of the same bytes moved 31 GB/s read + write). This pass rewrites every
+``[1, k]`` row (MKL's GEMM path) reads the weights well below the copy rate, inductor's own
+vectorised reduction of ``(w * x).sum(-1)`` near it (the figures and their command,
+``python -m benchmarks.linear_bandwidth``, are in docs/benchmarks.md). This pass rewrites every
 ``linear`` whose input has exactly one row (all leading dimensions multiply to 1, known
 from the traced shapes) into that form, so inductor emits one fused reduction kernel per
 layer: same math, only the summation order differs (fp32 rounding).

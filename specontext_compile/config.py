@@ -18,12 +18,10 @@ from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
 def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
     """Eight layers over the whole depth, denser early: (2, 4, 8, 12, 16, 20, 24, 28) for 30.
 
-    The late layers' picks (16..28) join the first five (issue 12): on SmolLM2-135M at
-    8K and budget 1024 they lift the mean attention recall of the refined selection with
-    4x candidates from 0.945 to 0.955 (layers 21/23/24 from 0.85/0.79/0.82 to
-    0.88/0.90/0.93), and of one shared selection from 0.878 to 0.888 (docs/fidelity.md,
+    The late layers' picks (16..28) join the first five (issue 12): on SmolLM2-135M they
+    lift the attention recall of the late layers (figures and command: docs/fidelity.md,
     ``python -m benchmarks.guard_estimate``). Cost: the selection node reads 8 layers'
-    keys once per step instead of 5 (no step-time change measured)."""
+    keys once per step instead of 5."""
     fractions = (1 / 15, 2 / 15, 4 / 15, 6 / 15, 8 / 15, 10 / 15, 12 / 15, 14 / 15)
     picks = {min(num_layers - 1, round(num_layers * f)) for f in fractions}
     return tuple(sorted(picks))
@@ -141,8 +139,8 @@ class SpeContextConfig:
             brings back what the layer's current query attends to and the lagged-query
             candidates missed, at the cost of reading the bounds (``2/16`` of the keys) and
             the rescued keys; it turns the refinement on even at ``candidates=1``. None (the
-            default) = ``2 * budget`` (docs/fidelity.md, "Third pass": at 8K, budget 1024,
-            agreement with dense 0.77 -> 0.96 for 1.5x the step time on CPU); 0 = off; an int
+            default) = ``2 * budget`` (what it buys and costs: docs/fidelity.md, "Third
+            pass", and docs/benchmarks.md); 0 = off; an int
             >= 0 = that many tokens. With KV offload the bounds stay on the device and an
             offloaded layer loads the rescued tokens it lacks from the host tier on demand
             (its buffer has :attr:`buffer_tokens` rows; not prefetched: set 0 to keep every
@@ -170,8 +168,8 @@ class SpeContextConfig:
         regional: regional compilation (``regional.py``): inductor compiles each distinct
             decoder layer once and the graph calls it for every layer of its kind (the first
             step of 30-layer SmolLM2 compiles several times faster); its graphs are not frozen
-            (weights stay inputs) and the step costs ~9% more on SmolLM2 (a compiled call per
-            layer). None = on for CPU graphs unless ``freezing=True``; off on CUDA, where a
+            (weights stay inputs) and the step costs a little more (a compiled call per layer;
+            docs/benchmarks.md, "Compile time"). None = on for CPU graphs unless ``freezing=True``; off on CUDA, where a
             region's Python call per layer and CUDA graphs per region are not yet measured.
     """
 
