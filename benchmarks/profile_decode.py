@@ -114,6 +114,61 @@ def _top_level(event) -> bool:
     return False
 
 
+REGION_CALL = "## Call CompiledFxGraph "
+
+
+def _in_step(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name == "decode_step":
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def regions(prof, steps: int, top_kernels: int = 8) -> dict:
+    """Per compiled graph (inductor's ``CompiledFxGraph``, keyed by its FX-graph cache key):
+    what one decode step spends in it.
+
+    With regional compilation a step calls one graph per region (prologue, every decoder
+    layer, epilogue) and identical layers call the same graph, so this is the step's split by
+    layer kind; compiled whole, it is one graph. Returns ``{"graphs": [...], "ms_in_graphs":
+    float, "graph_calls_per_step": int}``; each graph: ``key`` (first 12 characters),
+    ``positions`` (where in the step's call order it runs, 0-based), ``calls_per_step``,
+    ``ms_per_step``, ``us_per_call`` and its ``kernels`` (the ``top_kernels`` C++ kernels
+    and extern aten calls by time, ms per step: C++ kernels need ``cpp.enable_kernel_profile``)."""
+    calls = [e for e in prof.events() if e.name.startswith(REGION_CALL) and _in_step(e)]
+    calls.sort(key=lambda e: e.time_range.start)
+    per_step = len(calls) // steps if steps else 0
+    graphs: dict[str, dict] = {}
+    for i, event in enumerate(calls):
+        key = event.name[len(REGION_CALL):].rstrip(" #")[:12]
+        g = graphs.setdefault(key, {"key": key, "positions": [], "calls": 0, "ms": 0.0,
+                                    "kernels": collections.defaultdict(float)})
+        if per_step and i < per_step:
+            g["positions"].append(i)
+        g["calls"] += 1
+        g["ms"] += event.cpu_time_total / 1000.0
+        stack = list(event.cpu_children)
+        while stack:
+            child = stack.pop()
+            if child.name.startswith("graph_"):
+                g["kernels"][child.name.split("_", 2)[-1]] += child.cpu_time_total / 1000.0
+            elif _is_op(child):  # an extern call inductor left to aten (bmm, topk, ...)
+                g["kernels"][child.name] += child.cpu_time_total / 1000.0
+            else:
+                stack.extend(child.cpu_children)
+    out = []
+    for g in graphs.values():
+        kernels = sorted(g["kernels"].items(), key=lambda kv: -kv[1])[:top_kernels]
+        out.append({"key": g["key"], "positions": g["positions"], "calls_per_step": g["calls"] / steps,
+                    "ms_per_step": g["ms"] / steps, "us_per_call": 1000.0 * g["ms"] / g["calls"],
+                    "kernels": {name: ms / steps for name, ms in kernels}})
+    out.sort(key=lambda g: g["positions"][0] if g["positions"] else 1 << 30)
+    return {"graphs": out, "ms_in_graphs": sum(g["ms_per_step"] for g in out),
+            "graph_calls_per_step": per_step}
+
+
 def breakdown(prof, config, steps: int) -> dict:
     """Per-step milliseconds by bucket, sparse attention split into parts."""
     buckets: dict[str, float] = collections.defaultdict(float)
@@ -171,6 +226,8 @@ def main(argv=None) -> int:
                              "shares on a loaded machine)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='more backend options as JSON, e.g. \'{"regional": false}\'')
     args = parser.parse_args(argv)
 
     import specontext_compile as sc
@@ -201,7 +258,8 @@ def main(argv=None) -> int:
             inductor_config.cpp.enable_kernel_profile = True  # one profiler event per C++ kernel
         forward = torch.compile(model.forward, backend="specontext",
                                 options={"budget": args.budget, "inner": args.inner,
-                                         "candidates": args.candidates, "page_rescue": args.page_rescue})
+                                         "candidates": args.candidates, "page_rescue": args.page_rescue,
+                                         **args.options})
     with torch.no_grad():
         fill_cache(cache, source, args.batch)
         token = first.expand(args.batch, 1).contiguous()
@@ -210,6 +268,8 @@ def main(argv=None) -> int:
                             logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
     prof, walls = profile_steps(model, forward, cache, token, args.steps)
     result = breakdown(prof, model.config, args.steps)
+    result["regions"] = regions(prof, args.steps)
+    result["options"] = args.options
     layers = kv_layout(model.config)[0]
     wall_ms = 1000.0 * sum(walls) / len(walls)
     result.update({
@@ -232,6 +292,17 @@ def main(argv=None) -> int:
         print(f"    sparse attention / {key:<40} {ms:7.2f} ms")
     print(f"  {'python/framework (wall - ops)':<45} {result['python_framework_ms']:7.2f} ms "
           f"({result['python_framework_ms_per_layer']:.2f} ms per layer)")
+    split = result["regions"]
+    if split["graphs"]:
+        print(f"  compiled graphs per step: {split['graph_calls_per_step']}, "
+              f"{split['ms_in_graphs']:.1f} ms inside them, {wall_ms - split['ms_in_graphs']:.1f} ms "
+              "outside (dynamo guards, the stitching and wrappers, HF's Python)")
+        for g in split["graphs"]:
+            where = g["positions"][:3] + (["..."] if len(g["positions"]) > 3 else [])
+            print(f"    graph {g['key']} at {where}: {g['calls_per_step']:.0f} calls, "
+                  f"{g['us_per_call']:.0f} us/call, {g['ms_per_step']:.2f} ms/step")
+            for name, ms in g["kernels"].items():
+                print(f"        {name[:70]:<70} {ms:6.2f} ms/step")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
