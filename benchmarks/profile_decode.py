@@ -102,28 +102,25 @@ def _is_op(event) -> bool:
     return event.name.startswith(("aten::", "specontext::", "mkldnn::", "mkl::", "graph_", "aoti_"))
 
 
-def _top_level(event) -> bool:
-    """An operator inside a ``decode_step`` that no other operator called."""
+def _ancestors(event):
+    """The profiler events ``event`` ran inside, innermost first."""
     parent = event.cpu_parent
     while parent is not None:
+        yield parent
+        parent = parent.cpu_parent
+
+
+def _top_level(event) -> bool:
+    """An operator inside a ``decode_step`` that no other operator called."""
+    for parent in _ancestors(event):
         if _is_op(parent):
             return False
         if parent.name == "decode_step":
             return True
-        parent = parent.cpu_parent
     return False
 
 
 REGION_CALL = "## Call CompiledFxGraph "
-
-
-def _in_step(event) -> bool:
-    parent = event.cpu_parent
-    while parent is not None:
-        if parent.name == "decode_step":
-            return True
-        parent = parent.cpu_parent
-    return False
 
 
 def regions(prof, steps: int, top_kernels: int = 8) -> dict:
@@ -137,7 +134,8 @@ def regions(prof, steps: int, top_kernels: int = 8) -> dict:
     ``positions`` (where in the step's call order it runs, 0-based), ``calls_per_step``,
     ``ms_per_step``, ``us_per_call`` and its ``kernels`` (the ``top_kernels`` C++ kernels
     and extern aten calls by time, ms per step: C++ kernels need ``cpp.enable_kernel_profile``)."""
-    calls = [e for e in prof.events() if e.name.startswith(REGION_CALL) and _in_step(e)]
+    calls = [e for e in prof.events() if e.name.startswith(REGION_CALL)
+             and any(p.name == "decode_step" for p in _ancestors(e))]
     calls.sort(key=lambda e: e.time_range.start)
     per_step = len(calls) // steps if steps else 0
     graphs: dict[str, dict] = {}
