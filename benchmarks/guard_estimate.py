@@ -40,6 +40,7 @@ from pathlib import Path
 import torch
 from specontext_compile.runtime import aten_step, page_bounds
 from specontext_compile.runtime.sparse_attention import _gather_tokens  # the ops' own gather
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 from benchmarks.fidelity import layer_probs, record
 from benchmarks.fidelity_backend import harness_ids
@@ -102,8 +103,9 @@ def measure(queries, keys, context: int, scale: float, budget: int, candidates: 
             if layer_cand.shape[-1] > budget:
                 # gathered here: a candidate row as wide as the store must not read as "every position"
                 keys_l = _gather_tokens(k[l], layer_cand.clamp(min=0))
-                kept, coverage = aten_step.refine_gathered(queries[i][l], keys_l, layer_cand,
-                                                           torch.tensor(n_after), None, scale, budget, sink, window)
+                kept, coverage = aten_step.refine_gathered(queries[i][l], keys_l, layer_cand, torch.tensor(n_after),
+                                                           None, StepSpec(budget, budget, sink, window),
+                                                           AttentionVariant(scale))
                 cov = float(coverage.min())
             else:
                 kept, cov = layer_cand, 1.0

@@ -26,6 +26,7 @@ compiling the 30-layer model:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -36,6 +37,7 @@ import torch
 
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.page_bounds import PAGE_TOKENS, page_count, update_page_bounds
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 
 def _inputs(context: int, capacity: int, heads: int, kv_heads: int, head_dim: int, budget: int, seed: int):
@@ -53,26 +55,29 @@ def _inputs(context: int, capacity: int, heads: int, kv_heads: int, head_dim: in
     return query, key, value, length, page_min, page_max, candidates
 
 
+def _spec(budget: int, rescue_tokens: int) -> StepSpec:
+    return StepSpec(budget, budget, sink_tokens=4, recent_window=64, rescue_tokens=rescue_tokens,
+                    page_tokens=PAGE_TOKENS)
+
+
 def variants(budget: int, rescue_tokens: int, scale: float):
-    rescue_pages = -(-rescue_tokens // PAGE_TOKENS)
+    spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale)
 
     def attend(query, key, value, length, page_min, page_max, candidates):
-        return aten_step.sparse_attention(query, key, value, candidates, length, None, scale)
+        return aten_step.sparse_attention(query, key, value, candidates, length, None, spec, variant)
 
     def refine_attend(query, key, value, length, page_min, page_max, candidates):
-        kept, _ = aten_step.refine_selection(query, key, candidates, length, None, scale, budget, 4, 64,
-                                             page_min=page_min, page_max=page_max, rescue_pages=rescue_pages,
-                                             page_tokens=PAGE_TOKENS)
-        return aten_step.sparse_attention(query, key, value, kept, length, None, scale)
+        kept, _ = aten_step.refine_selection(query, key, candidates, length, None, (page_min, page_max, None), spec,
+                                             variant)
+        return aten_step.sparse_attention(query, key, value, kept, length, None, spec, variant)
 
     def fused(query, key, value, length, page_min, page_max, candidates):
-        return aten_step.refine_and_attend(query, key, value, candidates, length, None, scale, budget, 4, 64,
-                                           page_min=page_min, page_max=page_max, rescue_pages=rescue_pages,
-                                           page_tokens=PAGE_TOKENS)
+        return aten_step.refine_and_attend(query, key, value, candidates, length, None, spec, variant,
+                                           (page_min, page_max, None))
 
     def dense(query, key, value, length, page_min, page_max, candidates):
         return aten_step.sparse_attention(query, key, value, torch.arange(key.shape[2]).expand(1, key.shape[1], -1),
-                                          length, None, scale, dense_shortcut=True)
+                                          length, None, dataclasses.replace(spec, dense_shortcut=True), variant)
 
     return {"attend": attend, "refine+attend": refine_attend, "refine_and_attend": fused, "dense": dense}
 
@@ -84,7 +89,7 @@ def parts(budget: int, rescue_tokens: int, scale: float):
     from specontext_compile.runtime import page_bounds
     from specontext_compile.runtime.sparse_attention import _gather_tokens, selected_logits
 
-    rescue_pages = -(-rescue_tokens // PAGE_TOKENS)
+    spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale)
 
     def seen(key, length):
         return aten_step.seen_positions(length, None, key.shape[2], 1, 0, key.device)
@@ -93,8 +98,8 @@ def parts(budget: int, rescue_tokens: int, scale: float):
         return page_bounds.page_scores(query, page_min, page_max, seen(key, length), scale, PAGE_TOKENS)
 
     def union(query, key, value, length, page_min, page_max, candidates):
-        return aten_step.rescue_pages_into(query, candidates, length, None, key.shape[2], scale, 0, page_min,
-                                           page_max, rescue_pages, PAGE_TOKENS, None)
+        return aten_step.rescue_pages_into(query, candidates, length, None, key.shape[2], spec, variant,
+                                           (page_min, page_max, None))
 
     def gathered(query, key, value, length, page_min, page_max, candidates):
         rescued = union(query, key, value, length, page_min, page_max, candidates)
@@ -105,9 +110,8 @@ def parts(budget: int, rescue_tokens: int, scale: float):
         return selected_logits(query, _gather_tokens(key, rescued.clamp(min=0)), rescued, length, None, scale)
 
     def refine(query, key, value, length, page_min, page_max, candidates):
-        return aten_step.refine_selection(query, key, candidates, length, None, scale, budget, 4, 64,
-                                          page_min=page_min, page_max=page_max, rescue_pages=rescue_pages,
-                                          page_tokens=PAGE_TOKENS)[0]
+        return aten_step.refine_selection(query, key, candidates, length, None, (page_min, page_max, None), spec,
+                                          variant)[0]
 
     return {"page scores": scores, "+ rescued union": union, "+ gather of the keys": gathered,
             "+ logits": logits, "+ softmax, top-k (the refinement)": refine}

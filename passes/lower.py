@@ -81,13 +81,6 @@ def _packet(target):
     return target if isinstance(target, torch._ops.OpOverloadPacket) else None
 
 
-def _sparse_body(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-                 soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None, sinks=None):
-    """``sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
-    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, dense_shortcut, dense, sinks)
-
-
 def _mla_body(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale, nope_dim,
               kernel="torch", dense=None, sinks=None):
     """``mla_sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
@@ -98,13 +91,13 @@ def _mla_body(latent_q, latent_cache, rope_cache, weight, indices, length, attn_
 def _is_triton(node: fx.Node) -> bool:
     """Only an explicit ``kernel="triton"`` keeps our generated kernel as an op; ``"auto"`` is
     lowered (inductor generates the gather and attention kernels, sync-free)."""
-    position = 9 if _packet(node.target) is _OPS.mla_sparse_attention else 7
-    kernel = node.args[position] if len(node.args) > position else node.kwargs.get("kernel", "torch")
-    return kernel == "triton"
+    if _packet(node.target) is _OPS.mla_sparse_attention:
+        return op_arguments(node, _OPS.mla_sparse_attention)["kernel"] == "triton"
+    return op_arguments(node, _SPARSE)["spec"].kernel == "triton"
 
 
 _REFINE_PARAMS = inspect.signature(aten_step.refine_selection).parameters
-_SPARSE_PARAMS = inspect.signature(_sparse_body).parameters
+_SPARSE_PARAMS = inspect.signature(aten_step.sparse_attention).parameters
 
 
 def _bound(node: fx.Node, params) -> dict:
@@ -119,7 +112,7 @@ def _fusable(sparse: fx.Node) -> fx.Node | None:
     no learned sinks, no dense shortcut, no MLA); else None."""
     args = _bound(sparse, _SPARSE_PARAMS)
     kept = args["indices"]
-    if (args["dense"] is not None or args["sinks"] is not None or args["dense_shortcut"]
+    if (args["dense"] is not None or args["sinks"] is not None or args["spec"].dense_shortcut
             or not (isinstance(kept, fx.Node) and kept.target is operator.getitem and kept.args[1] == 0)
             or list(kept.users) != [sparse]):
         return None
@@ -128,15 +121,15 @@ def _fusable(sparse: fx.Node) -> fx.Node | None:
         return None
     mine = _bound(refine, _REFINE_PARAMS)
     same = all(mine[name] is args[name] or mine[name] == args[name] and not isinstance(mine[name], fx.Node)
-               for name in ("query", "key_cache", "length", "attn_mask", "scale", "soft_cap", "sliding_window"))
-    return refine if same and mine["rope_cache"] is None and not mine["min_coverage"] else None
+               for name in ("query", "key_cache", "length", "attn_mask", "variant"))
+    return refine if same and mine["rope_cache"] is None and not mine["spec"].min_coverage else None
 
 
 def _fuse_refine_attend(graph: fx.Graph) -> int:
     """Replace each fusable (refinement, sparse attention) pair by one
     :func:`aten_step.refine_and_attend` node at the attention's place; returns how many."""
     fused = 0
-    for sparse in [n for n in graph.nodes if n.target is _sparse_body]:
+    for sparse in [n for n in graph.nodes if n.target is aten_step.sparse_attention]:
         refine = _fusable(sparse)
         if refine is None:
             continue
@@ -144,11 +137,9 @@ def _fuse_refine_attend(graph: fx.Graph) -> int:
         with graph.inserting_before(sparse):
             node = graph.call_function(aten_step.refine_and_attend, (
                 mine["query"], mine["key_cache"], args["value_cache"], mine["candidates"], mine["length"],
-                mine["attn_mask"], mine["scale"], mine["budget"], mine["sink"], mine["window"], mine["soft_cap"],
-                mine["sliding_window"], mine["page_min"], mine["page_max"], mine["rescue_pages"],
-                mine["page_tokens"], mine["page_shift"]))
+                mine["attn_mask"], mine["spec"], mine["variant"], mine["pages"]))
         node.meta.update(sparse.meta)
-        kept = sparse.args[3] if len(sparse.args) > 3 else sparse.kwargs["indices"]
+        kept = args["indices"]
         sparse.replace_all_uses_with(node)
         graph.erase_node(sparse)
         graph.erase_node(kept)
@@ -199,7 +190,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
             node.target = _LOWERED[packet]
             result.lowered[name] += 1
         elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
-            node.target = _sparse_body if packet is _SPARSE else _mla_body
+            node.target = aten_step.sparse_attention if packet is _SPARSE else _mla_body
             result.lowered[name] += 1
         elif packet in (_SPARSE, _OPS.mla_sparse_attention):
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"

@@ -34,7 +34,6 @@ and visible in graph dumps (the ops carry the layer index).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import math
 import operator
@@ -43,8 +42,10 @@ from pathlib import Path
 import networkx as nx
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
 from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
+from ..runtime.protocol import op_arguments
 from .sites import is_op
 
 logger = logging.getLogger(__name__)
@@ -108,13 +109,9 @@ class ScheduleResult:
                 f"(copy ~{float(c.copy_s) * 1e6:.0f} us vs compute ~{float(c.compute_s) * 1e6:.0f} us per layer)")
 
 
-def _source_hash() -> str:
-    return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-
-
 def _has_sinks(node: fx.Node) -> bool:
-    """Whether a ``sparse_attention`` node carries sink logits (argument 12 / ``sinks``)."""
-    return (node.args[12] if len(node.args) > 12 else node.kwargs.get("sinks")) is not None
+    """Whether a ``sparse_attention`` node carries sink logits (its ``sinks`` argument)."""
+    return op_arguments(node, SPARSE)["sinks"] is not None
 
 
 def _val(node: fx.Node):
@@ -135,17 +132,14 @@ def _offload_refine(graph: fx.Graph, refine: fx.Node, manager: fx.Node, value_ca
     """Replace a site's ``refine_selection`` by ``refine_selection_offloaded`` (same kept
     positions, read from the device buffer of an offloaded layer); its outputs keep their
     users (``getitem`` 0 / 1)."""
-    query, key_cache, candidates, length, mask, scale, budget, sink, window, soft_cap, sliding = refine.args[:11]
-    min_coverage = refine.args[12] if len(refine.args) > 12 else refine.kwargs.get("min_coverage", 0.0)
-    rope = refine.args[13] if len(refine.args) > 13 else refine.kwargs.get("rope_cache")
-    if min_coverage or rope is not None:
+    a = op_arguments(refine, REFINE)
+    if a["spec"].min_coverage or a["rope_cache"] is not None:
         raise ValueError("offload schedule: the fidelity guard (min_coverage) and MLA layers are not built "
                          "with offloaded two-stage selection")
-    rescue = tuple(refine.args[14:19])  # the page rescue's bounds, pages, page size, shift (if on)
     with graph.inserting_before(refine):
         new = graph.call_function(REFINE_OFFLOADED, (
-            manager, query, key_cache, value_cache, candidates, length, mask, scale, budget, sink, window,
-            soft_cap, sliding, ready, layer, *rescue))
+            manager, a["query"], a["key_cache"], value_cache, a["candidates"], a["length"], a["attn_mask"],
+            a["pages"], a["spec"], a["variant"], ready, layer))
     new.meta.update({k: v for k, v in refine.meta.items() if k in ("example_value", "val", "stack_trace")})
     refine.replace_all_uses_with(new)
     graph.erase_node(refine)
@@ -176,11 +170,14 @@ class OffloadSchedulePass:
         self.budget, self.overlap, self.max_inflight, self.bandwidth = budget, overlap, max_inflight, float(bandwidth)
 
     def uuid(self) -> str:
-        cfg = (self.budget, self.overlap, self.max_inflight, self.bandwidth)
-        return f"specontext-offload-schedule-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
+        """torch's hash of this file and the offload runtime's with the pass's options."""
+        cfg = repr((self.budget, self.overlap, self.max_inflight, self.bandwidth))
+        runtime = Path(__file__).resolve().parent.parent / "runtime"
+        files = (__file__, str(runtime / "offload.py"), str(runtime / "offload_ops.py"))
+        return f"specontext-offload-schedule-{get_hash_for_files(files, cfg).hex()[:24]}"
 
     def _cost(self, graph: fx.Graph, sparse: list[fx.Node]) -> CostModel:
-        key = _val(sparse[0].args[1])
+        key = _val(op_arguments(sparse[0], SPARSE)["key_cache"])
         bandwidth = self.bandwidth
         param_bytes = 0
         for node in graph.nodes:
@@ -216,7 +213,9 @@ class OffloadSchedulePass:
             return result
         manager = anchors[0].args[0]
         select = selects[0]  # one per distinct sliding window; all sit right after the anchor
-        query_state, query_valid, key_caches, length, q_len = select.args[:5]
+        a = op_arguments(select, SELECT)
+        query_state, query_valid, key_caches, length, q_len = (a[k] for k in ("query_state", "query_valid",
+                                                                             "key_caches", "length", "q_len"))
         with graph.inserting_after(selects[-1]):
             plan = graph.call_function(PLAN, (manager, select, query_state, query_valid, key_caches[0], length,
                                               q_len))
@@ -230,13 +229,13 @@ class OffloadSchedulePass:
             for inp in n.all_input_nodes:
                 dag.add_edge(inp, n)
         write_order = {store: i for i, store in enumerate(writes)}  # decoder layer order
-        stores = [node.args[1] for node in sparse]  # kept: erased nodes lose their args
+        stores = [op_arguments(node, SPARSE)["key_cache"] for node in sparse]  # kept: erased nodes lose their args
         for pos, node in enumerate(sparse):
-            query, key_cache, value_cache, indices, site_len, mask, scale, kernel = node.args[:8]
-            soft_cap, window = (tuple(node.args[8:10]) + (None, 0)[len(node.args[8:10]):])
+            a = op_arguments(node, SPARSE)
+            key_cache, value_cache, indices, site_len = a["key_cache"], a["value_cache"], a["indices"], a["length"]
             layer = write_order.get(key_cache, pos)
             refine = _refine_of(indices)
-            loaded = refine.args[2] if refine is not None else indices  # what the step prefetches
+            loaded = op_arguments(refine, REFINE)["candidates"] if refine is not None else indices  # what the step prefetches
             inputs = [plan, loaded, key_cache, value_cache, site_len]
             earliest = max(order[i] for i in inputs)
             first_use = refine if refine is not None else node  # the wait goes right before it
@@ -254,8 +253,8 @@ class OffloadSchedulePass:
                 _offload_refine(graph, refine, manager, value_cache, ready, layer, dag)
             with graph.inserting_before(node):
                 new = graph.call_function(SPARSE_OFFLOADED, (
-                    manager, query, key_cache, value_cache, indices, site_len, mask, scale, kernel,
-                    soft_cap, window, ready, layer))
+                    manager, a["query"], key_cache, value_cache, indices, site_len, a["attn_mask"], a["spec"],
+                    a["variant"], ready, layer))
             new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(new)
             graph.erase_node(node)

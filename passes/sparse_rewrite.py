@@ -27,17 +27,18 @@ Sites that do not match stay dense; their reasons are returned and logged.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import operator
 from pathlib import Path
 
 import torch
-from torch._higher_order_ops.effects import _get_effect
 from torch import fx
+from torch._higher_order_ops.effects import _get_effect
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..config import candidate_slots, default_retrieval_layers
+from ..config import default_retrieval_layers
 from ..runtime.protocol import DraftAnchor, RetrievalAnchor
+from ..runtime.spec import AttentionVariant, StepSpec
 from .sites import (KV_WRITE, AttentionSite, static_int, decoder_layer_outputs, find_attention_sites,
                     find_token_embedding, is_op)
 
@@ -136,52 +137,59 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
         graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, _static_capacity(full[0]), bounds.args[5]))
 
 
-def _source_hash() -> str:
-    files = sorted(Path(__file__).parent.glob("*.py"))
-    return hashlib.sha256(b"".join(p.read_bytes() for p in files)).hexdigest()[:16]
+def _sources() -> tuple[str, ...]:
+    """The files whose code decides what the rewritten graph computes: this folder (the passes)
+    and the runtime's step functions and ops."""
+    root = Path(__file__).resolve().parent
+    return tuple(str(p) for p in sorted(root.glob("*.py")) + sorted((root.parent / "runtime").glob("*.py")))
 
 
-class SparseAttentionPass:
-    """Callable FX pass with a stable identity (``uuid``) covering its code and config.
+class SparseAttentionPass(CustomGraphPass):
+    """Callable FX pass with a stable identity (``uuid``) covering its code and options.
 
     Args:
-        budget: selected tokens per KV head per step.
-        sink_tokens, recent_window: always-kept first / last tokens (inside the budget).
+        step: the decode step's :class:`~..runtime.spec.StepSpec` (budget, candidates, sinks,
+            recent window, guard, page rescue, dense shortcut, kernel); each site gets it
+            with its store's page size (:meth:`~..runtime.spec.StepSpec.for_store`) and its
+            own :class:`~..runtime.spec.AttentionVariant`.
         retrieval_layers: layers whose previous-step queries drive the selection; negative
             counts from the end; None = :func:`default_retrieval_layers`.
         max_sparse_q_len: longest step (tokens) rewritten as sparse; longer = prefill.
         retrieval_head: resolved folder of a draft retrieval head, or None (lagged query).
-        candidates: candidate-set size of the two-stage selection, as a multiple of
-            ``budget`` (1.0 = one selection shared by every layer).
-        min_coverage: the fidelity guard's threshold (0 = off; refined sites only): a site
-            whose kept tokens hold less of its candidates' attention mass runs dense.
-        page_rescue: tokens (rounded up to whole pages of the store's page bounds) each
-            refined layer adds to the candidates from the pages with the highest Quest
-            bound under its own query (0 = off); a site whose store keeps no page bounds
-            (MLA, Hugging Face's StaticCache, a cache built with page_tokens=0) uses the
-            candidates alone (at candidates=1: the shared selection, no refinement), logged.
         dense_layers: decoder layers (negative counts from the end) whose decode sites are
             left dense and exact (their reason says so); they may still drive the selection.
+
+    A site whose store keeps no page bounds (MLA, Hugging Face's StaticCache, a cache built
+    with ``page_tokens=0``) refines without the page rescue (at ``candidate_slots ==
+    budget``: the shared selection, no refinement), logged.
     """
 
-    def __init__(self, budget: int, sink_tokens: int, recent_window: int,
-                 retrieval_layers: tuple[int, ...] | None, max_sparse_q_len: int = 16,
-                 kernel: str = "auto", retrieval_head: str | None = None, dense_shortcut: bool = True,
-                 candidates: float = 1.0, min_coverage: float = 0.0, page_rescue: int = 0,
-                 dense_layers: tuple[int, ...] = ()):
-        self.budget, self.sink_tokens, self.recent_window = budget, sink_tokens, recent_window
-        self.dense_layers = tuple(dense_layers)
-        self.candidates, self.min_coverage, self.page_rescue = candidates, min_coverage, page_rescue
-        self.candidate_slots = candidate_slots(budget, candidates)
-        self.dense_shortcut = dense_shortcut
+    def __init__(self, step: StepSpec, retrieval_layers: tuple[int, ...] | None = None, max_sparse_q_len: int = 1,
+                 retrieval_head: str | None = None, dense_layers: tuple[int, ...] = ()):
+        self.step = step
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
-        self.kernel, self.retrieval_head = kernel, retrieval_head
+        self.retrieval_head, self.dense_layers = retrieval_head, tuple(dense_layers)
+
+    @classmethod
+    def from_config(cls, config) -> SparseAttentionPass:
+        """The pass of a :class:`~..config.SpeContextConfig`."""
+        return cls(StepSpec.from_config(config), config.retrieval_layers, config.max_sparse_q_len,
+                   config.retrieval_head, config.dense_layers)
+
+    @property
+    def budget(self) -> int:
+        return self.step.budget
+
+    @property
+    def candidate_slots(self) -> int:
+        return self.step.candidate_slots
 
     def uuid(self) -> str:
-        cfg = (self.budget, self.sink_tokens, self.recent_window, self.retrieval_layers,
-               self.max_sparse_q_len, self.kernel, self.retrieval_head, self.dense_shortcut, self.candidates,
-               self.min_coverage, self.page_rescue, self.dense_layers)
-        return f"specontext-sparse-{_source_hash()}-{hashlib.sha256(repr(cfg).encode()).hexdigest()[:8]}"
+        """torch's hash of the sources (:func:`~torch._inductor.custom_graph_pass.get_hash_for_files`)
+        and of the options: the same inputs rewrite to the same graph."""
+        options = repr((self.step, self.retrieval_layers, self.max_sparse_q_len, self.retrieval_head,
+                        self.dense_layers))
+        return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
     def _pick_layers(self, num_layers: int) -> list[int]:
         layers = self.retrieval_layers or default_retrieval_layers(num_layers)
@@ -254,16 +262,14 @@ class SparseAttentionPass:
                 after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
                 with graph.inserting_after(after):
                     selections[window] = graph.call_function(SELECT, (
-                        query_state, query_valid, stores, first.length,
-                        first.q_len, self.candidate_slots, self.sink_tokens, self.recent_window, first.scale,
-                        window, mask, mla, bias))
+                        query_state, query_valid, stores, first.length, first.q_len, self.step,
+                        AttentionVariant(first.scale, sliding_window=window), mask, mla, bias))
             else:
                 step, write, _ = draft
                 with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
                     selections[window] = graph.call_function(DRAFT_SELECT, (
                         step, step.args[0], step.args[1], write.args[0], write.args[2],
-                        decode[0].q_len, self.candidate_slots, self.sink_tokens, self.recent_window, window,
-                        mask))
+                        decode[0].q_len, self.step, window, mask))
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
         # the selection is made (and kept for later graphs) even when this graph's sites all
@@ -273,7 +279,7 @@ class SparseAttentionPass:
             selection, dense = selections[s.window or 0], None
             if self._refines(s):
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
-            self._rewrite_site(graph, s, selection, self.kernel, self._dense_store(s), dense)
+            self._rewrite_site(graph, s, selection, self._site_spec(s), dense)
         result.rewritten = len(sparse)
         result.rescued = self._log_rescue(sparse)
         self._store_for_later_graphs(graph, anchored, selections, decode)
@@ -313,8 +319,8 @@ class SparseAttentionPass:
         for s in resolved:
             if s.reason is None and s.q_len > self.max_sparse_q_len:
                 s.reason = f"prefill ({s.q_len} query tokens): dense and exact by design"
-            elif s.reason is None and s.q_len > self.budget:
-                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.budget}"
+            elif s.reason is None and s.q_len > self.step.budget:
+                s.reason = f"{s.q_len} query tokens do not fit a budget of {self.step.budget}"
             elif s.reason is None and s.mla is not None and (s.soft_cap or s.window or s.position_bias is not None):
                 s.reason = ("MLA with a soft cap, a sliding window or a position bias is not built "
                             "(mla_sparse_attention has none of them): dense and exact")
@@ -359,7 +365,7 @@ class SparseAttentionPass:
         decode = self._without_dense_layers(decode, len(anchored.windows() or []) or None)
         if not decode:  # every site here stays dense by option
             return result
-        slots = max(decode[0].q_len, min(self.candidate_slots, capacity))
+        slots = max(decode[0].q_len, min(self.step.candidate_slots, capacity))
         with graph.inserting_after(anchor):
             selection = graph.call_function(LOAD, (anchored.selection_state, slots))
         result.selection_inserted = True
@@ -368,7 +374,7 @@ class SparseAttentionPass:
             chosen, dense = selection, None
             if self._refines(s):
                 chosen, dense = self._insert_refine(graph, s, selection, anchored.stats)
-            self._rewrite_site(graph, s, chosen, self.kernel, self._dense_store(s), dense)
+            self._rewrite_site(graph, s, chosen, self._site_spec(s), dense)
         result.rewritten = len(decode)
         result.rescued = self._log_rescue(decode)
         dense = sum(self._dense_store(s) for s in decode)
@@ -458,12 +464,19 @@ class SparseAttentionPass:
 
     def _dense_store(self, site: AttentionSite) -> bool:
         """Whether the rewritten site attends densely over its store, decided here from static
-        shapes (the budget covers the store's capacity) and passed to the op as its
-        ``dense_shortcut`` flag, so the path counters and the path taken agree (a symbolic
+        shapes (the budget covers the store's capacity) and passed to the op as its spec's
+        ``dense_shortcut``, so the path counters and the path taken agree (a symbolic
         capacity gathers)."""
         capacity = _static_capacity(site)
-        return (self.dense_shortcut and site.soft_cap is None and not site.window and site.mla is None
-                and site.sinks is None and capacity is not None and self.budget >= capacity)
+        return (self.step.dense_shortcut and site.soft_cap is None and not site.window and site.mla is None
+                and site.sinks is None and capacity is not None and self.step.budget >= capacity)
+
+    def _site_spec(self, site: AttentionSite) -> StepSpec:
+        """The step's spec at this site: its store's page size (0 = no page bounds, or the
+        rescue does not apply here) and the dense shortcut where the site takes it."""
+        rescue = self._rescue_of(site)
+        spec = self.step.for_store(rescue[1] if rescue is not None else 0)
+        return dataclasses.replace(spec, dense_shortcut=self._dense_store(site))
 
     def _refines(self, site: AttentionSite) -> bool:
         """Whether the site keeps its own ``budget`` of the step's candidates: the candidate
@@ -471,35 +484,35 @@ class SparseAttentionPass:
         it, and the store may hold more than ``budget`` tokens (a symbolic capacity counts as
         larger)."""
         capacity = _static_capacity(site)
-        wider = self.candidate_slots > self.budget or self._rescue_of(site) is not None
-        return wider and not (capacity is not None and capacity <= self.budget)
+        wider = self.step.candidate_slots > self.step.budget or self._rescue_of(site) is not None
+        return wider and not (capacity is not None and capacity <= self.step.budget)
 
-    def _rescue_of(self, site: AttentionSite) -> tuple | None:
-        """``(page_min, page_max, rescue_pages, page_tokens, page_shift)`` when the site
-        refines with the page rescue: the option is on, the site is no MLA site and its
-        store keeps page bounds (a ``page_bounds_write`` follows its ``kv_write`` here)."""
-        if self.page_rescue <= 0 or site.mla is not None or site.write is None:
+    def _rescue_of(self, site: AttentionSite) -> tuple[list, int] | None:
+        """``([page_min, page_max, page_shift], page_tokens)`` when the site refines with the
+        page rescue: the option is on, the site is no MLA site and its store keeps page bounds
+        (a ``page_bounds_write`` follows its ``kv_write`` here)."""
+        if self.step.rescue_tokens <= 0 or site.mla is not None or site.write is None:
             return None
         bounds = _page_bounds_write(site)
         if bounds is None:
             return None
-        page_tokens = bounds.args[5]
-        return bounds.args[1], bounds.args[2], -(-self.page_rescue // page_tokens), page_tokens, _page_shift_of(bounds)
+        return [bounds.args[1], bounds.args[2], _page_shift_of(bounds)], bounds.args[5]
 
     def _below_store(self, site: AttentionSite) -> bool:
         """Whether the candidates stay below the store's capacity (a symbolic one counts as
         larger): else the refinement ranks every position in place and reads no bounds
         (:func:`~..runtime.aten_step.refine_coverage`)."""
         capacity = _static_capacity(site)
-        return capacity is None or self.candidate_slots < capacity
+        return capacity is None or self.step.candidate_slots < capacity
 
     def _log_rescue(self, decode: list[AttentionSite]) -> int:
         """Refined decode sites with the page rescue; logs those the rescue, or the guard, misses
         (a site whose store the budget covers needs neither)."""
         rescued = [s for s in decode if self._refines(s) and self._rescue_of(s) is not None and self._below_store(s)]
-        missed = [s for s in decode if self.page_rescue > 0 and self._rescue_of(s) is None]
-        covered = {id(s) for s in decode if (c := _static_capacity(s)) is not None and c <= self.budget}
-        unguarded = [s for s in decode if self.min_coverage > 0 and not self._refines(s) and id(s) not in covered]
+        missed = [s for s in decode if self.step.rescue_tokens > 0 and self._rescue_of(s) is None]
+        covered = {id(s) for s in decode if (c := _static_capacity(s)) is not None and c <= self.step.budget}
+        unguarded = [s for s in decode if self.step.min_coverage > 0 and not self._refines(s)
+                     and id(s) not in covered]
         if unguarded:
             logger.warning("specontext: the fidelity guard (min_coverage) is off at %d decode site(s) (layers %s): "
                            "they do not refine (candidates=1 and their store keeps no page bounds for the rescue); "
@@ -518,13 +531,12 @@ class SparseAttentionPass:
         query = _selection_query(graph, site)
         mask = _biased_mask(graph, site)
         with graph.inserting_before(site.node):
+            rescue = self._rescue_of(site)
             refine = graph.call_function(REFINE, (
-                query, site.key_cache, selection, site.length, mask, site.scale, self.budget,
-                self.sink_tokens, self.recent_window, site.soft_cap, site.window or 0, stats,
-                self.min_coverage, site.value_cache if site.mla is not None else None,
-                *(self._rescue_of(site) or ())))
+                query, site.key_cache, selection, site.length, mask, rescue[0] if rescue is not None else [],
+                self._site_spec(site), _variant(site), stats, site.value_cache if site.mla is not None else None))
             kept = graph.call_function(operator.getitem, (refine, 0))
-            dense = graph.call_function(operator.getitem, (refine, 1)) if self.min_coverage > 0 else None
+            dense = graph.call_function(operator.getitem, (refine, 1)) if self.step.min_coverage > 0 else None
         return kept, dense
 
     @staticmethod
@@ -553,22 +565,22 @@ class SparseAttentionPass:
         return None
 
     @staticmethod
-    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, kernel: str,
-                      dense_shortcut: bool, dense: fx.Node | None = None) -> None:
+    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, spec: StepSpec,
+                      dense: fx.Node | None = None) -> None:
         if site.mla is not None:
             query = _selection_query(graph, site)
             with graph.inserting_before(site.node):
                 sparse = graph.call_function(MLA_SPARSE, (
                     query, site.key_cache, site.value_cache, site.mla.weight, selection, site.length,
-                    site.attn_mask, site.scale, site.mla.nope_dim, kernel, dense, site.sinks))
+                    site.attn_mask, site.scale, site.mla.nope_dim, spec.kernel, dense, site.sinks))
             for node in site.mla.scratch:  # in-place copies filling the up-projected keys: now dead
                 graph.erase_node(node)
         else:
             mask = _biased_mask(graph, site)
             with graph.inserting_before(site.node):
                 sparse = graph.call_function(SPARSE, (
-                    site.query, site.key_cache, site.value_cache, selection, site.length,
-                    mask, site.scale, kernel, site.soft_cap, site.window or 0, dense_shortcut, dense, site.sinks))
+                    site.query, site.key_cache, site.value_cache, selection, site.length, mask, spec, _variant(site),
+                    dense, site.sinks))
         keep = ("stack_trace", "nn_module_stack") + (() if site.position_bias is not None else ("example_value", "val"))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in keep})
         result = sparse
@@ -579,6 +591,11 @@ class SparseAttentionPass:
         site.node.replace_all_uses_with(result)
         graph.erase_node(site.node)
         site.node = sparse
+
+
+def _variant(site: AttentionSite) -> AttentionVariant:
+    """The site's attention variant from its matched constants (scale, soft cap, window)."""
+    return AttentionVariant(site.scale, site.soft_cap, site.window or 0)
 
 
 def _bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:

@@ -18,13 +18,14 @@ Source: SpeContext (arXiv 2512.00722) section 4 (selection per KV head, GQA grou
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Sequence
 
+import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 from . import page_bounds
-from .page_bounds import PAGE_TOKENS
 from .protocol import GUARD_STAT
+from .spec import AttentionVariant, StepSpec
 from .sparse_attention import (
     _gather_tokens,
     causal_limit_mask,
@@ -250,13 +251,14 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
 
 
 def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
-                       length: torch.Tensor, q_len: int, budget: int, sink: int, window: int, scale: float,
-                       sliding_window: int = 0, attn_mask: torch.Tensor | None = None,
-                       mla: bool = False, position_bias: torch.Tensor | None = None) -> torch.Tensor:
+                       length: torch.Tensor, q_len: int, spec: StepSpec, variant: AttentionVariant,
+                       attn_mask: torch.Tensor | None = None, mla: bool = False,
+                       position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with the lagged-query head (``specontext::speculative_select``):
     :func:`lagged_query_scores` then :func:`select_positions` with
-    ``slots = min(budget, capacity)`` (never below ``q_len``; the pass keeps longer steps
-    dense). ``length``: tokens written before this step. ``attn_mask``: a site's Hugging
+    ``slots = min(spec.candidate_slots, capacity)`` (never below ``q_len``; the pass keeps
+    longer steps dense), sinks and recent window from ``spec``, scale and sliding window
+    from ``variant`` (the retrieval layers'). ``length``: tokens written before this step. ``attn_mask``: a site's Hugging
     Face mask (padding-aware selection, see :func:`row_visibility`), or None.
     ``mla``: ``key_caches`` is the latent stores then the rotary key stores (MLA layers).
     ``position_bias``: ALiBi's per-head bias ``[batch|1, num_heads, 1, capacity]`` or None.
@@ -266,16 +268,17 @@ def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key
         half = len(key_caches) // 2
         key_caches, rope_caches = key_caches[:half], key_caches[half:]
     capacity = key_caches[0].shape[-2]
-    slots = torch.sym_max(q_len, torch.sym_min(budget, capacity))
+    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
     visible = row_visibility(attn_mask, capacity)
-    scores = lagged_query_scores(query_state, query_valid, key_caches, length, scale, visible, rope_caches,
+    scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, rope_caches,
                                  position_bias)
-    return select_positions(scores, length, q_len, slots, sink, window, sliding_window, visible)
+    return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
+                            variant.sliding_window, visible)
 
 
 def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: torch.Tensor,
-                 key_cache: torch.Tensor, length: torch.Tensor, q_len: int, budget: int, sink: int,
-                 window: int, sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+                 key_cache: torch.Tensor, length: torch.Tensor, q_len: int, spec: StepSpec,
+                 sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with a draft head (``specontext::draft_select``): the head's
     query scores its own key cache over positions ``< length + q_len`` (causal: the step's
     last token sees itself), mapped to the target's KV heads
@@ -283,7 +286,8 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
     :func:`select_positions`. When the head's cache lacks a position (``draft_length <
     length + q_len``: a step ran without the backend) recency scores are used instead,
     chosen on the device. ``attn_mask``: padding-aware selection as in
-    :func:`speculative_select`. Returns int64 ``[batch, num_kv_heads, min(budget, capacity)]``."""
+    :func:`speculative_select`; slots, sinks and recent window from ``spec``. Returns int64
+    ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]``."""
     from .draft_retrieval import map_to_target_heads
 
     b, num_kv, capacity = key_cache.shape[0], key_cache.shape[1], key_cache.shape[-2]
@@ -296,30 +300,28 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
     scores = map_to_target_heads(scores, num_kv)
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
     scores = torch.where(draft_length >= total, scores, recency)
-    slots = torch.sym_max(q_len, torch.sym_min(budget, capacity))
-    return select_positions(scores, length, q_len, slots, sink, window, sliding_window, visible)
+    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
+    return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window, sliding_window,
+                            visible)
 
 
 def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
-                     length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
-                     sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
-                     stats: torch.Tensor | None = None, min_coverage: float = 0.0,
-                     rope_cache: torch.Tensor | None = None, page_min: torch.Tensor | None = None,
-                     page_max: torch.Tensor | None = None, rescue_pages: int = 0,
-                     page_tokens: int = PAGE_TOKENS,
-                     page_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Second stage of the two-stage selection: a layer keeps the ``budget`` candidates its
+                     length: torch.Tensor, attn_mask: torch.Tensor | None, pages: Sequence[torch.Tensor | None],
+                     spec: StepSpec, variant: AttentionVariant, stats: torch.Tensor | None = None,
+                     rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Second stage of the two-stage selection: a layer keeps the ``spec.budget`` candidates its
     *own* query attends to most (``specontext::refine_selection``, issue 12).
 
     The selection node picks ``candidates`` once per step, before the first layer, from the
     retrieval head (what offload prefetches); here, inside each layer, the layer's current
-    query scores those candidates exactly as its attention will (scale, soft cap, causal
-    limit, mask), the score of a candidate is the max over the query heads of its KV group
-    and over the step's rows of the softmax weight among the candidates (the paper's GQA
-    rule, section 4), and the top ``budget`` are kept. The sinks (the first ``sink`` valid
-    candidates: the selection node forced them in, so they are the row's first visible
-    tokens) and the recent window (positions ``>= length - max(window, q_len)``) are kept
-    first, inside ``budget``, as in :func:`select_positions`. Static shapes, no host read.
+    query scores those candidates exactly as its attention will (``variant``: scale, soft
+    cap, sliding window; causal limit, mask), the score of a candidate is the max over the
+    query heads of its KV group and over the step's rows of the softmax weight among the
+    candidates (the paper's GQA rule, section 4), and the top ``spec.budget`` are kept. The
+    sinks (the first ``spec.sink_tokens`` valid candidates: the selection node forced them
+    in, so they are the row's first visible tokens) and the recent window (positions ``>=
+    length - max(spec.recent_window, q_len)``) are kept first, inside the budget, as in
+    :func:`select_positions`. Static shapes, no host read.
 
     Args:
         query: ``[batch, num_heads, q_len, head_dim]`` (this layer's).
@@ -328,21 +330,20 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
             (a selection node's output). ``slots <= budget`` (a store whose capacity was
             symbolic when the pass ran) keeps every candidate.
         length: int64 scalar tensor, tokens written *including* this step's.
-        attn_mask: the site's Hugging Face mask or None; scale, soft_cap, sliding_window:
-            the site's attention parameters.
-        budget: positions kept per KV head; sink, window: as the selection node's.
-        stats, min_coverage: the fidelity guard (option ``min_coverage``, 0 = off): the
-            site must run dense when any KV head's ``coverage`` (below) is under
-            ``min_coverage``; that decision is counted in ``stats`` (int64, index
-            :data:`~specontext_compile.runtime.protocol.GUARD_STAT`) on the device.
+        attn_mask: the site's Hugging Face mask or None.
+        pages: the page rescue's operands (:mod:`.page_bounds`): ``()`` (none) or
+            ``(page_min, page_max, page_shift)``, the store's per-page key bounds ``[batch,
+            num_kv_heads, pages, head_dim]`` and per-row page shift (int64 ``[batch]`` or
+            None); before refining, the tokens of the ``spec.rescue_pages`` pages with the
+            highest Quest bound under this layer's query join the candidates.
+        spec: budget, sinks, recent window, the guard's ``min_coverage`` (0 = off: the site
+            must run dense when any KV head's ``coverage`` (below) is under it; that
+            decision is counted in ``stats``, int64, index
+            :data:`~specontext_compile.runtime.protocol.GUARD_STAT`, on the device) and the
+            page rescue (``rescue_pages``, ``page_tokens``).
+        variant: the site's :class:`~.spec.AttentionVariant`.
         rope_cache: MLA only (:mod:`.mla`): the rotary key store; ``key_cache`` is then the
             latent store and ``query`` the absorbed query.
-        page_min, page_max, rescue_pages, page_tokens, page_shift: the page rescue (option
-            ``page_rescue``, :mod:`.page_bounds`): the store's per-page key bounds
-            ``[batch, num_kv_heads, pages, head_dim]`` and per-row page shift (int64
-            ``[batch]`` or None); before refining, the tokens of the ``rescue_pages`` pages
-            with the highest Quest bound under this layer's query join the candidates (0 or
-            no bounds = off).
 
     Returns:
         ``(indices, dense)``: int64 ``[batch, num_kv_heads, budget]`` in no particular order
@@ -354,24 +355,20 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
         candidates held nothing more); :func:`refine_coverage` returns it.
 
     Raises:
-        ValueError: when ``budget`` does not leave room for the step's ``q_len`` tokens.
+        ValueError: when ``spec.budget`` does not leave room for the step's ``q_len`` tokens.
     """
-    indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                        window, soft_cap, sliding_window, rope_cache, page_min, page_max,
-                                        rescue_pages, page_tokens, page_shift)
-    dense = (coverage < min_coverage).any()
-    if stats is not None and min_coverage > 0:
+    indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, spec, variant, rope_cache,
+                                        pages)
+    dense = (coverage < spec.min_coverage).any()
+    if stats is not None and spec.min_coverage > 0:
         stats[GUARD_STAT].add_(dense.long())
     return indices, dense
 
 
 def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
-                    length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
-                    sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
-                    rope_cache: torch.Tensor | None = None, page_min: torch.Tensor | None = None,
-                    page_max: torch.Tensor | None = None, rescue_pages: int = 0,
-                    page_tokens: int = PAGE_TOKENS,
-                    page_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    length: torch.Tensor, attn_mask: torch.Tensor | None, spec: StepSpec,
+                    variant: AttentionVariant, rope_cache: torch.Tensor | None = None,
+                    pages: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
     (float32 ``[batch, num_kv_heads]``), arguments as there.
 
@@ -384,32 +381,28 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
     reaching the capacity do not count: the union is ranked as it is, so the same row gives
     the same kept set in stores of any size, e.g. padded or alone.)
 
-    With the page rescue on (``rescue_pages > 0`` and bounds given; never for MLA), the
+    With the page rescue on (``spec.rescue_pages > 0`` and bounds given; never for MLA), the
     candidates become :func:`~.page_bounds.rescued_candidates` before the gather."""
-    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, scale, sliding_window,
-                                     rope_cache, page_min, page_max, rescue_pages, page_tokens, page_shift)
-    return refine_gathered(query, keys, candidates, length, attn_mask, scale, budget, sink, window, soft_cap,
-                           sliding_window)
+    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, rope_cache,
+                                     pages)
+    return refine_gathered(query, keys, candidates, length, attn_mask, spec, variant)
 
 
 def refine_inputs(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
-                  attn_mask: torch.Tensor | None, scale: float, sliding_window: int = 0,
-                  rope_cache: torch.Tensor | None = None, page_min: torch.Tensor | None = None,
-                  page_max: torch.Tensor | None = None, rescue_pages: int = 0, page_tokens: int = PAGE_TOKENS,
-                  page_shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant,
+                  rope_cache: torch.Tensor | None = None,
+                  pages: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``(candidates, keys)`` the refinement ranks (:func:`refine_coverage`, arguments as there):
     every position the step's rows see, read in place, when the candidates have a slot for
     every store position; else the candidates (plus the rescued pages' tokens) and their
     gathered keys ``[batch, num_kv_heads, slots, head_dim]``."""
     b, num_kv, capacity, _ = key_cache.shape
-    rescue = rescue_pages > 0 and page_min is not None and rope_cache is None
     if known(candidates.shape[-1] >= capacity) and rope_cache is None:
         pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
-        seen = seen_positions(length, attn_mask, capacity, query.shape[2], sliding_window, key_cache.device)
+        seen = seen_positions(length, attn_mask, capacity, query.shape[2], variant.sliding_window, key_cache.device)
         return torch.where(seen, pos, -1), key_cache
-    if rescue:
-        candidates = rescue_pages_into(query, candidates, length, attn_mask, capacity, scale, sliding_window, page_min,
-                                       page_max, rescue_pages, page_tokens, page_shift)
+    if spec.rescue_pages > 0 and pages and rope_cache is None:
+        candidates = rescue_pages_into(query, candidates, length, attn_mask, capacity, spec, variant, pages)
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
     if rope_cache is not None:
         keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)
@@ -417,20 +410,21 @@ def refine_inputs(query: torch.Tensor, key_cache: torch.Tensor, candidates: torc
 
 
 def rescue_pages_into(query: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
-                      attn_mask: torch.Tensor | None, capacity: int, scale: float, sliding_window: int,
-                      page_min: torch.Tensor, page_max: torch.Tensor, rescue_pages: int, page_tokens: int,
-                      page_shift: torch.Tensor | None) -> torch.Tensor:
+                      attn_mask: torch.Tensor | None, capacity: int, spec: StepSpec, variant: AttentionVariant,
+                      pages: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """The page rescue, shared by the resident refinement (:func:`refine_coverage`) and an
     offloaded layer's (:meth:`~.offload.OffloadManager.refine`): the positions the step's rows
     see in a store of ``capacity`` slots (:func:`seen_positions`, on the bounds' device),
     Quest's bound per page under ``query`` (:func:`~.page_bounds.page_scores`), and the
-    candidates plus the best ``rescue_pages`` pages' seen tokens
-    (:func:`~.page_bounds.rescued_candidates`)."""
+    candidates plus the best ``spec.rescue_pages`` pages' seen tokens
+    (:func:`~.page_bounds.rescued_candidates`). ``pages``: ``(page_min, page_max,
+    page_shift)`` as in :func:`refine_selection`."""
+    page_min, page_max, page_shift = pages
     device = page_min.device
-    seen = seen_positions(length.to(device), attn_mask, capacity, query.shape[2], sliding_window, device)
-    scores = page_bounds.page_scores(query, page_min, page_max, seen, scale, page_tokens, page_shift)
-    return page_bounds.rescued_candidates(candidates, scores, seen, torch.sym_min(rescue_pages, page_min.shape[2]),
-                                          page_tokens, page_shift)
+    seen = seen_positions(length.to(device), attn_mask, capacity, query.shape[2], variant.sliding_window, device)
+    scores = page_bounds.page_scores(query, page_min, page_max, seen, variant.scale, spec.page_tokens, page_shift)
+    return page_bounds.rescued_candidates(candidates, scores, seen, torch.sym_min(spec.rescue_pages, page_min.shape[2]),
+                                          spec.page_tokens, page_shift)
 
 
 def seen_positions(length: torch.Tensor, attn_mask: torch.Tensor | None, capacity: int, q_len: int,
@@ -445,16 +439,15 @@ def seen_positions(length: torch.Tensor, attn_mask: torch.Tensor | None, capacit
 
 
 def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
-                    attn_mask: torch.Tensor | None, scale: float, budget: int, sink: int, window: int,
-                    soft_cap: float | None = None, sliding_window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+                    attn_mask: torch.Tensor | None, spec: StepSpec,
+                    variant: AttentionVariant) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_coverage` once the candidates' keys ``[batch, num_kv_heads, slots,
     head_dim]`` are gathered (from the store, or from an offloaded layer's device buffer:
     :meth:`~.offload.OffloadManager.refine`); other arguments and the result as there. The
-    candidates need not be sorted as a whole, only their first ``sink`` valid entries must
-    be the row's sinks (as a selection node's ascending output, or that output followed by
-    more positions: :func:`~.page_bounds.rescued_candidates`)."""
-    logits, probs, values, top = _ranked(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
-                                         soft_cap, sliding_window)
+    candidates need not be sorted as a whole, only their first ``spec.sink_tokens`` valid
+    entries must be the row's sinks (as a selection node's ascending output, or that output
+    followed by more positions: :func:`~.page_bounds.rescued_candidates`)."""
+    logits, probs, values, top = _ranked(query, keys, candidates, length, attn_mask, spec, variant)
     allowed = logits > _NEG  # [b, kv, g, q, slots]
     # int32, not bool: inductor's CPU scatter into bool is much slower (benchmarks.layer_step --scatter)
     kept = torch.zeros_like(candidates, dtype=torch.int32).scatter_(-1, top, (values != _NEG).int())
@@ -464,20 +457,21 @@ def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.T
     return indices, coverage
 
 
-def _ranked(query, keys, candidates, length, attn_mask, scale, budget, sink, window, soft_cap, sliding_window):
+def _ranked(query, keys, candidates, length, attn_mask, spec: StepSpec, variant: AttentionVariant):
     """The refinement's ranking: ``(logits, probs, values, top)``, the candidates' logits and
     softmax ``[b, kv, g, q, slots]`` and the top-``budget`` rank values and slots ``[b, kv,
     budget]`` (a rank of ``_NEG``: no usable candidate in that slot)."""
     q_len = query.shape[2]
-    budget = torch.sym_min(budget, candidates.shape[-1])  # a budget above the candidates keeps them all
+    budget = torch.sym_min(spec.budget, candidates.shape[-1])  # a budget above the candidates keeps them all
     if known(budget < q_len):
         raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
-    logits = selected_logits(query, keys, candidates, length, attn_mask, scale, soft_cap, sliding_window)
+    logits = selected_logits(query, keys, candidates, length, attn_mask, variant.scale, variant.soft_cap,
+                             variant.sliding_window)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     score = probs.amax(dim=(2, 3))  # [b, kv, slots]
     valid = candidates >= 0
-    recent = torch.sym_min(max(window, q_len), budget)
-    sinks = 0 if sliding_window > 0 else torch.sym_min(sink, budget - recent)
+    recent = torch.sym_min(max(spec.recent_window, q_len), budget)
+    sinks = 0 if variant.sliding_window > 0 else torch.sym_min(spec.sink_tokens, budget - recent)
     length = length.reshape(-1, 1, 1) if length.dim() else length
     forced = valid & ((valid.cumsum(-1) <= sinks) | (candidates >= length - recent))
     rank = torch.where(valid, score, _NEG)
@@ -487,11 +481,9 @@ def _ranked(query, keys, candidates, length, attn_mask, scale, budget, sink, win
 
 
 def refine_and_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-                      budget: int, sink: int, window: int, soft_cap: float | None = None, sliding_window: int = 0,
-                      page_min: torch.Tensor | None = None, page_max: torch.Tensor | None = None,
-                      rescue_pages: int = 0, page_tokens: int = PAGE_TOKENS,
-                      page_shift: torch.Tensor | None = None) -> torch.Tensor:
+                      candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+                      spec: StepSpec, variant: AttentionVariant,
+                      pages: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
     """:func:`refine_selection` (guard off) then :func:`sparse_attention` over the kept tokens,
     in one body: the attention reuses the logits the refinement computed for the kept
     candidates instead of gathering their keys again and recomputing them (the same logits:
@@ -500,10 +492,8 @@ def refine_and_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     learned sinks or the dense shortcut; arguments as those two functions'. Returns
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
     bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
-    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, scale, sliding_window, None,
-                                     page_min, page_max, rescue_pages, page_tokens, page_shift)
-    logits, _, values, top = _ranked(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
-                                     soft_cap, sliding_window)
+    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, None, pages)
+    logits, _, values, top = _ranked(query, keys, candidates, length, attn_mask, spec, variant)
     b, num_kv, groups, q_len, _ = logits.shape
     kept = top.shape[-1]
     kept_logits = logits.gather(-1, top[:, :, None, None, :].expand(b, num_kv, groups, q_len, kept))
@@ -553,8 +543,8 @@ def optional_operands(*optional: torch.Tensor | None):
 
 
 def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-                      soft_cap: float | None, sliding_window: int, dense: torch.Tensor,
+                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+                      variant: AttentionVariant, dense: torch.Tensor,
                       sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fidelity guard's branch (``torch.cond``, traced by inductor as a conditional, not
     a graph break): exact dense attention over the store when ``dense`` (bool scalar), else
@@ -563,7 +553,8 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
     site and step): the price of the guard, which is off by default."""
     capacity = key_cache.shape[-2]
-    plain = soft_cap is None and sliding_window == 0 and sinks is None
+    scale, soft_cap, sliding_window = variant.scale, variant.soft_cap, variant.sliding_window
+    plain = variant.plain and sinks is None
     extra, unpack = optional_operands(attn_mask, sinks)
     tensors = [query, key_cache, value_cache, indices, length] + extra
 
@@ -582,26 +573,26 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
 
 
 def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                     indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-                     soft_cap: float | None = None, sliding_window: int = 0, dense_shortcut: bool = False,
-                     dense: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of one layer over the selected tokens (``specontext::sparse_attention``).
+                     indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+                     spec: StepSpec, variant: AttentionVariant, dense: torch.Tensor | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of one layer over the selected tokens (``specontext::sparse_attention``,
+    torch path: ``spec.kernel`` is the op's business).
 
-    With ``dense_shortcut`` (the caller's promise that a selection with a slot for every
+    With ``spec.dense_shortcut`` (the caller's promise that a selection with a slot for every
     store position holds every written one, as the selection nodes' do) and such a
-    selection (:func:`covers_store`, a static fact), plain sites (no soft cap, no sliding window) run
-    SDPA over the store with the causal limit as a mask (contiguous reads, exact); otherwise
-    the gather path of
+    selection (:func:`covers_store`, a static fact), plain sites (``variant.plain``, no
+    learned sinks) run SDPA over the store with the causal limit as a mask (contiguous
+    reads, exact); otherwise the gather path of
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` (shapes,
-    mask and ``-1`` padding semantics there). ``length`` counts this step's tokens.
+    mask and ``-1`` padding semantics there; scale, soft cap and sliding window from
+    ``variant``). ``length`` counts this step's tokens.
     ``dense``: the fidelity guard's bool scalar from :func:`refine_selection` (None = no
     guard): when True the site attends densely instead (:func:`guarded_attention`).
     ``sinks``: learned per-head sink logits ``[num_heads]`` (GPT-OSS) or None."""
     if dense is not None:
-        return guarded_attention(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap,
-                                 sliding_window, dense, sinks)
-    if (dense_shortcut and soft_cap is None and sliding_window == 0 and sinks is None
-            and covers_store(indices, key_cache)):
-        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale)
-    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, sinks)
+        return guarded_attention(query, key_cache, value_cache, indices, length, attn_mask, variant, dense, sinks)
+    if spec.dense_shortcut and variant.plain and sinks is None and covers_store(indices, key_cache):
+        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
+    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant.scale,
+                                      variant.soft_cap, variant.sliding_window, sinks)

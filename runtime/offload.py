@@ -33,6 +33,7 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -49,6 +50,7 @@ from . import page_bounds
 from .aten_step import refine_gathered, rescue_pages_into
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
+from .spec import AttentionVariant, StepSpec
 from .sparse_attention import attend_gathered
 from .streams import CopyStream, CopyTicket
 from .trace import TraceRecorder
@@ -339,8 +341,7 @@ def _gather_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 
 def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, length: torch.Tensor,
-                  attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
-                  sliding_window: int = 0) -> torch.Tensor:
+                  attn_mask: torch.Tensor | None, variant: AttentionVariant) -> torch.Tensor:
     """Sparse attention of ``query`` ``[batch, heads, q_len, head_dim]`` over the selected
     positions ``indices`` ``[batch, kv, k]`` (-1 padding), read from the device buffer
     through the slot map. Same operations, in the same order, as
@@ -353,7 +354,8 @@ def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, 
                            "(prefetch/wait were not run for this layer)")
     slots = slots.clamp(min=0)
     keys, values = _gather_rows(buf.keys, slots), _gather_rows(buf.values, slots)
-    return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window)
+    return attend_gathered(query, keys, values, indices, length, attn_mask, variant.scale, variant.soft_cap,
+                           variant.sliding_window)
 
 
 @dataclasses.dataclass
@@ -696,32 +698,28 @@ class OffloadManager(OpaqueBase):
 
     def attend(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor,
                value_cache: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
-               attn_mask: torch.Tensor | None, scale: float, soft_cap: float | None = None,
-               sliding_window: int = 0) -> torch.Tensor:
+               attn_mask: torch.Tensor | None, variant: AttentionVariant) -> torch.Tensor:
         """Attention of an offloaded layer over its device buffer (the step's own tokens are
         copied in first: they were written after the prefetch started)."""
         buf = self._fixup(layer_idx, key_cache, value_cache, indices, length)
         counters["specontext"]["offloaded_attention_calls"] += 1
-        return attend_buffer(query, buf, indices, length, attn_mask, scale, soft_cap, sliding_window)
+        return attend_buffer(query, buf, indices, length, attn_mask, variant)
 
     def refine(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float,
-               budget: int, sink: int, window: int, soft_cap: float | None = None,
-               sliding_window: int = 0, page_min: torch.Tensor | None = None, page_max: torch.Tensor | None = None,
-               rescue_pages: int = 0, page_tokens: int = page_bounds.PAGE_TOKENS,
-               page_shift: torch.Tensor | None = None) -> torch.Tensor:
+               candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+               pages: Sequence[torch.Tensor | None], spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
         """Two-stage selection of an offloaded layer (option ``candidates > 1``): the layer's
-        query keeps its ``budget`` of the prefetched ``candidates`` ``[batch, kv, slots]``,
+        query keeps its ``spec.budget`` of the prefetched ``candidates`` ``[batch, kv, slots]``,
         reading their keys from the device buffer, never the host tier (the step's own
         tokens are copied in first, as in :meth:`attend`). The kept positions are a subset
         of the buffer's, so the layer's attention then moves nothing. Same arithmetic as
         :func:`~.aten_step.refine_coverage` on the store. Returns int64 ``[batch, kv, budget]``.
 
-        With the page rescue (``rescue_pages > 0``; bounds on the device, :mod:`.page_bounds`)
-        the candidates first become their union with the best pages under the layer's query,
-        and the rescued tokens the buffer lacks are loaded from the host tier now, on demand
-        (counted in the step's ``rescued_rows``): the kept positions are still a subset of
-        the buffer's.
+        With the page rescue (``spec.rescue_pages > 0``; ``pages`` = ``(page_min, page_max,
+        page_shift)`` on the device, :mod:`.page_bounds`) the candidates first become their
+        union with the best pages under the layer's query, and the rescued tokens the buffer
+        lacks are loaded from the host tier now, on demand (counted in the step's
+        ``rescued_rows``): the kept positions are still a subset of the buffer's.
 
         Raises:
             RuntimeError: a candidate is not on the device tier (prefetch/wait not run).
@@ -730,26 +728,25 @@ class OffloadManager(OpaqueBase):
         the candidates alone) grows, with a logged warning: the results stay those of the
         resident layer, the memory plan did not count the extra rows."""
         buf = self._fixup(layer_idx, key_cache, value_cache, candidates, length)
-        if rescue_pages > 0 and page_min is not None:
-            candidates = self._rescue(layer_idx, buf, query, key_cache, value_cache, candidates, length, attn_mask,
-                                      scale, sliding_window, page_min, page_max, rescue_pages, page_tokens,
-                                      page_shift)
+        if spec.rescue_pages > 0 and pages:
+            candidates = self._rescue(layer_idx, buf, query, (key_cache, value_cache), candidates, length, attn_mask,
+                                      pages, spec, variant)
         slots = buf.slots_of(candidates)
         if bool(((candidates >= 0) & (slots < 0)).any()):
             raise RuntimeError("offloaded refinement: a candidate token is not on the device tier "
                                "(prefetch/wait were not run for this layer)")
         counters["specontext"]["offloaded_refine_calls"] += 1
         keys = _gather_rows(buf.keys, slots.clamp(min=0))
-        kept, _ = refine_gathered(query, keys, candidates, length, attn_mask, scale, budget, sink, window,
-                                  soft_cap, sliding_window)
+        kept, _ = refine_gathered(query, keys, candidates, length, attn_mask, spec, variant)
         return kept
 
-    def _rescue(self, layer_idx, buf, query, key_cache, value_cache, candidates, length, attn_mask, scale,
-                sliding_window, page_min, page_max, rescue_pages, page_tokens, page_shift) -> torch.Tensor:
+    def _rescue(self, layer_idx, buf, query, stores, candidates, length, attn_mask, pages, spec,
+                variant) -> torch.Tensor:
         """The candidates plus the layer's rescued pages (:func:`.aten_step.rescue_pages_into`,
-        the resident layer's code, on the device), with the rescued tokens the buffer lacks loaded from the host tier."""
-        union = rescue_pages_into(query, candidates, length, attn_mask, key_cache.shape[-2], scale, sliding_window,
-                                  page_min, page_max, rescue_pages, page_tokens, page_shift)
+        the resident layer's code, on the device), with the rescued tokens the buffer lacks
+        loaded from the host tier. ``stores``: the layer's ``(key_cache, value_cache)``."""
+        key_cache, value_cache = stores
+        union = rescue_pages_into(query, candidates, length, attn_mask, key_cache.shape[-2], spec, variant, pages)
         rows, needed = buf.pos_of_slot.shape[-1], int((union >= 0).sum(-1).max())
         if needed > rows:  # a manager sized for the candidates alone: grow, same results, plan off
             logger.warning("specontext offload: layer %d needs %d rows per KV head (candidates plus rescued pages) "

@@ -29,13 +29,14 @@ no ``offload_anchor``, and the schedule pass leaves it resident (with a warning)
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
-
 from torch._dynamo.utils import counters
 
 from . import aten_step, ops
 from .offload import OffloadManager
+from .spec import AttentionVariant, StepSpec
 
 logger = logging.getLogger(__name__)
 
@@ -133,21 +134,19 @@ def _(manager, ticket, key_cache, layer):
 @torch.library.custom_op("specontext::sparse_attention_offloaded", mutates_args=())
 def sparse_attention_offloaded(
     manager: OffloadManager, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, indices: torch.Tensor,
-    length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, kernel: str,
-    soft_cap: float | None, sliding_window: int, ready: torch.Tensor, layer: int,
+    length: torch.Tensor, attn_mask: Optional[torch.Tensor], spec: StepSpec, variant: AttentionVariant,
+    ready: torch.Tensor, layer: int,
 ) -> torch.Tensor:
     """``specontext::sparse_attention`` for a layer that may be offloaded: a resident layer
     runs it unchanged; an offloaded layer reads its device buffer through the slot map
-    (torch path; ``kernel`` applies to resident layers only). ``ready`` is the layer's
-    wait token; ``soft_cap``/``sliding_window`` as in ``sparse_attention``. Shapes as
+    (torch path; ``spec.kernel`` applies to resident layers only). ``ready`` is the layer's
+    wait token; ``spec``/``variant`` as in ``sparse_attention``. Shapes as
     :func:`~.ops.sparse_attention`."""
     if layer in manager.buffers:
-        out = manager.attend(layer, query, key_cache, value_cache, indices, length,
-                             attn_mask, scale, soft_cap, sliding_window)
+        out = manager.attend(layer, query, key_cache, value_cache, indices, length, attn_mask, variant)
         manager.mark_layer(layer, True)
         return out
-    out = _resident(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel,
-                    soft_cap, sliding_window)
+    out = ops.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
     manager.mark_layer(layer, False)
     return out
 
@@ -155,50 +154,35 @@ def sparse_attention_offloaded(
 @torch.library.custom_op("specontext::refine_selection_offloaded", mutates_args=())
 def refine_selection_offloaded(
     manager: OffloadManager, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, scale: float, budget: int,
-    sink: int, window: int, soft_cap: float | None, sliding_window: int, ready: torch.Tensor, layer: int,
-    page_min: torch.Tensor | None = None, page_max: torch.Tensor | None = None, rescue_pages: int = 0,
-    page_tokens: int = 16, page_shift: torch.Tensor | None = None,
+    candidates: torch.Tensor, length: torch.Tensor, attn_mask: Optional[torch.Tensor],
+    pages: list[Optional[torch.Tensor]], spec: StepSpec, variant: AttentionVariant, ready: torch.Tensor, layer: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``specontext::refine_selection`` for a layer that may be offloaded (option
     ``candidates > 1`` with KV offload): the step prefetched the *candidates*; an offloaded
     layer scores them from its device buffer (:meth:`~.offload.OffloadManager.refine`), a
     resident one from its store. ``ready`` is the layer's wait token. The fidelity guard is
     not built for offloaded layers (the config refuses ``min_coverage`` with offload), so
-    the second output is always False. ``page_min`` .. ``page_shift``: the page rescue (as
+    the second output is always False. ``pages``: the page rescue (as
     ``refine_selection``'s); an offloaded layer loads the rescued tokens it lacks from the
     host tier. Returns ``(indices [batch, num_kv_heads, budget]
     int64, dense: bool scalar)`` as ``refine_selection``."""
     counters["specontext"]["refine_calls"] += 1
     if layer in manager.buffers:
-        kept = manager.refine(layer, query, key_cache, value_cache, candidates, length, attn_mask, scale, budget,
-                              sink, window, soft_cap, sliding_window, page_min, page_max, rescue_pages,
-                              page_tokens, page_shift)
+        kept = manager.refine(layer, query, key_cache, value_cache, candidates, length, attn_mask, pages, spec,
+                              variant)
     else:
-        kept, _ = aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                             window, soft_cap, sliding_window, page_min=page_min,
-                                             page_max=page_max, rescue_pages=rescue_pages,
-                                             page_tokens=page_tokens, page_shift=page_shift)
+        kept, _ = aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, pages, spec, variant)
     return kept, torch.zeros((), dtype=torch.bool, device=kept.device)
 
 
 @refine_selection_offloaded.register_fake
-def _(manager, query, key_cache, value_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap,
-      sliding_window, ready, layer, page_min=None, page_max=None, rescue_pages=0, page_tokens=16, page_shift=None):
+def _(manager, query, key_cache, value_cache, candidates, length, attn_mask, pages, spec, variant, ready, layer):
     b, kv = candidates.shape[:2]
-    return candidates.new_empty((b, kv, budget)), torch.empty((), dtype=torch.bool, device=candidates.device)
-
-
-def _resident(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel, soft_cap, sliding_window):
-    """The ordinary sparse attention (the selection comes from a selection node, so the
-    static dense shortcut applies)."""
-    return ops.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                kernel, soft_cap, sliding_window, True)
+    return candidates.new_empty((b, kv, spec.budget)), torch.empty((), dtype=torch.bool, device=candidates.device)
 
 
 @sparse_attention_offloaded.register_fake
-def _(manager, query, key_cache, value_cache, indices, length, attn_mask, scale, kernel, soft_cap,
-      sliding_window, ready, layer):
+def _(manager, query, key_cache, value_cache, indices, length, attn_mask, spec, variant, ready, layer):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))
 

@@ -5,6 +5,7 @@ reference :func:`.sparse_attention.sparse_attention_reference`)."""
 from __future__ import annotations
 
 import weakref
+from typing import Optional
 
 import torch
 from torch._dynamo.utils import counters
@@ -12,6 +13,7 @@ from torch._dynamo.utils import counters
 from . import aten_step
 from .probe import active_probe, selection_recall
 from .sparse_attention import mask_is_causal_only
+from .spec import AttentionVariant, StepSpec
 
 __all__ = ["sparse_attention"]
 
@@ -23,26 +25,23 @@ def sparse_attention(
     value_cache: torch.Tensor,
     indices: torch.Tensor,
     length: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    scale: float,
-    kernel: str = "torch",
-    soft_cap: float | None = None,
-    sliding_window: int = 0,
-    dense_shortcut: bool = False,
-    dense: torch.Tensor | None = None,
-    sinks: torch.Tensor | None = None,
+    attn_mask: Optional[torch.Tensor],
+    spec: StepSpec,
+    variant: AttentionVariant,
+    dense: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
-    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes,
-    ``soft_cap`` and ``sliding_window`` (those two always take the torch path).
+    :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes
+    and :class:`~.spec.AttentionVariant` for ``variant`` (a soft cap or a sliding window
+    always takes the torch path).
     ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
-    ``kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``).
-    ``dense_shortcut``: the caller promises that a selection with a slot for every store
+    ``spec.kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``).
+    ``spec.dense_shortcut``: the caller promises that a selection with a slot for every store
     position holds every written position (true of the selection nodes' outputs); such a
     step (a static fact: budget >= capacity) then runs dense SDPA over the store instead of
-    gathering (counter ``dense_prefix_calls``). The pass sets it for the sites whose budget
-    covers the store, unless the option ``dense_shortcut`` is off (tests use that to run the
-    gather path at full budget).
+    gathering (counter ``dense_prefix_calls``). The pass keeps it on unless the option
+    ``dense_shortcut`` is off (tests use that to run the gather path at full budget).
     ``dense``: the fidelity guard's decision (bool scalar from ``refine_selection``; None =
     no guard): when True the site attends densely (exact), through ``torch.cond``
     (:func:`~specontext_compile.runtime.aten_step.guarded_attention`, torch path only).
@@ -53,24 +52,25 @@ def sparse_attention(
     probe = active_probe()
     if probe is not None:  # a site the fidelity guard ran dense attends to everything: recall 1
         probe.values.append(1.0 if dense is not None and bool(dense) else
-                            selection_recall(query, key_cache, indices, int(length), scale, attn_mask,
-                                             soft_cap, sliding_window))
-    plain = soft_cap is None and sliding_window == 0 and sinks is None
+                            selection_recall(query, key_cache, indices, int(length), variant.scale, attn_mask,
+                                             variant.soft_cap, variant.sliding_window))
+    plain = variant.plain and sinks is None
     if dense is not None:
         counters["specontext"]["guarded_attention_calls"] += 1
-    elif plain and dense_shortcut and aten_step.covers_store(indices, key_cache):
+    elif plain and spec.dense_shortcut and aten_step.covers_store(indices, key_cache):
         counters["specontext"]["dense_prefix_calls"] += 1
-    elif plain and _use_triton(kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
+    elif plain and _use_triton(spec.kernel, query) and _mask_allows_selection(attn_mask, indices, length,
+                                                                              query.shape[2]):
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
         return sparse_decode_attention(
-            query, key_cache, value_cache, indices, length, scale=scale, check_indices=False
+            query, key_cache, value_cache, indices, length, scale=variant.scale, check_indices=False
         )
     else:
         counters["specontext"]["gather_attention_calls"] += 1
-    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, scale,
-                                      soft_cap, sliding_window, dense_shortcut, dense, sinks)
+    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant,
+                                      dense, sinks)
 
 
 class _MaskCheck:
@@ -132,7 +132,6 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 
 
 @sparse_attention.register_fake
-def _(query, key_cache, value_cache, indices, length, attn_mask, scale, kernel="torch",
-      soft_cap=None, sliding_window=0, dense_shortcut=False, dense=None, sinks=None):
+def _(query, key_cache, value_cache, indices, length, attn_mask, spec, variant, dense=None, sinks=None):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

@@ -11,6 +11,7 @@ from torch._dynamo.utils import counters
 
 from . import aten_step, draft_retrieval
 from .ops_store import CacheCapacityError
+from .spec import StepSpec
 
 logger = logging.getLogger(__name__)
 
@@ -138,9 +139,7 @@ def draft_select(
     key_cache: torch.Tensor,
     length: torch.Tensor,
     q_len: int,
-    budget: int,
-    sink: int,
-    window: int,
+    spec: StepSpec,
     sliding_window: int = 0,
     attn_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -155,10 +154,12 @@ def draft_select(
         key_cache: the target's layer-0 store ``[batch, num_kv_heads, capacity, head_dim]``
             (only its shape is read: KV heads and capacity).
         length: the target's written tokens before this step (int64 scalar).
-        q_len, budget, sink, window, sliding_window, attn_mask: as ``speculative_select``.
+        q_len, attn_mask: as ``speculative_select``; spec: its :class:`~.spec.StepSpec`
+            (``candidate_slots``, ``sink_tokens``, ``recent_window``); sliding_window: 0 = full
+            attention, else the window the selection stays inside.
 
     Returns:
-        int64 ``[batch, num_kv_heads, min(budget, capacity)]`` ascending positions
+        int64 ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]`` ascending positions
         (``-1`` = padding): :func:`~specontext_compile.runtime.selection.select_tokens` of
         :func:`~specontext_compile.runtime.draft_retrieval.draft_scores`; the most recent
         tokens instead when the head's key cache misses a position (counter
@@ -170,12 +171,11 @@ def draft_select(
         if counters["specontext"]["draft_recency_fallback"] == 1:
             logger.warning("specontext: the draft head's key cache lacks positions (a step ran "
                            "without the backend, e.g. an eager prefill); selecting recent tokens")
-    return aten_step.draft_select(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink,
-                                  window, sliding_window, attn_mask)
+    return aten_step.draft_select(query, draft_keys, draft_length, key_cache, length, q_len, spec, sliding_window,
+                                  attn_mask)
 
 
 @draft_select.register_fake
-def _(query, draft_keys, draft_length, key_cache, length, q_len, budget, sink, window, sliding_window=0,
-      attn_mask=None):
-    slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
+def _(query, draft_keys, draft_length, key_cache, length, q_len, spec, sliding_window=0, attn_mask=None):
+    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)

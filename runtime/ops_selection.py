@@ -3,11 +3,13 @@ retrieval layer's query, and the selection node. Bodies: :mod:`.aten_step`."""
 
 from __future__ import annotations
 
+from typing import Optional
 
 import torch
 from torch._dynamo.utils import counters
 
 from . import aten_step
+from .spec import AttentionVariant, StepSpec
 
 __all__ = ["record_query", "refine_selection", "speculative_select"]
 
@@ -34,14 +36,11 @@ def speculative_select(
     key_caches: list[torch.Tensor],
     length: torch.Tensor,
     q_len: int,
-    budget: int,
-    sink: int,
-    window: int,
-    scale: float,
-    sliding_window: int = 0,
-    attn_mask: torch.Tensor | None = None,
+    spec: StepSpec,
+    variant: AttentionVariant,
+    attn_mask: Optional[torch.Tensor] = None,
     mla: bool = False,
-    position_bias: torch.Tensor | None = None,
+    position_bias: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """The speculative-selection node (SpeContext section 4), once per decode step (once per
     distinct sliding window when layers differ, e.g. Gemma's alternating layers).
@@ -55,26 +54,29 @@ def speculative_select(
         key_caches: the retrieval layers' key stores, each
             ``[batch, num_kv_heads, capacity, head_dim]``, in slot order.
         length: written tokens *before* this step (int64 scalar, the same for all layers).
-        q_len: tokens in this step; budget, sink, window: see ``SpeContextConfig``.
-        sliding_window: 0 = full attention; else select only inside the window of the
-            step's rows (see :func:`~specontext_compile.runtime.selection.select_tokens`).
+        q_len: tokens in this step.
+        spec: :class:`~.spec.StepSpec` (``candidate_slots``, ``sink_tokens``,
+            ``recent_window``).
+        variant: the retrieval layers' :class:`~.spec.AttentionVariant` (scale; a sliding
+            window ``w > 0`` selects only inside the window of the step's rows, see
+            :func:`~specontext_compile.runtime.selection.select_tokens`).
         attn_mask: the first site's Hugging Face mask (or None): positions a batch row may
             not attend to (left padding) are never selected and do not count as sinks.
 
     Returns:
-        int64 ``[batch, num_kv_heads, min(budget, capacity)]`` positions valid after this
-        step's write (``-1`` = padding), shared by every layer of the step.
+        int64 ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]`` positions valid
+        after this step's write (``-1`` = padding), shared by every layer of the step.
     """
     counters["specontext"]["selection_calls"] += 1
-    return aten_step.speculative_select(query_state, query_valid, key_caches, length, q_len, budget, sink,
-                                        window, scale, sliding_window, attn_mask, mla, position_bias)
+    return aten_step.speculative_select(query_state, query_valid, key_caches, length, q_len, spec, variant,
+                                        attn_mask, mla, position_bias)
 
 
 @speculative_select.register_fake
-def _(query_state, query_valid, key_caches, length, q_len, budget, sink, window, scale, sliding_window=0,
-      attn_mask=None, mla=False, position_bias=None):
+def _(query_state, query_valid, key_caches, length, q_len, spec, variant, attn_mask=None, mla=False,
+      position_bias=None):
     key_cache = key_caches[0]
-    slots = torch.sym_max(q_len, torch.sym_min(budget, key_cache.shape[-2]))
+    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, key_cache.shape[-2]))
     return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)
 
 
@@ -84,40 +86,28 @@ def refine_selection(
     key_cache: torch.Tensor,
     candidates: torch.Tensor,
     length: torch.Tensor,
-    attn_mask: torch.Tensor | None,
-    scale: float,
-    budget: int,
-    sink: int,
-    window: int,
-    soft_cap: float | None = None,
-    sliding_window: int = 0,
-    stats: torch.Tensor | None = None,
-    min_coverage: float = 0.0,
-    rope_cache: torch.Tensor | None = None,
-    page_min: torch.Tensor | None = None,
-    page_max: torch.Tensor | None = None,
-    rescue_pages: int = 0,
-    page_tokens: int = 16,
-    page_shift: torch.Tensor | None = None,
+    attn_mask: Optional[torch.Tensor],
+    pages: list[Optional[torch.Tensor]],
+    spec: StepSpec,
+    variant: AttentionVariant,
+    stats: Optional[torch.Tensor] = None,
+    rope_cache: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-layer second stage of the two-stage selection (option ``candidates > 1``): the
-    layer's own query keeps the ``budget`` of the step's ``candidates`` it attends to most,
-    and the fidelity guard (``min_coverage > 0``) decides whether the layer must run dense.
+    """Per-layer second stage of the two-stage selection (``spec.refines``): the layer's own
+    query keeps the ``spec.budget`` of the step's ``candidates`` it attends to most, and the
+    fidelity guard (``spec.min_coverage > 0``) decides whether the layer must run dense.
     Shapes, semantics and the coverage estimate:
     :func:`~specontext_compile.runtime.aten_step.refine_selection`.
     ``rope_cache``: MLA layers only (the rotary key store; ``key_cache`` is the latent one).
-    ``page_min``/``page_max``/``rescue_pages``/``page_tokens``/``page_shift``: the page rescue (option
-    ``page_rescue``, :mod:`~specontext_compile.runtime.page_bounds`).
+    ``pages``: ``[]`` or ``[page_min, page_max, page_shift]``, the page rescue's operands
+    (:mod:`~specontext_compile.runtime.page_bounds`).
     Returns ``(indices [batch, num_kv_heads, budget] int64, dense: bool scalar)``."""
     counters["specontext"]["refine_calls"] += 1
-    return aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, scale, budget, sink,
-                                      window, soft_cap, sliding_window, stats, min_coverage, rope_cache,
-                                      page_min, page_max, rescue_pages, page_tokens, page_shift)
+    return aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, pages, spec, variant,
+                                      stats, rope_cache)
 
 
 @refine_selection.register_fake
-def _(query, key_cache, candidates, length, attn_mask, scale, budget, sink, window, soft_cap=None,
-      sliding_window=0, stats=None, min_coverage=0.0, rope_cache=None, page_min=None, page_max=None,
-      rescue_pages=0, page_tokens=16, page_shift=None):
+def _(query, key_cache, candidates, length, attn_mask, pages, spec, variant, stats=None, rope_cache=None):
     b, kv = candidates.shape[0], candidates.shape[1]
-    return candidates.new_empty((b, kv, budget)), candidates.new_empty((), dtype=torch.bool)
+    return candidates.new_empty((b, kv, spec.budget)), candidates.new_empty((), dtype=torch.bool)

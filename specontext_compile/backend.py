@@ -135,12 +135,7 @@ def specontext_backend(
     mode = config.mode or mode or "default"
     if mode not in _MODES:
         raise ValueError(f"specontext: unknown compile mode {mode!r}; valid modes are {_MODES}")
-    rewrite = SparseAttentionPass(
-        config.budget, config.sink_tokens, config.recent_window,
-        config.retrieval_layers, config.max_sparse_q_len, config.kernel, config.retrieval_head,
-        config.dense_shortcut, config.candidates, config.min_coverage, config.page_rescue,
-        config.dense_layers,
-    )
+    rewrite = SparseAttentionPass.from_config(config)
     dumper = GraphDumper.from_option(config.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None
     _emit_graph("before", gm.graph)

@@ -20,6 +20,7 @@ from .backend import CompileReport, compile_reports
 from .config import SpeContextConfig
 from .passes.sites import ANCHOR, KV_WRITE, is_op
 from .runtime.kv_cache import SpeContextCache
+from .runtime.protocol import op_arguments
 
 __all__ = ["Explanation", "SiteRow", "explain"]
 
@@ -115,7 +116,8 @@ def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     sparse = [n for n in nodes if n.target in _ATTENTION]
     out = []
     for sel in (n for n in nodes if n.target in (_SELECT, _DRAFT_SELECT)):
-        window = sel.args[9] if len(sel.args) > 9 else 0
+        a = op_arguments(sel, sel.target.overloadpacket)
+        window = a["variant"].sliding_window if "variant" in a else a["sliding_window"]
         users = [u for u in _consumers(sel, depth=3) if u.target in _ATTENTION]
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"

@@ -7,6 +7,7 @@ import torch
 from _families import DECODE_STEPS, record_caches, run_family
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.sparse_attention import sparse_attention_reference
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import assert_gather_path
 
 SPARSE = torch.ops.specontext.sparse_attention.default
@@ -55,7 +56,7 @@ def test_selection_accounts_for_the_position_bias():
     keys[0, 0, 20:30] = 0.5
     state = torch.ones(8, b, h, 1, d)
     valid = torch.full((8,), 30, dtype=torch.long)
-    args = (torch.tensor(30), 1, 4, 0, 1, 0.35)
+    args = (torch.tensor(30), 1, StepSpec(4, 4, sink_tokens=0, recent_window=1), AttentionVariant(0.35))
     plain = aten_step.speculative_select(state, valid, [keys], *args)
     bias = alibi(h, cap) * 8  # steep: 4 and 2 logits per position
     biased = aten_step.speculative_select(state, valid, [keys], *args, position_bias=bias)

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import specontext_compile as sc
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 # fp32: compiled gather path (gather + matmul + float32 softmax, dense_shortcut=False) vs
 # eager SDPA / HF eager attention; observed max |logit diff| <= 2e-7 on these models, bound
@@ -218,7 +219,8 @@ def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 2]]]), torch.tensor(3), None, 0.3, "triton")
+        torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 2]]]), torch.tensor(3), None,
+                                              StepSpec(2, 2, kernel="triton"), AttentionVariant(0.3))
 
 
 @pytest.mark.slow

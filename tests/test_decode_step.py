@@ -16,6 +16,7 @@ import specontext_compile as sc
 from specontext_compile.passes.gemv import one_row_linear, rewrite_one_row_linears
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.selection import select_tokens
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 
 def _step_codes(model, options, prompt=40, steps=3, capacity=64):
@@ -141,17 +142,20 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
     valid = torch.empty(8, dtype=torch.long, device=meta)
     aten_step.record_query(state, valid, torch.empty(b, h, 1, d, device=meta), 2, length)
     for window in (0, 24):
-        idx = aten_step.speculative_select(state, valid, [keys, keys], length, 1, 32, 4, 8, 0.25, window)
+        spec = StepSpec(32, 32, sink_tokens=4, recent_window=8)
+        idx = aten_step.speculative_select(state, valid, [keys, keys], length, 1, spec,
+                                           AttentionVariant(0.25, sliding_window=window))
         assert idx.shape == (b, kv, 32)
         mask = torch.empty(b, 1, 1, cap, device=meta)
         out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, idx, length, mask,
-                                         0.25, None, window)
+                                         spec, AttentionVariant(0.25, sliding_window=window))
         assert out.shape == (b, h, 1, d)
-    full = aten_step.speculative_select(state, valid, [keys], length, 1, 4096, 4, 8, 0.25)
-    out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, full, length, None, 0.25,
-                                     dense_shortcut=True)
+    full_spec = StepSpec(4096, 4096, sink_tokens=4, recent_window=8, dense_shortcut=True)
+    full = aten_step.speculative_select(state, valid, [keys], length, 1, full_spec, AttentionVariant(0.25))
+    out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, full, length, None,
+                                     full_spec, AttentionVariant(0.25))
     draft = aten_step.draft_select(torch.empty(b, 4, 1, d, device=meta), torch.empty(b, 4, cap, d, device=meta),
-                                   length, keys, length, 1, 32, 4, 8)
+                                   length, keys, length, 1, StepSpec(32, 32, sink_tokens=4, recent_window=8))
     assert draft.shape == (b, kv, 32)
     aten_step.count_step(torch.empty(4, dtype=torch.long, device=meta), [1, 2, 3, 4])
 
@@ -277,8 +281,9 @@ def test_lowering_keeps_the_triton_kernel_and_draft_steps_as_ops():
     ops = torch.ops.specontext
     graph = fx.Graph()
     x = graph.placeholder("x")
-    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, 0.5, "triton"))
-    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, 0.5, "torch"))
+    variant = AttentionVariant(0.5)
+    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="triton"), variant))
+    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="torch"), variant))
     graph.call_function(ops.draft_record.default, (x, x, [x]))
     graph.output(None)
     result = lower_to_aten(graph)

@@ -84,15 +84,13 @@ def capture_sparse_calls(monkeypatch):
     seen = []
     real = aten_step.sparse_attention
 
-    def spy(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap=None, sliding_window=0,
-            dense_shortcut=False, dense=None, sinks=None):
-        out = real(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window,
-                   dense_shortcut, dense, sinks)
+    def spy(query, key_cache, value_cache, indices, length, attn_mask, spec, variant, dense=None, sinks=None):
+        out = real(query, key_cache, value_cache, indices, length, attn_mask, spec, variant, dense, sinks)
         mask = attn_mask.clone() if attn_mask is not None else None
         seen.append({"query": query.clone(), "key_cache": key_cache.clone(), "value_cache": value_cache.clone(),
-                     "indices": indices.clone(), "length": length.clone(), "attn_mask": mask, "scale": scale,
-                     "soft_cap": soft_cap, "sliding_window": sliding_window, "dense_shortcut": dense_shortcut,
-                     "dense": dense, "out": out.clone()})
+                     "indices": indices.clone(), "length": length.clone(), "attn_mask": mask,
+                     "scale": variant.scale, "soft_cap": variant.soft_cap, "sliding_window": variant.sliding_window,
+                     "dense_shortcut": spec.dense_shortcut, "dense": dense, "out": out.clone()})
         return out
 
     monkeypatch.setattr(aten_step, "sparse_attention", spy)

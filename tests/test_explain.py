@@ -11,6 +11,7 @@ from specontext_compile.passes.sparse_rewrite import SparseAttentionPass
 import specontext_compile as sc
 from specontext_compile.cli import main
 from specontext_compile.tiny_models import tiny_family
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 
 def _ids(n=20):
@@ -98,12 +99,14 @@ def test_networkx_view_matches_the_fx_graph():
 
 
 def test_pass_uuid_is_stable_and_covers_config():
-    make = lambda **kw: SparseAttentionPass(**{"budget": 64, "sink_tokens": 4, "recent_window": 8,
-                                              "retrieval_layers": None, **kw})
+    def make(retrieval_layers=None, max_sparse_q_len=1, **step):
+        spec = StepSpec(**{"budget": 64, "candidate_slots": 64, "sink_tokens": 4, "recent_window": 8, **step})
+        return SparseAttentionPass(spec, retrieval_layers, max_sparse_q_len)
+
     assert make().uuid() == make().uuid()
-    assert len({make().uuid(), make(budget=65).uuid(), make(sink_tokens=0).uuid(),
+    assert len({make().uuid(), make(budget=65, candidate_slots=65).uuid(), make(sink_tokens=0).uuid(),
                 make(recent_window=9).uuid(), make(retrieval_layers=(1,)).uuid(),
-                make(max_sparse_q_len=4).uuid(), make(kernel="torch").uuid()}) == 7
+                make(max_sparse_q_len=4).uuid(), make(kernel="triton").uuid()}) == 7
 
 
 @pytest.mark.slow  # fast tier: explain by test_explain_reports_every_site_windows_..., the CLI by test_cli.py

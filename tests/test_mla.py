@@ -15,6 +15,8 @@ from hypothesis import strategies as st
 from specontext_compile.passes.sites import find_attention_sites
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.mla import latent_query, mla_sparse_attention
+from specontext_compile.runtime.protocol import op_arguments
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import assert_gather_path, decode_logits
 
 import specontext_compile as sc
@@ -80,7 +82,7 @@ def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
     state = torch.randn(8, b, h, 1, r + p)
     valid = torch.full((8,), 30, dtype=torch.long)
     latent, rope = torch.randn(b, 1, cap, r), torch.randn(b, 1, cap, p)
-    args = (torch.tensor(30), 1, 12, 2, 3, 0.25)
+    args = (torch.tensor(30), 1, StepSpec(12, 12, sink_tokens=2, recent_window=3), AttentionVariant(0.25))
     got = aten_step.speculative_select(state, valid, [latent, rope], *args, mla=True)
     want = aten_step.speculative_select(state, valid, [torch.cat([latent, rope], -1)], *args)
     assert got.shape == (b, 1, 12)
@@ -133,7 +135,8 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
     assert not readers & {torch._C._nn.linear, torch.nn.functional.linear, "expand", "view", "transpose"}, readers
     assert all(torch.isfinite(x).all() for x in logits)
     selections = [n for n in graph.nodes if n.target is torch.ops.specontext.speculative_select.default]
-    assert len(selections) == 1 and selections[0].args[11] is True  # one selection per step, MLA scoring
+    select = torch.ops.specontext.speculative_select
+    assert len(selections) == 1 and op_arguments(selections[0], select)["mla"] is True  # MLA scoring, once per step
 
 
 def test_mla_triton_kernel_equals_torch_path(triton_interpreter):

@@ -21,6 +21,7 @@ from transformers import StaticCache
 
 import specontext_compile as sc
 from specontext_compile.backend import BACKWARD_SUPPORT, _checked_backward, compile_reports
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 SMALL = {"budget": 12, "sink_tokens": 2, "recent_window": 3}
 ATOL = 1e-4  # fp32 compiled step vs eager SDPA: ~1e-7 observed
@@ -199,8 +200,8 @@ def test_refinement_with_a_budget_above_its_candidates_keeps_them_all():
     keys = torch.randn(1, 2, 20, 8)
     length = torch.tensor(20)
     candidates = torch.tensor([[[-1, 0, 3, 5, 9, 19], [-1, 1, 2, 4, 8, 19]]])
-    kept = aten_step.refine_selection(query, keys, candidates, length, None, 8 ** -0.5, budget=50, sink=1,
-                                      window=2)
+    kept = aten_step.refine_selection(query, keys, candidates, length, None, (),
+                                      StepSpec(50, 50, sink_tokens=1, recent_window=2), AttentionVariant(8 ** -0.5))
     kept = kept[0] if isinstance(kept, tuple) else kept
     for head in range(2):
         assert sorted(int(p) for p in kept[0, head] if p >= 0) == sorted(int(p) for p in candidates[0, head] if p >= 0)

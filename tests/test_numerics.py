@@ -38,6 +38,7 @@ from specontext_compile.runtime.sparse_attention import (
 )
 
 import specontext_compile  # noqa: F401  (registers the specontext:: ops)
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 FP16_MAX = 65504.0
 U16 = 2.0**-11
@@ -137,7 +138,8 @@ def test_sparse_attention_float32_unchanged_within_1e6():
     v = torch.randn(B, KV, C, D, generator=gen)
     idx = torch.stack([torch.randperm(length, generator=gen)[:12] for _ in range(B * KV)]).view(B, KV, 12)
     scale = D**-0.5
-    out = torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, scale, "torch")
+    out = torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, StepSpec(12, 12),
+                                                AttentionVariant(scale))
     ref, _ = attention64(q, k, v, idx, length, scale)
     assert float((out.double() - ref).abs().max()) < 1e-6
 
@@ -167,8 +169,8 @@ def test_sparse_attention_fp16_product_above_range(q_len, window):
     ref, sens = attention64(q, k, v, idx, length, scale, window=window)
     tol = fp16_tolerance(ref, v, sens)
     for out in (
-        torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, scale,
-                                              "torch", None, window),
+        torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, StepSpec(1, 1),
+                                              AttentionVariant(scale, sliding_window=window)),
         sparse_attention_reference(q, k, v, idx, torch.tensor(length), None, scale, None, window),
     ):
         assert out.dtype == torch.float16 and torch.isfinite(out).all()
@@ -388,8 +390,8 @@ def test_probe_through_the_op_with_soft_cap_and_sliding_window():
     idx = torch.tensor([3, 30, 34, 38, length - 1]).expand(B, KV, -1).contiguous()
     scale, cap, window = D**-0.5, 50.0, 24
     with recall_probe() as rec:
-        torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, scale, "torch",
-                                              cap, window)
+        torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, StepSpec(1, 1),
+                                              AttentionVariant(scale, cap, window))
     want = recall64(q, k, idx, length, scale, cap, window)
     assert abs(rec.mean() - want) < 1e-9
     assert abs(rec.mean() - recall64(q, k, idx, length, scale)) > 0.05

@@ -17,6 +17,7 @@ import specontext_compile as sc
 from specontext_compile.runtime.offload import OffloadCopyError, enable_offload
 from specontext_compile.passes.schedule import CostModel
 from specontext_compile.passes.sites import is_op
+from specontext_compile.runtime.protocol import op_arguments
 from _tiny import tiny_llama
 
 PROMPT, STEPS, CAP = 60, 50, 128
@@ -410,10 +411,11 @@ def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     graph = decode[-1].graph_module.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     for refine in (n for n in graph.nodes if n.target is torch.ops.specontext.refine_selection_offloaded.default):
-        wait = refine.args[13]
+        args = op_arguments(refine, torch.ops.specontext.refine_selection_offloaded)
+        wait = args["ready"]
         assert wait.target is torch.ops.specontext.offload_wait.default and order[wait] < order[refine]
-        prefetch = wait.args[1]
-        assert prefetch.args[2] is refine.args[4]  # the prefetch loads the candidates, not the kept set
+        prefetch = op_arguments(wait, torch.ops.specontext.offload_wait)["ticket"]
+        assert op_arguments(prefetch, torch.ops.specontext.offload_prefetch)["indices"] is args["candidates"]
 
 
 def test_offload_buffers_smaller_than_the_candidates_name_the_fix():

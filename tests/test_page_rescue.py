@@ -5,6 +5,7 @@ asserted by its counters, negative tests where it must stay off."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import hypothesis.strategies as st
@@ -19,6 +20,7 @@ from torch._dynamo.utils import counters
 
 import specontext_compile as sc
 from specontext_compile.tiny_models import tiny_family
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 
 def _bounds_by_hand(keys: torch.Tensor, length: int, page_tokens: int, pages: int):
@@ -176,10 +178,12 @@ def test_refine_with_rescue_keeps_the_layers_top_budget_of_the_union():
     cand = base.expand(b, kv, -1).clone()
     scale = d ** -0.5
     length_t = torch.tensor(length)
-    plain, _ = aten_step.refine_coverage(query, keys, cand, length_t, None, scale, budget, 1, 2)
+    spec = StepSpec(budget, budget, sink_tokens=1, recent_window=2)
+    plain, _ = aten_step.refine_coverage(query, keys, cand, length_t, None, spec, AttentionVariant(scale))
     assert not set(target.tolist()) & set(plain.flatten().tolist())
-    kept, _ = aten_step.refine_coverage(query, keys, cand, length_t, None, scale, budget, 1, 2,
-                                        page_min=lo, page_max=hi, rescue_pages=2, page_tokens=page)
+    rescue = dataclasses.replace(spec, rescue_tokens=2 * page, page_tokens=page)
+    kept, _ = aten_step.refine_coverage(query, keys, cand, length_t, None, rescue, AttentionVariant(scale),
+                                        pages=(lo, hi, None))
     seen = aten_step.seen_positions(length_t, None, cap, 1, 0, keys.device)
     union = page_bounds.rescued_candidates(cand, page_bounds.page_scores(query, lo, hi, seen, scale, page), seen, 2,
                                            page)
@@ -292,9 +296,9 @@ def test_page_bound_ops_never_read_a_tensor_value_on_the_host():
     page_bounds.update_page_bounds(keys, lo, lo.clone(), length, 1, page, shift)
     page_bounds.update_page_bounds(keys, lo, lo.clone(), length, 40, page)
     cand = torch.empty(b, kv, 24, dtype=torch.long, device=meta)
-    idx, _ = aten_step.refine_selection(torch.empty(b, h, 1, d, device=meta), keys, cand, length, mask, 0.25, 8,
-                                            4, 8, page_min=lo, page_max=lo, rescue_pages=2, page_tokens=page,
-                                            page_shift=shift)
+    idx, _ = aten_step.refine_selection(torch.empty(b, h, 1, d, device=meta), keys, cand, length, mask, (lo, lo, shift),
+                                        StepSpec(8, 8, sink_tokens=4, recent_window=8, rescue_tokens=2 * page,
+                                                 page_tokens=page), AttentionVariant(0.25))
     assert idx.shape == (b, kv, 8)
 
 
@@ -341,10 +345,10 @@ def test_refine_and_attend_equals_refine_then_attend(seed, groups, q_len, budget
     scores = torch.rand(b, kv, cap, generator=g)
     visible = aten_step.row_visibility(mask, cap)
     cand = aten_step.select_positions(scores, length_t - q_len, q_len, budget + 4, 1, 2, window, visible)
-    common = dict(page_min=lo, page_max=hi, rescue_pages=rescue_pages, page_tokens=page)
-    kept, _ = aten_step.refine_selection(query, keys, cand, length_t, mask, d ** -0.5, budget, 1, 2, soft_cap, window,
-                                         **common)
-    want = aten_step.sparse_attention(query, keys, values, kept, length_t, mask, d ** -0.5, soft_cap, window)
-    got = aten_step.refine_and_attend(query, keys, values, cand, length_t, mask, d ** -0.5, budget, 1, 2, soft_cap,
-                                      window, **common)
+    spec = StepSpec(budget, budget, sink_tokens=1, recent_window=2, rescue_tokens=rescue_pages * page,
+                    page_tokens=page)
+    variant = AttentionVariant(d ** -0.5, soft_cap, window)
+    kept, _ = aten_step.refine_selection(query, keys, cand, length_t, mask, (lo, hi, None), spec, variant)
+    want = aten_step.sparse_attention(query, keys, values, kept, length_t, mask, spec, variant)
+    got = aten_step.refine_and_attend(query, keys, values, cand, length_t, mask, spec, variant, (lo, hi, None))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

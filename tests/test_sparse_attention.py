@@ -7,9 +7,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import specontext_compile  # noqa: F401
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 # float32 inputs, softmax in float32: observed max error ~1e-6; bound stated with margin
 ATOL, RTOL = 2e-5, 1e-4
+
+GATHER = StepSpec(1, 1)  # the torch path, no dense shortcut: the op's plain gather
 
 
 def dense_reference(query, key_cache, value_cache, indices, length, scale):
@@ -79,7 +82,7 @@ def test_sparse_attention_matches_float64_reference(case):
     indices = random_selection(gen, b, hkv, length, budget)
     scale = 1 / math.sqrt(d)
     out = torch.ops.specontext.sparse_attention(
-        query, key_cache, value_cache, indices, torch.tensor(length), None, scale)
+        query, key_cache, value_cache, indices, torch.tensor(length), None, GATHER, AttentionVariant(scale))
     ref = dense_reference(query, key_cache, value_cache, indices, length, scale)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
@@ -95,7 +98,8 @@ def test_full_selection_equals_sdpa_with_mask():
     mask[..., :length] = True
     mask[1, ..., :3] = False  # left padding of the second request
     idx = torch.cat([torch.arange(length), torch.full((11,), -1)]).expand(b, hkv, -1)
-    out = torch.ops.specontext.sparse_attention(q, k, v, idx.contiguous(), torch.tensor(length), mask, d**-0.5)
+    out = torch.ops.specontext.sparse_attention(q, k, v, idx.contiguous(), torch.tensor(length), mask, GATHER,
+                                                AttentionVariant(d**-0.5))
     ref = torch.nn.functional.scaled_dot_product_attention(
         q.double(), k.double().repeat_interleave(g, 1), v.double().repeat_interleave(g, 1), attn_mask=mask)
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
@@ -105,7 +109,7 @@ def test_context_of_one_token_never_empty_or_nan():
     q = torch.randn(1, 3, 1, 8)
     k, v = torch.randn(1, 1, 4, 8), torch.randn(1, 1, 4, 8)
     idx = torch.tensor([[[0, -1, -1]]])
-    out = torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(1), None, 0.3)
+    out = torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(1), None, GATHER, AttentionVariant(0.3))
     torch.testing.assert_close(out, v[:, :, :1].expand(1, 3, 1, 8))
 
 
@@ -148,7 +152,8 @@ def test_selection_covering_the_store_takes_the_dense_path_and_matches(case):
     indices = full_selection(b, hkv, length, capacity)
     before = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     out = torch.ops.specontext.sparse_attention(
-        query, key_cache, value_cache, indices, torch.tensor(length), None, d**-0.5, "torch", None, 0, True)
+        query, key_cache, value_cache, indices, torch.tensor(length), None, StepSpec(1, 1, dense_shortcut=True),
+        AttentionVariant(d**-0.5))
     after = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     assert after == (before[0] + 1, before[1])
     ref = dense_reference(query, key_cache, value_cache, indices, length, d**-0.5)
@@ -168,7 +173,7 @@ def test_selection_covering_the_store_without_shortcut_gathers_and_matches(case)
     indices = full_selection(b, hkv, length, capacity)
     before = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     out = torch.ops.specontext.sparse_attention(
-        query, key_cache, value_cache, indices, torch.tensor(length), None, d**-0.5)
+        query, key_cache, value_cache, indices, torch.tensor(length), None, GATHER, AttentionVariant(d**-0.5))
     after = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     assert after == (before[0], before[1] + 1)
     ref = dense_reference(query, key_cache, value_cache, indices, length, d**-0.5)

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 import specontext_compile as sc
 from specontext_compile.runtime import aten_step
 from specontext_compile.tiny_models import tiny_family
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from _tiny import compiled_steps
 
 REFINE = torch.ops.specontext.refine_selection.default
@@ -71,8 +72,9 @@ def test_refine_keeps_each_layers_own_top_budget_and_reports_its_coverage(seed, 
         return torch.cat([torch.randperm(length - q_len, generator=g)[: slots - q_len], step]).sort().values
 
     cand = torch.stack([torch.stack([row() for _ in range(kv)]) for _ in range(b)])
-    indices, coverage = aten_step.refine_coverage(query, keys, cand, torch.tensor(length), None, d ** -0.5,
-                                                  budget, sink=2, window=3)
+    indices, coverage = aten_step.refine_coverage(query, keys, cand, torch.tensor(length), None,
+                                                  StepSpec(budget, budget, sink_tokens=2, recent_window=3),
+                                                  AttentionVariant(d ** -0.5))
     ref, ref_cov = _refine_reference(query.float(), keys.float(), cand, length, d ** -0.5, budget, 2, 3)
     assert indices.sort(-1).values.tolist() == ref  # a set: the refinement keeps no order
     tol = 1e-5 if dtype == torch.float32 else 2e-3
@@ -89,8 +91,8 @@ def test_refine_in_half_precision_does_not_overflow():
     keys = (torch.randn(1, 1, 64, d) * 2).half()
     keys[0, 0, 10] = (base * 24).half()
     cand = torch.arange(0, 48, 2).view(1, 1, -1)
-    indices, coverage = aten_step.refine_coverage(query, keys, cand, torch.tensor(48), None, d ** -0.5,
-                                                  budget=4, sink=0, window=1)
+    indices, coverage = aten_step.refine_coverage(query, keys, cand, torch.tensor(48), None,
+                                                  StepSpec(4, 4, recent_window=1), AttentionVariant(d ** -0.5))
     assert 10 in indices[0, 0].tolist()
     assert torch.isfinite(coverage).all() and coverage.item() > 0.99
 
@@ -101,7 +103,8 @@ def test_refine_coverage_tracks_true_recall_across_budgets():
     query = torch.randn(1, 3, 1, 16, generator=g) * 3
     keys = torch.randn(1, 1, 64, 16, generator=g) * 3
     cand = torch.arange(0, 64, 2).view(1, 1, -1)
-    covs = [aten_step.refine_coverage(query, keys, cand, torch.tensor(64), None, 0.25, b, 0, 1)[1].item()
+    covs = [aten_step.refine_coverage(query, keys, cand, torch.tensor(64), None, StepSpec(b, b, recent_window=1),
+                                      AttentionVariant(0.25))[1].item()
             for b in (2, 8, 16, 32)]
     assert covs == sorted(covs) and covs[-1] == pytest.approx(1.0, abs=1e-6) and covs[0] < 0.9
 
@@ -260,8 +263,9 @@ def test_guarded_attention_is_dense_attention_when_it_fires():
     idx = torch.tensor([[[0, 3, 5, 19], [1, 2, 7, 19]]])
     length = torch.tensor(20)
     for cap in (None, 5.0):
-        dense = aten_step.guarded_attention(q, k, v, idx, length, None, 0.25, cap, 0, torch.tensor(True))
-        sparse = aten_step.guarded_attention(q, k, v, idx, length, None, 0.25, cap, 0, torch.tensor(False))
+        variant = AttentionVariant(0.25, cap)
+        dense = aten_step.guarded_attention(q, k, v, idx, length, None, variant, torch.tensor(True))
+        sparse = aten_step.guarded_attention(q, k, v, idx, length, None, variant, torch.tensor(False))
         for h in range(4):
             s = k[0, h // 2, :20].double() @ q[0, h, 0].double() * 0.25
             if cap:
@@ -305,9 +309,10 @@ def test_prefetch_tokens_are_the_candidate_slots():
 def test_candidate_slots_round_up():
     from specontext_compile.passes.sparse_rewrite import SparseAttentionPass
 
-    p = SparseAttentionPass(100, 4, 8, None, candidates=1.5)
+    p = SparseAttentionPass.from_config(sc.SpeContextConfig(budget=100, candidates=1.5))
     assert p.candidate_slots == 150
-    assert SparseAttentionPass(3, 0, 1, None, candidates=1.1).candidate_slots == math.ceil(3.3)
+    assert SparseAttentionPass.from_config(sc.SpeContextConfig(budget=3, candidates=1.1)).candidate_slots == 4
+    assert StepSpec.from_config(sc.SpeContextConfig(budget=3, candidates=1.1)).candidate_slots == math.ceil(3.3)
 
 
 @settings(max_examples=25, deadline=None)
@@ -329,7 +334,7 @@ def test_refinement_over_the_whole_store_equals_the_gathered_one(seed, pads, win
     covering = torch.full((b, kv, capacity), 0)  # width == capacity: the in-place path
     scores = torch.rand(b, kv, capacity, generator=g)
     seen = aten_step.select_positions(scores, length - q_len, q_len, capacity - 1, 0, 0, window, visible)
-    args = (length, mask, 0.3, 6, 2, 3, None, window)
+    args = (length, mask, StepSpec(6, 6, sink_tokens=2, recent_window=3), AttentionVariant(0.3, None, window))
     kept_all, cov_all = aten_step.refine_coverage(query, keys, covering, *args)
     kept_gather, cov_gather = aten_step.refine_coverage(query, keys, seen, *args)
     assert torch.equal(kept_all.sort(-1).values, kept_gather.sort(-1).values)  # sets
