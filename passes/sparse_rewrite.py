@@ -2,24 +2,20 @@
 
 For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) queries:
 
-1. insert ``specontext::speculative_select`` right after ``specontext::retrieval_anchor``
+1. let the step's *selection head* (:mod:`.heads`: the training-free lagged query,
+   :mod:`.head_lagged`, or a draft head, :mod:`.head_draft`, option ``retrieval_head``)
+   insert what it records each step — also in prefill graphs, whose attention stays dense
+   and exact — and, in a decode graph, its selection node right after the retrieval anchor
    (layer 0, before any attention): one selection per step, shared by every layer (one per
    distinct sliding window when layers differ: Gemma's alternating sliding/global layers);
 2. replace each matched site by ``specontext::sparse_attention`` over that selection; with
-   option ``candidates > 1`` (two-stage selection, issue 12) the selection node picks
-   ``ceil(candidates * budget)`` candidates and each site first keeps its own top
-   ``budget`` of them (``specontext::refine_selection``, the layer's current query);
-3. record each retrieval layer's query with ``specontext::record_query`` (for the next
-   step's selection) — also in prefill graphs, whose attention stays dense and exact.
+   option ``candidates > 1`` (two-stage selection, issue 12) or the page rescue, the
+   selection node picks ``ceil(candidates * budget)`` candidates and each site first keeps
+   its own top ``budget`` of them (``specontext::refine_selection``, the layer's current
+   query).
 
-With a draft retrieval head (option ``retrieval_head``), step 3 is replaced by
-``specontext::draft_step`` right after ``specontext::draft_anchor`` (every graph, prefill
-included: it writes the head's K of the step's tokens into the head's own key cache), fed
-the ``input_ids`` of the token embedding that flows into layer 0 (see
-:func:`.sites.find_token_embedding`) and layer 0's written length; step 1 inserts
-``specontext::draft_select`` (consuming the step's draft query) instead of
-``speculative_select``. A fused head also gets ``specontext::draft_record`` after its last
-auxiliary layer (see :meth:`SparseAttentionPass._insert_draft_step`).
+The pass has no branch on which head it holds: every head implements
+:class:`.heads.SelectionHead`.
 
 Sites that do not match stay dense; their reasons are returned and logged.
 """
@@ -36,27 +32,20 @@ from torch import fx
 from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..config import default_retrieval_layers
-from ..runtime.protocol import DraftAnchor, RetrievalAnchor
+from ..runtime.protocol import RetrievalAnchor
 from ..runtime.spec import AttentionVariant, StepSpec
-from .sites import (KV_WRITE, AttentionSite, static_int, decoder_layer_outputs, find_attention_sites,
-                    find_token_embedding, is_op)
+from .heads import make_head
+from .site_nodes import bias_4d, selection_query, static_capacity
+from .sites import KV_WRITE, AttentionSite, find_attention_sites, is_op
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["RewriteResult", "SparseAttentionPass"]
 
 ANCHOR = torch.ops.specontext.retrieval_anchor
-SELECT = torch.ops.specontext.speculative_select.default
 SPARSE = torch.ops.specontext.sparse_attention.default
-RECORD = torch.ops.specontext.record_query.default
-DRAFT_ANCHOR = torch.ops.specontext.draft_anchor
-DRAFT_STEP = torch.ops.specontext.draft_step.default
-DRAFT_SELECT = torch.ops.specontext.draft_select.default
-DRAFT_RECORD = torch.ops.specontext.draft_record.default
 COUNT = torch.ops.specontext.count_step.default
 REFINE = torch.ops.specontext.refine_selection.default
-MLA_QUERY = torch.ops.specontext.mla_latent_query.default
 MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = torch.ops.specontext.store_selection.default
 LOAD = torch.ops.specontext.load_selection.default
@@ -126,7 +115,7 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     full = [s for s in resolved if s.window == 0]
     bounds = next((b for b in map(_page_bounds_write, resolved) if b is not None), None)
     shift = None if bounds is None else _page_shift_of(bounds)
-    if shift is None or not full or _static_capacity(full[0]) is None:
+    if shift is None or not full or static_capacity(full[0]) is None:
         return
     mask = full[0].attn_mask if isinstance(full[0].attn_mask, fx.Node) else None
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -134,7 +123,7 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     if order[mask or write] > order[write] or order[shift] > order[write]:
         return  # the mask is built after the first write: leave the shift as it is
     with graph.inserting_before(write):
-        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, _static_capacity(full[0]), bounds.args[5]))
+        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, static_capacity(full[0]), bounds.args[5]))
 
 
 def _sources() -> tuple[str, ...]:
@@ -191,11 +180,6 @@ class SparseAttentionPass(CustomGraphPass):
                         self.dense_layers))
         return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
-    def _pick_layers(self, num_layers: int) -> list[int]:
-        layers = self.retrieval_layers or default_retrieval_layers(num_layers)
-        picked = {min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}
-        return sorted(picked)
-
     def __call__(self, graph: fx.Graph) -> RewriteResult:
         sites = find_attention_sites(graph)
         result = RewriteResult(sites=sites)
@@ -214,62 +198,24 @@ class SparseAttentionPass(CustomGraphPass):
         if anchored.layer != 0:  # a graph after a graph break: the step's selection is stored
             return self._continue_step(graph, result, resolved, anchor, anchored)
         _align_pages_to_rows(graph, resolved)
-        query_state, query_valid = anchored.query_state, anchored.query_valid
-        if self.retrieval_head is None:
-            drivers = _fitting_drivers([resolved[i] for i in self._pick_layers(len(resolved))], resolved,
-                                       query_state)
-            if not drivers:
-                for s in resolved:
-                    s.reason = s.reason or (
-                        "no attention layer's query fits the retrieval state (sized from the first KV "
-                        "layer's heads and head size): layers differ in shape")
-                return result
-            result.retrieval_layers = tuple(d.layer for d in drivers)
-            for slot, driver in enumerate(drivers):
-                query = _selection_query(graph, driver)
-                with graph.inserting_before(driver.node):
-                    graph.call_function(RECORD, (query_state, query_valid, query, slot, driver.length))
-        else:
-            result.selection_head = f"draft:{self.retrieval_head}"
-            draft = self._insert_draft_step(graph, resolved[0].q_len)
-            if isinstance(draft, str):
-                logger.info("specontext: the draft head does not run in this graph: %s", draft)
+        head = make_head(self.retrieval_layers, self.retrieval_head)
+        failed = head.prepare(graph, anchor, anchored, resolved)
+        result.selection_head, result.retrieval_layers = head.label, head.retrieval_layers
         decode = self._decode_sites(resolved)
         result.phase = "decode" if decode or self._decode_shaped(resolved) else "prefill"
-        if self.retrieval_head is None:
-            decode = _sharing_kv_heads(decode, drivers[0])
+        decode = head.serves(decode)
         if not decode:
             return result
-        if self.retrieval_head is None:
-            reason = self._drivers_unusable(drivers)
-        else:
-            reason = draft if isinstance(draft, str) else (draft[2] or self._draft_unusable(draft, decode))
+        reason = failed or head.unusable(decode)
         if reason is not None:
             for s in decode:
                 s.reason = reason
             return result
         selections: dict[int, fx.Node] = {}
-        order = {n: i for i, n in enumerate(graph.nodes)}
         for window in sorted({s.window or 0 for s in decode}, reverse=True):
             mask = next(s.attn_mask for s in decode if (s.window or 0) == window)
             mask = mask if isinstance(mask, fx.Node) else None
-            if self.retrieval_head is None:
-                first, mla = drivers[0], drivers[0].mla is not None
-                stores = [d.key_cache for d in drivers] + ([d.value_cache for d in drivers] if mla else [])
-                bias = _bias_4d(graph, first)
-                if bias is not None:
-                    order = {n: i for i, n in enumerate(graph.nodes)}
-                after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
-                with graph.inserting_after(after):
-                    selections[window] = graph.call_function(SELECT, (
-                        query_state, query_valid, stores, first.length, first.q_len, self.step,
-                        AttentionVariant(first.scale, sliding_window=window), mask, mla, bias))
-            else:
-                step, write, _ = draft
-                with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
-                    selections[window] = graph.call_function(DRAFT_SELECT, (
-                        step, step.args[0], step.args[1], write.args[0], write.args[2],
-                        decode[0].q_len, self.step, window, mask))
+            selections[window] = head.select(graph, anchor, self.step, window, mask, decode)
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
         # the selection is made (and kept for later graphs) even when this graph's sites all
@@ -348,14 +294,12 @@ class SparseAttentionPass(CustomGraphPass):
         result.phase = "decode" if decode or self._decode_shaped(resolved) else "prefill"
         if not decode:
             return result
-        reason = None
-        if self.retrieval_head is not None:
-            reason = "after a graph break the draft head's selection does not reach this graph yet"
-        elif not isinstance(anchored.selection_state, fx.Node):
+        reason = make_head(self.retrieval_layers, self.retrieval_head).after_break()
+        if reason is None and not isinstance(anchored.selection_state, fx.Node):
             reason = "after a graph break: the cache carries no selection state"
-        elif any(s.window for s in decode) or any(w for w in (anchored.windows() or [])):
+        elif reason is None and (any(s.window for s in decode) or any(w for w in (anchored.windows() or []))):
             reason = "after a graph break only full-attention models carry the selection over (sliding windows)"
-        capacity = _static_capacity(decode[0])
+        capacity = static_capacity(decode[0])
         if reason is None and capacity is None:
             reason = "after a graph break: the store's capacity is symbolic"
         if reason is not None:
@@ -385,89 +329,12 @@ class SparseAttentionPass(CustomGraphPass):
         graph.lint()
         return result
 
-    def _insert_draft_step(self, graph: fx.Graph, q_len: int | None):
-        """Insert ``draft_step`` (and, for a fused head, ``draft_record``); returns ``(step,
-        layer-0 kv_write, reason decode sites stay dense or None)``, or the reason nothing
-        could be inserted.
-
-        Embedding-only head, or a fused head on a one-token step: ``draft_step`` goes after
-        the draft anchor and its inputs, before layer 0's ``kv_write`` (it reads the count
-        before the step); a fused head reads the recorded previous-step hidden states, and
-        ``draft_record`` keeps this step's after the last auxiliary layer. A fused head on a
-        longer step (prefill) needs this step's hidden states: ``draft_step`` then runs after
-        the last auxiliary layer (``after_write``), followed by ``draft_record``; such a step
-        cannot select before layer 0, so its sites stay dense.
-        """
-        from ..runtime.draft_retrieval import head_spec
-
-        anchors = [n for n in graph.nodes if is_op(n, DRAFT_ANCHOR)]
-        if len(anchors) != 1:
-            return (f"retrieval_head is set but the graph has {len(anchors)} draft-head key caches "
-                    "(expected one): build the cache with SpeContextCache(config, max_cache_len=..., "
-                    "retrieval_head=DIR) (specontext_compile.compile and make_cache do it)")
-        anchor = anchors[0]
-        anchored = DraftAnchor.of(anchor)
-        draft_keys, draft_length, aux_state, aux_valid, head = (
-            anchored.draft_keys, anchored.draft_length, anchored.aux_state, anchored.aux_valid, anchored.head)
-        if head != self.retrieval_head:
-            return (f"the cache's draft head is {head} but the backend's retrieval_head is "
-                    f"{self.retrieval_head}: build the cache with the same folder")
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        writes = [n for n in graph.nodes if is_op(n, KV_WRITE) and order[n] > order[anchor]]
-        if not writes:
-            return "no KV write follows the draft anchor"
-        write = writes[0]
-        spec = head_spec(self.retrieval_head)
-        ids, weight, reason = find_token_embedding(graph, write, spec.vocab_size)
-        if reason is not None:
-            return reason
-        weight_val = weight.meta.get("example_value", weight.meta.get("val"))
-        if not spec.has_embedding and weight_val.shape[1] != spec.hidden:
-            return (f"the head has no embedding of its own and the target's is {weight_val.shape[1]} "
-                    f"wide, not the head's hidden size {spec.hidden}")
-        length = write.args[2]
-        base = (draft_keys, draft_length, length, ids, weight, head)
-        if spec.variant == "embedding" or q_len == 1:
-            # after the anchor and every input (a fresh cache moves layer 0's length in-graph),
-            # before layer 0's kv_write (so ``length`` is still the count before this step)
-            last = max((anchor, ids, weight, length), key=lambda n: order[n])
-            if order[last] > order[write]:
-                return f"{last.name} (an input of the draft head) is computed after layer 0's KV write"
-        if spec.variant == "embedding":
-            with graph.inserting_after(last):
-                step = graph.call_function(DRAFT_STEP, (*base, None, None, [], False))
-            return step, write, None
-        try:  # the EAGLE-3 default needs the layer count: one KV write per decoder layer
-            aux_layers = spec.aux_layers_for(len(writes))
-        except ValueError as err:
-            return f"fused draft head: {err}"
-        outputs, reason = decoder_layer_outputs(graph, aux_layers)
-        if reason is not None:
-            return f"fused draft head: {reason}"
-        widths = [o.meta.get("example_value", o.meta.get("val")).shape[-1] for o in outputs]
-        if sum(widths) != spec.aux_width:
-            return (f"fused draft head: its auxiliary input is {spec.aux_width} wide, the outputs of "
-                    f"layers {list(aux_layers)} are {widths}")
-        last_out = max(outputs, key=lambda n: order[n])
-        if q_len == 1:
-            with graph.inserting_after(last):
-                step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, [], False))
-            with graph.inserting_after(last_out):
-                graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
-            return step, write, None
-        with graph.inserting_after(last_out):
-            step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, list(outputs), True))
-        with graph.inserting_after(step):
-            graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
-        return step, write, (f"fused draft head: a step of {q_len} tokens needs its own hidden "
-                             "states, known only after the auxiliary layers (too late to select)")
-
     def _dense_store(self, site: AttentionSite) -> bool:
         """Whether the rewritten site attends densely over its store, decided here from static
         shapes (the budget covers the store's capacity) and passed to the op as its spec's
         ``dense_shortcut``, so the path counters and the path taken agree (a symbolic
         capacity gathers)."""
-        capacity = _static_capacity(site)
+        capacity = static_capacity(site)
         return (self.step.dense_shortcut and site.soft_cap is None and not site.window and site.mla is None
                 and site.sinks is None and capacity is not None and self.step.budget >= capacity)
 
@@ -483,7 +350,7 @@ class SparseAttentionPass(CustomGraphPass):
         set is larger than the budget (option ``candidates > 1``) or the page rescue adds to
         it, and the store may hold more than ``budget`` tokens (a symbolic capacity counts as
         larger)."""
-        capacity = _static_capacity(site)
+        capacity = static_capacity(site)
         wider = self.step.candidate_slots > self.step.budget or self._rescue_of(site) is not None
         return wider and not (capacity is not None and capacity <= self.step.budget)
 
@@ -502,7 +369,7 @@ class SparseAttentionPass(CustomGraphPass):
         """Whether the candidates stay below the store's capacity (a symbolic one counts as
         larger): else the refinement ranks every position in place and reads no bounds
         (:func:`~..runtime.aten_step.refine_coverage`)."""
-        capacity = _static_capacity(site)
+        capacity = static_capacity(site)
         return capacity is None or self.step.candidate_slots < capacity
 
     def _log_rescue(self, decode: list[AttentionSite]) -> int:
@@ -510,7 +377,7 @@ class SparseAttentionPass(CustomGraphPass):
         (a site whose store the budget covers needs neither)."""
         rescued = [s for s in decode if self._refines(s) and self._rescue_of(s) is not None and self._below_store(s)]
         missed = [s for s in decode if self.step.rescue_tokens > 0 and self._rescue_of(s) is None]
-        covered = {id(s) for s in decode if (c := _static_capacity(s)) is not None and c <= self.step.budget}
+        covered = {id(s) for s in decode if (c := static_capacity(s)) is not None and c <= self.step.budget}
         unguarded = [s for s in decode if self.step.min_coverage > 0 and not self._refines(s)
                      and id(s) not in covered]
         if unguarded:
@@ -528,7 +395,7 @@ class SparseAttentionPass(CustomGraphPass):
                        ) -> tuple[fx.Node, fx.Node | None]:
         """``refine_selection`` before the site; returns the nodes of its kept positions and,
         with the guard on, of its run-dense decision (else None)."""
-        query = _selection_query(graph, site)
+        query = selection_query(graph, site)
         mask = _biased_mask(graph, site)
         with graph.inserting_before(site.node):
             rescue = self._rescue_of(site)
@@ -540,39 +407,14 @@ class SparseAttentionPass(CustomGraphPass):
         return kept, dense
 
     @staticmethod
-    def _draft_unusable(draft: tuple, decode: list[AttentionSite]) -> str | None:
-        step, write, _ = draft
-        if any(n.op != "placeholder" for n in (step.args[0], step.args[1], write.args[0], write.args[2])):
-            return "the KV store is allocated inside this graph (first call on a fresh cache)"
-        num_kv = write.args[0].meta.get("example_value", write.args[0].meta.get("val")).shape[1]
-        if len({s.q_len for s in decode}) != 1 or any(s.num_kv_heads != num_kv for s in decode):
-            return "decode sites differ in query length or KV heads from layer 0 (one shared selection)"
-        return None
-
-    @staticmethod
-    def _drivers_unusable(drivers: list[AttentionSite]) -> str | None:
-        for d in drivers:
-            if d.reason is not None:
-                return f"retrieval layer {d.layer} cannot drive a selection: {d.reason}"
-            if d.key_cache.op != "placeholder" or d.length.op != "placeholder":
-                return "the KV store is allocated inside this graph (first call on a fresh cache)"
-        if len({(d.scale, d.q_len) for d in drivers}) != 1:
-            return "retrieval layers differ in scale or query length"
-        if len({d.mla is None for d in drivers}) != 1:
-            return "retrieval layers mix latent (MLA) and per-head KV stores"
-        if len({d.position_bias for d in drivers}) != 1:
-            return "retrieval layers differ in their position bias (ALiBi)"
-        return None
-
-    @staticmethod
     def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, spec: StepSpec,
                       dense: fx.Node | None = None) -> None:
         if site.mla is not None:
-            query = _selection_query(graph, site)
+            query = selection_query(graph, site)
             with graph.inserting_before(site.node):
                 sparse = graph.call_function(MLA_SPARSE, (
                     query, site.key_cache, site.value_cache, site.mla.weight, selection, site.length,
-                    site.attn_mask, site.scale, site.mla.nope_dim, spec.kernel, dense, site.sinks))
+                    site.attn_mask, spec, AttentionVariant(site.scale, nope_dim=site.mla.nope_dim), dense, site.sinks))
             for node in site.mla.scratch:  # in-place copies filling the up-projected keys: now dead
                 graph.erase_node(node)
         else:
@@ -598,29 +440,13 @@ def _variant(site: AttentionSite) -> AttentionVariant:
     return AttentionVariant(site.scale, site.soft_cap, site.window or 0)
 
 
-def _bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
-    """The site's ALiBi bias ``[b * h, 1, capacity]`` viewed ``[b, h, 1, capacity]`` (one
-    node per bias, inserted right after it), or None."""
-    bias = site.position_bias
-    if bias is None:
-        return None
-    for user in bias.users:
-        if user.meta.get("specontext_bias_4d"):
-            return user
-    heads = site.num_heads
-    with graph.inserting_after(bias):
-        view = graph.call_method("view", (bias, -1, heads, 1, bias.meta.get("example_value", bias.meta.get("val")).shape[-1]))
-    view.meta["specontext_bias_4d"] = True
-    return view
-
-
 def _biased_mask(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
     """What the sparse op adds to the logits: the mask, plus the ALiBi bias when the site has one
     (``[b, h, q_len, capacity]`` float; gathered at the selected positions like a mask). The
     sum is made once, after both, for every site with the same bias and mask."""
     if site.position_bias is None:
         return site.attn_mask
-    bias = _bias_4d(graph, site)
+    bias = bias_4d(graph, site)
     if site.attn_mask is None:
         return bias
     for user in bias.users:  # one sum per step, shared by the layers (and their refinements)
@@ -633,62 +459,12 @@ def _biased_mask(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
     return total
 
 
-def _fitting_drivers(picked: list, resolved: list, query_state: fx.Node) -> list:
-    """The retrieval layers whose query fits the retrieval state ``[slots, batch, heads, 1,
-    width]`` (sized from the first KV layer): ``picked`` when all fit, else the fitting ones
-    among them, else the last fitting layer of the graph (models whose layers differ in
-    heads or head size, e.g. Gemma 4's global layers); [] when none fits."""
-    state = query_state.meta.get("example_value", query_state.meta.get("val")) if isinstance(
-        query_state, fx.Node) else None
-    if state is None or state.dim() != 5:
-        return picked
-
-    def fits(s):
-        return s.num_heads == state.shape[2] and s.query_width == state.shape[-1]
-
-    chosen = [d for d in picked if fits(d)]
-    if not chosen:
-        chosen = [s for s in resolved if fits(s)][-1:]
-    return chosen
-
-
-def _sharing_kv_heads(decode: list, driver: AttentionSite) -> list:
-    """The decode sites one selection can serve: those with the retrieval layers' KV head
-    count; the others get their reason and stay dense."""
-    kept = []
-    for s in decode:
-        if s.num_kv_heads != driver.num_kv_heads:
-            s.reason = (f"{s.num_kv_heads} KV heads, the retrieval layers' selection is for "
-                        f"{driver.num_kv_heads} (one selection is shared by every layer)")
-        else:
-            kept.append(s)
-    return kept
-
-
-def _selection_query(graph: fx.Graph, site: AttentionSite) -> fx.Node:
-    """The query that scores the site's store: its own, or for an MLA site the absorbed
-    query (``specontext::mla_latent_query``, inserted once before the site: :mod:`..runtime.mla`)."""
-    if site.mla is None:
-        return site.query
-    if site.mla.latent_query is None:
-        with graph.inserting_before(site.node):
-            site.mla.latent_query = graph.call_function(MLA_QUERY, (site.query, site.mla.weight, site.mla.nope_dim))
-    return site.mla.latent_query
-
-
 def _drop_later_anchors(graph: fx.Graph, first: fx.Node | None) -> None:
     """The cache emits a retrieval anchor at every KV layer so that a graph after a graph
     break finds one; only a graph's first counts (sites read its layer and windows), so the
     others go: no per-layer no-op op call on the eager op chain."""
     for node in [n for n in graph.nodes if is_op(n, ANCHOR) and n is not first]:
         graph.erase_node(node)
-
-
-def _static_capacity(site: AttentionSite) -> int | None:
-    """The site's store capacity (tokens) when it is a static int, else None (symbolic or
-    unknown): the pass's per-site decisions (dense shortcut, refinement) need static shapes."""
-    key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
-    return static_int(key.shape[-2]) if key is not None else None
 
 
 def keeps_side_effects(node: fx.Node) -> bool:

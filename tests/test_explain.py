@@ -11,7 +11,7 @@ from specontext_compile.passes.sparse_rewrite import SparseAttentionPass
 import specontext_compile as sc
 from specontext_compile.cli import main
 from specontext_compile.tiny_models import tiny_family
-from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+from specontext_compile.runtime.spec import StepSpec
 
 
 def _ids(n=20):

@@ -1,0 +1,120 @@
+"""The training-free lagged-query selection head (SpeContext section 4): each retrieval layer
+records its last query row every step (``specontext::record_query``), and the next step's
+selection node (``specontext::speculative_select``) scores every cached token with those
+queries before layer 0 runs."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from ..config import default_retrieval_layers
+from ..runtime.protocol import RetrievalAnchor
+from ..runtime.spec import AttentionVariant, StepSpec
+from .heads import SelectionHead
+from .site_nodes import bias_4d, selection_query
+from .sites import AttentionSite
+
+__all__ = ["LaggedQueryHead"]
+
+RECORD = torch.ops.specontext.record_query.default
+SELECT = torch.ops.specontext.speculative_select.default
+
+
+class LaggedQueryHead(SelectionHead):
+    """Lagged queries of ``retrieval_layers`` (None = :func:`default_retrieval_layers`;
+    negative counts from the end); ``label`` ``"lagged-query"``."""
+
+    label = "lagged-query"
+
+    def __init__(self, retrieval_layers: tuple[int, ...] | None):
+        self.layers = retrieval_layers
+        self.drivers: list[AttentionSite] = []
+        self.anchored: RetrievalAnchor | None = None
+
+    @property
+    def retrieval_layers(self) -> tuple[int, ...]:
+        return tuple(d.layer for d in self.drivers)
+
+    def prepare(self, graph: fx.Graph, anchor: fx.Node, anchored: RetrievalAnchor,
+                resolved: list[AttentionSite]) -> str | None:
+        """Record each fitting retrieval layer's query in its slot of the retrieval state."""
+        self.anchored = anchored
+        picked = [resolved[i] for i in self._pick(len(resolved))]
+        self.drivers = _fitting_drivers(picked, resolved, anchored.query_state)
+        if not self.drivers:
+            return ("no attention layer's query fits the retrieval state (sized from the first KV "
+                    "layer's heads and head size): layers differ in shape")
+        for slot, driver in enumerate(self.drivers):
+            query = selection_query(graph, driver)
+            with graph.inserting_before(driver.node):
+                graph.call_function(RECORD, (anchored.query_state, anchored.query_valid, query, slot,
+                                             driver.length))
+        return None
+
+    def serves(self, decode: list[AttentionSite]) -> list[AttentionSite]:
+        return _sharing_kv_heads(decode, self.drivers[0]) if self.drivers else decode
+
+    def unusable(self, decode: list[AttentionSite]) -> str | None:
+        for d in self.drivers:
+            if d.reason is not None:
+                return f"retrieval layer {d.layer} cannot drive a selection: {d.reason}"
+            if d.key_cache.op != "placeholder" or d.length.op != "placeholder":
+                return "the KV store is allocated inside this graph (first call on a fresh cache)"
+        if len({(d.scale, d.q_len) for d in self.drivers}) != 1:
+            return "retrieval layers differ in scale or query length"
+        if len({d.mla is None for d in self.drivers}) != 1:
+            return "retrieval layers mix latent (MLA) and per-head KV stores"
+        if len({d.position_bias for d in self.drivers}) != 1:
+            return "retrieval layers differ in their position bias (ALiBi)"
+        return None
+
+    def select(self, graph: fx.Graph, anchor: fx.Node, spec: StepSpec, window: int, mask: fx.Node | None,
+               decode: list[AttentionSite]) -> fx.Node:
+        """``speculative_select`` after the anchor, the mask and ALiBi's bias (if any)."""
+        first, mla = self.drivers[0], self.drivers[0].mla is not None
+        stores = [d.key_cache for d in self.drivers] + ([d.value_cache for d in self.drivers] if mla else [])
+        bias = bias_4d(graph, first)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
+        with graph.inserting_after(after):
+            return graph.call_function(SELECT, (
+                self.anchored.query_state, self.anchored.query_valid, stores, first.length, first.q_len, spec,
+                AttentionVariant(first.scale, sliding_window=window), mask, mla, bias))
+
+    def _pick(self, num_layers: int) -> list[int]:
+        layers = self.layers or default_retrieval_layers(num_layers)
+        picked = {min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}
+        return sorted(picked)
+
+
+def _fitting_drivers(picked: list, resolved: list, query_state: fx.Node) -> list:
+    """The retrieval layers whose query fits the retrieval state ``[slots, batch, heads, 1,
+    width]`` (sized from the first KV layer): ``picked`` when all fit, else the fitting ones
+    among them, else the last fitting layer of the graph (models whose layers differ in
+    heads or head size, e.g. Gemma 4's global layers); [] when none fits."""
+    state = query_state.meta.get("example_value", query_state.meta.get("val")) if isinstance(
+        query_state, fx.Node) else None
+    if state is None or state.dim() != 5:
+        return picked
+
+    def fits(s):
+        return s.num_heads == state.shape[2] and s.query_width == state.shape[-1]
+
+    chosen = [d for d in picked if fits(d)]
+    if not chosen:
+        chosen = [s for s in resolved if fits(s)][-1:]
+    return chosen
+
+
+def _sharing_kv_heads(decode: list, driver: AttentionSite) -> list:
+    """The decode sites one selection can serve: those with the retrieval layers' KV head
+    count; the others get their reason and stay dense."""
+    kept = []
+    for s in decode:
+        if s.num_kv_heads != driver.num_kv_heads:
+            s.reason = (f"{s.num_kv_heads} KV heads, the retrieval layers' selection is for "
+                        f"{driver.num_kv_heads} (one selection is shared by every layer)")
+        else:
+            kept.append(s)
+    return kept
