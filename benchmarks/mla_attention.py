@@ -26,6 +26,7 @@ from specontext_compile.runtime.mla import (
     mla_sparse_attention,
     split_kv_b_weight,
 )
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 from benchmarks.linear_bandwidth import _median_s as median_s
 
@@ -61,7 +62,7 @@ def absorbed_dense(query, latent, rope, weight, length, scale):
 def sparse_absorbed(query, latent, rope, weight, length, scale, indices):
     """Ours: absorbed query, attention over the selected latent rows only."""
     return mla_sparse_attention(latent_query(query, weight, NOPE), latent, rope, weight, indices,
-                                torch.tensor(length), None, scale, NOPE)
+                                torch.tensor(length), None, StepSpec(1, 1), AttentionVariant(scale, nope_dim=NOPE))
 
 
 def sparse_up_projected(query, latent, rope, weight, length, scale, indices):

@@ -81,19 +81,10 @@ def _packet(target):
     return target if isinstance(target, torch._ops.OpOverloadPacket) else None
 
 
-def _mla_body(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale, nope_dim,
-              kernel="torch", dense=None, sinks=None):
-    """``mla_sparse_attention`` with the op's signature, minus ``kernel`` (torch path)."""
-    return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale,
-                                    nope_dim, dense, sinks)
-
-
 def _is_triton(node: fx.Node) -> bool:
     """Only an explicit ``kernel="triton"`` keeps our generated kernel as an op; ``"auto"`` is
     lowered (inductor generates the gather and attention kernels, sync-free)."""
-    if _packet(node.target) is _OPS.mla_sparse_attention:
-        return op_arguments(node, _OPS.mla_sparse_attention)["kernel"] == "triton"
-    return op_arguments(node, _SPARSE)["spec"].kernel == "triton"
+    return op_arguments(node, _packet(node.target))["spec"].kernel == "triton"
 
 
 _REFINE_PARAMS = inspect.signature(aten_step.refine_selection).parameters
@@ -190,7 +181,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
             node.target = _LOWERED[packet]
             result.lowered[name] += 1
         elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
-            node.target = aten_step.sparse_attention if packet is _SPARSE else _mla_body
+            node.target = aten_step.sparse_attention if packet is _SPARSE else mla.mla_sparse_attention
             result.lowered[name] += 1
         elif packet in (_SPARSE, _OPS.mla_sparse_attention):
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"

@@ -33,6 +33,7 @@ import torch
 
 from .aten_step import optional_operands
 from .sparse_attention import _gather_tokens, attend_gathered
+from .spec import AttentionVariant, StepSpec
 
 __all__ = ["latent_query", "mla_sparse_attention", "split_kv_b_weight"]
 
@@ -74,7 +75,7 @@ def gather_latent_keys(latent_cache: torch.Tensor, rope_cache: torch.Tensor, ind
 
 def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                          weight: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
-                         attn_mask: torch.Tensor | None, scale: float, nope_dim: int,
+                         attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant,
                          dense: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """MLA attention of one layer over the selected latent rows (``specontext::mla_sparse_attention``).
 
@@ -86,8 +87,9 @@ def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rop
         indices: int64 ``[batch, 1, k]`` positions (``-1`` padding), from a selection node.
         length: int64 scalar, tokens written including this step's.
         attn_mask: Hugging Face mask ``[batch|1, 1|heads, q_len, >= capacity]`` or None.
-        scale: the layer's softmax scale (of the ``nope + rope`` wide head).
-        nope_dim: ``qk_nope_head_dim``.
+        spec: the step's :class:`~.spec.StepSpec` (only ``kernel`` matters, to the op).
+        variant: the site's :class:`~.spec.AttentionVariant`: ``scale`` (of the ``nope + rope``
+            wide head) and ``nope_dim`` (``qk_nope_head_dim``).
         dense: the fidelity guard's bool scalar (None = off): True attends to every slot.
         sinks: learned sink logit per head ``[num_heads]`` (HY-V4) or None: one more softmax
             column per head that takes mass and adds no value.
@@ -96,6 +98,7 @@ def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rop
         ``[batch, num_heads, q_len, value_dim]`` in ``latent_q.dtype``: exactly (up to float
         rounding) Hugging Face's attention restricted to the selected positions.
     """
+    scale, nope_dim = variant.scale, variant.nope_dim
     if dense is not None:
         capacity = latent_cache.shape[-2]
         every = torch.arange(capacity, device=indices.device).expand(indices.shape[0], indices.shape[1], capacity)

@@ -3,12 +3,15 @@ Bodies and the absorb-vs-up-project choice: :mod:`.mla`."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch._dynamo.utils import counters
 
 from . import mla
 from .ops_attention import _mask_allows_selection, _use_triton
 from .probe import active_probe, selection_recall
+from .spec import AttentionVariant, StepSpec
 
 __all__ = ["mla_latent_query", "mla_sparse_attention"]
 
@@ -29,10 +32,11 @@ def _(query, weight, nope_dim):
 @torch.library.custom_op("specontext::mla_sparse_attention", mutates_args=())
 def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                          weight: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
-                         attn_mask: torch.Tensor | None, scale: float, nope_dim: int, kernel: str = "torch",
-                         dense: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+                         attn_mask: Optional[torch.Tensor], spec: StepSpec, variant: AttentionVariant,
+                         dense: Optional[torch.Tensor] = None, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """MLA attention over the selected latent rows: see
-    :func:`~specontext_compile.runtime.mla.mla_sparse_attention` for shapes. ``kernel``
+    :func:`~specontext_compile.runtime.mla.mla_sparse_attention` for shapes and ``variant``
+    (scale, ``nope_dim``). ``spec.kernel``
     ``"triton"``/``"auto"`` runs the generated MLA kernel
     (:func:`~specontext_compile.codegen.sparse_mla_decode_attention`) when the mask hides
     nothing the causal limit allows and no guard or sinks are set; counters ``mla_attention_calls``
@@ -42,26 +46,25 @@ def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rop
     if probe is not None:
         keys = torch.cat([latent_cache, rope_cache], dim=-1)
         probe.values.append(1.0 if dense is not None and bool(dense) else
-                            selection_recall(latent_q, keys, indices, int(length), scale, attn_mask, None, 0))
+                            selection_recall(latent_q, keys, indices, int(length), variant.scale, attn_mask, None, 0))
     if dense is not None:
         counters["specontext"]["guarded_attention_calls"] += 1
-    elif sinks is None and _use_triton(kernel, latent_q) and _mask_allows_selection(attn_mask, indices, length, latent_q.shape[2]):
+    elif sinks is None and _use_triton(spec.kernel, latent_q) and _mask_allows_selection(attn_mask, indices, length, latent_q.shape[2]):
         from ..codegen import sparse_mla_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
         r = latent_cache.shape[-1]
         out_latent = sparse_mla_decode_attention(latent_q[..., :r], latent_q[..., r:], latent_cache, rope_cache,
-                                                 indices, length, scale=scale, check_indices=False)
-        return mla.up_project(out_latent, weight, nope_dim)
+                                                 indices, length, scale=variant.scale, check_indices=False)
+        return mla.up_project(out_latent, weight, variant.nope_dim)
     else:
         counters["specontext"]["gather_attention_calls"] += 1
-    return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale,
-                                    nope_dim, dense, sinks)
+    return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, spec,
+                                    variant, dense, sinks)
 
 
 @mla_sparse_attention.register_fake
-def _(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, scale, nope_dim, kernel="torch",
-      dense=None, sinks=None):
+def _(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, spec, variant, dense=None, sinks=None):
     b, h, q_len, _ = latent_q.shape
-    value_dim = weight.shape[0] // h - nope_dim
+    value_dim = weight.shape[0] // h - variant.nope_dim
     return latent_q.new_empty((b, h, q_len, value_dim))

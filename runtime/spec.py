@@ -51,18 +51,21 @@ class AttentionVariant:
         sliding_window: 0 = full causal attention; ``w > 0`` = each query row sees only the
             last ``w`` positions up to its own (Hugging Face's ``sliding_window``; not the
             selection's *recent window*).
+        nope_dim: multi-head latent attention only (``qk_nope_head_dim``: the width of the
+            query part absorbed into the latent space; :mod:`.mla`); 0 for other sites.
 
     Tensor-valued parts of a variant (learned sink logits, ALiBi's position bias) are operands
     of the functions, not fields: a spec holds constants only.
 
     Raises:
         ValueError: for a non-finite or non-positive ``scale``, a non-positive ``soft_cap`` or
-            a negative ``sliding_window``.
+            a negative ``sliding_window`` or ``nope_dim``.
     """
 
     scale: float
     soft_cap: float | None = None
     sliding_window: int = 0
+    nope_dim: int = 0
 
     def __post_init__(self) -> None:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf:
@@ -74,6 +77,7 @@ class AttentionVariant:
         if cap is not None:
             object.__setattr__(self, "soft_cap", float(cap))
         _check_int("AttentionVariant.sliding_window", self.sliding_window, 0)
+        _check_int("AttentionVariant.nope_dim", self.nope_dim, 0)
 
     @property
     def plain(self) -> bool:

@@ -69,7 +69,7 @@ def test_mla_op_equals_float64_up_projected_attention_over_the_selection(heads, 
     slots = max(len(p) for p in positions) + 2
     indices = torch.stack([torch.cat([torch.full((slots - len(p),), -1), p.sort().values]) for p in positions])
     out = mla_sparse_attention(latent_query(query, weight, nope), latent, rope_keys, weight, indices[:, None],
-                               torch.tensor(length), None, 0.3, nope)
+                               torch.tensor(length), None, StepSpec(1, 1), AttentionVariant(0.3, nope_dim=nope))
     ref = dense_mla_reference(query, latent, rope_keys, weight, positions, length, 0.3, nope)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -152,10 +152,11 @@ def test_mla_triton_kernel_equals_torch_path(triton_interpreter):
     indices = torch.tensor([[[0, 1, 5, 9, 11, 12]]])
     q = latent_query(query, weight, nope)
     counters.clear()
-    got = torch.ops.specontext.mla_sparse_attention(q, latent, rope, weight, indices, torch.tensor(13), None, 0.3,
-                                                    nope, "triton")
+    variant = AttentionVariant(0.3, nope_dim=nope)
+    got = torch.ops.specontext.mla_sparse_attention(q, latent, rope, weight, indices, torch.tensor(13), None,
+                                                    StepSpec(6, 6, kernel="triton"), variant)
     assert counters["specontext"]["triton_attention_calls"] == 1
-    want = mla_sparse_attention(q, latent, rope, weight, indices, torch.tensor(13), None, 0.3, nope)
+    want = mla_sparse_attention(q, latent, rope, weight, indices, torch.tensor(13), None, StepSpec(6, 6), variant)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
