@@ -66,8 +66,6 @@ def _bucket(event, config) -> str:
         return "sparse attention"
     if name.startswith("specontext::kv_write"):
         return "KV write"
-    if name.startswith("specontext::record_query"):
-        return "record query"
     if name in ("aten::scaled_dot_product_attention",):
         return "dense attention (SDPA)"
     if name in ("aten::linear", "aten::mm", "aten::addmm"):

@@ -51,7 +51,7 @@ def _target_name(node: fx.Node) -> str:
 
 
 def _specontext_role(node: fx.Node) -> str | None:
-    name = str(node.target)
+    name = f"{getattr(node.target, '__module__', '')}.{_target_name(node)}"
     if node.op == "call_function" and "specontext" in name:
         return next((role for role in _COLOURS if role in name), None)
     return None

@@ -1,5 +1,5 @@
 """The training-free lagged-query selection head (SpeContext section 4): each retrieval layer
-records its last query row every step (``specontext::record_query``), and the next step's
+records its last query row every step (:func:`~..runtime.aten_step.record_query`), and the next step's
 selection node (``specontext::speculative_select``) scores every cached token with those
 queries before layer 0 runs."""
 
@@ -9,6 +9,7 @@ import torch
 from torch import fx
 
 from ..config import default_retrieval_layers
+from ..runtime import aten_step
 from ..runtime.protocol import RetrievalAnchor
 from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import SelectionHead
@@ -17,7 +18,7 @@ from .sites import AttentionSite
 
 __all__ = ["LaggedQueryHead"]
 
-RECORD = torch.ops.specontext.record_query.default
+RECORD = aten_step.record_query
 SELECT = torch.ops.specontext.speculative_select.default
 
 

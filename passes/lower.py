@@ -51,15 +51,9 @@ _OPS = torch.ops.specontext
 _LOWERED = {
     _OPS.kv_write: aten_step.write_kv,
     _OPS.page_bounds_write: page_bounds.update_page_bounds,
-    _OPS.page_shift_from_mask: page_bounds.shift_from_mask,
-    _OPS.count_step: aten_step.count_step,
-    _OPS.record_query: aten_step.record_query,
     _OPS.speculative_select: aten_step.speculative_select,
     _OPS.draft_select: aten_step.draft_select,
     _OPS.refine_selection: aten_step.refine_selection,
-    _OPS.store_selection: aten_step.store_selection,
-    _OPS.load_selection: aten_step.load_selection,
-    _OPS.mla_latent_query: mla.latent_query,
 }
 _ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
 _SPARSE = _OPS.sparse_attention

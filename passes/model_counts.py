@@ -1,7 +1,7 @@
 """Add what a rewritten graph counted to its model's counters (``sc.path_counts(model)``).
 
 The rewrite counts each decode step in the cache's own int64 counters (``stats``, names in
-``runtime/protocol.STATS``): ``specontext::count_step`` and the refinement's guard both add
+``runtime/protocol.STATS``): ``aten_step.count_step`` and the refinement's guard both add
 to it on the device. A ``SpeContextCache`` made inside ``generate`` is gone when the user
 asks what ran, so every graph that counts also adds its step's increments to the *model's*
 counters (``runtime/static_state.model_stats``), a new graph input appended after the others::
@@ -20,12 +20,13 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from ..runtime import aten_step
 from .sites import is_op
 
 __all__ = ["MODEL_STATS_INPUT", "add_model_counts"]
 
 MODEL_STATS_INPUT = "specontext_model_stats"
-_COUNT = torch.ops.specontext.count_step.default
+_COUNT = aten_step.count_step
 
 
 def add_model_counts(graph: fx.Graph) -> bool:

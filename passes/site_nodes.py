@@ -4,14 +4,14 @@ store's static capacity."""
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
+from ..runtime import mla
 from .sites import AttentionSite, static_int
 
 __all__ = ["bias_4d", "selection_query", "static_capacity"]
 
-MLA_QUERY = torch.ops.specontext.mla_latent_query.default
+MLA_QUERY = mla.latent_query
 
 
 def bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
@@ -32,7 +32,7 @@ def bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
 
 def selection_query(graph: fx.Graph, site: AttentionSite) -> fx.Node:
     """The query that scores the site's store: its own, or for an MLA site the absorbed
-    query (``specontext::mla_latent_query``, inserted once before the site: :mod:`..runtime.mla`)."""
+    query (:func:`~..runtime.mla.latent_query`, inserted once before the site)."""
     if site.mla is None:
         return site.query
     if site.mla.latent_query is None:

@@ -32,6 +32,7 @@ from torch import fx
 from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
+from ..runtime import aten_step, page_bounds
 from ..runtime.protocol import RetrievalAnchor
 from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import make_head
@@ -44,13 +45,13 @@ __all__ = ["RewriteResult", "SparseAttentionPass"]
 
 ANCHOR = torch.ops.specontext.retrieval_anchor
 SPARSE = torch.ops.specontext.sparse_attention.default
-COUNT = torch.ops.specontext.count_step.default
+COUNT = aten_step.count_step
 REFINE = torch.ops.specontext.refine_selection.default
 MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
-STORE = torch.ops.specontext.store_selection.default
-LOAD = torch.ops.specontext.load_selection.default
+STORE = aten_step.store_selection
+LOAD = aten_step.load_selection
 PAGE_BOUNDS = torch.ops.specontext.page_bounds_write
-PAGE_SHIFT = torch.ops.specontext.page_shift_from_mask.default
+PAGE_SHIFT = page_bounds.shift_from_mask
 
 
 @dataclasses.dataclass
@@ -477,7 +478,7 @@ def keeps_side_effects(node: fx.Node) -> bool:
     a functional all-reduce plus ``copy_`` back into the input, whose result is unused. Ops
     with a declared effect (``torch._library.effects``, e.g. every op taking an opaque
     reference object such as the KV-offload manager) are kept as well."""
-    if node.is_impure():
+    if node.is_impure() or node.op == "call_function" and node.target in aten_step.MUTATES:
         return True
     target = node.target
     name = target if node.op == "call_method" else getattr(target, "__name__", None)

@@ -34,7 +34,7 @@ from .sparse_attention import (
     sparse_attention_reference,
 )
 
-__all__ = ["count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
+__all__ = ["MUTATES", "count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
            "record_query", "refine_and_attend", "refine_gathered", "refine_inputs", "refine_selection",
            "rescue_pages_into", "row_visibility",
            "seen_positions", "select_positions",
@@ -596,3 +596,14 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant.scale,
                                       variant.soft_cap, variant.sliding_window, sinks)
+
+
+#: Step functions the pass calls directly (no op) that change tensors in place, with the
+#: names of the arguments they change: dead-code elimination must keep them
+#: (:func:`~specontext_compile.passes.sparse_rewrite.keeps_side_effects`).
+MUTATES = {
+    record_query: ("query_state", "query_valid"),
+    count_step: ("stats",),
+    store_selection: ("selection_state",),
+    page_bounds.shift_from_mask: ("page_shift",),
+}

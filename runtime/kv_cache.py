@@ -575,7 +575,7 @@ class SpeContextCache(Cache):
 
     def _set_page_shift(self, shift: torch.Tensor) -> None:
         """The per-row page shift (int64 ``[batch]``, set from the left padding at a prompt's
-        first write by ``specontext::page_shift_from_mask``), shared by every store."""
+        first write by ``page_bounds.shift_from_mask``), shared by every store."""
         self.page_shift = shift
         _static_address(shift)
         for layer in self.kv_layers:

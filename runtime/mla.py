@@ -47,7 +47,7 @@ def split_kv_b_weight(weight: torch.Tensor, num_heads: int, nope_dim: int) -> tu
 
 
 def latent_query(query: torch.Tensor, weight: torch.Tensor, nope_dim: int) -> torch.Tensor:
-    """The absorbed query ``[W_UK^T q_nope ; q_rot]`` (``specontext::mla_latent_query``).
+    """The absorbed query ``[W_UK^T q_nope ; q_rot]`` (called directly by the rewritten graph).
 
     Args:
         query: ``[batch, num_heads, q_len, nope_dim + rope_dim]`` (Hugging Face's

@@ -13,20 +13,7 @@ from .ops_attention import _mask_allows_selection, _use_triton
 from .probe import active_probe, selection_recall
 from .spec import AttentionVariant, StepSpec
 
-__all__ = ["mla_latent_query", "mla_sparse_attention"]
-
-
-@torch.library.custom_op("specontext::mla_latent_query", mutates_args=())
-def mla_latent_query(query: torch.Tensor, weight: torch.Tensor, nope_dim: int) -> torch.Tensor:
-    """The absorbed query of an MLA layer: see :func:`~specontext_compile.runtime.mla.latent_query`
-    (``[batch, heads, q_len, nope + rope]`` -> ``[batch, heads, q_len, kv_lora_rank + rope]``)."""
-    return mla.latent_query(query, weight, nope_dim)
-
-
-@mla_latent_query.register_fake
-def _(query, weight, nope_dim):
-    b, h, q_len, d = query.shape
-    return query.new_empty((b, h, q_len, weight.shape[-1] + d - nope_dim))
+__all__ = ["mla_sparse_attention"]
 
 
 @torch.library.custom_op("specontext::mla_sparse_attention", mutates_args=())

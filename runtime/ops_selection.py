@@ -11,22 +11,7 @@ from torch._dynamo.utils import counters
 from . import aten_step
 from .spec import AttentionVariant, StepSpec
 
-__all__ = ["record_query", "refine_selection", "speculative_select"]
-
-
-@torch.library.custom_op("specontext::record_query", mutates_args=("query_state", "query_valid"))
-def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor, slot: int,
-                 length: torch.Tensor) -> None:
-    """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
-    ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]``; stamp it in
-    ``query_valid`` (int64 ``[slots]``) with ``length`` (int64 scalar, tokens written with
-    this step's): the next step uses it only if it starts at that length."""
-    aten_step.record_query(query_state, query_valid, query, slot, length)
-
-
-@record_query.register_fake
-def _(query_state, query_valid, query, slot, length) -> None:
-    return None
+__all__ = ["refine_selection", "speculative_select"]
 
 
 @torch.library.custom_op("specontext::speculative_select", mutates_args=())

@@ -8,8 +8,7 @@ import torch
 
 from . import aten_step, page_bounds
 
-__all__ = ["CacheCapacityError", "check_capacity", "count_step", "kv_write", "load_selection", "page_bounds_write",
-           "page_shift_from_mask", "retrieval_anchor", "store_selection"]
+__all__ = ["CacheCapacityError", "check_capacity", "kv_write", "page_bounds_write", "retrieval_anchor"]
 
 
 class CacheCapacityError(RuntimeError):
@@ -57,20 +56,6 @@ def _(key_cache, page_min, page_max, length, q_len, page_tokens, page_shift=None
     return None
 
 
-@torch.library.custom_op("specontext::page_shift_from_mask", mutates_args=("page_shift",))
-def page_shift_from_mask(page_shift: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
-                         capacity: int, page_tokens: int) -> None:
-    """At a prompt's first write (``length``, tokens written before the step, is 0), set each
-    row's page shift (int64 ``[batch]``) from its left padding in a full-attention site's
-    Hugging Face mask ``attn_mask`` (None: no padding, every shift 0), so that a padded row's pages hold the same tokens as its prompt alone.
-    Inserted by the rewrite pass before the graph's first ``kv_write``. Body:
-    :func:`~specontext_compile.runtime.page_bounds.shift_from_mask`."""
-    page_bounds.shift_from_mask(page_shift, length, attn_mask, capacity, page_tokens)
-
-
-@page_shift_from_mask.register_fake
-def _(page_shift, length, attn_mask, capacity, page_tokens) -> None:
-    return None
 
 
 @torch.library.custom_op("specontext::check_capacity", mutates_args=())
@@ -116,40 +101,4 @@ def retrieval_anchor(
 
 @retrieval_anchor.register_fake
 def _(query_state, query_valid, stats, layer_windows=None, selection_state=None, layer=0) -> None:
-    return None
-
-
-@torch.library.custom_op("specontext::store_selection", mutates_args=("selection_state",))
-def store_selection(selection_state: torch.Tensor, indices: torch.Tensor) -> None:
-    """Keep this step's selection ``indices`` ``[batch, kv, slots]`` in ``selection_state``
-    ``[batch, kv, capacity]`` for the graphs that follow a graph break."""
-    aten_step.store_selection(selection_state, indices)
-
-
-@store_selection.register_fake
-def _(selection_state, indices) -> None:
-    return None
-
-
-@torch.library.custom_op("specontext::load_selection", mutates_args=())
-def load_selection(selection_state: torch.Tensor, slots: int) -> torch.Tensor:
-    """The selection the step's first graph stored (``[batch, kv, slots]``, int64)."""
-    return aten_step.load_selection(selection_state, slots)
-
-
-@load_selection.register_fake
-def _(selection_state, slots):
-    return selection_state.new_empty((*selection_state.shape[:2], slots))
-
-
-@torch.library.custom_op("specontext::count_step", mutates_args=("stats",))
-def count_step(stats: torch.Tensor, increments: list[int]) -> None:
-    """Advance the path counters ``stats`` (int64, see
-    :data:`~specontext_compile.runtime.protocol.STATS`) by ``increments`` (constants the
-    pass computed from static shapes), once per decode step, on the device (no host sync)."""
-    aten_step.count_step(stats, increments)
-
-
-@count_step.register_fake
-def _(stats, increments) -> None:
     return None

@@ -189,7 +189,7 @@ def rescued_candidates(candidates: torch.Tensor, scores: torch.Tensor, seen: tor
 
 def shift_from_mask(page_shift: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, capacity: int,
                     page_tokens: int) -> None:
-    """``specontext::page_shift_from_mask``: at a prompt's first write (``length`` == 0, tokens
+    """At a prompt's first write (``length`` == 0, tokens
     written before this step), set each row's page shift from its left padding, read from a
     full-attention site's Hugging Face mask (:func:`~.aten_step.row_visibility`; None = no
     padding: shift 0); later steps keep it. In place, on the device (a ``where``),

@@ -27,7 +27,7 @@ from torch import fx
 __all__ = ["GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments"]
 
 # Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
-# step by ``specontext::count_step`` with constants the pass computed from static shapes:
+# step by ``aten_step.count_step`` (a direct call) with constants the pass computed from static shapes:
 STATS = (
     "decode_steps",      # steps that ran a selection node (one per step, whatever the windows)
     "sparse_sites",      # attention calls over a selection (every rewritten site, every step)
