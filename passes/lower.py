@@ -15,8 +15,13 @@ Invariants:
 - **Same code, same numbers.** A lowered node calls exactly the function the op's eager
   kernel calls (:mod:`..runtime.aten_step`), with the same arguments; only the Python
   dispatch around it (counters, the recall probe, the Triton path) is gone.
-- **Only what has an aten body.** ``kv_write``, ``count_step``, ``record_query``, ``speculative_select``,
-  ``draft_select``, ``refine_selection`` and torch-path ``sparse_attention`` are lowered; draft-head steps
+- **Same signature, new target.** An op and its aten body take the same arguments (options
+  as a :class:`~..runtime.spec.StepSpec` and an :class:`~..runtime.spec.AttentionVariant`),
+  so lowering changes a node's target and nothing else.
+- **Only what has an aten body.** ``kv_write``, ``page_bounds_write``, ``speculative_select``,
+  ``draft_select``, ``refine_selection`` and torch-path ``sparse_attention`` and
+  ``mla_sparse_attention`` are lowered (what the pass inserts as direct calls,
+  e.g. ``aten_step.record_query`` and ``count_step``, needs nothing); draft-head steps
   (``draft_step``/``draft_record``: a loaded module), offload ops (runtime state outside
   the graph) and ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated
   kernel; ``"auto"`` is lowered) stay ops. A graph with any

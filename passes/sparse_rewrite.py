@@ -166,14 +166,6 @@ class SparseAttentionPass(CustomGraphPass):
         return cls(StepSpec.from_config(config), config.retrieval_layers, config.max_sparse_q_len,
                    config.retrieval_head, config.dense_layers)
 
-    @property
-    def budget(self) -> int:
-        return self.step.budget
-
-    @property
-    def candidate_slots(self) -> int:
-        return self.step.candidate_slots
-
     def uuid(self) -> str:
         """torch's hash of the sources (:func:`~torch._inductor.custom_graph_pass.get_hash_for_files`)
         and of the options: the same inputs rewrite to the same graph."""

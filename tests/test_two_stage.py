@@ -310,8 +310,8 @@ def test_candidate_slots_round_up():
     from specontext_compile.passes.sparse_rewrite import SparseAttentionPass
 
     p = SparseAttentionPass.from_config(sc.SpeContextConfig(budget=100, candidates=1.5))
-    assert p.candidate_slots == 150
-    assert SparseAttentionPass.from_config(sc.SpeContextConfig(budget=3, candidates=1.1)).candidate_slots == 4
+    assert p.step.candidate_slots == 150
+    assert SparseAttentionPass.from_config(sc.SpeContextConfig(budget=3, candidates=1.1)).step.candidate_slots == 4
     assert StepSpec.from_config(sc.SpeContextConfig(budget=3, candidates=1.1)).candidate_slots == math.ceil(3.3)
 
 
