@@ -91,12 +91,13 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     prompt is never used. ``slot`` may be a 0-d int64 tensor instead of an int (regional
     compilation lifts it, so that every retrieval layer runs the same compiled region:
     specontext_compile/regional.py); the same copies then go through ``index_copy_``."""
+    row = query[:, :, -1:, :].detach()  # selection state, not a differentiable value
     if isinstance(slot, torch.Tensor):
         index = slot.reshape(1)
-        query_state.index_copy_(0, index, query[:, :, -1:, :].unsqueeze(0).to(query_state.dtype))
+        query_state.index_copy_(0, index, row.unsqueeze(0).to(query_state.dtype))
         query_valid.index_copy_(0, index, length.reshape(1).to(query_valid.dtype))
         return
-    query_state[slot].copy_(query[:, :, -1:, :])
+    query_state[slot].copy_(row)
     query_valid[slot].copy_(length)
 
 

@@ -257,3 +257,30 @@ def test_a_full_static_cache_error_names_hugging_faces_cache():
     assert int(cache.get_seq_length()) == 22  # nothing written past the end
     with pytest.raises(CacheCapacityError, match="SpeContextCache is full"):
         decode_logits(None, forward, _ids(20, seed=12), 3, sc.SpeContextCache(model.config, max_cache_len=22))
+
+
+@pytest.mark.parametrize("inner", ["eager", "auto"])
+def test_a_step_with_gradients_enabled_keeps_its_state_out_of_autograd(inner):
+    """Case grad_enabled_decode_step: called without ``torch.no_grad()``, a decode step
+    gives the no-grad logits, the retrieval state it records carries no autograd history
+    (selection state, not a differentiable value), and backward either runs or raises an
+    error that names the sparse op's missing gradient, never a bare version-counter error."""
+    model = tiny_llama(layers=2)
+    ids = _ids(30, seed=5)
+    forward = torch.compile(model.forward, backend="specontext", options={**SMALL, "inner": inner})
+    reference = sc.SpeContextCache(model.config, max_cache_len=40)
+    with torch.no_grad():
+        token = forward(input_ids=ids, cache=reference, use_cache=True).logits[:, -1:].argmax(-1)
+        want = forward(input_ids=token, cache=reference, use_cache=True).logits
+    cache = sc.SpeContextCache(model.config, max_cache_len=40)
+    forward(input_ids=ids, cache=cache, use_cache=True)
+    assert not cache.query_state.requires_grad and cache.query_state.grad_fn is None
+    out = forward(input_ids=token, cache=cache, use_cache=True)
+    torch.testing.assert_close(out.logits.detach(), want, atol=1e-5, rtol=0)
+    assert cache.path_counts()["gather_sites"] == 2  # the sparse path ran, one step, two layers
+    try:
+        out.logits.sum().backward()
+    except RuntimeError as err:
+        assert "specontext" in str(err) or "autograd formula" in str(err), str(err)
+    else:
+        assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
