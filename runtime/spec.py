@@ -23,9 +23,9 @@ from typing import Any
 
 from torch._library.opaque_object import register_opaque_type
 
-__all__ = ["AttentionVariant", "StepSpec"]
+__all__ = ["KERNELS", "AttentionVariant", "StepSpec"]
 
-_KERNELS = ("auto", "torch", "triton")
+KERNELS = ("auto", "torch", "triton")  # sparse attention implementations (option ``kernel``)
 
 
 def _fx_repr(value: Any) -> tuple[str, dict[str, type]]:
@@ -137,8 +137,8 @@ class StepSpec:
         object.__setattr__(self, "min_coverage", float(g))
         if not isinstance(self.dense_shortcut, bool):
             raise ValueError(f"StepSpec.dense_shortcut must be True or False, got {self.dense_shortcut!r}")
-        if self.kernel not in _KERNELS:
-            raise ValueError(f"StepSpec.kernel must be one of {_KERNELS}, got {self.kernel!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"StepSpec.kernel must be one of {KERNELS}, got {self.kernel!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> StepSpec:

@@ -10,9 +10,9 @@ __all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "SpeContextConfig", "c
            "default_retrieval_layers"]
 
 _INNER = ("auto", "eager", "inductor")
-_KERNELS = ("auto", "torch", "triton")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
+from .runtime.spec import KERNELS
 
 
 def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
@@ -226,8 +226,8 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'dense_layers' must be an int or a tuple of ints (decoder "
                              f"layers kept dense; negative counts from the end), got {self.dense_layers!r}")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(dense))))
-        if self.kernel not in _KERNELS:
-            raise ValueError(f"specontext option 'kernel' must be one of {_KERNELS}, got {self.kernel!r}")
+        if self.kernel not in KERNELS:
+            raise ValueError(f"specontext option 'kernel' must be one of {KERNELS}, got {self.kernel!r}")
         dm = self.device_memory_bytes
         if dm is not None and dm != "auto" and (not isinstance(dm, int) or isinstance(dm, bool) or dm < 1):
             raise ValueError(
