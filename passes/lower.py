@@ -22,15 +22,17 @@ Invariants:
   ``draft_select``, ``refine_selection`` and torch-path ``sparse_attention`` and
   ``mla_sparse_attention`` are lowered (what the pass inserts as direct calls,
   e.g. ``aten_step.record_query`` and ``count_step``, needs nothing); draft-head steps
-  (``draft_step``/``draft_record``: a loaded module), offload ops (runtime state outside
-  the graph) and ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated
-  kernel; ``"auto"`` is lowered) stay ops. A graph with any
-  offload op is left as it is.
+  (``draft_step``/``draft_record``: a loaded module), offload ops (they move rows and run the
+  plan: runtime state outside the graph, ordered by their declared effects) and
+  ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated kernel;
+  ``"auto"`` is lowered) stay ops. An offloaded site's arithmetic is already ordinary step
+  code (:mod:`..runtime.offload_step`), so a graph with offload is lowered like any other.
 - **Order is kept.** Nodes are replaced in place; mutations stay where the ops were.
 - **One body per refined site.** A refinement whose kept tokens only one plain sparse
   attention reads (guard off, no learned sinks, no dense shortcut, no MLA) is lowered with
   that attention as one :func:`~..runtime.aten_step.refine_and_attend`: the same logits,
-  computed once (``LowerResult.fused`` counts them; the eager op chain keeps two ops).
+  computed once (``LowerResult.fused`` counts them; the eager op chain keeps two ops); an
+  offloaded site's pair likewise as :func:`~..runtime.offload_step.refine_and_attend`.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ import operator
 import torch
 from torch import fx
 
-from ..runtime import aten_step, mla, page_bounds
+from ..runtime import aten_step, mla, offload_step, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import op_arguments
 
@@ -60,7 +62,7 @@ _LOWERED = {
     _OPS.draft_select: aten_step.draft_select,
     _OPS.refine_selection: aten_step.refine_selection,
 }
-_ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
+_ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor, _OPS.offload_anchor)
 _SPARSE = _OPS.sparse_attention
 
 
@@ -96,18 +98,38 @@ def _bound(node: fx.Node, params) -> dict:
     return {name: bound.get(name, p.default) for name, p in params.items()}
 
 
+def _sole_refinement(kept, refine_target, reader: fx.Node) -> fx.Node | None:
+    """The ``refine_target`` node whose kept tokens (its output 0) are ``kept`` and read by
+    ``reader`` alone, else None."""
+    if not (isinstance(kept, fx.Node) and kept.target is operator.getitem and kept.args[1] == 0
+            and list(kept.users) == [reader]):
+        return None
+    refine = kept.args[0]
+    ok = isinstance(refine, fx.Node) and refine.target is refine_target and list(refine.users) == [kept]
+    return refine if ok else None
+
+
+def _replace_pair(graph: fx.Graph, refine: fx.Node, attend: fx.Node, target, args: tuple) -> None:
+    """One ``target(*args)`` node at ``attend``'s place instead of ``refine``, its kept tokens
+    and ``attend``."""
+    kept = next(iter(refine.users))
+    with graph.inserting_before(attend):
+        node = graph.call_function(target, args)
+    node.meta.update(attend.meta)
+    attend.replace_all_uses_with(node)
+    for old in (attend, kept, refine):
+        graph.erase_node(old)
+
+
 def _fusable(sparse: fx.Node) -> fx.Node | None:
     """The lowered refinement whose kept tokens are all that lowered sparse attention node
     ``sparse`` reads, when the pair can be one :func:`aten_step.refine_and_attend` (guard off,
     no learned sinks, no dense shortcut, no MLA); else None."""
     args = _bound(sparse, _SPARSE_PARAMS)
-    kept = args["indices"]
-    if (args["dense"] is not None or args["sinks"] is not None or args["spec"].dense_shortcut
-            or not (isinstance(kept, fx.Node) and kept.target is operator.getitem and kept.args[1] == 0)
-            or list(kept.users) != [sparse]):
+    if args["dense"] is not None or args["sinks"] is not None or args["spec"].dense_shortcut:
         return None
-    refine = kept.args[0]
-    if not (isinstance(refine, fx.Node) and refine.target is aten_step.refine_selection and list(refine.users) == [kept]):
+    refine = _sole_refinement(args["indices"], aten_step.refine_selection, sparse)
+    if refine is None:
         return None
     mine = _bound(refine, _REFINE_PARAMS)
     same = all(mine[name] is args[name] or mine[name] == args[name] and not isinstance(mine[name], fx.Node)
@@ -124,16 +146,34 @@ def _fuse_refine_attend(graph: fx.Graph) -> int:
         if refine is None:
             continue
         mine, args = _bound(refine, _REFINE_PARAMS), _bound(sparse, _SPARSE_PARAMS)
-        with graph.inserting_before(sparse):
-            node = graph.call_function(aten_step.refine_and_attend, (
-                mine["query"], mine["key_cache"], args["value_cache"], mine["candidates"], mine["length"],
-                mine["attn_mask"], mine["spec"], mine["variant"], mine["pages"]))
-        node.meta.update(sparse.meta)
-        kept = args["indices"]
-        sparse.replace_all_uses_with(node)
-        graph.erase_node(sparse)
-        graph.erase_node(kept)
-        graph.erase_node(refine)
+        _replace_pair(graph, refine, sparse, aten_step.refine_and_attend, (
+            mine["query"], mine["key_cache"], args["value_cache"], mine["candidates"], mine["length"],
+            mine["attn_mask"], mine["spec"], mine["variant"], mine["pages"]))
+        fused += 1
+    return fused
+
+
+_OFFLOAD_REFINE_PARAMS = inspect.signature(offload_step.refine).parameters
+_OFFLOAD_ATTEND_PARAMS = inspect.signature(offload_step.attention).parameters
+
+
+def _fuse_offloaded(graph: fx.Graph) -> int:
+    """Replace each :func:`offload_step.refine` whose kept tokens only one
+    :func:`offload_step.attention` of the same layer reads by one
+    :func:`offload_step.refine_and_attend` at the attention's place; returns how many."""
+    fused = 0
+    for attend in [n for n in graph.nodes if n.target is offload_step.attention]:
+        args = _bound(attend, _OFFLOAD_ATTEND_PARAMS)
+        refine = _sole_refinement(args["indices"], offload_step.refine, attend)
+        if refine is None:
+            continue
+        mine = _bound(refine, _OFFLOAD_REFINE_PARAMS)
+        if any(mine[name] is not args[name] for name in ("query", "length", "attn_mask")) \
+                or mine["rows"] != args["rows"] or mine["variant"] != args["variant"]:
+            continue
+        _replace_pair(graph, refine, attend, offload_step.refine_and_attend, (
+            mine["rows"], mine["query"], mine["candidates"], mine["length"], mine["attn_mask"], mine["pages"],
+            mine["spec"], mine["variant"]))
         fused += 1
     return fused
 
@@ -157,8 +197,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
              and getattr(_packet(n.target), "_qualified_op_name", "").startswith("specontext::")]
     names = {_packet(n.target)._qualified_op_name for n in nodes}
     if any(name.startswith("specontext::offload") for name in names):
-        result.kept["*"] = "the graph offloads KV (offload ops keep runtime state outside the graph)"
-        return result
+        result.kept["specontext::offload_*"] = "they move KV rows and run the plan (runtime state outside the graph)"
     first_write = next((n for n in nodes if _packet(n.target) is _OPS.kv_write), None)
     for node in nodes:
         packet = _packet(node.target)
@@ -173,6 +212,8 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
                                       args["value"], checked), {}
             result.lowered[name] += 1
             result.kept["specontext::check_capacity"] = "reads the length on the host (CPU), once per step"
+        elif name.startswith("specontext::offload") and packet is not _OPS.offload_anchor:
+            continue  # kept (reason above)
         elif packet in _ANCHORS:
             graph.erase_node(node)
             result.removed[name] += 1
@@ -186,7 +227,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"
-    result.fused = _fuse_refine_attend(graph)
+    result.fused = _fuse_refine_attend(graph) + _fuse_offloaded(graph)
     graph.lint()
     for name, reason in result.kept.items():
         logger.info("specontext: %s stays an op: %s", name, reason)

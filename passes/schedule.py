@@ -4,18 +4,25 @@ Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend'
 ``device_memory_bytes`` option). For the graph's selection node and each rewritten
 ``specontext::sparse_attention`` it
 
-1. inserts ``specontext::offload_plan`` right after the selection (the step's adaptive plan);
-2. replaces every sparse attention by ``specontext::sparse_attention_offloaded`` (same
-   arguments plus the layer's ready token): resident layers behave exactly as before;
+1. inserts ``specontext::offload_plan`` right after the selection (the step's adaptive plan;
+   it returns each layer's index as a tensor, so no layer's code holds its index);
+2. replaces every sparse attention by a call of :func:`~..runtime.offload_step.attention`
+   (the resident arithmetic on rows read through ``specontext::offload_rows``): resident
+   layers compute exactly as before, offloaded ones read their device buffer;
 3. inserts ``specontext::offload_wait(l)`` immediately before layer ``l``'s attention (as
    late as possible: never earlier than needed) and ``specontext::offload_prefetch(l)``
    ``lead`` layers earlier, right before layer ``l - lead``'s ``kv_write``, or right
    after the plan when that is not yet in the graph;
 4. with the two-stage selection (option ``candidates > 1``), a site's indices come from its
    ``specontext::refine_selection``: the prefetch loads the step's *candidates* (known
-   before layer 0), the wait moves before the refinement, which becomes
-   ``specontext::refine_selection_offloaded`` (an offloaded layer scores the candidates
-   from its device buffer), and the attention reads the kept subset of the buffer.
+   before layer 0), the wait moves before the refinement, which becomes a call of
+   :func:`~..runtime.offload_step.refine` (an offloaded layer scores the candidates from its
+   device buffer), and the attention reads the kept subset of the buffer.
+
+The graph then holds only run ops (prefetch, wait, row reads) and ordinary step code, so
+the backend compiles it with inductor like a resident step (the lowering fuses a refinement
+and its attention into :func:`~..runtime.offload_step.refine_and_attend` as it does
+resident ones).
 
 ``lead`` comes from a cost model (SpeContext section 5: prefetch as early as the selection
 allows, overlapped with compute): the expected bytes of one layer's elastic load
@@ -45,6 +52,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import get_hash_for_files
 
 from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
+from ..runtime import offload_step
 from ..runtime.protocol import op_arguments
 from .sites import is_op
 
@@ -59,9 +67,7 @@ OFFLOAD_ANCHOR = torch.ops.specontext.offload_anchor
 PLAN = torch.ops.specontext.offload_plan.default
 PREFETCH = torch.ops.specontext.offload_prefetch.default
 WAIT = torch.ops.specontext.offload_wait.default
-SPARSE_OFFLOADED = torch.ops.specontext.sparse_attention_offloaded.default
 REFINE = torch.ops.specontext.refine_selection
-REFINE_OFFLOADED = torch.ops.specontext.refine_selection_offloaded.default
 
 @dataclasses.dataclass
 class CostModel:
@@ -127,9 +133,8 @@ def _refine_of(indices: fx.Node) -> fx.Node | None:
     return None
 
 
-def _offload_refine(graph: fx.Graph, refine: fx.Node, manager: fx.Node, value_cache: fx.Node, ready: fx.Node,
-                    layer: int, dag: nx.DiGraph) -> None:
-    """Replace a site's ``refine_selection`` by ``refine_selection_offloaded`` (same kept
+def _offload_refine(graph: fx.Graph, refine: fx.Node, rows: tuple, dag: nx.DiGraph) -> None:
+    """Replace a site's ``refine_selection`` by a call of :func:`offload_step.refine` (same kept
     positions, read from the device buffer of an offloaded layer); its outputs keep their
     users (``getitem`` 0 / 1)."""
     a = op_arguments(refine, REFINE)
@@ -137,13 +142,11 @@ def _offload_refine(graph: fx.Graph, refine: fx.Node, manager: fx.Node, value_ca
         raise ValueError("offload schedule: the fidelity guard (min_coverage) and MLA layers are not built "
                          "with offloaded two-stage selection")
     with graph.inserting_before(refine):
-        new = graph.call_function(REFINE_OFFLOADED, (
-            manager, a["query"], a["key_cache"], value_cache, a["candidates"], a["length"], a["attn_mask"],
-            a["pages"], a["spec"], a["variant"], ready, layer))
+        new = graph.call_function(offload_step.refine, (
+            rows, a["query"], a["candidates"], a["length"], a["attn_mask"], a["pages"], a["spec"], a["variant"]))
     new.meta.update({k: v for k, v in refine.meta.items() if k in ("example_value", "val", "stack_trace")})
     refine.replace_all_uses_with(new)
     graph.erase_node(refine)
-    dag.add_edge(ready, new)
     for inp in new.all_input_nodes:
         dag.add_edge(inp, new)
     for user in new.users:
@@ -173,7 +176,8 @@ class OffloadSchedulePass:
         """torch's hash of this file and the offload runtime's with the pass's options."""
         cfg = repr((self.budget, self.overlap, self.max_inflight, self.bandwidth))
         runtime = Path(__file__).resolve().parent.parent / "runtime"
-        files = (__file__, str(runtime / "offload.py"), str(runtime / "offload_ops.py"))
+        files = (__file__, *(str(runtime / f) for f in ("offload.py", "offload_ops.py", "offload_step.py",
+                                                         "aten_step.py")))
         return f"specontext-offload-schedule-{get_hash_for_files(files, cfg).hex()[:24]}"
 
     def _cost(self, graph: fx.Graph, sparse: list[fx.Node]) -> CostModel:
@@ -214,13 +218,16 @@ class OffloadSchedulePass:
         manager = anchors[0].args[0]
         select = selects[0]  # one per distinct sliding window; all sit right after the anchor
         a = op_arguments(select, SELECT)
-        query_state, query_valid, key_caches, length, q_len = (a[k] for k in ("query_state", "query_valid",
-                                                                             "key_caches", "length", "q_len"))
-        with graph.inserting_after(selects[-1]):
-            plan = graph.call_function(PLAN, (manager, select, query_state, query_valid, key_caches[0], length,
-                                              q_len))
-        order = {n: i for i, n in enumerate(graph.nodes)}
         writes = {n.args[0]: n for n in graph.nodes if is_op(n, KV_WRITE)}
+        write_order = {store: i for i, store in enumerate(writes)}  # decoder layer order
+        stores = [op_arguments(node, SPARSE)["key_cache"] for node in sparse]  # kept: erased nodes lose their args
+        layers = [write_order.get(store, pos) for pos, store in enumerate(stores)]
+        with graph.inserting_after(selects[-1]):
+            plan = graph.call_function(PLAN, (manager, select, a["query_state"], a["query_valid"], a["length"],
+                                              a["q_len"], max(layers) + 1))
+        with graph.inserting_after(plan):
+            layer_of = {layer: graph.call_function(operator.getitem, (plan, layer)) for layer in reversed(layers)}
+        order = {n: i for i, n in enumerate(graph.nodes)}
         cost = self._cost(graph, sparse)
         lead = cost.lead(self.max_inflight)
         result.cost, result.lead = cost, lead
@@ -228,40 +235,35 @@ class OffloadSchedulePass:
         for n in graph.nodes:
             for inp in n.all_input_nodes:
                 dag.add_edge(inp, n)
-        write_order = {store: i for i, store in enumerate(writes)}  # decoder layer order
-        stores = [op_arguments(node, SPARSE)["key_cache"] for node in sparse]  # kept: erased nodes lose their args
-        for pos, node in enumerate(sparse):
+        for pos, (node, layer) in enumerate(zip(sparse, layers)):
             a = op_arguments(node, SPARSE)
             key_cache, value_cache, indices, site_len = a["key_cache"], a["value_cache"], a["indices"], a["length"]
-            layer = write_order.get(key_cache, pos)
             refine = _refine_of(indices)
             loaded = op_arguments(refine, REFINE)["candidates"] if refine is not None else indices  # what the step prefetches
-            inputs = [plan, loaded, key_cache, value_cache, site_len]
+            inputs = [layer_of[layer], loaded, site_len]
             earliest = max(order[i] for i in inputs)
             first_use = refine if refine is not None else node  # the wait goes right before it
             anchor_node = writes.get(stores[max(0, pos - lead)])
             if anchor_node is None or order[anchor_node] <= earliest or order[anchor_node] > order[first_use]:
-                anchor_node = plan.next  # right after the plan (and after every input)
+                anchor_node = layer_of[layer].next  # right after the plan (and after every input)
                 while order.get(anchor_node, -1) <= earliest and anchor_node is not first_use:
                     anchor_node = anchor_node.next
             with graph.inserting_before(anchor_node):
-                ticket = graph.call_function(PREFETCH, (manager, plan, loaded, key_cache, value_cache, site_len,
-                                                        layer))
+                ticket = graph.call_function(PREFETCH, (manager, loaded, site_len, layer_of[layer]))
             with graph.inserting_before(first_use):
-                ready = graph.call_function(WAIT, (manager, ticket, key_cache, layer))
+                ready = graph.call_function(WAIT, (manager, ticket))
+            rows = (manager, ready, key_cache, value_cache)
             if refine is not None:
-                _offload_refine(graph, refine, manager, value_cache, ready, layer, dag)
+                _offload_refine(graph, refine, rows, dag)
             with graph.inserting_before(node):
-                new = graph.call_function(SPARSE_OFFLOADED, (
-                    manager, a["query"], key_cache, value_cache, indices, site_len, a["attn_mask"], a["spec"],
-                    a["variant"], ready, layer))
+                new = graph.call_function(offload_step.attention, (
+                    rows, a["query"], indices, site_len, a["attn_mask"], a["variant"]))
             new.meta.update({k: v for k, v in node.meta.items() if k in ("example_value", "val", "stack_trace", "nn_module_stack")})
             node.replace_all_uses_with(new)
             graph.erase_node(node)
-            for inp in (plan, loaded, key_cache, value_cache, site_len):
+            for inp in inputs:
                 dag.add_edge(inp, ticket)
             dag.add_edge(ticket, ready)
-            dag.add_edge(ready, new)
             for inp in new.all_input_nodes:
                 dag.add_edge(inp, new)
             ticket.meta["specontext_schedule"] = {"layer": layer, "lead": lead, "issued_before": anchor_node.name}

@@ -35,7 +35,8 @@ from .sparse_attention import (
 )
 
 __all__ = ["MUTATES", "count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
-           "record_query", "refine_and_attend", "refine_gathered", "refine_inputs", "refine_selection",
+           "attend_kept", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
+           "refine_selection",
            "rescue_pages_into", "row_visibility",
            "seen_positions", "select_positions",
            "sparse_attention",
@@ -394,27 +395,46 @@ def refine_inputs(query: torch.Tensor, key_cache: torch.Tensor, candidates: torc
                   rope_cache: torch.Tensor | None = None,
                   pages: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``(candidates, keys)`` the refinement ranks (:func:`refine_coverage`, arguments as there):
-    every position the step's rows see, read in place, when the candidates have a slot for
-    every store position; else the candidates (plus the rescued pages' tokens) and their
-    gathered keys ``[batch, num_kv_heads, slots, head_dim]``."""
+    the positions of :func:`refine_candidates` (MLA: the candidates as given) and their keys
+    ``[batch, num_kv_heads, slots, head_dim]``, gathered from the store, or the store itself,
+    read in place, when the candidates have a slot for every store position."""
     b, num_kv, capacity, _ = key_cache.shape
-    if known(candidates.shape[-1] >= capacity) and rope_cache is None:
-        pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
-        seen = seen_positions(length, attn_mask, capacity, query.shape[2], variant.sliding_window, key_cache.device)
-        return torch.where(seen, pos, -1), key_cache
-    if spec.rescue_pages > 0 and pages and rope_cache is None:
-        candidates = rescue_pages_into(query, candidates, length, attn_mask, capacity, spec, variant, pages)
+    if rope_cache is None:  # MLA ranks its candidates as they are (no page bounds, no in-place read)
+        covers = known(candidates.shape[-1] >= capacity)
+        candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+        if covers:
+            return candidates, key_cache
     keys = _gather_tokens(key_cache, candidates.clamp(min=0))  # [b, kv, slots, d]
     if rope_cache is not None:
         keys = torch.cat([keys, _gather_tokens(rope_cache, candidates.clamp(min=0))], dim=-1)
     return candidates, keys
 
 
+def refine_candidates(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
+                      attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant,
+                      pages: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
+    """The positions a refinement ranks, int64 ``[batch, num_kv_heads, slots']``: every position
+    the step's rows see (position order, ``-1`` elsewhere) when the candidates have a slot for
+    every position of the ``[batch, num_kv_heads, capacity, head_dim]`` store (a static fact);
+    else the candidates plus, with the page rescue on (``spec.rescue_pages > 0`` and
+    ``pages`` given), the tokens of the rescued pages (:func:`rescue_pages_into`). Shared by
+    the resident refinement and an offloaded layer's (:mod:`.offload_step`), which then read
+    the keys of the same positions from different places."""
+    b, num_kv, capacity, _ = key_cache.shape
+    if known(candidates.shape[-1] >= capacity):
+        pos = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
+        seen = seen_positions(length, attn_mask, capacity, query.shape[2], variant.sliding_window, key_cache.device)
+        return torch.where(seen, pos, -1)
+    if spec.rescue_pages > 0 and pages:
+        return rescue_pages_into(query, candidates, length, attn_mask, capacity, spec, variant, pages)
+    return candidates
+
+
 def rescue_pages_into(query: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
                       attn_mask: torch.Tensor | None, capacity: int, spec: StepSpec, variant: AttentionVariant,
                       pages: Sequence[torch.Tensor | None]) -> torch.Tensor:
     """The page rescue, shared by the resident refinement (:func:`refine_coverage`) and an
-    offloaded layer's (:meth:`~.offload.OffloadManager.refine`): the positions the step's rows
+    offloaded layer's (:func:`.offload_step.refine`): the positions the step's rows
     see in a store of ``capacity`` slots (:func:`seen_positions`, on the bounds' device),
     Quest's bound per page under ``query`` (:func:`~.page_bounds.page_scores`), and the
     candidates plus the best ``spec.rescue_pages`` pages' seen tokens
@@ -448,7 +468,7 @@ def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.T
     candidates need not be sorted as a whole, only their first ``spec.sink_tokens`` valid
     entries must be the row's sinks (as a selection node's ascending output, or that output
     followed by more positions: :func:`~.page_bounds.rescued_candidates`)."""
-    logits, probs, values, top = _ranked(query, keys, candidates, length, attn_mask, spec, variant)
+    logits, probs, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     allowed = logits > _NEG  # [b, kv, g, q, slots]
     # int32, not bool: inductor's CPU scatter into bool is much slower (benchmarks.layer_step --scatter)
     kept = torch.zeros_like(candidates, dtype=torch.int32).scatter_(-1, top, (values != _NEG).int())
@@ -458,7 +478,7 @@ def refine_gathered(query: torch.Tensor, keys: torch.Tensor, candidates: torch.T
     return indices, coverage
 
 
-def _ranked(query, keys, candidates, length, attn_mask, spec: StepSpec, variant: AttentionVariant):
+def ranked(query, keys, candidates, length, attn_mask, spec: StepSpec, variant: AttentionVariant):
     """The refinement's ranking: ``(logits, probs, values, top)``, the candidates' logits and
     softmax ``[b, kv, g, q, slots]`` and the top-``budget`` rank values and slots ``[b, kv,
     budget]`` (a rank of ``_NEG``: no usable candidate in that slot)."""
@@ -494,12 +514,22 @@ def refine_and_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
     bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
     candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, None, pages)
-    logits, _, values, top = _ranked(query, keys, candidates, length, attn_mask, spec, variant)
+    logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
+    rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]
+    return attend_kept(query, logits, values, top, rows)
+
+
+def attend_kept(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, top: torch.Tensor,
+                rows: torch.Tensor) -> torch.Tensor:
+    """The attention half of :func:`refine_and_attend`: softmax over the refinement's logits
+    ``[b, kv, groups, q_len, slots]`` (float32) at its kept slots ``top`` ``[b, kv, kept]``
+    (rank ``values``: ``-inf`` = an empty slot, masked), times the kept tokens' value ``rows``
+    ``[b, kv, kept, head_dim_v]`` (read from the store, or from an offloaded layer's device
+    buffer). Returns ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``."""
     b, num_kv, groups, q_len, _ = logits.shape
     kept = top.shape[-1]
     kept_logits = logits.gather(-1, top[:, :, None, None, :].expand(b, num_kv, groups, q_len, kept))
     kept_logits = kept_logits.masked_fill((values == _NEG)[:, :, None, None, :], float("-inf"))
-    rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]
     probs = torch.softmax(kept_logits, dim=-1).nan_to_num(0.0).to(rows.dtype)
     out = torch.matmul(probs.view(b, num_kv, groups * q_len, kept), rows)
     return out.view(b, num_kv * groups, q_len, rows.shape[-1]).to(query.dtype)

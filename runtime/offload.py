@@ -16,9 +16,9 @@ drive it once per step:
    ``S_now - loaded`` are copied from the host store into the slots of
    ``loaded - S_now``, in place (only tokens written before the step; the step's own
    tokens are copied by the attention op after the layer's ``kv_write``).
-3. ``offload_wait(l)`` then ``sparse_attention_offloaded(l)``: attention over the device
-   buffer through the slot map; same arithmetic as the resident path, so results are
-   identical.
+3. ``offload_wait(l)`` then ``offload_rows(l)``: the rows the layer's refinement and
+   attention read, from the device buffer through the slot map; the arithmetic on them is
+   the resident layer's own code (:mod:`.offload_step`), so results are identical.
 
 Layers still resident run the ordinary sparse attention, so one compiled graph serves every
 plan as the output grows (no recompiles). Layers the option ``dense_layers`` keeps dense are
@@ -33,7 +33,6 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -47,11 +46,9 @@ except ImportError as _err:  # pragma: no cover - older torch
                       "device_memory_bytes unset") from _err
 
 from . import page_bounds
-from .aten_step import refine_gathered, rescue_pages_into
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
-from .spec import AttentionVariant, StepSpec
-from .sparse_attention import attend_gathered
+from .sparse_attention import _gather_tokens
 from .streams import CopyStream, CopyTicket
 from .trace import TraceRecorder
 
@@ -189,15 +186,26 @@ def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget
             "(plus the KV of the tokens you decode), lower budget, or leave it unset (no offload)")
 
 
-def _lookup_sorted(table: torch.Tensor, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, where ``query`` ``[rows, q]`` values occur in ``table`` ``[rows, n]``.
+def _lookup(table: torch.Tensor, query: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, where ``query`` ``[rows, q]`` positions occur in ``table`` ``[rows, n]`` (unique
+    positions ``>= 0`` per row; negative entries are empty).
 
     Returns ``(found, at)``: bool ``[rows, q]`` and the index into ``table`` (valid where
-    found). Sort + binary search: no table sized by the cache capacity."""
-    sorted_vals, order = table.sort(dim=1)
-    j = torch.searchsorted(sorted_vals, query.contiguous()).clamp(max=table.shape[1] - 1)
-    found = sorted_vals.gather(1, j) == query
-    return found, order.gather(1, j)
+    found; a negative query is never found when ``capacity`` is given). With ``capacity``
+    (every position is below it) a transient inverse map ``[rows, capacity + 1]`` (int64)
+    answers by one scatter and one gather; without, sort + binary search (nothing sized by
+    the store), several times slower on CPU at 3K-row buffers."""
+    if capacity is None:
+        sorted_vals, order = table.sort(dim=1)
+        j = torch.searchsorted(sorted_vals, query.contiguous()).clamp(max=table.shape[1] - 1)
+        return sorted_vals.gather(1, j) == query, order.gather(1, j)
+    rows, n = table.shape
+    inverse = torch.full((rows, capacity + 1), -1, dtype=torch.long, device=table.device)
+    slot = torch.arange(n, device=table.device).expand(rows, n)
+    inverse.scatter_(1, torch.where(table >= 0, table, capacity), slot)
+    inverse[:, capacity] = -1  # the column every empty entry and every negative query maps to
+    at = inverse.gather(1, torch.where((query >= 0) & (query < capacity), query, capacity))
+    return at >= 0, at.clamp(min=0)
 
 
 @dataclasses.dataclass
@@ -207,8 +215,8 @@ class LayerBuffer:
     Attributes:
         keys, values: ``[batch, num_kv_heads, budget, head_dim]`` rows on the device tier.
         pos_of_slot: int64 ``[batch, num_kv_heads, budget]``, the slot map: token position
-            held by each slot, -1 = empty. Positions are found by sort + binary search, so
-            nothing on the device grows with the context.
+            held by each slot, -1 = empty. Nothing kept on the device grows with the context;
+            a lookup uses a transient inverse map sized by the store's capacity (:func:`_lookup`).
     """
 
     keys: torch.Tensor
@@ -267,13 +275,13 @@ class LayerBuffer:
         self.values = torch.nn.functional.pad(self.values, pad)
         self.pos_of_slot = torch.nn.functional.pad(self.pos_of_slot, (0, extra), value=-1)
 
-    def slots_of(self, indices: torch.Tensor) -> torch.Tensor:
+    def slots_of(self, indices: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
         """Slot of each position of ``indices`` ``[batch, kv, k]``; -1 = not loaded (or -1
-        padding)."""
+        padding). ``capacity``: the store's, when known (a faster lookup: :func:`_lookup`)."""
         b, h, k = indices.shape
         table = self.pos_of_slot.view(b * h, -1)
         query = indices.to(table.device).reshape(b * h, k)
-        found, at = _lookup_sorted(table, query)
+        found, at = _lookup(table, query, capacity)
         return torch.where(found & (query >= 0), at, -1).view(b, h, k)
 
     @property
@@ -282,7 +290,7 @@ class LayerBuffer:
 
 
 def elastic_load(buf: LayerBuffer, store_k: torch.Tensor, store_v: torch.Tensor,
-                 indices: torch.Tensor, limit: int) -> int:
+                 indices: torch.Tensor, limit: int, loaded: torch.Tensor | None = None) -> int:
     """Bring the selected positions ``< limit`` into ``buf``, moving only what is missing.
 
     Slots whose position is not in ``indices`` (``S_prev - S_now``) are overwritten in place
@@ -294,6 +302,8 @@ def elastic_load(buf: LayerBuffer, store_k: torch.Tensor, store_v: torch.Tensor,
         store_k, store_v: the host tier ``[batch, num_kv_heads, capacity, head_dim]``.
         indices: int64 ``[batch, num_kv_heads, slots]`` selection, -1 = padding.
         limit: only positions ``< limit`` are loaded (tokens written before the call).
+        loaded: bool ``[batch, num_kv_heads, slots]``, which positions the buffer holds, when
+            the caller already looked them up (:meth:`LayerBuffer.slots_of` ``>= 0``).
 
     Returns:
         rows moved (one row = one token's K and V of one (request, KV head)).
@@ -306,12 +316,16 @@ def elastic_load(buf: LayerBuffer, store_k: torch.Tensor, store_v: torch.Tensor,
     rows_n, slots = b * h, buf.pos_of_slot.shape[-1]
     idx = indices.to(buf.pos_of_slot.device).reshape(rows_n, k)
     pos_of_slot = buf.pos_of_slot.view(rows_n, slots)
-    loaded, _ = _lookup_sorted(pos_of_slot, idx)
+    capacity = store_k.shape[2]
+    if loaded is None:
+        loaded, _ = _lookup(pos_of_slot, idx, capacity)
+    else:
+        loaded = loaded.reshape(rows_n, k)
     need = (idx >= 0) & (idx < limit) & ~loaded
     n_need = need.sum(1)
     if not bool(n_need.any()):
         return 0
-    in_sel, _ = _lookup_sorted(idx, pos_of_slot)
+    in_sel, _ = _lookup(idx, pos_of_slot, capacity)
     keep = (pos_of_slot >= 0) & in_sel
     if bool((n_need > (~keep).sum(1)).any()):
         raise RuntimeError("elastic_load: a selection row is larger than the device buffer")
@@ -340,24 +354,6 @@ def _gather_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return buf.reshape(b * h * n, dim).index_select(0, (base + slots).reshape(-1)).view(b, h, k, dim)
 
 
-def attend_buffer(query: torch.Tensor, buf: LayerBuffer, indices: torch.Tensor, length: torch.Tensor,
-                  attn_mask: torch.Tensor | None, variant: AttentionVariant) -> torch.Tensor:
-    """Sparse attention of ``query`` ``[batch, heads, q_len, head_dim]`` over the selected
-    positions ``indices`` ``[batch, kv, k]`` (-1 padding), read from the device buffer
-    through the slot map. Same operations, in the same order, as
-    :func:`~.sparse_attention.sparse_attention_reference` after its gather, so the result is
-    identical to reading the full store. Returns ``[batch, heads, q_len, head_dim_v]``."""
-    slots = buf.slots_of(indices)
-    missing = (indices >= 0) & (slots < 0)
-    if bool(missing.any()):
-        raise RuntimeError("offloaded attention: a selected token is not on the device tier "
-                           "(prefetch/wait were not run for this layer)")
-    slots = slots.clamp(min=0)
-    keys, values = _gather_rows(buf.keys, slots), _gather_rows(buf.values, slots)
-    return attend_gathered(query, keys, values, indices, length, attn_mask, variant.scale, variant.soft_cap,
-                           variant.sliding_window)
-
-
 @dataclasses.dataclass
 class StepStats:
     """Transfer figures of one decode step (bytes = K and V rows moved host -> device)."""
@@ -369,6 +365,7 @@ class StepStats:
     bytes_elastic: int = 0
     bytes_full_reload: int = 0
     rescued_rows: int = 0  # rows the page rescue loaded on demand (included in bytes_elastic)
+    q_len: int = 1  # tokens of the step (``length`` includes them)
     per_layer_rows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
@@ -540,7 +537,7 @@ class OffloadManager(OpaqueBase):
         full = int((indices >= 0).sum()) * self._row_bytes() * len(self.buffers)
         self.stats.append(StepStats(self._step, total, len(self.buffers),
                                     self.model.device_bytes(total, len(self.buffers)),
-                                    bytes_full_reload=full))
+                                    bytes_full_reload=full, q_len=q_len))
         self._last_attention_end = self.trace.now_us() if self.trace else None
 
     def _row_bytes(self) -> int:
@@ -683,85 +680,72 @@ class OffloadManager(OpaqueBase):
         for buf in self.buffers.values():
             buf.drop_from(length)
 
-    # --- attention ------------------------------------------------------------------------
-    def _fixup(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, indices: torch.Tensor,
-               length: torch.Tensor) -> LayerBuffer:
-        """Copy into the layer's buffer what ``indices`` need and the prefetch could not load
-        (the step's own tokens, written after it started); counted in the step's stats."""
-        buf = self.buffers[layer_idx]
-        with self._span(f"fixup L{layer_idx}", "copy"):
-            rows = elastic_load(buf, key_cache, value_cache, indices, int(length))
-        if rows:
-            self.stats[-1].per_layer_rows[layer_idx] = self.stats[-1].per_layer_rows.get(layer_idx, 0) + rows
-            self.stats[-1].bytes_elastic += rows * self._row_bytes()
-        return buf
+    # --- rows for the step's arithmetic ---------------------------------------------------
+    def rows(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, positions: torch.Tensor,
+             length: torch.Tensor, parts: str) -> list[torch.Tensor]:
+        """The keys and/or values (``parts``: ``"k"``, ``"v"``, ``"kv"``) of ``positions``
+        ``[batch, kv, n]`` (int64, ``-1`` padding) of layer ``layer_idx``, each ``[batch, kv, n,
+        head_dim]``: what the resident step gathers from the store (``specontext::offload_rows``;
+        the arithmetic on them is the resident layer's, :mod:`.offload_step`).
 
-    def attend(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor,
-               value_cache: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
-               attn_mask: torch.Tensor | None, variant: AttentionVariant) -> torch.Tensor:
-        """Attention of an offloaded layer over its device buffer (the step's own tokens are
-        copied in first: they were written after the prefetch started)."""
-        buf = self._fixup(layer_idx, key_cache, value_cache, indices, length)
-        counters["specontext"]["offloaded_attention_calls"] += 1
-        return attend_buffer(query, buf, indices, length, attn_mask, variant)
+        A resident layer's rows are gathered from its store. An offloaded layer's come from its
+        device buffer, never the host tier: the positions it lacks are loaded first (the step's
+        own tokens, written after the prefetch started, and, with the page rescue, the rescued
+        pages' tokens: counted in the step's ``rescued_rows``). A ``-1`` position reads some
+        slot's row (attention gives it no weight).
 
-    def refine(self, layer_idx: int, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-               candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
-               pages: Sequence[torch.Tensor | None], spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
-        """Two-stage selection of an offloaded layer (option ``candidates > 1``): the layer's
-        query keeps its ``spec.budget`` of the prefetched ``candidates`` ``[batch, kv, slots]``,
-        reading their keys from the device buffer, never the host tier (the step's own
-        tokens are copied in first, as in :meth:`attend`). The kept positions are a subset
-        of the buffer's, so the layer's attention then moves nothing. Same arithmetic as
-        :func:`~.aten_step.refine_coverage` on the store. Returns int64 ``[batch, kv, budget]``.
-
-        With the page rescue (``spec.rescue_pages > 0``; ``pages`` = ``(page_min, page_max,
-        page_shift)`` on the device, :mod:`.page_bounds`) the candidates first become their
-        union with the best pages under the layer's query, and the rescued tokens the buffer
-        lacks are loaded from the host tier now, on demand (counted in the step's
-        ``rescued_rows``): the kept positions are still a subset of the buffer's.
+        A buffer with no room for the positions (a manager sized for the candidates alone,
+        used with the page rescue) grows, with a logged warning: the results stay those of
+        the resident layer, the memory plan did not count the extra rows.
 
         Raises:
-            RuntimeError: a candidate is not on the device tier (prefetch/wait not run).
-
-        A buffer with no room for the candidates plus the rescued pages (a manager sized for
-        the candidates alone) grows, with a logged warning: the results stay those of the
-        resident layer, the memory plan did not count the extra rows."""
-        buf = self._fixup(layer_idx, key_cache, value_cache, candidates, length)
-        if spec.rescue_pages > 0 and pages:
-            candidates = self._rescue(layer_idx, buf, query, (key_cache, value_cache), candidates, length, attn_mask,
-                                      pages, spec, variant)
-        slots = buf.slots_of(candidates)
-        if bool(((candidates >= 0) & (slots < 0)).any()):
-            raise RuntimeError("offloaded refinement: a candidate token is not on the device tier "
+            RuntimeError: a position the buffer lacks after loading (an internal error)."""
+        stores = {"k": (key_cache,), "v": (value_cache,), "kv": (key_cache, value_cache)}[parts]
+        if layer_idx not in self.buffers:
+            safe = positions.clamp(min=0)
+            return [_gather_tokens(store, safe) for store in stores]
+        capacity = key_cache.shape[2]
+        buf, slots = self.buffers[layer_idx], self.buffers[layer_idx].slots_of(positions, capacity)
+        if self._load_missing(layer_idx, key_cache, value_cache, positions, int(length), slots):
+            slots = buf.slots_of(positions, capacity)  # the slot map changed
+        if bool(((positions >= 0) & (slots < 0)).any()):
+            raise RuntimeError(f"offloaded layer {layer_idx}: a selected token is not on the device tier "
                                "(prefetch/wait were not run for this layer)")
-        counters["specontext"]["offloaded_refine_calls"] += 1
-        keys = _gather_rows(buf.keys, slots.clamp(min=0))
-        kept, _ = refine_gathered(query, keys, candidates, length, attn_mask, spec, variant)
-        return kept
+        slots = slots.clamp(min=0)
+        if "v" in parts:  # the layer's attention (it reads values)
+            counters["specontext"]["offloaded_attention_calls"] += 1
+            self.mark_layer(layer_idx, True)
+        else:  # its refinement (two-stage selection): keys only
+            counters["specontext"]["offloaded_refine_calls"] += 1
+        tiers = {"k": (buf.keys,), "v": (buf.values,), "kv": (buf.keys, buf.values)}[parts]
+        return [_gather_rows(tier, slots) for tier in tiers]
 
-    def _rescue(self, layer_idx, buf, query, stores, candidates, length, attn_mask, pages, spec,
-                variant) -> torch.Tensor:
-        """The candidates plus the layer's rescued pages (:func:`.aten_step.rescue_pages_into`,
-        the resident layer's code, on the device), with the rescued tokens the buffer lacks
-        loaded from the host tier. ``stores``: the layer's ``(key_cache, value_cache)``."""
-        key_cache, value_cache = stores
-        union = rescue_pages_into(query, candidates, length, attn_mask, key_cache.shape[-2], spec, variant, pages)
-        rows, needed = buf.pos_of_slot.shape[-1], int((union >= 0).sum(-1).max())
-        if needed > rows:  # a manager sized for the candidates alone: grow, same results, plan off
+    def _load_missing(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                      positions: torch.Tensor, length: int, slots: torch.Tensor) -> bool:
+        """Load into layer ``layer_idx``'s buffer the positions ``< length`` it lacks (``slots``:
+        their slots now, -1 = lacking; the buffer grows when they do not fit); rows counted in
+        the step's stats, those written before the step (page rescue) also as
+        ``rescued_rows``. Returns whether anything was loaded."""
+        buf = self.buffers[layer_idx]
+        lacking = (positions >= 0) & (positions < length) & (slots < 0)
+        if not bool(lacking.any()):
+            return False
+        needed = int((positions >= 0).sum(-1).max())
+        if needed > buf.pos_of_slot.shape[-1]:
             logger.warning("specontext offload: layer %d needs %d rows per KV head (candidates plus rescued pages) "
                            "but its device buffer was sized for %d; growing it (the memory plan did not count "
                            "them). Pass SpeContextConfig(...).buffer_tokens to enable_offload "
-                           "(specontext_compile.compile does), or set page_rescue=0", layer_idx, needed, rows)
+                           "(specontext_compile.compile does), or set page_rescue=0", layer_idx, needed,
+                           buf.pos_of_slot.shape[-1])
             buf.grow(needed)
-        with self._span(f"rescue L{layer_idx}", "copy"):
-            moved = elastic_load(buf, key_cache, value_cache, union, int(length))
-        if moved:
-            step = self.stats[-1]
-            step.rescued_rows += moved
-            step.per_layer_rows[layer_idx] = step.per_layer_rows.get(layer_idx, 0) + moved
-            step.bytes_elastic += moved * self._row_bytes()
-        return union
+        step = self.stats[-1]
+        rescued = int((lacking & (positions < step.length - step.q_len)).sum())
+        with self._span(f"load L{layer_idx}", "copy"):
+            moved = elastic_load(buf, key_cache, value_cache, positions, length, loaded=slots >= 0)
+        step.rescued_rows += rescued
+        step.per_layer_rows[layer_idx] = step.per_layer_rows.get(layer_idx, 0) + moved
+        step.bytes_elastic += moved * self._row_bytes()
+        return True
 
     def _span(self, name: str, cat: str):
         return self.trace.span(name, cat) if self.trace else contextlib.nullcontext()

@@ -1,7 +1,10 @@
 """Custom ops of the KV offload path (namespace ``specontext``), registered with torch.library.
 
 Inserted into decode graphs by ``passes/schedule.py`` only when offload is enabled (the
-``device_memory_bytes`` option); the default path never sees them.
+``device_memory_bytes`` option); the default path never sees them. They *move* rows and run
+the plan; they compute nothing. The arithmetic of an offloaded layer (refinement, attention)
+is the resident layer's own code, called by :mod:`.offload_step` on the rows these ops
+return, so a compiled step traces it like the resident step's (issue 27, item 5).
 
 =============================  ==============================================================
 op                             role
@@ -10,18 +13,25 @@ offload_anchor                 layer 0: brings the cache's OffloadManager into t
 offload_plan                   once per step, after the selection: adaptive plan + step start
 offload_prefetch               start elastic loading of one layer on the side stream
 offload_wait                   wait for that layer's copy (errors surface here)
-refine_selection_offloaded     two-stage selection: the layer's top budget of the prefetched candidates
-sparse_attention_offloaded     sparse attention that reads an offloaded layer's device buffer
+offload_rows                   the K and/or V rows of given positions: from an offloaded
+                               layer's device buffer (loading what it lacks), else the store
 =============================  ==============================================================
+
+**Plan and run.** The plan (memory model, thresholds, which layers live in the host tier)
+is host-side Python, once per step (``offload_plan``); the run ops read the step's tensors
+and the manager's buffers. On CPU they read lengths on the host, where they already are.
 
 **Declared effects.** The state these ops change (device buffers, slot maps, the plan)
 belongs to the cache's :class:`~.offload.OffloadManager`, a torch opaque reference object:
 every op takes it as its first argument (``manager``), so it is an explicit graph input
 (dynamo lifts it from ``cache.offload`` at ``offload_anchor``), and an op with an opaque
-argument carries an *ordered effect* (``torch._library.effects``): compilers thread effect
-tokens through such ops and never reorder or drop them. Their order is also fixed by data
-dependence: the plan returns a step token consumed by every prefetch, each prefetch a
-ticket consumed by its wait, each wait a ready token consumed by the layer's attention.
+argument carries an *ordered effect* (``torch._library.effects``): compilers (AOTAutograd,
+inductor) thread effect tokens through such ops and never reorder or drop them. Their
+order is also fixed by data dependence: the plan returns each layer's index (a 0-d int64
+CPU tensor) consumed by its prefetch, each prefetch a ticket consumed by its wait, each
+wait a ready token consumed by the layer's ``offload_rows``. The layer index travels in
+these tensors, never as a constant of a layer's code, so regional compilation compiles the
+repeated decoder layer once.
 There is no lookup from store pointers to managers; a graph whose cache has no manager has
 no ``offload_anchor``, and the schedule pass leaves it resident (with a warning).
 """
@@ -29,22 +39,17 @@ no ``offload_anchor``, and the schedule pass leaves it resident (with a warning)
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
-from torch._dynamo.utils import counters
 
-from . import aten_step, ops
 from .offload import OffloadManager
-from .spec import AttentionVariant, StepSpec
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["offload_anchor", "offload_plan", "offload_prefetch", "offload_wait", "refine_selection_offloaded",
-           "sparse_attention_offloaded"]
+__all__ = ["ROW_PARTS", "offload_anchor", "offload_plan", "offload_prefetch", "offload_rows", "offload_wait"]
 
-def _token(like: torch.Tensor, value: int) -> torch.Tensor:
-    return torch.full((1,), value, dtype=torch.long, device=like.device)
+#: what :func:`offload_rows` returns: keys, values, or both (in that order)
+ROW_PARTS = ("k", "v", "kv")
 
 
 @torch.library.custom_op("specontext::offload_anchor", mutates_args=())
@@ -61,7 +66,7 @@ def _(manager) -> None:
 
 @torch.library.custom_op("specontext::offload_plan", mutates_args=())
 def offload_plan(manager: OffloadManager, indices: torch.Tensor, query_state: torch.Tensor,
-                 query_valid: torch.Tensor, key_cache: torch.Tensor, length: torch.Tensor, q_len: int) -> torch.Tensor:
+                 query_valid: torch.Tensor, length: torch.Tensor, q_len: int, layers: int) -> list[torch.Tensor]:
     """Start a decode step: the adaptive plan offloads layers while the cache length after
     this step (``length + q_len``) reaches ``ST[offloaded]``.
 
@@ -69,50 +74,49 @@ def offload_plan(manager: OffloadManager, indices: torch.Tensor, query_state: to
         manager: the cache's :class:`~.offload.OffloadManager`.
         indices: the step's selection ``[batch, num_kv_heads, budget]`` (int64, -1 padding).
         query_state, query_valid: the retrieval state (kept for rollback).
-        key_cache: layer 0's store (orders the plan after the selection's inputs).
         length: tokens cached before this step (int64 scalar).
         q_len: tokens in this step.
+        layers: decoder layers the step schedules.
 
     Returns:
-        int64 ``[1]`` step token (consumed by every prefetch).
+        ``layers`` int64 0-d CPU tensors ``0 .. layers-1``: each layer's index for its
+        prefetch (so every prefetch runs after the plan).
     """
     manager.begin_step(indices, query_state, query_valid, int(length), q_len)
-    return _token(indices, 0)
+    return [torch.tensor(i) for i in range(layers)]
 
 
 @offload_plan.register_fake
-def _(manager, indices, query_state, query_valid, key_cache, length, q_len):
-    return indices.new_empty((1,))
+def _(manager, indices, query_state, query_valid, length, q_len, layers):
+    return [torch.empty((), dtype=torch.long) for _ in range(layers)]
 
 
 @torch.library.custom_op("specontext::offload_prefetch", mutates_args=())
-def offload_prefetch(manager: OffloadManager, step: torch.Tensor, indices: torch.Tensor, key_cache: torch.Tensor,
-                     value_cache: torch.Tensor, length: torch.Tensor, layer: int) -> torch.Tensor:
+def offload_prefetch(manager: OffloadManager, indices: torch.Tensor, length: torch.Tensor,
+                     layer: torch.Tensor) -> torch.Tensor:
     """Start loading the selected rows of one layer into its device buffer (elastic
     loading, on the side stream); a no-op for a resident layer.
 
     Args:
         manager: the cache's :class:`~.offload.OffloadManager`.
-        step: the token of :func:`offload_plan`.
-        indices: the selection ``[batch, num_kv_heads, budget]``.
-        key_cache, value_cache: the layer's stores ``[batch, num_kv_heads, capacity, head_dim]``
-            (the host tier once offloaded).
+        indices: the selection ``[batch, num_kv_heads, budget]`` (int64, -1 padding).
         length: the layer's written tokens now; only positions below it are loaded here.
-        layer: decoder layer index (the manager's layer).
+        layer: the decoder layer (the manager's), an int64 0-d CPU tensor of :func:`offload_plan`.
 
     Returns:
-        int64 ``[1]`` ticket (-1: nothing started).
+        int64 CPU ``[2]`` ticket: ``(ticket id or -1 when nothing started, layer)``.
     """
-    return _token(indices, manager.prefetch(layer, indices, int(length)))
+    index = int(layer)
+    return torch.tensor([manager.prefetch(index, indices, int(length)), index])
 
 
 @offload_prefetch.register_fake
-def _(manager, step, indices, key_cache, value_cache, length, layer):
-    return indices.new_empty((1,))
+def _(manager, indices, length, layer):
+    return torch.empty((2,), dtype=torch.long)
 
 
 @torch.library.custom_op("specontext::offload_wait", mutates_args=())
-def offload_wait(manager: OffloadManager, ticket: torch.Tensor, key_cache: torch.Tensor, layer: int) -> torch.Tensor:
+def offload_wait(manager: OffloadManager, ticket: torch.Tensor) -> torch.Tensor:
     """Wait for the prefetch ``ticket`` of one layer.
 
     Raises:
@@ -120,71 +124,53 @@ def offload_wait(manager: OffloadManager, ticket: torch.Tensor, key_cache: torch
             :meth:`~.offload.OffloadManager.rollback`).
 
     Returns:
-        int64 ``[1]`` ready token (consumed by the layer's attention).
+        int64 CPU ``[1]`` ready token holding the layer (consumed by its :func:`offload_rows`).
     """
-    manager.wait(int(ticket), layer)
-    return _token(ticket, 1)
+    ticket_id, layer = (int(v) for v in ticket)
+    manager.wait(ticket_id, layer)
+    return torch.tensor([layer])
 
 
 @offload_wait.register_fake
-def _(manager, ticket, key_cache, layer):
-    return ticket.new_empty((1,))
+def _(manager, ticket):
+    return torch.empty((1,), dtype=torch.long)
 
 
-@torch.library.custom_op("specontext::sparse_attention_offloaded", mutates_args=())
-def sparse_attention_offloaded(
-    manager: OffloadManager, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, indices: torch.Tensor,
-    length: torch.Tensor, attn_mask: Optional[torch.Tensor], spec: StepSpec, variant: AttentionVariant,
-    ready: torch.Tensor, layer: int,
-) -> torch.Tensor:
-    """``specontext::sparse_attention`` for a layer that may be offloaded: a resident layer
-    runs it unchanged; an offloaded layer reads its device buffer through the slot map
-    (torch path; ``spec.kernel`` applies to resident layers only). ``ready`` is the layer's
-    wait token; ``spec``/``variant`` as in ``sparse_attention``. Shapes as
-    :func:`~.ops.sparse_attention`."""
-    if layer in manager.buffers:
-        out = manager.attend(layer, query, key_cache, value_cache, indices, length, attn_mask, variant)
-        manager.mark_layer(layer, True)
-        return out
-    out = ops.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
-    manager.mark_layer(layer, False)
-    return out
+@torch.library.custom_op("specontext::offload_rows", mutates_args=())
+def offload_rows(manager: OffloadManager, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                 positions: torch.Tensor, length: torch.Tensor, ready: torch.Tensor, parts: str) -> list[torch.Tensor]:
+    """The rows of ``positions`` ``[batch, num_kv_heads, n]`` (int64, ``-1`` padding) of one
+    layer: from its device buffer when the layer is offloaded (the rows it lacks, the step's
+    own tokens and rescued pages' tokens, are loaded from the host tier first:
+    :meth:`~.offload.OffloadManager.rows`), else gathered from its store, as the resident
+    step gathers them. A ``-1`` position gives some row of the layer (attention gives it no
+    weight).
+
+    Args:
+        manager: the cache's :class:`~.offload.OffloadManager`.
+        key_cache, value_cache: the layer's stores ``[batch, num_kv_heads, capacity, head_dim]``
+            (the host tier once offloaded), after this step's write.
+        positions: the positions to read.
+        length: int64 scalar, tokens written including this step's.
+        ready: the layer's token from :func:`offload_wait` (it holds the layer).
+        parts: ``"k"``, ``"v"`` or ``"kv"`` (:data:`ROW_PARTS`).
+
+    Returns:
+        the keys and/or values ``[batch, num_kv_heads, n, head_dim]``, in ``parts`` order.
+
+    Raises:
+        RuntimeError: a position the buffer cannot hold (prefetch/wait not run).
+    """
+    return manager.rows(int(ready[0]), key_cache, value_cache, positions, length, parts)
 
 
-@torch.library.custom_op("specontext::refine_selection_offloaded", mutates_args=())
-def refine_selection_offloaded(
-    manager: OffloadManager, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    candidates: torch.Tensor, length: torch.Tensor, attn_mask: Optional[torch.Tensor],
-    pages: list[Optional[torch.Tensor]], spec: StepSpec, variant: AttentionVariant, ready: torch.Tensor, layer: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``specontext::refine_selection`` for a layer that may be offloaded (option
-    ``candidates > 1`` with KV offload): the step prefetched the *candidates*; an offloaded
-    layer scores them from its device buffer (:meth:`~.offload.OffloadManager.refine`), a
-    resident one from its store. ``ready`` is the layer's wait token. The fidelity guard is
-    not built for offloaded layers (the config refuses ``min_coverage`` with offload), so
-    the second output is always False. ``pages``: the page rescue (as
-    ``refine_selection``'s); an offloaded layer loads the rescued tokens it lacks from the
-    host tier. Returns ``(indices [batch, num_kv_heads, budget]
-    int64, dense: bool scalar)`` as ``refine_selection``."""
-    counters["specontext"]["refine_calls"] += 1
-    if layer in manager.buffers:
-        kept = manager.refine(layer, query, key_cache, value_cache, candidates, length, attn_mask, pages, spec,
-                              variant)
-    else:
-        kept, _ = aten_step.refine_selection(query, key_cache, candidates, length, attn_mask, pages, spec, variant)
-    return kept, torch.zeros((), dtype=torch.bool, device=kept.device)
-
-
-@refine_selection_offloaded.register_fake
-def _(manager, query, key_cache, value_cache, candidates, length, attn_mask, pages, spec, variant, ready, layer):
-    b, kv = candidates.shape[:2]
-    return candidates.new_empty((b, kv, spec.budget)), torch.empty((), dtype=torch.bool, device=candidates.device)
-
-
-@sparse_attention_offloaded.register_fake
-def _(manager, query, key_cache, value_cache, indices, length, attn_mask, spec, variant, ready, layer):
-    b, h, q_len, _ = query.shape
-    return query.new_empty((b, h, q_len, value_cache.shape[-1]))
+@offload_rows.register_fake
+def _(manager, key_cache, value_cache, positions, length, ready, parts):
+    if parts not in ROW_PARTS:
+        raise ValueError(f"offload_rows: parts must be one of {ROW_PARTS}, got {parts!r}")
+    b, h, n = positions.shape
+    stores = {"k": (key_cache,), "v": (value_cache,), "kv": (key_cache, value_cache)}[parts]
+    return [store.new_empty((b, h, n, store.shape[-1])) for store in stores]
 
 
 def _declare_effects() -> None:
@@ -192,8 +178,7 @@ def _declare_effects() -> None:
     opaque arguments): compilers thread effect tokens through them, never reorder or drop."""
     from torch._library.effects import EffectType
 
-    for op in (offload_anchor, offload_plan, offload_prefetch, offload_wait, refine_selection_offloaded,
-               sparse_attention_offloaded):
+    for op in (offload_anchor, offload_plan, offload_prefetch, offload_wait, offload_rows):
         torch.library._register_effectful_op(op._opoverload, EffectType.ORDERED)
 
 

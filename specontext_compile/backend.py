@@ -167,13 +167,8 @@ def specontext_backend(
     _log_result(result)
     fallbacks.warn_dense_decode(result, _graph_label(result), _writes_store(gm.graph))
     inner = config.inner
-    offload = "specontext_offload_schedule" in gm.meta or _holds_offload_manager(gm.graph)
-    if inner == "auto":  # offload stays on the eager op chain (its manager is an opaque graph input)
-        inner = "inductor" if result.rewritten and not offload else "eager"
-    elif inner == "inductor" and offload:
-        logger.info("specontext: this %s holds KV-offload ops (the manager is an opaque input); it runs on "
-                    "the eager op chain", _graph_label(result))
-        inner = "eager"
+    if inner == "auto":  # a graph with KV offload compiles too: its ops move rows, the step code is ours
+        inner = "inductor" if result.rewritten else "eager"
     if inner == "eager":
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
@@ -342,12 +337,6 @@ def _checked_backward(fn: Callable) -> Callable:
 def _writes_store(graph: torch.fx.Graph) -> bool:
     """Whether the graph writes a KV store the pass can make sparse (``specontext::kv_write``)."""
     return any(is_op(n, torch.ops.specontext.kv_write) for n in graph.nodes)
-
-
-def _holds_offload_manager(graph: torch.fx.Graph) -> bool:
-    """Whether the cache handed its offload manager (an opaque input) to this graph."""
-    packet = getattr(torch.ops.specontext, "offload_anchor", None)  # registered with the offload ops
-    return packet is not None and any(is_op(n, packet) for n in graph.nodes)
 
 
 def _copy_bandwidth(config: SpeContextConfig, example_inputs: list[Any]) -> float:

@@ -68,8 +68,8 @@ class SpeContextConfig:
             ``dynamic=False`` then: dynamo otherwise makes the query length of a step after
             one of another length symbolic, and a symbolic step stays dense.)
         inner: compiler for the rewritten graph: ``"auto"`` (default: inductor for decode
-            graphs, those with a rewritten site, where it removes the host from the step,
-            except with KV offload, whose ops keep state outside the graph;
+            graphs, those with a rewritten site, where it removes the host from the step;
+            with KV offload too, whose ops only move rows;
             prefill and pass-through graphs run eager, since compiling them costs time and
             gains little), ``"inductor"`` (every graph) or ``"eager"`` (run the FX graph as
             is, our ops called one by one: the debugging path).

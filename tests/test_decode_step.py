@@ -253,24 +253,28 @@ def test_only_one_row_linears_are_rewritten(shape, rewritten):
 # ------------------------------------------------------------------ what the lowering must not touch
 
 
-def test_lowering_leaves_a_graph_with_offload_ops_alone():
-    """Offload ops keep runtime state outside the graph: a graph holding one is not lowered
-    at all (its KV writes stay ops too), and the reason is recorded."""
+def test_lowering_keeps_the_offload_ops_and_lowers_the_rest():
+    """Issue 27 item 5: offload ops only move rows and run the plan, so a graph holding them
+    is lowered like any other (its KV writes become aten code); the offload ops stay ops,
+    with the reason recorded, and the offload anchor (a no-op) goes like the others."""
     from torch import fx
 
     from specontext_compile.passes.lower import lower_to_aten
+    from specontext_compile.runtime import aten_step
     from specontext_compile.runtime import offload_ops  # noqa: F401  (registers the offload ops)
 
     ops = torch.ops.specontext
     graph = fx.Graph()
     x = graph.placeholder("x")
+    graph.call_function(ops.offload_anchor.default, (x,))
     graph.call_function(ops.kv_write.default, (x, x, x, x, x))
-    graph.call_function(ops.offload_wait.default, (x, x, 0))
+    graph.call_function(ops.offload_wait.default, (x, x))
     graph.output(None)
     result = lower_to_aten(graph)
-    assert not result.lowered and "offloads KV" in result.kept["*"]
+    assert result.lowered == {"specontext::kv_write": 1} and result.removed == {"specontext::offload_anchor": 1}
+    assert "move KV rows" in result.kept["specontext::offload_*"]
     targets = [n.target for n in graph.nodes if n.op == "call_function"]
-    assert targets == [ops.kv_write.default, ops.offload_wait.default]
+    assert targets == [aten_step.write_kv, ops.offload_wait.default]
 
 
 def test_lowering_keeps_the_triton_kernel_and_draft_steps_as_ops():

@@ -17,12 +17,14 @@ import specontext_compile as sc
 from specontext_compile.runtime.offload import OffloadCopyError, enable_offload
 from specontext_compile.passes.schedule import CostModel
 from specontext_compile.passes.sites import is_op
+from specontext_compile.runtime import offload_step
 from specontext_compile.runtime.protocol import op_arguments
 from _tiny import tiny_llama
 
 PROMPT, STEPS, CAP = 60, 50, 128
-# offload runs on the eager op chain (inner="auto" picks it for offloaded graphs); the
-# reference without offload runs the same chain, so logits must match bit for bit
+# most runs here use the eager op chain (fast to build); the reference without offload runs
+# the same chain, so logits must match bit for bit. The compiled offloaded step (inner="auto",
+# inductor) has tests of its own below.
 # page_rescue=0: the default turns it off with offload, so the resident reference must too
 OPTS = {"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager", "page_rescue": 0}
 
@@ -228,19 +230,19 @@ def test_schedule_pass_places_prefetch_early_and_wait_right_before_attention():
     assert schedule.layers == [0, 1, 2, 3] and schedule.lead >= 1
     nodes = list(gm.graph.nodes)
     ops = torch.ops.specontext
-    name = lambda n: next((k for k in ("offload_plan", "offload_prefetch", "offload_wait",  # noqa: E731
-                                       "sparse_attention_offloaded", "kv_write")
-                           if n.op == "call_function" and is_op(n, getattr(ops, k))), None)
     pos = {n: i for i, n in enumerate(nodes)}
-    plans = [n for n in nodes if name(n) == "offload_plan"]
-    prefetch = {n.args[-1]: n for n in nodes if name(n) == "offload_prefetch"}
-    waits = {n.args[-1]: n for n in nodes if name(n) == "offload_wait"}
-    attn = {n.args[-1]: n for n in nodes if name(n) == "sparse_attention_offloaded"}
-    writes = [n for n in nodes if name(n) == "kv_write"]
+    plans = [n for n in nodes if is_op(n, ops.offload_plan)]
+    prefetch = {n.meta["specontext_schedule"]["layer"]: n for n in nodes if is_op(n, ops.offload_prefetch)}
+    waits = {layer: next(iter(p.users)) for layer, p in prefetch.items()}
+    attn = {layer: next(u for u in w.users if u.target is offload_step.attention) for layer, w in waits.items()}
+    writes = [n for n in nodes if is_op(n, ops.kv_write)]
     assert len(plans) == 1 and len(prefetch) == len(waits) == len(attn) == 4
+    assert all(is_op(w, ops.offload_wait) for w in waits.values())
     for layer in range(4):
+        assert op_arguments(prefetch[layer], ops.offload_prefetch)["layer"].args == (plans[0], layer)
         assert pos[plans[0]] < pos[prefetch[layer]] < pos[waits[layer]] < pos[attn[layer]]
         assert waits[layer].next is attn[layer]  # waits as late as possible
+        assert attn[layer].args[0][2] is op_arguments(writes[layer], ops.kv_write)["key_cache"]  # its layer's rows
         assert pos[prefetch[layer]] < pos[writes[max(0, layer - schedule.lead)]]  # issued early
         if layer - schedule.lead > 0:  # ... but not before it needs to be
             assert pos[prefetch[layer]] > pos[writes[layer - schedule.lead - 1]]
@@ -345,8 +347,7 @@ def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplo
     from specontext_compile.runtime import offload as offload_mod
 
     ops = torch.ops.specontext
-    for op in (ops.offload_anchor, ops.offload_plan, ops.offload_prefetch, ops.offload_wait,
-               ops.sparse_attention_offloaded):
+    for op in (ops.offload_anchor, ops.offload_plan, ops.offload_prefetch, ops.offload_wait, ops.offload_rows):
         assert _get_effect(op.default) is not None, op
     assert not hasattr(offload_mod, "lookup") and not hasattr(offload_mod, "_REGISTRY")
     model, ids = tiny_llama(layers=2), _ids(9)
@@ -355,9 +356,10 @@ def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplo
     decode = next(r for r in reversed(compile_reports()) if r.result.phase == "decode").graph_module
     managers = [n for n in decode.graph.nodes if n.op == "placeholder" and "offload" in n.name]
     assert len(managers) == 1
-    users = {str(u.target).split(".")[1] for u in managers[0].users}
-    assert {"offload_anchor", "offload_plan", "offload_prefetch", "offload_wait",
-            "sparse_attention_offloaded"} <= users
+    users = {str(u.target).split(".")[1] for u in managers[0].users if str(u.target).startswith("specontext.")}
+    assert {"offload_anchor", "offload_plan", "offload_prefetch", "offload_wait"} <= users
+    rows = [n for n in decode.graph.nodes if n.target is offload_step.attention]
+    assert len(rows) == 2 and all(n.args[0][0] is managers[0] for n in rows)  # its attention reads through it
     assert run.manager.offloaded  # the plan ran through the graph's manager
     torch._dynamo.reset()
     forward = torch.compile(model.forward, backend="specontext", options=dict(OPTS, device_memory_bytes=1 << 40))
@@ -405,17 +407,18 @@ def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     assert len(run.manager.offloaded) >= 2
     assert all(buf.keys.shape[2] == 32 for buf in run.manager.buffers.values())  # candidate rows
     c = counters["specontext"]
-    assert c["refine_calls"] == 3 * STEPS  # every layer refines every step
-    assert 0 < c["offloaded_refine_calls"] == c["offloaded_attention_calls"] <= c["refine_calls"]
+    # an offloaded layer refines and attends from its buffer every step; layer 0 joins later
+    assert STEPS <= c["offloaded_refine_calls"] == c["offloaded_attention_calls"] <= 3 * STEPS
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     graph = decode[-1].graph_module.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for refine in (n for n in graph.nodes if n.target is torch.ops.specontext.refine_selection_offloaded.default):
-        args = op_arguments(refine, torch.ops.specontext.refine_selection_offloaded)
-        wait = args["ready"]
+    refines = [n for n in graph.nodes if n.target is offload_step.refine]
+    assert len(refines) == 3
+    for refine in refines:
+        wait = refine.args[0][1]  # rows = (manager, ready, key_cache, value_cache)
         assert wait.target is torch.ops.specontext.offload_wait.default and order[wait] < order[refine]
         prefetch = op_arguments(wait, torch.ops.specontext.offload_wait)["ticket"]
-        assert op_arguments(prefetch, torch.ops.specontext.offload_prefetch)["indices"] is args["candidates"]
+        assert op_arguments(prefetch, torch.ops.specontext.offload_prefetch)["indices"] is refine.args[2]
 
 
 def test_offload_buffers_smaller_than_the_candidates_name_the_fix():
@@ -499,3 +502,57 @@ def test_dense_layers_naming_every_layer_leave_nothing_to_offload():
     cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
     with pytest.raises(ValueError, match="keep fewer layers dense or unset device_memory_bytes"):
         enable_offload(cache, model, 1 << 40, OPTS["budget"], resident_layers=(0, -1))
+
+
+# ------------------------------------------------------------------ the compiled offloaded step
+COMPILED = {"budget": 16, "recent_window": 4, "sink_tokens": 2}  # inner="auto": inductor; page rescue on
+
+
+@pytest.mark.parametrize("reorder", [False, True], ids=["greedy", "beam-reorder"])
+def test_offloaded_step_compiles_with_inductor_and_equals_resident_bit_for_bit(reorder):
+    """Issue 27 item 5 (field case beam_reorder_state CASE06b): at the default options (page
+    rescue on) the offloaded decode graph is lowered and compiled by inductor like the
+    resident one — only the row moves stay ops — so offloaded and resident logits are
+    bit-identical, as layers leave the device one by one, and after a beam reorder. The
+    layer index reaches the ops as a tensor, so regional compilation shares the repeated
+    layer's code."""
+    model, ids = tiny_llama(layers=3), torch.cat([_ids(), _ids(1)])
+    perm = torch.tensor([1, 0])
+
+    def after(cache):
+        def hook(i):
+            if reorder and i == 4:
+                cache.reorder_cache(perm)
+        return hook
+
+    forward = torch.compile(model.forward, backend="specontext", options=COMPILED)
+    cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
+    ref = _run(forward, cache, ids, 12, after(cache))
+    resident_counts = cache.path_counts()
+    torch._dynamo.reset()
+    counters.clear()
+    run = _OffloadedTwoStage(model, _progressive, COMPILED)
+    out = _run(run, run.cache, ids, 12, after(run.cache))
+    _assert_same(out, ref)
+    assert run.cache.path_counts() == resident_counts and resident_counts["page_rescue_sites"] == 3 * 12
+    m, c = run.manager, counters["specontext"]
+    assert len(m.offloaded) >= 2 and sum(s.rescued_rows for s in m.stats) > 0
+    assert 0 < c["offloaded_refine_calls"] == c["offloaded_attention_calls"] < 3 * 12  # layers left one by one
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"][-1]
+    assert decode.lowered is not None and decode.lowered.fused == 3  # inductor ran, one body per site
+    assert set(decode.lowered.kept) == {"specontext::offload_*", "specontext::check_capacity"}
+    assert c["regions"] > c["regions_compiled"]  # the repeated layer compiled once
+
+
+def test_offloaded_compiled_step_reads_the_device_buffer():
+    """The compiled offloaded step's attention reads the buffer: corrupting an offloaded
+    layer's rows changes the output (no copy repairs slots marked loaded)."""
+    model, ids = tiny_llama(layers=2), _ids(1)
+    run = _OffloadedTwoStage(model, _all_at_once, COMPILED)
+    _run(run, run.cache, ids, 3)
+    with torch.no_grad():
+        clean = run.forward(input_ids=ids[:, :1], cache=run.cache, use_cache=True).logits
+        run.manager.rollback()
+        run.manager.buffers[1].values.mul_(-1.0)
+        bad = run.forward(input_ids=ids[:, :1], cache=run.cache, use_cache=True).logits
+    assert (clean - bad).abs().max() > 1e-3

@@ -1,0 +1,82 @@
+"""The arithmetic of an offloaded layer: the resident layer's own code, on rows the offload ops move.
+
+The offload schedule pass (``passes/schedule.py``) calls these functions at the sites of a
+decode graph compiled with KV offload, in place of the resident refinement and attention.
+Each reads its rows through ``specontext::offload_rows`` (:mod:`.offload_ops`: an
+offloaded layer's device buffer, or a resident layer's store) and then runs exactly the
+resident step's functions (:mod:`.aten_step`, :mod:`.sparse_attention`) on them. So an
+offloaded step and a resident step compute the same logits from the same bits, eager or
+compiled by inductor (which traces these functions like the resident ones: only the row
+reads stay opaque), and one graph serves every plan as layers leave the device.
+
+``rows`` (every function's first argument) names where a layer's rows live: ``(manager,
+ready, key_cache, value_cache)``, the cache's :class:`~.offload.OffloadManager`, the layer's
+ready token (:func:`~.offload_ops.offload_wait`) and its stores ``[batch, num_kv_heads,
+capacity, head_dim]`` after this step's write.
+
+Not built here (the schedule pass keeps such sites resident, or refuses): the fidelity
+guard (``min_coverage``), learned sink logits, MLA. With a selection that covers the whole
+store, an offloaded site takes the gather path where a resident one may take SDPA over the
+store (``StepSpec.dense_shortcut``): exact both, not bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from . import offload_ops  # noqa: F401  (registers specontext::offload_rows)
+from .aten_step import attend_kept, ranked, refine_candidates, refine_gathered
+from .spec import AttentionVariant, StepSpec
+from .sparse_attention import attend_gathered
+
+__all__ = ["attention", "refine", "refine_and_attend"]
+
+_ROWS = torch.ops.specontext.offload_rows.default
+
+
+def _read(rows, positions: torch.Tensor, length: torch.Tensor, parts: str) -> list[torch.Tensor]:
+    manager, ready, key_cache, value_cache = rows
+    return _ROWS(manager, key_cache, value_cache, positions, length, ready, parts)
+
+
+def attention(rows, query: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
+              attn_mask: torch.Tensor | None, variant: AttentionVariant) -> torch.Tensor:
+    """:func:`~.aten_step.sparse_attention` (gather path) of a layer that may be offloaded:
+    ``query`` ``[batch, num_heads, q_len, head_dim]`` over ``indices`` ``[batch, num_kv_heads,
+    k]`` (int64, ``-1`` padding), ``length`` (int64, this step's tokens included), the site's
+    mask and ``variant``. Returns ``[batch, num_heads, q_len, head_dim_v]``."""
+    keys, values = _read(rows, indices, length, "kv")
+    return attend_gathered(query, keys, values, indices, length, attn_mask, variant.scale, variant.soft_cap,
+                           variant.sliding_window)
+
+
+def refine(rows, query: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
+           attn_mask: torch.Tensor | None, pages: Sequence[torch.Tensor | None], spec: StepSpec,
+           variant: AttentionVariant) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`~.aten_step.refine_selection` (guard off) of a layer that may be offloaded: the
+    step prefetched ``candidates`` ``[batch, num_kv_heads, slots]``; the page rescue (on the
+    device bounds, ``pages``) joins its tokens, the buffer loads what it lacks, and the
+    layer's query keeps ``spec.budget`` of them. Returns ``(indices [batch, num_kv_heads,
+    budget] int64, dense)``, ``dense`` always a False bool scalar (no guard with offload)."""
+    key_cache = rows[2]
+    candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+    (keys,) = _read(rows, candidates, length, "k")
+    indices, _ = refine_gathered(query, keys, candidates, length, attn_mask, spec, variant)
+    return indices, torch.zeros((), dtype=torch.bool, device=indices.device)
+
+
+def refine_and_attend(rows, query: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
+                      attn_mask: torch.Tensor | None, pages: Sequence[torch.Tensor | None], spec: StepSpec,
+                      variant: AttentionVariant) -> torch.Tensor:
+    """:func:`~.aten_step.refine_and_attend` of a layer that may be offloaded (what the
+    lowering makes of a :func:`refine` whose kept tokens only :func:`attention` reads): the
+    candidates' keys, then only the kept tokens' values. Arguments as :func:`refine`;
+    returns ``[batch, num_heads, q_len, head_dim_v]``."""
+    key_cache = rows[2]
+    candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+    (keys,) = _read(rows, candidates, length, "k")
+    logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
+    (kept_rows,) = _read(rows, candidates.gather(-1, top), length, "v")
+    return attend_kept(query, logits, values, top, kept_rows)
