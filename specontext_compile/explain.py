@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 from .backend import CompileReport, compile_reports
 from .config import SpeContextConfig
 from .passes.sites import ANCHOR, KV_WRITE, is_op
+from .runtime import offload_step
 from .runtime.kv_cache import SpeContextCache
 from .runtime.protocol import op_arguments
 
@@ -27,7 +28,7 @@ __all__ = ["Explanation", "SiteRow", "explain"]
 _SELECT = torch.ops.specontext.speculative_select.default
 _DRAFT_SELECT = torch.ops.specontext.draft_select.default
 _SPARSE = torch.ops.specontext.sparse_attention.default
-_ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default)
+_ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default, offload_step.attention)
 
 
 @dataclasses.dataclass
@@ -63,6 +64,7 @@ class Explanation:
     heads: list[str] = dataclasses.field(default_factory=list)
     reports: list[CompileReport] = dataclasses.field(repr=False, default_factory=list)
     offload: dict[str, Any] | None = None  # with device_memory_bytes: the plan (see _offload_plan)
+    steps: list[str] = dataclasses.field(default_factory=list)  # per decode graph: the step's calls
 
     def table(self) -> str:
         """A plain-text table of the sites, then the counters and the selection placement."""
@@ -79,6 +81,7 @@ class Explanation:
         lines.append("counters: " + ", ".join(f"{k}={v}" for k, v in sorted(self.counters.items())))
         lines += [f"selection: {s}" for s in self.selections] or ["selection: none inserted"]
         lines += [f"selection head: {h}" for h in self.heads]
+        lines += [f"step: {s}" for s in self.steps]
         lines += [f"pass: {u}" for u in sorted(set(self.pass_uuids))]
         if self.offload is not None:
             o = self.offload
@@ -91,7 +94,7 @@ class Explanation:
     def to_dict(self) -> dict[str, Any]:
         return {"sites": [dataclasses.asdict(r) for r in self.rows], "counters": self.counters,
                 "selections": self.selections, "pass_uuids": sorted(set(self.pass_uuids)),
-                "heads": self.heads, "offload": self.offload}
+                "heads": self.heads, "offload": self.offload, "steps": self.steps}
 
 
 def _s(x) -> str:
@@ -108,6 +111,32 @@ def _consumers(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
     return seen
 
 
+def _step_calls(index: int, report: CompileReport) -> str:
+    """The decode step's calls in graph order, counted: our ops (``specontext::``, each an
+    op in the rewritten graph) and the step functions the passes call directly (module and
+    name), then what the lowering did (ops replaced by their aten bodies, pairs fused, ops
+    kept and why)."""
+    calls: dict[str, int] = {}
+    for node in report.graph_module.graph.nodes:
+        target = node.target
+        if node.op != "call_function":
+            continue
+        name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None),
+                                                                    "_qualified_op_name", None)
+        module = getattr(target, "__module__", "") or ""
+        if name is None and module.startswith("specontext_compile"):
+            name = f"{module.rsplit('.', 1)[-1]}.{target.__name__}"
+        if name is not None and name.startswith(("specontext::", "aten_step.", "offload_step.", "page_bounds.",
+                                                 "mla.")):
+            calls[name] = calls.get(name, 0) + 1
+    text = ", ".join(f"{k} x{v}" for k, v in calls.items())
+    lowered = report.lowered
+    if lowered is not None:
+        text += (f"; lowered to aten: {sum(lowered.lowered.values())} op nodes, {lowered.fused} refine+attend "
+                 f"pairs fused; kept as ops: {', '.join(sorted(lowered.kept)) or 'none'}")
+    return f"graph {index}: {text}"
+
+
 def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     nodes = list(gm.graph.nodes)
     where = {n: i for i, n in enumerate(nodes)}
@@ -118,7 +147,7 @@ def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     for sel in (n for n in nodes if n.target in (_SELECT, _DRAFT_SELECT)):
         a = op_arguments(sel, sel.target.overloadpacket)
         window = a["variant"].sliding_window if "variant" in a else a["sliding_window"]
-        users = [u for u in _consumers(sel, depth=3) if u.target in _ATTENTION]
+        users = list(dict.fromkeys(u for u in _consumers(sel, depth=3) if u.target in _ATTENTION))
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"
         first_write = f"before the first kv_write (node {where[writes[0]]})" if writes else ""
@@ -172,10 +201,11 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
             nxt = logits[:, -1:].argmax(-1)
             logits = forward(input_ids=nxt, cache=cache, use_cache=True).logits
     reports = [r for r in compile_reports() if id(r) not in before]
-    rows, selections, heads = [], [], []
+    rows, selections, heads, steps = [], [], [], []
     for index, report in enumerate(reports):
         if report.result.phase == "decode":
             heads.append(f"graph {index}: {_head_text(report)}")
+            steps.append(_step_calls(index, report))
         for site in report.result.sites:
             rows.append(SiteRow(
                 graph=index, phase=report.result.phase, layer=site.layer, pattern=site.pattern,
@@ -187,7 +217,7 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
     # what the compiled step counted itself (also when inductor runs it: no Python op calls)
     delta.update({f"step.{k}": v for k, v in cache.path_counts().items() if v})
     return Explanation(rows, delta, selections, [r.pass_uuid for r in reports], heads, reports,
-                       _offload_plan(manager))
+                       _offload_plan(manager), steps)
 
 
 def _offload_plan(manager) -> dict[str, Any] | None:

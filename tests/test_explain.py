@@ -31,6 +31,13 @@ def test_explain_reports_every_site_windows_and_selection_placement():
     text = result.table()
     assert "rewritten" in text and "pass: specontext-sparse-" in text
     assert sum("dense: " in line and "prefill" in line for line in text.splitlines()) == 2
+    # the step's calls (issue 27): one selection per window and, per layer, the write, the
+    # lagged query's record and the attention (no refinement: the budget covers the context),
+    # then what the lowering did
+    (step,) = result.steps
+    assert "specontext::speculative_select x2" in step and "specontext::sparse_attention x2" in step
+    assert "aten_step.record_query x2" in step and "specontext::refine_selection" not in step
+    assert "lowered to aten: 8 op nodes, 0 refine+attend pairs fused" in step
 
 
 @pytest.mark.slow
@@ -149,3 +156,5 @@ def test_explain_prints_the_offload_plan_thresholds_and_bytes_per_step():
     for s in plan["steps"]:
         assert s["device_bytes"] <= memory
     assert result.to_dict()["offload"]["steps"][0]["length"] == 41
+    (step,) = result.steps  # an offloaded site's arithmetic is the step's own code (issue 27 item 5)
+    assert "offload_step.attention x2" in step and "specontext::offload_prefetch x2" in step
