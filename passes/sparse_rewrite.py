@@ -163,8 +163,9 @@ class SparseAttentionPass(CustomGraphPass):
     @classmethod
     def from_config(cls, config) -> SparseAttentionPass:
         """The pass of a :class:`~..config.SpeContextConfig`."""
-        return cls(StepSpec.from_config(config), config.retrieval_layers, config.max_sparse_q_len,
-                   config.retrieval_head, config.dense_layers)
+        select = config.selection
+        return cls(StepSpec.from_config(config), select.retrieval_layers, select.max_sparse_q_len,
+                   select.retrieval_head, select.dense_layers)
 
     def uuid(self) -> str:
         """torch's hash of the sources (:func:`~torch._inductor.custom_graph_pass.get_hash_for_files`)

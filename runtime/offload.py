@@ -712,11 +712,11 @@ class OffloadManager(OpaqueBase):
             raise RuntimeError(f"offloaded layer {layer_idx}: a selected token is not on the device tier "
                                "(prefetch/wait were not run for this layer)")
         slots = slots.clamp(min=0)
-        if "v" in parts:  # the layer's attention (it reads values)
+        if parts == "k":  # a refinement (two-stage selection) reads keys only
+            counters["specontext"]["offloaded_refine_calls"] += 1
+        else:  # the layer's attention reads values (a fused site refines from the same read)
             counters["specontext"]["offloaded_attention_calls"] += 1
             self.mark_layer(layer_idx, True)
-        else:  # its refinement (two-stage selection): keys only
-            counters["specontext"]["offloaded_refine_calls"] += 1
         tiers = {"k": (buf.keys,), "v": (buf.values,), "kv": (buf.keys, buf.values)}[parts]
         return [_gather_rows(tier, slots) for tier in tiers]
 

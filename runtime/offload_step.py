@@ -71,12 +71,13 @@ def refine_and_attend(rows, query: torch.Tensor, candidates: torch.Tensor, lengt
                       attn_mask: torch.Tensor | None, pages: Sequence[torch.Tensor | None], spec: StepSpec,
                       variant: AttentionVariant) -> torch.Tensor:
     """:func:`~.aten_step.refine_and_attend` of a layer that may be offloaded (what the
-    lowering makes of a :func:`refine` whose kept tokens only :func:`attention` reads): the
-    candidates' keys, then only the kept tokens' values. Arguments as :func:`refine`;
-    returns ``[batch, num_heads, q_len, head_dim_v]``."""
+    lowering makes of a :func:`refine` whose kept tokens only :func:`attention` reads): one
+    read of the candidates' keys and values (one slot-map lookup per layer and step), then
+    the kept tokens' value rows picked from those. Arguments as :func:`refine`; returns
+    ``[batch, num_heads, q_len, head_dim_v]``."""
     key_cache = rows[2]
     candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
-    (keys,) = _read(rows, candidates, length, "k")
+    keys, values_all = _read(rows, candidates, length, "kv")
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
-    (kept_rows,) = _read(rows, candidates.gather(-1, top), length, "v")
+    kept_rows = values_all.gather(2, top.unsqueeze(-1).expand(*top.shape, values_all.shape[-1]))
     return attend_kept(query, logits, values, top, kept_rows)

@@ -146,10 +146,11 @@ class StepSpec:
         :meth:`for_store` gives each store's)."""
         from ..config import candidate_slots
 
-        return cls(budget=config.budget, candidate_slots=candidate_slots(config.budget, config.candidates),
-                   sink_tokens=config.sink_tokens, recent_window=config.recent_window,
-                   min_coverage=config.min_coverage, rescue_tokens=config.page_rescue,
-                   dense_shortcut=config.dense_shortcut, kernel=config.kernel)
+        select = config.selection
+        return cls(budget=select.budget, candidate_slots=candidate_slots(select.budget, select.candidates),
+                   sink_tokens=select.sink_tokens, recent_window=select.recent_window,
+                   min_coverage=select.min_coverage, rescue_tokens=select.page_rescue,
+                   dense_shortcut=select.dense_shortcut, kernel=config.compile.kernel)
 
     @property
     def rescue_pages(self) -> int:

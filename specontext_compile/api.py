@@ -60,13 +60,13 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
             hold even the model's fixed part, naming the minimum.
     """
     config = SpeContextConfig.from_options(options)
-    if isinstance(config.device_memory_bytes, int):  # refuse a tier that can never work, now
+    if isinstance(config.offload.device_memory_bytes, int):  # refuse a tier that can never work, now
         from .runtime.offload import check_device_memory, resident_layer_indices
 
         text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
         layers = text.num_hidden_layers
-        check_device_memory(model, config.device_memory_bytes, config.buffer_tokens,
-                            resident_layers=len(resident_layer_indices(config.dense_layers, layers)))
+        check_device_memory(model, config.offload.device_memory_bytes, config.buffer_tokens,
+                            resident_layers=len(resident_layer_indices(config.selection.dense_layers, layers)))
     model._specontext_options = dict(options)
     if getattr(model, "_specontext_original", None) is None:
         model._specontext_original = (model.forward, model.generate)
@@ -80,12 +80,13 @@ def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: A
             input_ids = args[0] if args else kwargs.get("input_ids")
             kwargs["cache"] = make_cache(
                 model, input_ids, kwargs.get("max_new_tokens"), kwargs.get("max_length"),
-                options.get("retrieval_head"))
-            if options.get("device_memory_bytes") is not None:  # KV offload (docs/offload.md)
+                config.selection.retrieval_head)
+            if config.offload.device_memory_bytes is not None:  # KV offload (docs/offload.md)
                 from .runtime.offload import enable_offload
 
-                enable_offload(kwargs["cache"], model, options["device_memory_bytes"], config.buffer_tokens,
-                               trace_path=options.get("offload_trace"), resident_layers=config.dense_layers)
+                enable_offload(kwargs["cache"], model, config.offload.device_memory_bytes, config.buffer_tokens,
+                               trace_path=config.offload.offload_trace,
+                               resident_layers=config.selection.dense_layers)
         return original_generate(*args, **kwargs)
 
     model.generate = generate

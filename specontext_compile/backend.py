@@ -132,11 +132,11 @@ def specontext_backend(
     config = SpeContextConfig.from_options(options)
     fallbacks.watch_recompile_limit()  # never silently uncompiled (fallbacks.py)
     fallbacks.note_frame()
-    mode = config.mode or mode or "default"
+    mode = config.compile.mode or mode or "default"
     if mode not in _MODES:
         raise ValueError(f"specontext: unknown compile mode {mode!r}; valid modes are {_MODES}")
     rewrite = SparseAttentionPass.from_config(config)
-    dumper = GraphDumper.from_option(config.dump_dir)
+    dumper = GraphDumper.from_option(config.debug.dump_dir)
     before = dumper.snapshot(gm.graph) if dumper is not None else None
     _emit_graph("before", gm.graph)
     gm, adopted = _adopt_static_cache(gm, example_inputs, config)
@@ -150,7 +150,7 @@ def specontext_backend(
             extra.owner_index = None
     _warn_if_dense_cache(result, adopted, gm.graph)
     pass_uuid = rewrite.uuid()
-    if config.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
+    if config.offload.device_memory_bytes is not None and result.rewritten:  # KV offload (issue 5)
         from .passes.schedule import OffloadSchedulePass
 
         schedule = OffloadSchedulePass(config.buffer_tokens, _copy_bandwidth(config, example_inputs))
@@ -166,7 +166,7 @@ def specontext_backend(
     _REPORTS.append(CompileReport(config, result, gm, pass_uuid))
     _log_result(result)
     fallbacks.warn_dense_decode(result, _graph_label(result), _writes_store(gm.graph))
-    inner = config.inner
+    inner = config.compile.inner
     if inner == "auto":  # a graph with KV offload compiles too: its ops move rows, the step code is ours
         inner = "inductor" if result.rewritten else "eager"
     if inner == "eager":
@@ -176,9 +176,9 @@ def specontext_backend(
         return extra.wrap(gm.forward)
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
-    if config.gemv if config.gemv is not None else not on_cuda:
+    if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
-    if config.lower:
+    if config.compile.lower:
         lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
         _REPORTS[-1].lowered = lowered
@@ -205,9 +205,9 @@ def _regional(config: SpeContextConfig, on_cuda: bool) -> bool:
     """Regional compilation (``regional.py``): option ``regional``; None = on for CPU graphs
     unless weight freezing was asked for (a frozen region is not shared). The compile mode's
     settings apply to each region (CUDA graphs, the one that would not, are CUDA-only)."""
-    if config.regional is not None:
-        return config.regional
-    return not on_cuda and config.freezing is not True
+    if config.compile.regional is not None:
+        return config.compile.regional
+    return not on_cuda and config.compile.freezing is not True
 
 
 def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], config: SpeContextConfig):
@@ -217,7 +217,7 @@ def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], con
 
     if not has_static_cache_writes(gm.graph):
         return gm, None
-    if config.device_memory_bytes is not None:
+    if config.offload.device_memory_bytes is not None:
         logger.warning("specontext: KV offload (device_memory_bytes) needs specontext_compile.SpeContextCache "
                        "(its host tier); this graph writes Hugging Face's StaticCache, so attention stays dense")
         return gm, AdoptedStaticCache(reason="KV offload needs SpeContextCache")
@@ -342,8 +342,8 @@ def _writes_store(graph: torch.fx.Graph) -> bool:
 def _copy_bandwidth(config: SpeContextConfig, example_inputs: list[Any]) -> float:
     """The offload schedule's copy bandwidth (bytes/s): the option, else this machine's
     calibration (measured once, kept on disk: ``runtime/calibration.py``)."""
-    if config.copy_bandwidth is not None:
-        return config.copy_bandwidth
+    if config.offload.copy_bandwidth is not None:
+        return config.offload.copy_bandwidth
     from .runtime.calibration import copy_bandwidth
 
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
@@ -363,7 +363,7 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[Any]) -> dict[str, Any]:
     """Inductor settings for one graph: those of ``torch.compile``'s ``mode`` (``"reduce-overhead"``:
     CUDA graphs, which inductor applies only to graphs on CUDA devices), plus weight freezing
-    (``config.freezing``; on CPU it pre-packs the weights of linear layers for oneDNN) — freezing
+    (``config.compile.freezing``; on CPU it pre-packs the weights of linear layers for oneDNN) — freezing
     takes effect only when the graph is compiled with gradients off (``torch.no_grad()``, as
     ``generate`` runs)."""
     patches: dict[str, Any] = {}
@@ -372,7 +372,7 @@ def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[A
 
         patches.update(list_mode_options(mode))
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    freezing = config.freezing if config.freezing is not None else not on_cuda
+    freezing = config.compile.freezing if config.compile.freezing is not None else not on_cuda
     if freezing:
         patches["freezing"] = True
     return patches

@@ -229,7 +229,7 @@ def _cmd_run(args) -> int:
     config = SpeContextConfig(budget=args.budget, sink_tokens=args.sink_tokens, recent_window=args.recent_window,
                               retrieval_layers=args.retrieval_layers, retrieval_head=args.retrieval_head,
                               **options)
-    head = config.retrieval_head
+    head = config.selection.retrieval_head
     if head:
         options["retrieval_head"] = head
     model, tokenizer = load_model(args.model)

@@ -6,8 +6,9 @@ import dataclasses
 import math
 from typing import Any
 
-__all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "SpeContextConfig", "candidate_slots",
-           "default_retrieval_layers"]
+__all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "OPTION_GROUPS", "CompileOptions", "DebugOptions",
+           "OffloadOptions", "SelectionOptions", "SpeContextConfig", "candidate_slots", "default_retrieval_layers",
+           "flatten_options"]
 
 _INNER = ("auto", "eager", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -36,6 +37,96 @@ def candidate_slots(budget: int, candidates: float) -> int:
     if candidates == math.inf:
         return ALL_TOKENS
     return max(budget, math.ceil(candidates * budget))
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectionOptions:
+    """What a decode step selects and how (SpeContext, arXiv 2512.00722, section 4): the
+    fields of the same names of :class:`SpeContextConfig`, read by the rewrite pass and
+    :meth:`~specontext_compile.runtime.spec.StepSpec.from_config`."""
+
+    budget: int
+    sink_tokens: int
+    recent_window: int
+    retrieval_layers: tuple[int, ...] | None
+    retrieval_head: str | None
+    candidates: float
+    page_rescue: int
+    dense_layers: tuple[int, ...] | int
+    min_coverage: float
+    max_sparse_q_len: int
+    dense_shortcut: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileOptions:
+    """How the rewritten graph is compiled (the backend's business): the fields of the same
+    names of :class:`SpeContextConfig`."""
+
+    inner: str
+    kernel: str
+    mode: str | None
+    lower: bool
+    freezing: bool | None
+    gemv: bool | None
+    regional: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadOptions:
+    """KV offload to a host tier (section 5-6; docs/offload.md): the fields of the same names
+    of :class:`SpeContextConfig` (``device_memory_bytes`` None = off)."""
+
+    device_memory_bytes: int | str | None
+    copy_bandwidth: float | None
+    offload_trace: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DebugOptions:
+    """What the backend writes for a person to read: graph dumps (``dump_dir``)."""
+
+    dump_dir: str | None
+
+
+#: group name -> its dataclass; every option of :class:`SpeContextConfig` is in exactly one
+OPTION_GROUPS = {"selection": SelectionOptions, "compile": CompileOptions, "offload": OffloadOptions,
+                 "debug": DebugOptions}
+
+
+def _group_fields(group: type) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(group))
+
+
+def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
+    """``torch.compile`` options with any group given as a dict (``{"selection": {"budget":
+    512}}``) or a group instance spread into its flat names (the rest unchanged).
+
+    Raises:
+        ValueError: a group's dict names an option of another group or none (the message
+            lists the group's options), or an option given both flat and in its group.
+    """
+    flat = {k: v for k, v in options.items() if k not in OPTION_GROUPS}
+    for name, group in OPTION_GROUPS.items():
+        if name not in options:
+            continue
+        given = options[name]
+        if isinstance(given, group):
+            given = dataclasses.asdict(given)
+        if not isinstance(given, dict):
+            raise ValueError(f"specontext option group {name!r} must be a dict or a {group.__name__}, "
+                             f"got {type(given).__name__}")
+        valid = _group_fields(group)
+        unknown = sorted(set(given) - set(valid))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} in specontext option group {name!r}; "
+                             f"its options are {list(valid)}")
+        twice = sorted(set(given) & set(flat))
+        if twice:
+            raise ValueError(f"specontext option(s) {twice} given both on their own and in group {name!r}; "
+                             "give each once")
+        flat.update(given)
+    return flat
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,6 +388,29 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
 
     @property
+    def selection(self) -> SelectionOptions:
+        """The selection options (:class:`SelectionOptions`), normalised as here."""
+        return self._group(SelectionOptions)
+
+    @property
+    def compile(self) -> CompileOptions:
+        """The compile options (:class:`CompileOptions`)."""
+        return self._group(CompileOptions)
+
+    @property
+    def offload(self) -> OffloadOptions:
+        """The KV-offload options (:class:`OffloadOptions`)."""
+        return self._group(OffloadOptions)
+
+    @property
+    def debug(self) -> DebugOptions:
+        """The debugging options (:class:`DebugOptions`)."""
+        return self._group(DebugOptions)
+
+    def _group(self, group: type):
+        return group(**{name: getattr(self, name) for name in _group_fields(group)})
+
+    @property
     def prefetch_tokens(self) -> int:
         """Tokens per KV head the selection node picks and KV offload prefetches each step:
         ``ceil(candidates * budget)`` (with ``page_rescue`` 0, the rows of an offloaded
@@ -314,13 +428,15 @@ class SpeContextConfig:
 
     @classmethod
     def from_options(cls, options: dict[str, Any] | None) -> SpeContextConfig:
-        """Build from ``torch.compile`` options.
+        """Build from ``torch.compile`` options: flat names, or groups (:data:`OPTION_GROUPS`)
+        given as dicts or group instances (``{"selection": {"budget": 512}, "compile":
+        {"inner": "eager"}}``), or both (each option once).
 
         Raises:
-            ValueError: for an unknown option (the message lists the valid names) or a bad
-                value.
+            ValueError: for an unknown option (the message lists the valid names), an option
+                in the wrong group or given twice (:func:`flatten_options`), or a bad value.
         """
-        options = dict(options or {})
+        options = flatten_options(dict(options or {}))
         valid = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(options) - set(valid))
         if unknown:

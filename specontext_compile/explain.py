@@ -185,16 +185,16 @@ def explain(model: torch.nn.Module, example_inputs: Any, *, decode_steps: int = 
         raise ValueError(f"decode_steps must be >= 0, got {decode_steps}")
     before = {id(r) for r in compile_reports()}
     start = dict(counters["specontext"])
+    config = SpeContextConfig.from_options(options)  # options flat or grouped
     forward = torch.compile(model.forward, backend="specontext", options=options)
     cache = SpeContextCache(model.config, max_cache_len=input_ids.shape[1] + decode_steps + 1,
-                            retrieval_head=options.get("retrieval_head"))
+                            retrieval_head=config.selection.retrieval_head)
     manager = None
-    if options.get("device_memory_bytes") is not None:  # KV offload: show the memory model's plan
+    if config.offload.device_memory_bytes is not None:  # KV offload: show the memory model's plan
         from .runtime.offload import enable_offload
 
-        config = SpeContextConfig.from_options(options)
-        manager = enable_offload(cache, model, options["device_memory_bytes"], config.buffer_tokens,
-                                 resident_layers=config.dense_layers)
+        manager = enable_offload(cache, model, config.offload.device_memory_bytes, config.buffer_tokens,
+                                 resident_layers=config.selection.dense_layers)
     with torch.no_grad():
         logits = forward(input_ids=input_ids, cache=cache, use_cache=True, **kwargs).logits
         for _ in range(decode_steps):

@@ -185,6 +185,7 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         speedup=ms_dense / ms_sparse if ms_sparse else float("nan"),
         kv_bytes=cache.kv_bytes,
         text=tokenizer.decode(tokens, skip_special_tokens=True),
-        candidates=config.candidates, min_coverage=config.min_coverage, page_rescue=config.page_rescue,
-        dense_layers=config.dense_layers, path_counts=cache.path_counts(),
+        candidates=config.selection.candidates, min_coverage=config.selection.min_coverage,
+        page_rescue=config.selection.page_rescue, dense_layers=config.selection.dense_layers,
+        path_counts=cache.path_counts(),
     )

@@ -59,3 +59,56 @@ def test_graph_without_attention_passes_through_unchanged(caplog):
     assert "no attention site" in caplog.text
     targets = [str(n.target) for n in report.graph_module.graph.nodes]
     assert not any("specontext" in t for t in targets)
+
+
+def test_options_come_in_four_groups_flat_or_nested():
+    """Issue 27 item 1: every option belongs to exactly one group (selection, compile,
+    offload, debug); the config reads as groups (``config.selection`` ...), and
+    ``torch.compile`` options may give a group as a dict or a group instance, the same
+    config as the flat names."""
+    import dataclasses
+
+    from specontext_compile.config import OPTION_GROUPS, CompileOptions, SelectionOptions
+
+    fields = [f.name for f in dataclasses.fields(SpeContextConfig)]
+    grouped = [f.name for group in OPTION_GROUPS.values() for f in dataclasses.fields(group)]
+    assert sorted(grouped) == sorted(fields) and len(grouped) == len(set(grouped))
+    flat = SpeContextConfig.from_options({"budget": 512, "page_rescue": 0, "inner": "eager", "dump_dir": "x"})
+    nested = SpeContextConfig.from_options({"selection": {"budget": 512, "page_rescue": 0},
+                                            "compile": {"inner": "eager"}, "debug": {"dump_dir": "x"}})
+    assert nested == flat
+    assert flat.selection.budget == 512 and flat.selection.page_rescue == 0 and flat.compile.inner == "eager"
+    assert flat.offload.device_memory_bytes is None and flat.debug.dump_dir == "x"
+    assert isinstance(flat.selection, SelectionOptions) and isinstance(flat.compile, CompileOptions)
+    again = SpeContextConfig.from_options({"selection": flat.selection, "compile": flat.compile})
+    assert again == dataclasses.replace(flat, dump_dir=None)
+    with pytest.raises(ValueError, match=r"unknown option\(s\) \['inner'\] in specontext option group 'selection'"):
+        SpeContextConfig.from_options({"selection": {"inner": "eager"}})
+    with pytest.raises(ValueError, match=r"\['budget'\] given both on their own and in group 'selection'"):
+        SpeContextConfig.from_options({"budget": 8, "selection": {"budget": 16}})
+    with pytest.raises(ValueError, match="must be a dict or a CompileOptions"):
+        SpeContextConfig.from_options({"compile": "eager"})
+
+
+def test_grouped_options_reach_the_backend():
+    """A grouped option compiles as its flat name does: the selection's budget reaches the
+    step (8 positions per KV head at a 20-token context, counted on the gather path)."""
+    from specontext_compile.backend import clear_compile_reports
+    from specontext_compile.passes.sites import is_op
+    from specontext_compile.runtime.protocol import op_arguments
+
+    model = tiny_llama(layers=2)
+    clear_compile_reports()
+    forward = torch.compile(model.forward, backend="specontext",
+                            options={"selection": {"budget": 8, "page_rescue": 0}, "compile": {"inner": "eager"}})
+    cache = sc.SpeContextCache(model.config, max_cache_len=32)
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = forward(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]
+        forward(input_ids=logits.argmax(-1, keepdim=True), cache=cache, use_cache=True)
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert decode and decode[-1].config.selection.budget == 8 and decode[-1].config.compile.inner == "eager"
+    assert cache.path_counts()["gather_sites"] == 2
+    sparse = [n for n in decode[-1].graph_module.graph.nodes if is_op(n, torch.ops.specontext.sparse_attention)]
+    assert len(sparse) == 2
+    assert all(op_arguments(n, torch.ops.specontext.sparse_attention)["spec"].budget == 8 for n in sparse)
