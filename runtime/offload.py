@@ -186,19 +186,14 @@ def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget
             "(plus the KV of the tokens you decode), lower budget, or leave it unset (no offload)")
 
 
-def _lookup(table: torch.Tensor, query: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _lookup(table: torch.Tensor, query: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row, where ``query`` ``[rows, q]`` positions occur in ``table`` ``[rows, n]`` (unique
-    positions ``>= 0`` per row; negative entries are empty).
+    positions ``>= 0`` per row, all below ``capacity``; negative entries are empty).
 
     Returns ``(found, at)``: bool ``[rows, q]`` and the index into ``table`` (valid where
-    found; a negative query is never found when ``capacity`` is given). With ``capacity``
-    (every position is below it) a transient inverse map ``[rows, capacity + 1]`` (int64)
-    answers by one scatter and one gather; without, sort + binary search (nothing sized by
-    the store), several times slower on CPU at 3K-row buffers."""
-    if capacity is None:
-        sorted_vals, order = table.sort(dim=1)
-        j = torch.searchsorted(sorted_vals, query.contiguous()).clamp(max=table.shape[1] - 1)
-        return sorted_vals.gather(1, j) == query, order.gather(1, j)
+    found; a negative query is never found). A transient inverse map ``[rows, capacity + 1]``
+    (int64) answers by one scatter and one gather (sort + binary search, nothing sized by the
+    store, was several times slower on CPU at 3K-row buffers: docs/offload.md)."""
     rows, n = table.shape
     inverse = torch.full((rows, capacity + 1), -1, dtype=torch.long, device=table.device)
     slot = torch.arange(n, device=table.device).expand(rows, n)
@@ -275,9 +270,9 @@ class LayerBuffer:
         self.values = torch.nn.functional.pad(self.values, pad)
         self.pos_of_slot = torch.nn.functional.pad(self.pos_of_slot, (0, extra), value=-1)
 
-    def slots_of(self, indices: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
-        """Slot of each position of ``indices`` ``[batch, kv, k]``; -1 = not loaded (or -1
-        padding). ``capacity``: the store's, when known (a faster lookup: :func:`_lookup`)."""
+    def slots_of(self, indices: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Slot of each position of ``indices`` ``[batch, kv, k]`` (positions of a store of
+        ``capacity`` tokens); -1 = not loaded (or -1 padding)."""
         b, h, k = indices.shape
         table = self.pos_of_slot.view(b * h, -1)
         query = indices.to(table.device).reshape(b * h, k)
@@ -392,6 +387,8 @@ class OffloadManager(OpaqueBase):
         resident_layers: layers never offloaded (option ``dense_layers``: an int or ints,
             negative counts from the end; see :func:`resident_layer_indices`): their store
             stays on the device and the plan offloads the others, last layers first.
+        inline_copies: run the copy jobs on the calling thread instead of the CPU worker
+            (:class:`~.streams.CopyStream` ``inline``): a measurement knob, same results.
 
     Raises:
         ValueError: a bad ``device_memory_bytes``, a hybrid model, or ``resident_layers``
@@ -400,7 +397,8 @@ class OffloadManager(OpaqueBase):
 
     def __init__(self, cache, device_memory_bytes: int | str, budget: int, weight_bytes: int = 0, *,
                  elastic: bool = True, activation_factor: float = 0.3, draft_cache_layers: int = 0,
-                 alpha: float = 0.0, trace_path: str | Path | None = None, resident_layers=()):
+                 alpha: float = 0.0, trace_path: str | Path | None = None, resident_layers=(),
+                 inline_copies: bool = False):
         if device_memory_bytes != AUTO and (not isinstance(device_memory_bytes, int) or device_memory_bytes < 1):
             raise ValueError(f"device_memory_bytes must be an int >= 1 or {AUTO!r}, got {device_memory_bytes!r}")
         self.auto = device_memory_bytes == AUTO
@@ -423,6 +421,7 @@ class OffloadManager(OpaqueBase):
         self.fault_hook: Callable[[int], None] | None = None
         self.trace = TraceRecorder() if trace_path is not None else None
         self.trace_path = trace_path
+        self.inline_copies = inline_copies
         self.closed = False
         self._stream: CopyStream | None = None
         self._tickets: dict[int, tuple[int, CopyTicket]] = {}
@@ -486,7 +485,7 @@ class OffloadManager(OpaqueBase):
         if tokens >= self.thresholds[-1]:  # not even every layer offloaded holds the prompt
             raise DeviceMemoryError(self.model.too_small_message(tokens))
         if self._stream is None:
-            self._stream = CopyStream(layer.keys.device)
+            self._stream = CopyStream(layer.keys.device, inline=self.inline_copies)
         logger.info("specontext offload: %s", self.model.describe(self.device_memory_bytes))
 
     def offload_layer(self, layer_idx: int) -> None:
@@ -682,10 +681,9 @@ class OffloadManager(OpaqueBase):
 
     # --- rows for the step's arithmetic ---------------------------------------------------
     def rows(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor, positions: torch.Tensor,
-             length: torch.Tensor, parts: str) -> list[torch.Tensor]:
-        """The keys and/or values (``parts``: ``"k"``, ``"v"``, ``"kv"``) of ``positions``
-        ``[batch, kv, n]`` (int64, ``-1`` padding) of layer ``layer_idx``, each ``[batch, kv, n,
-        head_dim]``: what the resident step gathers from the store (``specontext::offload_rows``;
+             length: torch.Tensor, values: bool) -> list[torch.Tensor]:
+        """The keys (and, with ``values``, the values) of ``positions`` ``[batch, kv, n]``
+        (int64, ``-1`` padding) of layer ``layer_idx``, each ``[batch, kv, n, head_dim]``: what the resident step gathers from the store (``specontext::offload_rows``;
         the arithmetic on them is the resident layer's, :mod:`.offload_step`).
 
         A resident layer's rows are gathered from its store. An offloaded layer's come from its
@@ -700,8 +698,8 @@ class OffloadManager(OpaqueBase):
 
         Raises:
             RuntimeError: a position the buffer lacks after loading (an internal error)."""
-        stores = {"k": (key_cache,), "v": (value_cache,), "kv": (key_cache, value_cache)}[parts]
         if layer_idx not in self.buffers:
+            stores = (key_cache, value_cache) if values else (key_cache,)
             safe = positions.clamp(min=0)
             return [_gather_tokens(store, safe) for store in stores]
         capacity = key_cache.shape[2]
@@ -712,13 +710,12 @@ class OffloadManager(OpaqueBase):
             raise RuntimeError(f"offloaded layer {layer_idx}: a selected token is not on the device tier "
                                "(prefetch/wait were not run for this layer)")
         slots = slots.clamp(min=0)
-        if parts == "k":  # a refinement (two-stage selection) reads keys only
+        if not values:  # a refinement (two-stage selection) reads keys only
             counters["specontext"]["offloaded_refine_calls"] += 1
-        else:  # the layer's attention reads values (a fused site refines from the same read)
-            counters["specontext"]["offloaded_attention_calls"] += 1
-            self.mark_layer(layer_idx, True)
-        tiers = {"k": (buf.keys,), "v": (buf.values,), "kv": (buf.keys, buf.values)}[parts]
-        return [_gather_rows(tier, slots) for tier in tiers]
+            return [_gather_rows(buf.keys, slots)]
+        counters["specontext"]["offloaded_attention_calls"] += 1  # (a fused site refines from the same read)
+        self.mark_layer(layer_idx, True)
+        return [_gather_rows(buf.keys, slots), _gather_rows(buf.values, slots)]
 
     def _load_missing(self, layer_idx: int, key_cache: torch.Tensor, value_cache: torch.Tensor,
                       positions: torch.Tensor, length: int, slots: torch.Tensor) -> bool:

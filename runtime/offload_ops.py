@@ -13,7 +13,7 @@ offload_anchor                 layer 0: brings the cache's OffloadManager into t
 offload_plan                   once per step, after the selection: adaptive plan + step start
 offload_prefetch               start elastic loading of one layer on the side stream
 offload_wait                   wait for that layer's copy (errors surface here)
-offload_rows                   the K and/or V rows of given positions: from an offloaded
+offload_rows                   the K (and V) rows of given positions: from an offloaded
                                layer's device buffer (loading what it lacks), else the store
 =============================  ==============================================================
 
@@ -46,11 +46,7 @@ from .offload import OffloadManager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ROW_PARTS", "offload_anchor", "offload_plan", "offload_prefetch", "offload_rows", "offload_wait"]
-
-#: what :func:`offload_rows` returns: keys, values, or both (in that order)
-ROW_PARTS = ("k", "v", "kv")
-
+__all__ = ["offload_anchor", "offload_plan", "offload_prefetch", "offload_rows", "offload_wait"]
 
 @torch.library.custom_op("specontext::offload_anchor", mutates_args=())
 def offload_anchor(manager: OffloadManager) -> None:
@@ -138,7 +134,7 @@ def _(manager, ticket):
 
 @torch.library.custom_op("specontext::offload_rows", mutates_args=())
 def offload_rows(manager: OffloadManager, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 positions: torch.Tensor, length: torch.Tensor, ready: torch.Tensor, parts: str) -> list[torch.Tensor]:
+                 positions: torch.Tensor, length: torch.Tensor, ready: torch.Tensor, values: bool) -> list[torch.Tensor]:
     """The rows of ``positions`` ``[batch, num_kv_heads, n]`` (int64, ``-1`` padding) of one
     layer: from its device buffer when the layer is offloaded (the rows it lacks, the step's
     own tokens and rescued pages' tokens, are loaded from the host tier first:
@@ -153,23 +149,21 @@ def offload_rows(manager: OffloadManager, key_cache: torch.Tensor, value_cache: 
         positions: the positions to read.
         length: int64 scalar, tokens written including this step's.
         ready: the layer's token from :func:`offload_wait` (it holds the layer).
-        parts: ``"k"``, ``"v"`` or ``"kv"`` (:data:`ROW_PARTS`).
+        values: also the values (a refinement reads keys only).
 
     Returns:
-        the keys and/or values ``[batch, num_kv_heads, n, head_dim]``, in ``parts`` order.
+        ``[keys]`` or ``[keys, values]``, each ``[batch, num_kv_heads, n, head_dim]``.
 
     Raises:
         RuntimeError: a position the buffer cannot hold (prefetch/wait not run).
     """
-    return manager.rows(int(ready[0]), key_cache, value_cache, positions, length, parts)
+    return manager.rows(int(ready[0]), key_cache, value_cache, positions, length, values)
 
 
 @offload_rows.register_fake
-def _(manager, key_cache, value_cache, positions, length, ready, parts):
-    if parts not in ROW_PARTS:
-        raise ValueError(f"offload_rows: parts must be one of {ROW_PARTS}, got {parts!r}")
+def _(manager, key_cache, value_cache, positions, length, ready, values):
     b, h, n = positions.shape
-    stores = {"k": (key_cache,), "v": (value_cache,), "kv": (key_cache, value_cache)}[parts]
+    stores = (key_cache, value_cache) if values else (key_cache,)
     return [store.new_empty((b, h, n, store.shape[-1])) for store in stores]
 
 

@@ -36,9 +36,9 @@ __all__ = ["attention", "refine", "refine_and_attend"]
 _ROWS = torch.ops.specontext.offload_rows.default
 
 
-def _read(rows, positions: torch.Tensor, length: torch.Tensor, parts: str) -> list[torch.Tensor]:
+def _read(rows, positions: torch.Tensor, length: torch.Tensor, values: bool) -> list[torch.Tensor]:
     manager, ready, key_cache, value_cache = rows
-    return _ROWS(manager, key_cache, value_cache, positions, length, ready, parts)
+    return _ROWS(manager, key_cache, value_cache, positions, length, ready, values)
 
 
 def attention(rows, query: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
@@ -47,7 +47,7 @@ def attention(rows, query: torch.Tensor, indices: torch.Tensor, length: torch.Te
     ``query`` ``[batch, num_heads, q_len, head_dim]`` over ``indices`` ``[batch, num_kv_heads,
     k]`` (int64, ``-1`` padding), ``length`` (int64, this step's tokens included), the site's
     mask and ``variant``. Returns ``[batch, num_heads, q_len, head_dim_v]``."""
-    keys, values = _read(rows, indices, length, "kv")
+    keys, values = _read(rows, indices, length, values=True)
     return attend_gathered(query, keys, values, indices, length, attn_mask, variant.scale, variant.soft_cap,
                            variant.sliding_window)
 
@@ -62,7 +62,7 @@ def refine(rows, query: torch.Tensor, candidates: torch.Tensor, length: torch.Te
     budget] int64, dense)``, ``dense`` always a False bool scalar (no guard with offload)."""
     key_cache = rows[2]
     candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
-    (keys,) = _read(rows, candidates, length, "k")
+    (keys,) = _read(rows, candidates, length, values=False)
     indices, _ = refine_gathered(query, keys, candidates, length, attn_mask, spec, variant)
     return indices, torch.zeros((), dtype=torch.bool, device=indices.device)
 
@@ -77,7 +77,7 @@ def refine_and_attend(rows, query: torch.Tensor, candidates: torch.Tensor, lengt
     ``[batch, num_heads, q_len, head_dim_v]``."""
     key_cache = rows[2]
     candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
-    keys, values_all = _read(rows, candidates, length, "kv")
+    keys, values_all = _read(rows, candidates, length, values=True)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     kept_rows = values_all.gather(2, top.unsqueeze(-1).expand(*top.shape, values_all.shape[-1]))
     return attend_kept(query, logits, values, top, kept_rows)

@@ -59,12 +59,18 @@ class CopyStream:
     Args:
         device: the device tier's device; ``cuda`` uses a CUDA side stream with events,
             anything else a single worker thread (jobs run in submission order).
+        inline: run each job on the calling thread when it is submitted (no overlap; its
+            error is raised at the wait, as from the worker): what the worker thread costs
+            on a machine without a spare core (``benchmarks.offload_step --inline-copies``).
     """
 
-    def __init__(self, device: torch.device | str = "cpu"):
+    def __init__(self, device: torch.device | str = "cpu", inline: bool = False):
         self.device = torch.device(device)
         self._stream = None
         self._pool = None
+        self.inline = inline
+        if inline:
+            return
         if self.device.type == "cuda":
             self._stream = torch.cuda.Stream(device=self.device)
         else:
@@ -73,11 +79,18 @@ class CopyStream:
 
     @property
     def kind(self) -> str:
-        """``"cuda-stream"`` or ``"cpu-thread"``."""
+        """``"cuda-stream"``, ``"cpu-thread"`` or ``"inline"``."""
+        if self.inline:
+            return "inline"
         return "cuda-stream" if self._stream is not None else "cpu-thread"
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> CopyTicket:
-        """Start ``fn(*args)`` on the side stream / worker; returns at once."""
+        """Start ``fn(*args)`` on the side stream / worker; returns at once (inline: after it)."""
+        if self.inline:
+            try:
+                return CopyTicket(result=fn(*args))
+            except BaseException as exc:  # surfaced at wait(), like the worker's
+                return CopyTicket(error=exc)
         if self._pool is not None:
             return CopyTicket(future=self._pool.submit(fn, *args))
         # CUDA: issue the job's kernels and copies on the side stream (they run async)

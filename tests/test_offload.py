@@ -140,7 +140,7 @@ def test_elastic_loading_buffer_matches_host_tier_and_moves_only_the_difference(
         stats = m.stats[-1]
         for layer_idx, buf in m.buffers.items():
             layer = run.cache.layers[layer_idx]
-            slots = buf.slots_of(sel)
+            slots = buf.slots_of(sel, layer.keys.shape[2])
             valid = sel >= 0
             assert bool((slots[valid] >= 0).all()), "every selected token is on the device tier"
             b, h, _ = sel.shape
