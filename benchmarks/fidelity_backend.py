@@ -127,6 +127,28 @@ def _rescue_arg(text: str) -> int | None:
     return None if text in ("default", "None") else int(text)
 
 
+def _layers_arg(text: str) -> tuple[int, ...] | None:
+    """``--rescue-layers`` values: "all" (None: every layer) or layers and ranges, "0,15-29"."""
+    if text == "all":
+        return None
+    layers = []
+    for part in text.split(","):
+        first, _, last = part.partition("-") if not part.startswith("-") else (part, "", "")
+        layers.extend(range(int(first), int(last) + 1) if last else [int(first)])
+    return tuple(layers)
+
+
+def _arg_text(name: str, value) -> str:
+    """One value of a list argument as the command line gave it."""
+    if name == "rescue_layers":
+        return _layers_label(value)
+    return "default" if value is None else str(value)
+
+
+def _layers_label(layers: tuple[int, ...] | None) -> str:
+    return "all" if layers is None else ",".join(map(str, layers))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--context", type=int, default=8192)
@@ -140,6 +162,9 @@ def main() -> None:
                              "backend's default, 2 x budget); every value is run with every --candidates")
     parser.add_argument("--dense-layers", type=int, nargs="*", default=[],
                         help="option dense_layers for every configuration (layers kept dense; default none)")
+    parser.add_argument("--rescue-layers", type=_layers_arg, nargs="+", default=[None],
+                        help="option rescue_layers, one run per value: 'all' (every layer) or layers and ranges, "
+                             "e.g. 0,15-29")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dense-cache", type=Path,
@@ -158,13 +183,14 @@ def main() -> None:
     res["dense_nll"] = float(dense_nll.mean())
     res["dense_near_ties"] = {f"margin<{t:g}": int((dense_margin < t).sum()) for t in NEAR_TIE_NATS}
     res["command"] = "python -m benchmarks.fidelity_backend " + " ".join(
-        f"--{k.replace('_', '-')} {' '.join(map(str, v)) if isinstance(v, list) else v}"
+        f"--{k.replace('_', '-')} {' '.join(_arg_text(k, x) for x in v) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if v is not None)
     for budget in args.budgets:
-        for cand, guard, rescue in [(c, g, r) for r in args.page_rescue for c in args.candidates
-                                    for g in args.min_coverage]:
+        for cand, guard, rescue, layers in [(c, g, r, k) for r in args.page_rescue for c in args.candidates
+                                            for g in args.min_coverage for k in args.rescue_layers]:
             name = f"budget={budget} candidates={cand:g} min_coverage={guard:g}"
-            options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue}
+            options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue,
+                       "rescue_layers": layers}
             if guard:
                 options["min_coverage"] = guard
             if args.dense_layers:
@@ -172,10 +198,12 @@ def main() -> None:
             rescue = sc.SpeContextConfig.from_options(options).page_rescue  # the default resolved
             name += f" page_rescue={rescue}" + (f" dense_layers={','.join(map(str, args.dense_layers))}"
                                                if args.dense_layers else "")
+            name += f" rescue_layers={_layers_label(layers)}" if layers is not None else ""
             run = sparse_run(model, ids, args.context, args.steps, **options)
             res["runs"][name] = {
                 "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
                 "page_rescue": rescue, "dense_layers": list(args.dense_layers),
+                "rescue_layers": _layers_label(layers),
                 "agreement": float((run["argmax"] == dense_argmax).double().mean()),
                 **_lost_steps(run["argmax"], dense_argmax, dense_margin),
                 "nll_delta": float(run["nll"].mean()) - res["dense_nll"],

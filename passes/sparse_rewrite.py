@@ -148,6 +148,8 @@ class SparseAttentionPass(CustomGraphPass):
         retrieval_head: resolved folder of a draft retrieval head, or None (lagged query).
         dense_layers: decoder layers (negative counts from the end) whose decode sites are
             left dense and exact (their reason says so); they may still drive the selection.
+        rescue_layers: decoder layers (negative counts from the end) whose sites refine with
+            the page rescue (when ``step`` has one); None = every layer.
 
     A site whose store keeps no page bounds (MLA, Hugging Face's StaticCache, a cache built
     with ``page_tokens=0``) refines without the page rescue (at ``candidate_slots ==
@@ -155,23 +157,26 @@ class SparseAttentionPass(CustomGraphPass):
     """
 
     def __init__(self, step: StepSpec, retrieval_layers: tuple[int, ...] | None = None, max_sparse_q_len: int = 1,
-                 retrieval_head: str | None = None, dense_layers: tuple[int, ...] = ()):
+                 retrieval_head: str | None = None, dense_layers: tuple[int, ...] = (),
+                 rescue_layers: tuple[int, ...] | None = None):
         self.step = step
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
         self.retrieval_head, self.dense_layers = retrieval_head, tuple(dense_layers)
+        self.rescue_layers = rescue_layers
+        self._rescued: frozenset[int] | None = None  # rescue_layers resolved against the model's layer count
 
     @classmethod
     def from_config(cls, config) -> SparseAttentionPass:
         """The pass of a :class:`~..config.SpeContextConfig`."""
         select = config.selection
         return cls(StepSpec.from_config(config), select.retrieval_layers, select.max_sparse_q_len,
-                   select.retrieval_head, select.dense_layers)
+                   select.retrieval_head, select.dense_layers, select.rescue_layers)
 
     def uuid(self) -> str:
         """torch's hash of the sources (:func:`~torch._inductor.custom_graph_pass.get_hash_for_files`)
         and of the options: the same inputs rewrite to the same graph."""
         options = repr((self.step, self.retrieval_layers, self.max_sparse_q_len, self.retrieval_head,
-                        self.dense_layers))
+                        self.dense_layers, self.rescue_layers))
         return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
     def __call__(self, graph: fx.Graph) -> RewriteResult:
@@ -192,6 +197,7 @@ class SparseAttentionPass(CustomGraphPass):
         if anchored.layer != 0:  # a graph after a graph break: the step's selection is stored
             return self._continue_step(graph, result, resolved, anchor, anchored)
         _align_pages_to_rows(graph, resolved)
+        self._rescued = _resolve_layers(self.rescue_layers, len(anchored.windows() or resolved))
         head = make_head(self.retrieval_layers, self.retrieval_head)
         failed = head.prepare(graph, anchor, anchored, resolved)
         result.selection_head, result.retrieval_layers = head.label, head.retrieval_layers
@@ -301,6 +307,7 @@ class SparseAttentionPass(CustomGraphPass):
                 s.reason = reason
             return result
         decode = self._without_dense_layers(decode, len(anchored.windows() or []) or None)
+        self._rescued = _resolve_layers(self.rescue_layers, len(anchored.windows() or []) or None)
         if not decode:  # every site here stays dense by option
             return result
         slots = max(decode[0].q_len, min(self.step.candidate_slots, capacity))
@@ -352,12 +359,16 @@ class SparseAttentionPass(CustomGraphPass):
         """``([page_min, page_max, page_shift], page_tokens)`` when the site refines with the
         page rescue: the option is on, the site is no MLA site and its store keeps page bounds
         (a ``page_bounds_write`` follows its ``kv_write`` here)."""
-        if self.step.rescue_tokens <= 0 or site.mla is not None or site.write is None:
+        if self.step.rescue_tokens <= 0 or site.mla is not None or site.write is None or not self._rescues(site):
             return None
         bounds = _page_bounds_write(site)
         if bounds is None:
             return None
         return [bounds.args[1], bounds.args[2], _page_shift_of(bounds)], bounds.args[5]
+
+    def _rescues(self, site: AttentionSite) -> bool:
+        """Whether option ``rescue_layers`` names the site's layer (None: every layer)."""
+        return self.rescue_layers is None or self._rescued is not None and site.layer in self._rescued
 
     def _below_store(self, site: AttentionSite) -> bool:
         """Whether the candidates stay below the store's capacity (a symbolic one counts as
@@ -370,7 +381,7 @@ class SparseAttentionPass(CustomGraphPass):
         """Refined decode sites with the page rescue; logs those the rescue, or the guard, misses
         (a site whose store the budget covers needs neither)."""
         rescued = [s for s in decode if self._refines(s) and self._rescue_of(s) is not None and self._below_store(s)]
-        missed = [s for s in decode if self.step.rescue_tokens > 0 and self._rescue_of(s) is None]
+        missed = [s for s in decode if self.step.rescue_tokens > 0 and self._rescues(s) and self._rescue_of(s) is None]
         covered = {id(s) for s in decode if (c := static_capacity(s)) is not None and c <= self.step.budget}
         unguarded = [s for s in decode if self.step.min_coverage > 0 and not self._refines(s)
                      and id(s) not in covered]
@@ -427,6 +438,18 @@ class SparseAttentionPass(CustomGraphPass):
         site.node.replace_all_uses_with(result)
         graph.erase_node(site.node)
         site.node = sparse
+
+
+def _resolve_layers(layers: tuple[int, ...] | None, num_layers: int | None) -> frozenset[int] | None:
+    """Decoder layers named by an option (negative counts from ``num_layers``, the model's KV
+    layers; a negative layer stays unresolved when that count is unknown); None for None."""
+    if layers is None:
+        return None
+    unknown = [j for j in layers if num_layers is not None and not -num_layers <= j < num_layers]
+    if unknown:
+        logger.warning("specontext: rescue_layers %s name no KV layer of this model (L = %d); use layers in "
+                       "[-L, L)", unknown, num_layers)
+    return frozenset(j + num_layers if j < 0 and num_layers is not None else j for j in layers)
 
 
 def _variant(site: AttentionSite) -> AttentionVariant:
