@@ -58,8 +58,10 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, length: torch.T
     pos = length + torch.arange(q_len, device=length.device)
     if checked is not None:
         pos = pos + checked
-    key_cache.index_copy_(2, pos, key.to(key_cache.dtype))
-    value_cache.index_copy_(2, pos, value.to(value_cache.dtype))
+    # cache state, not a differentiable value (as the opaque kv_write op): no autograd history
+    # reaches the stores, whose later in-place writes would break a backward
+    key_cache.index_copy_(2, pos, key.detach().to(key_cache.dtype))
+    value_cache.index_copy_(2, pos, value.detach().to(value_cache.dtype))
     length.add_(q_len)
 
 

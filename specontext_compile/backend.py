@@ -48,7 +48,7 @@ class CompileReport:
     result: RewriteResult
     graph_module: torch.fx.GraphModule
     pass_uuid: str
-    lowered: LowerResult | None = None  # set when the graph was lowered to aten (inner="inductor")
+    lowered: LowerResult | None = None  # set when the graph was lowered to aten (option lower, the default)
 
     @property
     def sites_total(self) -> int:
@@ -169,20 +169,17 @@ def specontext_backend(
     inner = config.compile.inner
     if inner == "auto":  # a graph with KV offload compiles too: its ops move rows, the step code is ours
         inner = "inductor" if result.rewritten else "eager"
-    if inner == "eager":
+    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+    gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
+    if inner == "eager":  # the same lowered step, run by the graph module's Python (no inductor)
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
+        _lower(gm, config, on_cuda)
         return extra.wrap(gm.forward)
-    on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-    gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
-    if config.compile.lower:
-        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda)
-        counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
-        _REPORTS[-1].lowered = lowered
-    gm.recompile()
+    _lower(gm, config, on_cuda)
     from torch._inductor.compile_fx import compile_fx
 
     example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
@@ -195,6 +192,17 @@ def specontext_backend(
     if compiled is None:
         compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return extra.wrap(_checked_backward(compiled))
+
+
+def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool) -> None:
+    """Our ops swapped for their aten bodies (option ``lower``; ``passes/lower.py``), for
+    inductor and for ``inner="eager"`` alike: both run the same step. ``lower=False`` keeps the
+    ops opaque (their Python bodies: counters, the recall probe)."""
+    if config.compile.lower:
+        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda)
+        counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
+        _REPORTS[-1].lowered = lowered
+    gm.recompile()
 
 
 # calls whose int argument differs by layer (the lagged query's slot): a tensor in regional graphs

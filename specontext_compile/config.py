@@ -31,6 +31,19 @@ def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
 ALL_TOKENS = 1 << 40  # candidates=inf: more slots than any store; the ops clamp it to the capacity
 
 
+def _layer_set(name: str, layers: Any) -> tuple[int, ...] | None:
+    """An option naming decoder layers (an int or ints, negative counts from the end; None =
+    every layer), as a sorted tuple of distinct ints."""
+    if layers is None:
+        return None
+    layers = (layers,) if isinstance(layers, int) and not isinstance(layers, bool) else layers
+    layers = tuple(layers) if isinstance(layers, (list, tuple)) else layers
+    if not isinstance(layers, tuple) or any(not isinstance(j, int) or isinstance(j, bool) for j in layers):
+        raise ValueError(f"specontext option {name!r} must be None, an int or a tuple of ints (decoder layers; "
+                         f"negative counts from the end), got {layers!r}")
+    return tuple(sorted(set(layers)))
+
+
 def candidate_slots(budget: int, candidates: float) -> int:
     """Candidate tokens per KV head the selection node picks: ``ceil(candidates * budget)``,
     at least ``budget``; :data:`ALL_TOKENS` (every cached token) for ``candidates=inf``."""
@@ -52,6 +65,7 @@ class SelectionOptions:
     retrieval_head: str | None
     candidates: float
     page_rescue: int
+    rescue_layers: tuple[int, ...] | None
     dense_layers: tuple[int, ...] | int
     min_coverage: float
     max_sparse_q_len: int
@@ -162,8 +176,10 @@ class SpeContextConfig:
             graphs, those with a rewritten site, where it removes the host from the step;
             with KV offload too, whose ops only move rows;
             prefill and pass-through graphs run eager, since compiling them costs time and
-            gains little), ``"inductor"`` (every graph) or ``"eager"`` (run the FX graph as
-            is, our ops called one by one: the debugging path).
+            gains little), ``"inductor"`` (every graph) or ``"eager"`` (the same lowered step
+            run by the FX graph module's Python, without inductor: the debugging path, the
+            same functions and numbers up to inductor's fusion; with ``lower=False`` our ops
+            are called one by one instead).
         kernel: sparse attention implementation: ``"auto"`` (generated Triton kernels on
             CUDA, the torch path elsewhere), ``"torch"``, or ``"triton"`` (on CPU this needs
             ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter; small
@@ -195,9 +211,11 @@ class SpeContextConfig:
             ``"max-autotune-no-cudagraphs"``); None takes the mode given to
             ``torch.compile`` (which refuses ``mode`` together with ``options``, hence this
             option). It applies to the graphs inductor compiles (see ``inner``).
-        lower: with inductor, replace the ``specontext::`` ops by their sync-free aten bodies
-            before compiling (``passes/lower.py``), so inductor fuses them into the step
-            instead of calling them back as opaque ops. False keeps them opaque (debugging).
+        lower: replace the ``specontext::`` ops by their sync-free aten bodies
+            (``passes/lower.py``), so inductor fuses them into the step instead of calling
+            them back as opaque ops, and ``inner="eager"`` runs that same step. False keeps
+            them opaque (the eager op chain: its dynamo counters and the recall probe of
+            ``specontext report``).
         dense_shortcut: when the budget covers a layer's whole store (decided from shapes at
             compile time), attend densely over the store (SDPA, contiguous reads) instead of
             gathering every slot; exact either way. False always runs the gather path
@@ -238,6 +256,13 @@ class SpeContextConfig:
             transfer prefetched), with the same text as without offload. Sites whose
             store keeps no bounds (MLA, Hugging Face's ``StaticCache``, a cache built with
             ``page_tokens=0``) refine without it (logged).
+        rescue_layers: the KV (attention) layers, counted as ``retrieval_layers`` are, whose
+            sites refine with the page rescue; the others attend to the step's shared
+            candidates (at ``candidates=1``: the shared selection, no per-layer work). An int
+            or a tuple of ints (negative counts from the end; a layer the model lacks is
+            logged as a warning); ``()`` = none (``page_rescue=0`` bit for bit); None = every
+            layer. Each rescued layer costs the rescue's reads and ranking
+            (docs/benchmarks.md, "Rescue at fewer layers").
         dense_layers: KV (attention) layers, counted as ``retrieval_layers`` are, whose
             decode attention stays dense and exact (their sites are not rewritten; the
             reason is logged), as Quest and ShadowKV keep their first layers dense: a layer
@@ -282,6 +307,7 @@ class SpeContextConfig:
     candidates: float = 1.0
     min_coverage: float = 0.0
     page_rescue: int | None = None
+    rescue_layers: tuple[int, ...] | int | None = None
     dense_layers: tuple[int, ...] | int = ()
     freezing: bool | None = None
     gemv: bool | None = None
@@ -317,6 +343,7 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'dense_layers' must be an int or a tuple of ints (decoder "
                              f"layers kept dense; negative counts from the end), got {self.dense_layers!r}")
         object.__setattr__(self, "dense_layers", tuple(sorted(set(dense))))
+        object.__setattr__(self, "rescue_layers", _layer_set("rescue_layers", self.rescue_layers))
         if self.kernel not in KERNELS:
             raise ValueError(f"specontext option 'kernel' must be one of {KERNELS}, got {self.kernel!r}")
         dm = self.device_memory_bytes

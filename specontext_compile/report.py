@@ -13,7 +13,7 @@ Measures, in one process on the same machine (docs/report.md explains each figur
   attention mass (over every cached token) that its selection covers. The recall probe
   lives in the ops' Python bodies, which the compiled (inductor) step no longer calls, so
   it is measured on a second, teacher-forced pass of the same tokens through the eager op
-  chain (``inner="eager"``), whose selections are the same computation;
+  chain (``inner="eager", lower=False``), whose selections are the same computation;
 - ``path_counts``: the sparse run's ``SpeContextCache.path_counts()``: decode steps, sparse
   sites, gathered / dense-store sites and the sites the fidelity guard ran dense.
 """
@@ -125,7 +125,7 @@ def _recall_teacher_forced(model, input_ids, tokens, options, probe_steps) -> li
     ``tokens[k-1]``, as in the sparse run), through the eager op chain."""
     if not probe_steps:
         return []
-    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner="eager"))
+    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner="eager", lower=False))
     cache = api.make_cache(model, input_ids, len(tokens), retrieval_head=options.get("retrieval_head"))
     recalls = []
     with torch.no_grad():

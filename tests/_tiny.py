@@ -54,3 +54,14 @@ def compiled_steps(model, ids, steps, **options):
             out = forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
             logits.append(out.logits[:, -1])
     return torch.stack(logits, 1), cache
+
+
+def decode_graph_ops(name: str) -> int:
+    """How many ``specontext::<name>`` op nodes the decode graphs the backend rewrote since the
+    last ``clear_compile_reports()`` hold (the rewritten graph, before lowering swaps each op
+    for its body): what the pass inserted, whichever way the step then ran."""
+    import specontext_compile as sc
+
+    packet = getattr(torch.ops.specontext, name)
+    return sum(n.target in (packet, packet.default) for r in sc.compile_reports() if r.result.phase == "decode"
+               for n in r.graph_module.graph.nodes)

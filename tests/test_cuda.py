@@ -36,8 +36,10 @@ def _decode(forward, ids, steps, cache):
 
 
 def _compiled(model, **options):
-    """The op chain run eagerly (its counters see every call) unless ``inner`` is given."""
-    return torch.compile(model.forward, backend="specontext", options={"inner": "eager", **options})
+    """The op chain run eagerly (``lower=False``: its counters see every call) unless ``inner``
+    is given."""
+    options = {"inner": "eager", "lower": False, **options} if "inner" not in options else options
+    return torch.compile(model.forward, backend="specontext", options=options)
 
 
 # fp32: generated kernel uses IEEE fp32 dots (no tf32), so only summation order differs from
@@ -86,7 +88,7 @@ def test_inductor_decode_steps_never_sync_with_the_host(mode):
     runs = {}
     for inner in ("eager", "default"):
         torch._dynamo.reset()
-        extra = {"inner": "eager"} if inner == "eager" else {"inner": "auto", "mode": mode}
+        extra = {"inner": "eager", "lower": False} if inner == "eager" else {"inner": "auto", "mode": mode}
         forward = torch.compile(model.forward, backend="specontext", options={**opts, **extra})
         cache = sc.SpeContextCache(model.config, max_cache_len=160)
         out = []

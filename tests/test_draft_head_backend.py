@@ -56,9 +56,14 @@ def write_head(folder, model, heads=2, kv_heads=2, head_dim=16, seed=0, variant=
 
 
 def options(folder, **extra):
-    """Backend options; the op chain runs eagerly (``inner="eager"``) so that the ops'
-    counters and the spies see every call (the inductor path is checked separately)."""
-    return {"retrieval_head": str(folder), "inner": "eager", **extra}
+    """Backend options; the op chain runs eagerly (``inner="eager", lower=False``: each op
+    called with its Python body) so that the ops' counters (``draft_selection_calls``, the
+    recency fallback's, which only an op body can count on the host) and the spies see every
+    call; the lowered step is checked against it by ``test_inductor_inner_matches_eager_inner``."""
+    opts = {"retrieval_head": str(folder), "inner": "eager", **extra}
+    if opts["inner"] == "eager":
+        opts.setdefault("lower", False)
+    return opts
 
 
 def spy_selections(monkeypatch):

@@ -121,13 +121,9 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
     """Budget 8 of 36 tokens: every decode site runs the MLA op over 8 selected latent rows,
     and nothing in the rewritten graph up-projects the store (``kv_b_proj`` is applied to
     the one attended row per head only, inside the op)."""
-    from torch._dynamo.utils import counters
-
-    counters.clear()
     _, cache, logits, graph = _decode_graph_nodes(8)
-    assert counters["specontext"]["mla_attention_calls"] == 2 * 6
-    assert counters["specontext"]["gather_attention_calls"] == 2 * 6
-    assert cache.path_counts()["gather_sites"] == 2 * 6
+    assert cache.path_counts()["gather_sites"] == 2 * 6  # two layers, six decode steps
+    assert sum(n.target is torch.ops.specontext.mla_sparse_attention.default for n in graph.nodes) == 2
     stores = {n for n in graph.nodes if n.op == "placeholder" and "cache_layers" in n.name
               and not n.name.endswith("cumulative_length")}
     assert len(stores) == 4  # two layers: latent and rotary key stores

@@ -114,10 +114,9 @@ def test_budget_sweep_in_one_process_keeps_every_budget_sparse():
     for budget in (8, 10, 12, 14, 16, 18):
         sc.compile(model, budget=budget, sink_tokens=2, recent_window=3, inner="eager")
         cache = sc.SpeContextCache(model.config, max_cache_len=48)
-        before = counters["specontext"]["gather_attention_calls"]
         model.generate(ids, max_new_tokens=4, do_sample=False, cache=cache)
         assert cache.path_counts()["decode_steps"] == 3, (budget, cache.path_counts())
-        assert counters["specontext"]["gather_attention_calls"] - before == 3 * 2
+        assert cache.path_counts()["gather_sites"] == 3 * 2  # this cache's steps: this budget's graph
         assert compile_reports()[-1].config.budget == budget  # the new option took effect
     assert counters["specontext"]["recompile_limit_frames"] == 0
 

@@ -32,7 +32,7 @@ def test_smollm2_offload_on_vs_off_identical_logits_for_50_steps(smollm2):
     text = pydoc_data.topics.topics["nonlocal"] + pydoc_data.topics.topics["global"] * 4
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :PROMPT]
     assert ids.shape[1] == PROMPT
-    # the same op chain with and without offload (page_rescue=0: its default with offload)
+    # the same eager step with and without offload (page_rescue=0: every transfer prefetched)
     opts = {"budget": BUDGET, "inner": "eager", "page_rescue": 0}
     cap = PROMPT + STEPS + 1
     ref = _run(torch.compile(model.forward, backend="specontext", options=opts),

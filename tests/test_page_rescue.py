@@ -14,7 +14,8 @@ import torch
 from hypothesis import given, settings
 from specontext_compile.runtime import aten_step, page_bounds
 from specontext_compile.runtime.kv_cache import SpeContextLayer
-from _tiny import compiled_steps
+from _tiny import compiled_steps, decode_graph_ops
+from specontext_compile.backend import clear_compile_reports
 from test_two_stage import _refine_reference
 from torch._dynamo.utils import counters
 
@@ -201,7 +202,7 @@ def test_compiled_rescue_step_equals_the_eager_op_chain_and_counts_its_sites():
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(2))
     opts = dict(budget=12, page_rescue=16, sink_tokens=1, recent_window=2)
     counters.clear()
-    eager, c_eager = compiled_steps(model, ids, 4, inner="eager", **opts)
+    eager, c_eager = compiled_steps(model, ids, 4, inner="eager", lower=False, **opts)
     assert counters["specontext"]["refine_calls"] == 4 * layers
     compiled, c_ind = compiled_steps(model, ids, 4, **opts)
     torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=0)
@@ -249,21 +250,51 @@ def test_left_padded_row_with_rescue_decodes_as_the_prompt_alone(pad, inner):
 
 def test_no_rescue_where_the_store_keeps_no_bounds(caplog):
     """A cache built with ``page_tokens=0`` emits no bounds: the rewrite refines nothing at
-    candidates=1, counts no rescued site and logs why."""
+    candidates=1 (no refinement in the decode graph), counts no rescued site and logs why."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(7))
     torch._dynamo.reset()
     forward = torch.compile(model.forward, backend="specontext", options=dict(budget=8, page_rescue=16,
                                                                               inner="eager"))
     cache = sc.SpeContextCache(model.config, max_cache_len=60, page_tokens=0)
-    counters.clear()
+    clear_compile_reports()
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="specontext_compile.passes.sparse_rewrite"):
         out = forward(input_ids=ids, cache=cache, use_cache=True)
         forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-    assert counters["specontext"]["refine_calls"] == 0
-    assert counters["specontext"]["gather_attention_calls"] > 0
+    assert decode_graph_ops("refine_selection") == 0
+    assert cache.path_counts()["gather_sites"] == len(model.model.layers)
     assert cache.path_counts()["page_rescue_sites"] == 0
     assert "page_rescue is off" in caplog.text
+
+
+def test_rescue_layers_rescue_those_layers_and_leave_the_others_on_the_shared_selection():
+    """Option ``rescue_layers``: only the named layers (negative from the end) refine with the
+    rescue. Naming none is ``page_rescue=0`` bit for bit, naming every layer is the default
+    (None) bit for bit, naming one layer changes the logits; the counters say how many sites
+    rescued and that every site still gathered."""
+    model = tiny_family("llama", "sdpa")
+    layers = len(model.model.layers)
+    ids = torch.randint(1, 128, (1, 60), generator=torch.Generator().manual_seed(11))
+    opts = dict(budget=8, recent_window=2, sink_tokens=1, inner="eager")
+    rescued_all, c_all = compiled_steps(model, ids, 3, page_rescue=16, **opts)
+    plain, c_plain = compiled_steps(model, ids, 3, page_rescue=0, **opts)
+    none_named, c_none = compiled_steps(model, ids, 3, page_rescue=16, rescue_layers=(), **opts)
+    first_only, c_first = compiled_steps(model, ids, 3, page_rescue=16, rescue_layers=-layers, **opts)
+    every, _ = compiled_steps(model, ids, 3, page_rescue=16, rescue_layers=tuple(range(layers)), **opts)
+    torch.testing.assert_close(every, rescued_all, atol=0, rtol=0)
+    assert c_all.path_counts()["page_rescue_sites"] == 3 * layers
+    assert c_none.path_counts()["page_rescue_sites"] == c_plain.path_counts()["page_rescue_sites"] == 0
+    assert c_first.path_counts()["page_rescue_sites"] == 3  # layer 0 (named as -layers), once per step
+    assert c_first.path_counts()["gather_sites"] == 3 * layers
+    torch.testing.assert_close(none_named, plain, atol=0, rtol=0)
+    assert (first_only - plain).abs().max() > 1e-4  # layer 0's rescue changed what the model computes
+    assert (rescued_all - plain).abs().max() > 1e-4
+
+
+@pytest.mark.parametrize("bad", [1.5, "0,1", [0, True], {0: 1}])
+def test_bad_rescue_layers_name_the_fix(bad):
+    with pytest.raises(ValueError, match="rescue_layers.*tuple of ints"):
+        sc.SpeContextConfig(rescue_layers=bad)
 
 
 @pytest.mark.parametrize("bad,match", [

@@ -45,8 +45,9 @@ def test_smollm2_small_budget_recall_and_closeness(smollm2):
 
     model, tokenizer = smollm2
     ids = real_prompt(tokenizer, 601)
-    # the recall probe lives in the ops' Python bodies: run them eagerly
-    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 512, "inner": "eager"})
+    # the recall probe lives in the ops' Python bodies: run the op chain (lower=False)
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options={"budget": 512, "inner": "eager", "lower": False})
     cache = sc.SpeContextCache(model.config, max_cache_len=640)
     with torch.no_grad():
         compiled(input_ids=ids[:, :600], cache=cache, use_cache=True)
@@ -67,7 +68,8 @@ def test_recall_probe_reports_one_for_a_full_selection(smollm2):
 
     model, tokenizer = smollm2
     ids = real_prompt(tokenizer, 100)
-    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 1024, "inner": "eager"})
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options={"budget": 1024, "inner": "eager", "lower": False})
     cache = sc.SpeContextCache(model.config, max_cache_len=128)
     with torch.no_grad():
         compiled(input_ids=ids[:, :99], cache=cache, use_cache=True)
@@ -95,7 +97,8 @@ def test_smollm2_compiled_selection_equals_the_eager_one_for_20_steps(smollm2, m
         return out
 
     monkeypatch.setattr(aten_step, "speculative_select", spy)
-    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 128, "inner": "eager"})
+    compiled = torch.compile(model.forward, backend="specontext",
+                             options={"budget": 128, "inner": "eager", "lower": False})
     decode_logits(model, compiled, ids, 20, sc.SpeContextCache(model.config, max_cache_len=640))
     monkeypatch.setattr(aten_step, "speculative_select", real)
     assert len(seen) == 20

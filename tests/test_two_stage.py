@@ -16,7 +16,8 @@ import specontext_compile as sc
 from specontext_compile.runtime import aten_step
 from specontext_compile.tiny_models import tiny_family
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
-from _tiny import compiled_steps
+from _tiny import compiled_steps, decode_graph_ops
+from specontext_compile.backend import clear_compile_reports
 
 REFINE = torch.ops.specontext.refine_selection.default
 
@@ -185,7 +186,7 @@ def test_compiled_two_stage_step_equals_the_eager_op_chain():
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(2))
     counters.clear()
-    eager, c_eager = compiled_steps(model, ids, 5, budget=12, candidates=2.0, inner="eager")
+    eager, c_eager = compiled_steps(model, ids, 5, budget=12, candidates=2.0, inner="eager", lower=False)
     assert counters["specontext"]["refine_calls"] == 5 * len(model.model.layers)
     compiled, c_ind = compiled_steps(model, ids, 5, budget=12, candidates=2.0)
     torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=0)
@@ -209,7 +210,10 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
 
     aten_step.sparse_attention = spy
     try:
-        compiled_steps(model, ids, 2, budget=8, candidates=8.0, sink_tokens=1, recent_window=2, inner="eager")
+        # the op chain (lower=False): the lowered step fuses refinement and attention, so no
+        # Python call would see the kept positions
+        compiled_steps(model, ids, 2, budget=8, candidates=8.0, sink_tokens=1, recent_window=2, inner="eager",
+                       lower=False)
     finally:
         aten_step.sparse_attention = real
     assert seen
@@ -283,10 +287,12 @@ def test_no_refinement_where_it_must_not_fire():
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(7))
     for options in ({"budget": 8, "page_rescue": 0}, {"budget": 64, "candidates": 4.0}, {"budget": 64}):
-        counters.clear()
-        compiled_steps(model, ids, 2, inner="eager", **options)
-        assert counters["specontext"]["refine_calls"] == 0, options
-        assert counters["specontext"]["sparse_attention_calls"] > 0
+        clear_compile_reports()
+        _, cache = compiled_steps(model, ids, 2, inner="eager", **options)
+        assert decode_graph_ops("refine_selection") == 0, options
+        assert decode_graph_ops("sparse_attention") == len(model.model.layers), options
+        assert cache.path_counts()["sparse_sites"] == 2 * len(model.model.layers)
+        assert cache.path_counts()["page_rescue_sites"] == 0
 
 
 @pytest.mark.parametrize("bad,match", [
@@ -347,12 +353,13 @@ SMALL_WINDOW = {"budget": 8, "sink_tokens": 1, "recent_window": 2, "inner": "eag
 def test_candidates_inf_is_each_layers_exact_top_budget():
     """candidates=inf end to end: the same logits as a finite candidate set that holds every
     written token on the gather path (so the in-place path keeps what the gather path keeps),
-    and not the shared selection's (the refinement really ran: counters)."""
+    and not the shared selection's (the refinement really ran: a refinement per layer in
+    the decode graph, and other logits)."""
     model = tiny_family("llama", "sdpa")
     ids = torch.randint(1, 128, (1, 50), generator=torch.Generator().manual_seed(4))
-    counters.clear()
+    clear_compile_reports()
     every, cache = compiled_steps(model, ids, 4, candidates=float("inf"), **SMALL_WINDOW)
-    assert counters["specontext"]["refine_calls"] == 4 * len(model.model.layers)
+    assert decode_graph_ops("refine_selection") == len(model.model.layers)  # every layer refines
     assert cache.path_counts()["gather_sites"] == 4 * len(model.model.layers)
     gathered, _ = compiled_steps(model, ids, 4, candidates=6.75, **SMALL_WINDOW)  # 54 of 55 slots
     torch.testing.assert_close(every, gathered, atol=1e-5, rtol=1e-5)
