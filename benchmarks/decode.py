@@ -275,7 +275,8 @@ HF_STATIC = {
 # specontext-[<variant>-]<budget>; no variant = the backend's defaults
 SPECONTEXT_VARIANTS = {
     "": {},
-    "eager": {"inner": "eager"},
+    "eager": {"inner": "eager"},  # the lowered step without inductor
+    "chain": {"inner": "eager", "lower": False},  # the op chain, one op at a time
     "inductor": {"inner": "inductor"},
     "opaque": {"inner": "inductor", "lower": False},  # inductor around our ops left opaque
     "cudagraphs": {"inner": "inductor", "mode": "reduce-overhead"},

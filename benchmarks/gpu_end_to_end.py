@@ -14,8 +14,8 @@ instead of a prefill. For every workload and batch size (1..32) and every conten
   ``SpeContextCache`` (generated Triton kernels on CUDA);
 * ``sdpa-cudagraphs``: the dense ``StaticCache`` + SDPA model compiled by inductor with CUDA
   graphs (``mode="reduce-overhead"``, Hugging Face's default compile mode);
-* ``specontext-eager``: the op chain run one op at a time (``inner="eager"``: the state
-  before issue 11); ``specontext`` is the default (lowered ops compiled by inductor);
+* ``specontext-eager``: the op chain run one op at a time (``inner="eager", lower=False``:
+  the state before issue 11); ``specontext`` is the default (lowered ops compiled by inductor);
   ``specontext-cudagraphs`` adds CUDA graphs (``mode="reduce-overhead"``);
 
 it reports the median decode ms/step (CUDA-synchronised wall time), tokens/s
@@ -131,7 +131,7 @@ def _sync(device) -> None:
 
 SPECONTEXT_VARIANTS = {
     "specontext": {},
-    "specontext-eager": {"inner": "eager"},
+    "specontext-eager": {"inner": "eager", "lower": False},
     "specontext-inductor": {"inner": "inductor"},
     "specontext-cudagraphs": {"mode": "reduce-overhead"},
 }

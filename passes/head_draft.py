@@ -12,6 +12,7 @@ import logging
 import torch
 from torch import fx
 
+from ..runtime import aten_step
 from ..runtime.protocol import DraftAnchor, RetrievalAnchor
 from ..runtime.spec import StepSpec
 from .heads import SelectionHead
@@ -65,6 +66,13 @@ class DraftHead(SelectionHead):
         with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
             return graph.call_function(DRAFT_SELECT, (step, step.args[0], step.args[1], write.args[0],
                                                       write.args[2], decode[0].q_len, spec, window, mask))
+
+    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
+        """:func:`~..runtime.aten_step.draft_ready` of the head's key cache (the arguments of
+        ``selection``, a ``draft_select`` node)."""
+        _, _, draft_length, _, length, q_len = selection.args[:6]
+        with graph.inserting_after(selection):
+            return graph.call_function(aten_step.draft_ready, (draft_length, length, q_len))
 
     def _insert_step(self, graph: fx.Graph, q_len: int | None):
         """Insert ``draft_step`` (and, for a fused head, ``draft_record``); returns ``(step,

@@ -83,6 +83,12 @@ class LaggedQueryHead(SelectionHead):
                 self.anchored.query_state, self.anchored.query_valid, stores, first.length, first.q_len, spec,
                 AttentionVariant(first.scale, sliding_window=window), mask, mla, bias))
 
+    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
+        """:func:`~..runtime.aten_step.lagged_ready` of the drivers' recorded queries."""
+        with graph.inserting_after(selection):
+            return graph.call_function(aten_step.lagged_ready, (
+                self.anchored.query_valid, self.drivers[0].length, len(self.drivers)))
+
     def _pick(self, num_layers: int) -> list[int]:
         layers = self.layers or default_retrieval_layers(num_layers)
         picked = {min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}

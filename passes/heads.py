@@ -13,7 +13,10 @@ which head it holds:
 3. :meth:`SelectionHead.unusable`: why the head cannot select for these sites, or None;
 4. :meth:`SelectionHead.select`, once per distinct sliding window: insert the selection
    node, whose output is int64 ``[batch, num_kv_heads, min(spec.candidate_slots,
-   capacity)]`` positions (``-1`` padding).
+   capacity)]`` positions (``-1`` padding);
+5. :meth:`SelectionHead.ready`, once per step (optional): insert the bool scalar saying
+   whether the head's state covers the context (else its selections rank by recency), which
+   the pass counts (``path_counts()["recency_fallback_steps"]``).
 
 Heads: :class:`~.head_lagged.LaggedQueryHead` (training-free, the default) and
 :class:`~.head_draft.DraftHead` (option ``retrieval_head``: embedding-only and fused heads).
@@ -67,6 +70,13 @@ class SelectionHead(abc.ABC):
                decode: list[AttentionSite]) -> fx.Node:
         """Insert the step's selection node for the sites of sliding window ``window`` (0 =
         full attention) with ``mask`` (a site's Hugging Face mask node, or None); returns it."""
+
+
+    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node | None:
+        """Insert, after ``selection`` (a node :meth:`select` returned), the bool scalar tensor
+        that is True when the head could score this step (False: the selection ranked by
+        recency) and return it; None (the default) for a head that never falls back."""
+        return None
 
 
 def make_head(retrieval_layers: tuple[int, ...] | None, retrieval_head: str | None) -> SelectionHead:

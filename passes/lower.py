@@ -178,8 +178,14 @@ def _fuse_offloaded(graph: fx.Graph) -> int:
     return fused
 
 
-def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
+def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True) -> LowerResult:
     """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
+
+    ``fuse``: lower each fusable (refinement, attention) pair as one body (the default, for
+    inductor); False keeps two calls, the refinement's and ``aten_step.sparse_attention`` (or
+    an offloaded site's two), as ``inner="eager"`` runs them: the same kept set and logits,
+    and each site's attention stays one Python call a caller can observe (a wrapper of
+    ``aten_step.sparse_attention`` set before the graph is compiled).
 
     ``check_capacity`` (CPU graphs): ``specontext::check_capacity`` (an op: it reads the
     length on the host) goes before the first ``kv_write`` (layer 0) and its zero result is
@@ -227,7 +233,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False) -> LowerResult:
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"
-    result.fused = _fuse_refine_attend(graph) + _fuse_offloaded(graph)
+    result.fused = _fuse_refine_attend(graph) + _fuse_offloaded(graph) if fuse else 0
     graph.lint()
     for name, reason in result.kept.items():
         logger.info("specontext: %s stays an op: %s", name, reason)

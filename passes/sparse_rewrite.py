@@ -46,6 +46,7 @@ __all__ = ["RewriteResult", "SparseAttentionPass"]
 ANCHOR = torch.ops.specontext.retrieval_anchor
 SPARSE = torch.ops.specontext.sparse_attention.default
 COUNT = aten_step.count_step
+COUNT_FALLBACK = aten_step.count_fallback
 REFINE = torch.ops.specontext.refine_selection.default
 MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = aten_step.store_selection
@@ -218,6 +219,10 @@ class SparseAttentionPass(CustomGraphPass):
             selections[window] = head.select(graph, anchor, self.step, window, mask, decode)
         result.selection_inserted = True
         result.selections = [selections[w] for w in sorted(selections)]
+        ready = head.ready(graph, result.selections[0])
+        if ready is not None:
+            with graph.inserting_after(ready):
+                graph.call_function(COUNT_FALLBACK, (anchored.stats, ready))
         # the selection is made (and kept for later graphs) even when this graph's sites all
         # stay dense by option: the graphs after a break read it
         sparse = self._without_dense_layers(decode, len(anchored.windows() or resolved))

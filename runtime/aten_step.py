@@ -24,7 +24,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 from . import page_bounds
-from .protocol import GUARD_STAT
+from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .sparse_attention import (
     _gather_tokens,
@@ -34,7 +34,7 @@ from .sparse_attention import (
     sparse_attention_reference,
 )
 
-__all__ = ["MUTATES", "count_step", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
+__all__ = ["MUTATES", "count_fallback", "count_step", "draft_ready", "lagged_ready", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
            "attend_kept", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
            "rescue_pages_into", "row_visibility",
@@ -71,6 +71,27 @@ def count_step(stats: torch.Tensor, increments: list[int]) -> None:
     for i, step in enumerate(increments):  # python ints: no host-to-device copy
         if step:
             stats[i].add_(step)
+
+
+def count_fallback(stats: torch.Tensor, ready: torch.Tensor) -> None:
+    """Count a decode step whose selection head was not ready (``ready``: bool scalar tensor,
+    :func:`lagged_ready` or :func:`draft_ready`), so its selection ranked by recency:
+    ``stats[FALLBACK_STAT] += 1`` on the device (``recency_fallback_steps`` in
+    ``path_counts()``), no host read."""
+    stats[FALLBACK_STAT].add_((~ready).long())
+
+
+def lagged_ready(query_valid: torch.Tensor, cached: torch.Tensor, layers: int) -> torch.Tensor:
+    """bool scalar: the lagged-query head can score this step, i.e. each of the first ``layers``
+    slots of ``query_valid`` (int64 ``[slots]``) was recorded at exactly ``cached`` tokens (the
+    step before this one wrote the last cached token)."""
+    return (query_valid[:layers] == cached).all()
+
+
+def draft_ready(draft_length: torch.Tensor, length: torch.Tensor, q_len: int) -> torch.Tensor:
+    """bool scalar: the draft head's key cache holds every position this step scores
+    (``draft_length >= length + q_len``, ``length`` tokens written before the step)."""
+    return draft_length >= length + q_len
 
 
 def store_selection(selection_state: torch.Tensor, indices: torch.Tensor) -> None:
@@ -195,7 +216,7 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
         rope = rope_caches[i] if rope_caches else None
         probs = masked_group_max_softmax(query_state[i], keys, written, scale, rope, position_bias)
         total = probs if total is None else total + probs
-    ready = (query_valid[: len(key_caches)] == cached).all()
+    ready = lagged_ready(query_valid, cached, len(key_caches))
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
     return torch.where(ready, total, recency)
 
@@ -303,7 +324,7 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
     scores = masked_group_max_softmax(query, keys, allowed, query.shape[-1] ** -0.5)
     scores = map_to_target_heads(scores, num_kv)
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
-    scores = torch.where(draft_length >= total, scores, recency)
+    scores = torch.where(draft_ready(draft_length, length, q_len), scores, recency)
     slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
     return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window, sliding_window,
                             visible)
@@ -637,6 +658,7 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 MUTATES = {
     record_query: ("query_state", "query_valid"),
     count_step: ("stats",),
+    count_fallback: ("stats",),
     store_selection: ("selection_state",),
     page_bounds.shift_from_mask: ("page_shift",),
 }

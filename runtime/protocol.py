@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments"]
+__all__ = ["FALLBACK_STAT", "GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments"]
 
 # Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
 # step by ``aten_step.count_step`` (a direct call) with constants the pass computed from static shapes:
@@ -35,8 +35,12 @@ STATS = (
     "dense_store_sites",  # ... of which attended densely over the store (budget >= capacity)
     "guard_dense_sites",  # ... of which the fidelity guard ran dense (coverage < min_coverage)
     "page_rescue_sites",  # ... of which refined with the page rescue (option page_rescue)
+    "recency_fallback_steps",  # decode steps whose selection ranked by recency: the head's state
+                               # missed the context (no query recorded at this length, a draft
+                               # key cache behind: a step ran without the backend, a crop, a reset)
 )
 GUARD_STAT = STATS.index("guard_dense_sites")
+FALLBACK_STAT = STATS.index("recency_fallback_steps")
 
 
 def is_op(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:

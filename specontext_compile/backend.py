@@ -175,7 +175,7 @@ def specontext_backend(
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
-        _lower(gm, config, on_cuda)
+        _lower(gm, config, on_cuda, fuse=False)
         return extra.wrap(gm.forward)
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
@@ -194,12 +194,14 @@ def specontext_backend(
     return extra.wrap(_checked_backward(compiled))
 
 
-def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool) -> None:
+def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fuse: bool = True) -> None:
     """Our ops swapped for their aten bodies (option ``lower``; ``passes/lower.py``), for
-    inductor and for ``inner="eager"`` alike: both run the same step. ``lower=False`` keeps the
-    ops opaque (their Python bodies: counters, the recall probe)."""
+    inductor and for ``inner="eager"`` alike: both run the same functions (``fuse=False`` for
+    eager: a refined site's refinement and attention stay two calls, each observable, with
+    the same kept set and logits as the fused body). ``lower=False`` keeps the ops opaque
+    (their Python bodies: counters, the recall probe)."""
     if config.compile.lower:
-        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda)
+        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
         _REPORTS[-1].lowered = lowered
     gm.recompile()

@@ -200,6 +200,8 @@ def _print_report(report, retrieval_head: str | None = None) -> None:
                                                f"{report.path_counts.get('guard_dense_sites', 0)}")),
         ("page rescue (tokens) / rescued sites", (f"{report.page_rescue} / "
                                                   f"{report.path_counts.get('page_rescue_sites', 0)}")),
+        ("decode steps / recency fallbacks", (f"{report.path_counts.get('decode_steps', 0)} / "
+                                              f"{report.path_counts.get('recency_fallback_steps', 0)}")),
         ("layers kept dense (option)", ",".join(map(str, report.dense_layers)) or "-"),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),

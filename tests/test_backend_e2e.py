@@ -92,8 +92,7 @@ def test_small_budget_attends_to_fewer_tokens(monkeypatch):
     model = tiny_llama(layers=2)
     ids = torch.randint(0, 128, (1, 90), generator=torch.Generator().manual_seed(1))
     compiled = torch.compile(model.forward, backend="specontext",
-                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager",
-                                      "lower": False})  # the op chain: its Python call is what the spy sees
+                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager"})
     logits = decode_logits(model, compiled, ids, 5, sc.SpeContextCache(model.config, max_cache_len=100))
     assert attended and all(n == 16 and length > 90 for n, length in attended)
     assert all(torch.isfinite(x).all() for x in logits)

@@ -18,7 +18,7 @@ RUN_KEYS = {
     "text", "candidates", "min_coverage", "page_rescue", "dense_layers", "path_counts",
 }
 PATH_COUNT_KEYS = {"decode_steps", "sparse_sites", "gather_sites", "dense_store_sites", "guard_dense_sites",
-                   "page_rescue_sites"}
+                   "page_rescue_sites", "recency_fallback_steps"}
 
 
 def _no_loading(monkeypatch):

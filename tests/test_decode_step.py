@@ -52,7 +52,8 @@ def test_default_decode_graph_is_one_inductor_graph_without_our_ops():
     # the compiled step counted itself: 3 decode steps, 3 gather sites each, each refined with
     # the default page rescue (issue 12, third pass), lowered too (no op call above)
     assert cache.path_counts() == {"decode_steps": 3, "sparse_sites": 9, "gather_sites": 9, "dense_store_sites": 0,
-                                   "guard_dense_sites": 0, "page_rescue_sites": 9}
+                                   "guard_dense_sites": 0, "page_rescue_sites": 9,
+                                   "recency_fallback_steps": 0}
     # each refined site's refinement and attention were lowered as one body (logits once)
     from specontext_compile.backend import compile_reports
 
@@ -100,7 +101,8 @@ def test_full_budget_without_shortcut_runs_the_gather_path_exactly():
     for step, (a, b) in enumerate(zip(sparse, eager)):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL, msg=f"step {step}")
     assert cache.path_counts() == {"decode_steps": 20, "sparse_sites": 80, "gather_sites": 80, "dense_store_sites": 0,
-                                   "guard_dense_sites": 0, "page_rescue_sites": 0}
+                                   "guard_dense_sites": 0, "page_rescue_sites": 0,
+                                   "recency_fallback_steps": 0}
 
 
 def test_hf_default_compile_mode_compiles_with_inductor_and_runs_sparse(caplog):

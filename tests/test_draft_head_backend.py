@@ -298,6 +298,7 @@ def test_eager_prefill_falls_back_to_recent_tokens(tmp_path):
         compiled(input_ids=logits.argmax(-1, keepdim=True), cache=cache, use_cache=True)
     assert int(cache.draft.length) == 0  # never claims positions it did not write
     assert counters["specontext"]["draft_recency_fallback"] == 1
+    assert cache.path_counts()["recency_fallback_steps"] == 1  # counted by the step itself too
 
 
 def test_cli_run_accepts_retrieval_head(tmp_path, monkeypatch):

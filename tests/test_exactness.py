@@ -6,9 +6,9 @@ float64, over exactly the positions the op was given: per batch row, query head 
 row, the selected positions of its KV head that are not ``-1`` padding, lie within the
 causal limit (``p <= length - q_len + r``) and are visible in the Hugging Face mask; a
 softmax of ``q . k * scale`` (plus an additive mask, if any) over those, times their
-values. The op chain runs eagerly (``inner="eager", lower=False``) so that the torch path's Python body
-(``aten_step.sparse_attention``, called by ``specontext::sparse_attention`` through the
-module attribute) can be wrapped and sees every call.
+values. The step runs eagerly (``inner="eager"``: the lowered step, each site's refinement and
+attention two calls) so that the attention's body (``aten_step.sparse_attention``, which
+the lowering binds when the graph is compiled) can be wrapped and sees every call.
 
 The batches are left-padded (one row unpadded, one lightly padded, one with fewer real
 tokens than the budget, so its selection holds ``-1`` padding): no selected position may
@@ -114,9 +114,7 @@ def test_sparse_op_equals_float64_reference_over_the_selection_on_a_left_padded_
     seen = capture_sparse_calls(monkeypatch)
     model = tiny_family("llama", attn)
     ids, mask = left_padded_batch()
-    # the op chain (lower=False): the lowered step fuses each layer's refinement and attention
-    # (the default page rescue), so only the op's Python call shows the positions it attends to
-    sc.compile(model, budget=BUDGET, sink_tokens=SINK, recent_window=WINDOW, inner="eager", lower=False)
+    sc.compile(model, budget=BUDGET, sink_tokens=SINK, recent_window=WINDOW, inner="eager")
     cache = sc.api.make_cache(model, ids, NEW_TOKENS)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,

@@ -98,7 +98,7 @@ def test_sliding_window_layers_select_only_inside_their_window(family, monkeypat
                     sinks)
 
     monkeypatch.setattr(aten_step, "sparse_attention_reference", spy)
-    result = run_family(family, "eager", budget=8, sink_tokens=4, recent_window=2, inner="eager", lower=False)
+    result = run_family(family, "eager", budget=8, sink_tokens=4, recent_window=2, inner="eager")
     windows = {w for _, _, w in seen}
     assert windows == ({24} if family == "mistral" else {24, 0})
     for indices, length, window in seen:

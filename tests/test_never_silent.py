@@ -283,3 +283,23 @@ def test_a_step_with_gradients_enabled_keeps_its_state_out_of_autograd(inner):
         assert "specontext" in str(err) or "autograd formula" in str(err), str(err)
     else:
         assert model.model.layers[0].self_attn.q_proj.weight.grad is not None
+
+
+def test_a_step_after_a_prefill_without_the_backend_counts_its_recency_fallback():
+    """A prompt prefilled by the plain model records no lagged query, so the first compiled
+    decode step's selection ranks by recency: ``path_counts()["recency_fallback_steps"]``
+    counts it (on the device, in the lowered step), the next steps record and use their
+    queries (no more fallbacks), and a cache prefilled through the backend counts none."""
+    model = tiny_llama(layers=2)
+    ids = _ids(40, seed=13)
+    forward = torch.compile(model.forward, backend="specontext", options={**SMALL, "inner": "eager"})
+    plain = sc.SpeContextCache(model.config, max_cache_len=48)
+    with torch.no_grad():
+        token = model(input_ids=ids, cache=plain, use_cache=True).logits[:, -1:].argmax(-1)  # no backend
+        for _ in range(3):
+            token = forward(input_ids=token, cache=plain, use_cache=True).logits[:, -1:].argmax(-1)
+    assert plain.path_counts()["decode_steps"] == 3
+    assert plain.path_counts()["recency_fallback_steps"] == 1
+    through = sc.SpeContextCache(model.config, max_cache_len=48)
+    decode_logits(model, forward, ids, 3, through)
+    assert through.path_counts()["decode_steps"] == 3 and through.path_counts()["recency_fallback_steps"] == 0

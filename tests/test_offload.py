@@ -407,9 +407,8 @@ def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     assert len(run.manager.offloaded) >= 2
     assert all(buf.keys.shape[2] == 32 for buf in run.manager.buffers.values())  # candidate rows
     c = counters["specontext"]
-    # an offloaded layer refines and attends from its buffer every step (one K+V read: the
-    # lowered step fuses the pair, so no keys-only read); layer 0 joins later
-    assert c["offloaded_refine_calls"] == 0 and STEPS <= c["offloaded_attention_calls"] <= 3 * STEPS
+    # an offloaded layer refines and attends from its buffer every step; layer 0 joins later
+    assert STEPS <= c["offloaded_refine_calls"] == c["offloaded_attention_calls"] <= 3 * STEPS
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     graph = decode[-1].graph_module.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -448,7 +447,7 @@ def test_page_rescue_with_offload_equals_resident_bit_for_bit(size_fn):
     _assert_same(out, ref)
     assert len(run.manager.offloaded) >= 2
     assert all(buf.keys.shape[2] == 32 + 16 for buf in run.manager.buffers.values())  # candidates + rescue
-    assert counters["specontext"]["offloaded_attention_calls"] > 0
+    assert counters["specontext"]["offloaded_refine_calls"] > 0
     assert sum(s.rescued_rows for s in run.manager.stats) > 0  # rescued tokens came from the host tier
     assert run.cache.path_counts()["page_rescue_sites"] == 3 * STEPS
 

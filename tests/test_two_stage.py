@@ -210,10 +210,7 @@ def test_candidates_covering_the_context_give_each_layer_its_own_top_budget():
 
     aten_step.sparse_attention = spy
     try:
-        # the op chain (lower=False): the lowered step fuses refinement and attention, so no
-        # Python call would see the kept positions
-        compiled_steps(model, ids, 2, budget=8, candidates=8.0, sink_tokens=1, recent_window=2, inner="eager",
-                       lower=False)
+        compiled_steps(model, ids, 2, budget=8, candidates=8.0, sink_tokens=1, recent_window=2, inner="eager")
     finally:
         aten_step.sparse_attention = real
     assert seen
