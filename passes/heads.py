@@ -71,7 +71,6 @@ class SelectionHead(abc.ABC):
         """Insert the step's selection node for the sites of sliding window ``window`` (0 =
         full attention) with ``mask`` (a site's Hugging Face mask node, or None); returns it."""
 
-
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node | None:
         """Insert, after ``selection`` (a node :meth:`select` returned), the bool scalar tensor
         that is True when the head could score this step (False: the selection ranked by

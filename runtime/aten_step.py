@@ -34,7 +34,8 @@ from .sparse_attention import (
     sparse_attention_reference,
 )
 
-__all__ = ["MUTATES", "count_fallback", "count_step", "draft_ready", "lagged_ready", "covers_store", "draft_select", "lagged_query_scores", "masked_group_max_softmax",
+__all__ = ["MUTATES", "count_fallback", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
+           "lagged_query_scores", "masked_group_max_softmax",
            "attend_kept", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
            "rescue_pages_into", "row_visibility",
