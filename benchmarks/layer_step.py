@@ -139,9 +139,7 @@ def _compiled(fn, inputs):
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    gm = make_fx(fn)(*inputs)
-    compiled = compile_fx(gm, list(inputs))
-    return lambda *args: compiled(*args)
+    return compile_fx(make_fx(fn)(*inputs), list(inputs))
 
 
 def time_fn(fn, args, steps: int, warmup: int) -> list[float]:

@@ -198,7 +198,7 @@ class SparseAttentionPass(CustomGraphPass):
         if anchored.layer != 0:  # a graph after a graph break: the step's selection is stored
             return self._continue_step(graph, result, resolved, anchor, anchored)
         _align_pages_to_rows(graph, resolved)
-        self._rescued = _resolve_layers(self.rescue_layers, len(anchored.windows() or resolved))
+        self._rescued = _resolve_layers("rescue_layers", self.rescue_layers, len(anchored.windows() or resolved))
         head = make_head(self.retrieval_layers, self.retrieval_head)
         failed = head.prepare(graph, anchor, anchored, resolved)
         result.selection_head, result.retrieval_layers = head.label, head.retrieval_layers
@@ -247,14 +247,7 @@ class SparseAttentionPass(CustomGraphPass):
         their reason (negative layers count from ``num_layers``, the model's KV layers)."""
         if not self.dense_layers:
             return decode
-        unknown = [j for j in self.dense_layers if num_layers is None and j < 0
-                   or num_layers is not None and not -num_layers <= j < num_layers]
-        if unknown:
-            logger.warning("specontext: dense_layers %s name no KV layer of this model (%s): they keep nothing "
-                           "dense; use layers in [-L, L)", unknown,
-                           f"L = {num_layers}" if num_layers is not None else "its layer count is unknown in "
-                           "this graph, so negative layers cannot be resolved")
-        dense = {j + num_layers if j < 0 and num_layers is not None else j for j in self.dense_layers}
+        dense = _resolve_layers("dense_layers", self.dense_layers, num_layers)
         for s in decode:
             if s.layer in dense:
                 s.reason = "option dense_layers keeps this layer dense: dense and exact by choice"
@@ -312,7 +305,7 @@ class SparseAttentionPass(CustomGraphPass):
                 s.reason = reason
             return result
         decode = self._without_dense_layers(decode, len(anchored.windows() or []) or None)
-        self._rescued = _resolve_layers(self.rescue_layers, len(anchored.windows() or []) or None)
+        self._rescued = _resolve_layers("rescue_layers", self.rescue_layers, len(anchored.windows() or []) or None)
         if not decode:  # every site here stays dense by option
             return result
         slots = max(decode[0].q_len, min(self.step.candidate_slots, capacity))
@@ -445,15 +438,19 @@ class SparseAttentionPass(CustomGraphPass):
         site.node = sparse
 
 
-def _resolve_layers(layers: tuple[int, ...] | None, num_layers: int | None) -> frozenset[int] | None:
-    """Decoder layers named by an option (negative counts from ``num_layers``, the model's KV
-    layers; a negative layer stays unresolved when that count is unknown); None for None."""
+def _resolve_layers(option: str, layers: tuple[int, ...] | None, num_layers: int | None) -> frozenset[int] | None:
+    """The decoder layers an option (``dense_layers``, ``rescue_layers``) names, negative ones
+    counted from ``num_layers`` (the model's KV layers); None for None. A layer the model lacks,
+    or a negative one while that count is unknown, names nothing (logged as a warning)."""
     if layers is None:
         return None
-    unknown = [j for j in layers if num_layers is not None and not -num_layers <= j < num_layers]
+    unknown = [j for j in layers if num_layers is None and j < 0
+               or num_layers is not None and not -num_layers <= j < num_layers]
     if unknown:
-        logger.warning("specontext: rescue_layers %s name no KV layer of this model (L = %d); use layers in "
-                       "[-L, L)", unknown, num_layers)
+        logger.warning("specontext: %s %s name no KV layer of this model (%s): they have no effect; "
+                       "use layers in [-L, L)", option, unknown,
+                       f"L = {num_layers}" if num_layers is not None else "its layer count is unknown in "
+                       "this graph, so negative layers cannot be resolved")
     return frozenset(j + num_layers if j < 0 and num_layers is not None else j for j in layers)
 
 

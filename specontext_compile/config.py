@@ -31,16 +31,21 @@ def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
 ALL_TOKENS = 1 << 40  # candidates=inf: more slots than any store; the ops clamp it to the capacity
 
 
-def _layer_set(name: str, layers: Any) -> tuple[int, ...] | None:
-    """An option naming decoder layers (an int or ints, negative counts from the end; None =
-    every layer), as a sorted tuple of distinct ints."""
-    if layers is None:
+def _layer_set(name: str, layers: Any, none_ok: bool = True) -> tuple[int, ...] | None:
+    """An option naming decoder layers (an int or ints, negative counts from the end; None,
+    where ``none_ok``, = every layer), as a sorted tuple of distinct ints.
+
+    Raises:
+        ValueError: anything else, naming the option and what it takes."""
+    if layers is None and none_ok:
         return None
+    given = layers
     layers = (layers,) if isinstance(layers, int) and not isinstance(layers, bool) else layers
     layers = tuple(layers) if isinstance(layers, (list, tuple)) else layers
     if not isinstance(layers, tuple) or any(not isinstance(j, int) or isinstance(j, bool) for j in layers):
-        raise ValueError(f"specontext option {name!r} must be None, an int or a tuple of ints (decoder layers; "
-                         f"negative counts from the end), got {layers!r}")
+        takes = "None, an int or a tuple of ints" if none_ok else "an int or a tuple of ints"
+        raise ValueError(f"specontext option {name!r} must be {takes} (decoder layers; negative counts from "
+                         f"the end), got {given!r}")
     return tuple(sorted(set(layers)))
 
 
@@ -336,13 +341,7 @@ class SpeContextConfig:
                 f"ints, got {self.retrieval_layers!r}"
             )
         object.__setattr__(self, "retrieval_layers", layers)
-        dense = self.dense_layers
-        dense = (dense,) if isinstance(dense, int) and not isinstance(dense, bool) else dense
-        dense = tuple(dense) if isinstance(dense, (list, tuple)) else dense
-        if not isinstance(dense, tuple) or any(not isinstance(j, int) or isinstance(j, bool) for j in dense):
-            raise ValueError(f"specontext option 'dense_layers' must be an int or a tuple of ints (decoder "
-                             f"layers kept dense; negative counts from the end), got {self.dense_layers!r}")
-        object.__setattr__(self, "dense_layers", tuple(sorted(set(dense))))
+        object.__setattr__(self, "dense_layers", _layer_set("dense_layers", self.dense_layers, none_ok=False))
         object.__setattr__(self, "rescue_layers", _layer_set("rescue_layers", self.rescue_layers))
         if self.kernel not in KERNELS:
             raise ValueError(f"specontext option 'kernel' must be one of {KERNELS}, got {self.kernel!r}")
