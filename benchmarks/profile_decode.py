@@ -5,7 +5,6 @@ copies the KV into a ``SpeContextCache``, compiles ``model.forward`` with
 ``backend="specontext"`` at ``--budget``, warms up, then profiles ``--steps`` decode steps.
 Every operator called directly by the step is put in one bucket:
 
-* ``selection`` (``specontext::speculative_select``: lagged-query scores + top-k),
 * ``sparse attention`` (``specontext::sparse_attention``), split into its gathers
   (``index_select``), the two matmuls, softmax, masks and the rest,
 * ``KV write`` / ``record query``, the weight matmuls by role (Q/K/V/O projections, MLP,
@@ -60,8 +59,6 @@ def _bucket(event, config) -> str:
         if any(k in name for k in ("index_select", "gather", "topk", "softmax")):
             return "inductor C++ kernels: selection / attention (fused)"
         return "inductor C++ kernels: weights, norms, rotary (fused)"
-    if name.startswith("specontext::speculative_select"):
-        return "selection (speculative_select)"
     if name.startswith("specontext::sparse_attention"):
         return "sparse attention"
     if name.startswith("specontext::kv_write"):

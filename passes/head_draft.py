@@ -2,8 +2,9 @@
 style head with its own key cache scores the context. ``specontext::draft_step`` writes
 the head's keys of the step's tokens into that cache (every graph, prefill included; an
 embedding-only head reads the token embedding, a fused one also the target's previous-step
-hidden states at its auxiliary layers, kept by ``specontext::draft_record``), and
-``specontext::draft_select`` selects with the step's draft query."""
+hidden states at its auxiliary layers, kept by :func:`~..runtime.aten_step.record_hidden`), and
+:func:`~..runtime.aten_step.draft_select` selects with the step's draft query (both direct
+calls)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,7 @@ __all__ = ["DraftHead"]
 
 DRAFT_ANCHOR = torch.ops.specontext.draft_anchor
 DRAFT_STEP = torch.ops.specontext.draft_step.default
-DRAFT_SELECT = torch.ops.specontext.draft_select.default
-DRAFT_RECORD = torch.ops.specontext.draft_record.default
+DRAFT_RECORD = aten_step.record_hidden
 
 
 class DraftHead(SelectionHead):
@@ -64,7 +64,7 @@ class DraftHead(SelectionHead):
         step, write, _ = self.inserted
         order = {n: i for i, n in enumerate(graph.nodes)}
         with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
-            return graph.call_function(DRAFT_SELECT, (step, step.args[0], step.args[1], write.args[0],
+            return graph.call_function(aten_step.draft_select, (step, step.args[0], step.args[1], write.args[0],
                                                       write.args[2], decode[0].q_len, spec, window, mask))
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:

@@ -1,11 +1,10 @@
 """The training-free lagged-query selection head (SpeContext section 4): each retrieval layer
 records its last query row every step (:func:`~..runtime.aten_step.record_query`), and the next step's
-selection node (``specontext::speculative_select``) scores every cached token with those
+selection node (:func:`~..runtime.aten_step.speculative_select`, a direct call) scores every cached token with those
 queries before layer 0 runs."""
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 
 from ..config import default_retrieval_layers
@@ -19,7 +18,7 @@ from .sites import AttentionSite
 __all__ = ["LaggedQueryHead"]
 
 RECORD = aten_step.record_query
-SELECT = torch.ops.specontext.speculative_select.default
+SELECT = aten_step.speculative_select
 
 
 class LaggedQueryHead(SelectionHead):
@@ -72,14 +71,15 @@ class LaggedQueryHead(SelectionHead):
 
     def select(self, graph: fx.Graph, anchor: fx.Node, spec: StepSpec, window: int, mask: fx.Node | None,
                decode: list[AttentionSite]) -> fx.Node:
-        """``speculative_select`` after the anchor, the mask and ALiBi's bias (if any)."""
+        """``speculative_select`` after the anchor, the mask and ALiBi's bias (if any); the
+        function is looked up when the pass runs (a wrapper set before compiling is called)."""
         first, mla = self.drivers[0], self.drivers[0].mla is not None
         stores = [d.key_cache for d in self.drivers] + ([d.value_cache for d in self.drivers] if mla else [])
         bias = bias_4d(graph, first)
         order = {n: i for i, n in enumerate(graph.nodes)}
         after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
         with graph.inserting_after(after):
-            return graph.call_function(SELECT, (
+            return graph.call_function(aten_step.speculative_select, (
                 self.anchored.query_state, self.anchored.query_valid, stores, first.length, first.q_len, spec,
                 AttentionVariant(first.scale, sliding_window=window), mask, mla, bias))
 

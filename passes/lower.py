@@ -18,11 +18,12 @@ Invariants:
 - **Same signature, new target.** An op and its aten body take the same arguments (options
   as a :class:`~..runtime.spec.StepSpec` and an :class:`~..runtime.spec.AttentionVariant`),
   so lowering changes a node's target and nothing else.
-- **Only what has an aten body.** ``kv_write``, ``page_bounds_write``, ``speculative_select``,
-  ``draft_select``, ``refine_selection`` and torch-path ``sparse_attention`` and
-  ``mla_sparse_attention`` are lowered (what the pass inserts as direct calls,
-  e.g. ``aten_step.record_query`` and ``count_step``, needs nothing); draft-head steps
-  (``draft_step``/``draft_record``: a loaded module), offload ops (they move rows and run the
+- **Only the ops.** The cache's markers ``kv_write`` and ``page_bounds_write`` and torch-path
+  ``sparse_attention`` and ``mla_sparse_attention`` are lowered. What the pass inserts as
+  direct calls of step functions needs nothing: the selection nodes
+  (``aten_step.speculative_select``, ``draft_select``), the per-layer
+  ``aten_step.refine_selection``, ``record_query``, ``record_hidden`` and the counters. The
+  draft head's step (``draft_step``: a loaded module), offload ops (they move rows and run the
   plan: runtime state outside the graph, ordered by their declared effects) and
   ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated kernel;
   ``"auto"`` is lowered) stay ops. An offloaded site's arithmetic is already ordinary step
@@ -48,7 +49,7 @@ from torch import fx
 
 from ..runtime import aten_step, mla, offload_step, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
-from ..runtime.protocol import op_arguments
+from ..runtime.protocol import is_op, op_arguments
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +59,6 @@ _OPS = torch.ops.specontext
 _LOWERED = {
     _OPS.kv_write: aten_step.write_kv,
     _OPS.page_bounds_write: page_bounds.update_page_bounds,
-    _OPS.speculative_select: aten_step.speculative_select,
-    _OPS.draft_select: aten_step.draft_select,
-    _OPS.refine_selection: aten_step.refine_selection,
 }
 _ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor, _OPS.offload_anchor)
 _SPARSE = _OPS.sparse_attention
@@ -88,7 +86,8 @@ def _is_triton(node: fx.Node) -> bool:
     return op_arguments(node, _packet(node.target))["spec"].kernel == "triton"
 
 
-_REFINE_PARAMS = inspect.signature(aten_step.refine_selection).parameters
+_REFINE = aten_step.refine_selection
+_REFINE_PARAMS = inspect.signature(_REFINE).parameters
 _SPARSE_PARAMS = inspect.signature(aten_step.sparse_attention).parameters
 
 
@@ -105,7 +104,7 @@ def _sole_refinement(kept, refine_target, reader: fx.Node) -> fx.Node | None:
             and list(kept.users) == [reader]):
         return None
     refine = kept.args[0]
-    ok = isinstance(refine, fx.Node) and refine.target is refine_target and list(refine.users) == [kept]
+    ok = isinstance(refine, fx.Node) and is_op(refine, refine_target) and list(refine.users) == [kept]
     return refine if ok else None
 
 
@@ -128,7 +127,7 @@ def _fusable(sparse: fx.Node) -> fx.Node | None:
     args = _bound(sparse, _SPARSE_PARAMS)
     if args["dense"] is not None or args["sinks"] is not None or args["spec"].dense_shortcut:
         return None
-    refine = _sole_refinement(args["indices"], aten_step.refine_selection, sparse)
+    refine = _sole_refinement(args["indices"], _REFINE, sparse)
     if refine is None:
         return None
     mine = _bound(refine, _REFINE_PARAMS)

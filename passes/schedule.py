@@ -14,7 +14,7 @@ Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend'
    ``lead`` layers earlier, right before layer ``l - lead``'s ``kv_write``, or right
    after the plan when that is not yet in the graph;
 4. with the two-stage selection (option ``candidates > 1``), a site's indices come from its
-   ``specontext::refine_selection``: the prefetch loads the step's *candidates* (known
+   :func:`~..runtime.aten_step.refine_selection`: the prefetch loads the step's *candidates* (known
    before layer 0), the wait moves before the refinement, which becomes a call of
    :func:`~..runtime.offload_step.refine` (an offloaded layer scores the candidates from its
    device buffer), and the attention reads the kept subset of the buffer.
@@ -52,7 +52,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import get_hash_for_files
 
 from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
-from ..runtime import offload_step
+from ..runtime import aten_step, offload_step
 from ..runtime.protocol import op_arguments
 from .sites import is_op
 
@@ -60,14 +60,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel"]
 
-SELECT = torch.ops.specontext.speculative_select  # packets: is_op matches either form
+SELECT = aten_step.speculative_select  # step functions the pass calls directly
 SPARSE = torch.ops.specontext.sparse_attention
 KV_WRITE = torch.ops.specontext.kv_write
 OFFLOAD_ANCHOR = torch.ops.specontext.offload_anchor
 PLAN = torch.ops.specontext.offload_plan.default
 PREFETCH = torch.ops.specontext.offload_prefetch.default
 WAIT = torch.ops.specontext.offload_wait.default
-REFINE = torch.ops.specontext.refine_selection
+REFINE = aten_step.refine_selection
 
 @dataclasses.dataclass
 class CostModel:

@@ -11,7 +11,7 @@ For a graph whose matched sites (see :mod:`.sites`) have single-token (decode) q
 2. replace each matched site by ``specontext::sparse_attention`` over that selection; with
    option ``candidates > 1`` (two-stage selection, issue 12) or the page rescue, the
    selection node picks ``ceil(candidates * budget)`` candidates and each site first keeps
-   its own top ``budget`` of them (``specontext::refine_selection``, the layer's current
+   its own top ``budget`` of them (:func:`~..runtime.aten_step.refine_selection`, a direct call; the layer's current
    query).
 
 The pass has no branch on which head it holds: every head implements
@@ -47,7 +47,6 @@ ANCHOR = torch.ops.specontext.retrieval_anchor
 SPARSE = torch.ops.specontext.sparse_attention.default
 COUNT = aten_step.count_step
 COUNT_FALLBACK = aten_step.count_fallback
-REFINE = torch.ops.specontext.refine_selection.default
 MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = aten_step.store_selection
 LOAD = aten_step.load_selection
@@ -402,7 +401,8 @@ class SparseAttentionPass(CustomGraphPass):
         mask = _biased_mask(graph, site)
         with graph.inserting_before(site.node):
             rescue = self._rescue_of(site)
-            refine = graph.call_function(REFINE, (
+            # looked up when the pass runs: a wrapper of it set before compiling is what runs
+            refine = graph.call_function(aten_step.refine_selection, (
                 query, site.key_cache, selection, site.length, mask, rescue[0] if rescue is not None else [],
                 self._site_spec(site), _variant(site), stats, site.value_cache if site.mla is not None else None))
             kept = graph.call_function(operator.getitem, (refine, 0))

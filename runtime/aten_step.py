@@ -1,6 +1,8 @@
-"""The decode step's ops as sync-free aten code: one implementation for eager and compiled runs.
+"""The decode step's functions as sync-free aten code: one implementation for eager and compiled runs.
 
-Each function here is the body of one ``specontext::`` op (see :mod:`.ops`) written so that
+Each function here is either a step function the pass calls directly (the selection nodes,
+the per-layer refinement, the counters) or the body of one ``specontext::`` op (see
+:mod:`.ops`: the cache's markers, the attention kernels), written so that
 (1) it never reads a tensor value on the host — lengths, positions, causal limits and
 selection sizes stay tensors, and value-dependent branches are data-parallel ``where``s —
 and (2) it uses only aten ops with static shapes. Because of (1) a decode step can be
@@ -11,7 +13,8 @@ them with the rest of the step instead of calling opaque Python ops.
 Shapes are static: a selection always ranks every slot of the store (``capacity``), masking
 positions that are not written yet, instead of slicing to the written length (which would
 need the length on the host). Decisions that depend only on shapes (does the budget cover
-the whole store?) are taken at trace time.
+the whole store?) are taken at trace time. The same graph runs eagerly (``inner="eager"``) or
+under inductor: a direct call needs no op, no fake and no lowering.
 
 Source: SpeContext (arXiv 2512.00722) section 4 (selection per KV head, GQA group max).
 """
@@ -36,7 +39,7 @@ from .sparse_attention import (
 
 __all__ = ["MUTATES", "count_fallback", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
            "lagged_query_scores", "masked_group_max_softmax",
-           "attend_kept", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
+           "attend_kept", "record_hidden", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
            "rescue_pages_into", "row_visibility",
            "seen_positions", "select_positions",
@@ -124,6 +127,15 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
         return
     query_state[slot].copy_(row)
     query_valid[slot].copy_(length)
+
+
+def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor]) -> None:
+    """A fused draft head's input for the next step: keep the last row of the concatenated
+    ``hidden`` (the auxiliary layers' outputs ``[batch, q_len, target_hidden]``, in
+    ``aux_layer_ids`` order) in ``aux_state`` ``[batch, 1, aux_width]`` and set ``aux_valid``
+    (int64 ``[1]``)."""
+    aux_state.copy_(torch.cat([h[:, -1:].detach() for h in hidden], -1))
+    aux_valid.fill_(1)
 
 
 def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
@@ -280,7 +292,7 @@ def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key
                        length: torch.Tensor, q_len: int, spec: StepSpec, variant: AttentionVariant,
                        attn_mask: torch.Tensor | None = None, mla: bool = False,
                        position_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The selection node with the lagged-query head (``specontext::speculative_select``):
+    """The selection node with the lagged-query head (the pass calls it once per step):
     :func:`lagged_query_scores` then :func:`select_positions` with
     ``slots = min(spec.candidate_slots, capacity)`` (never below ``q_len``; the pass keeps
     longer steps dense), sinks and recent window from ``spec``, scale and sliding window
@@ -305,7 +317,7 @@ def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key
 def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: torch.Tensor,
                  key_cache: torch.Tensor, length: torch.Tensor, q_len: int, spec: StepSpec,
                  sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The selection node with a draft head (``specontext::draft_select``): the head's
+    """The selection node with a draft head (the pass calls it once per step): the head's
     query scores its own key cache over positions ``< length + q_len`` (causal: the step's
     last token sees itself), mapped to the target's KV heads
     (:func:`~specontext_compile.runtime.draft_retrieval.map_to_target_heads`), then
@@ -336,7 +348,7 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
                      spec: StepSpec, variant: AttentionVariant, stats: torch.Tensor | None = None,
                      rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Second stage of the two-stage selection: a layer keeps the ``spec.budget`` candidates its
-    *own* query attends to most (``specontext::refine_selection``, issue 12).
+    *own* query attends to most (the pass calls it in each refined layer, issue 12).
 
     The selection node picks ``candidates`` once per step, before the first layer, from the
     retrieval head (what offload prefetches); here, inside each layer, the layer's current
@@ -658,6 +670,8 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 #: (:func:`~specontext_compile.passes.sparse_rewrite.keeps_side_effects`).
 MUTATES = {
     record_query: ("query_state", "query_valid"),
+    record_hidden: ("aux_state", "aux_valid"),
+    refine_selection: ("stats",),
     count_step: ("stats",),
     count_fallback: ("stats",),
     store_selection: ("selection_state",),

@@ -5,8 +5,8 @@ The paper's retrieval head is a pruned EAGLE-3 draft attention
 ``[token embedding ++ fused auxiliary hidden states]`` with RoPE. With the backend option
 ``retrieval_head=DIR`` the selection node scores past tokens with that head instead of the
 training-free lagged-query head (:mod:`.retrieval`). This module holds what that needs besides
-the ops (``specontext::draft_anchor``, ``draft_step``, ``draft_record``, ``draft_select`` in
-:mod:`.ops`):
+the ops (``specontext::draft_anchor``, ``draft_step`` in :mod:`.ops`) and the step
+functions the pass calls directly (:func:`.aten_step.draft_select`, ``record_hidden``):
 
 * :func:`head_spec` reads and checks a head folder (``config.json`` + ``model.safetensors``);
 * :class:`DraftKeyCache`, the head's **own key cache** ``[batch, head_kv_heads, capacity,
@@ -21,7 +21,7 @@ auxiliary hidden states. **Fused** heads (a real EAGLE-3 draft, or ``--variant f
 for each token, the target's hidden states of the *previous* token named by the checkpoint's
 ``eagle_aux_hidden_state_layer_ids``, concatenated in that order; the first token of a fresh
 cache gets zeros. The backend records the last token's ones after each step
-(``specontext::draft_record``) for the next step.
+(:func:`.aten_step.record_hidden`) for the next step.
 
 Auxiliary id convention (details: :mod:`.eagle3`, :class:`~.eagle3.AuxLayers`): id ``j`` is the
 hidden state at the *input* of decoder layer ``j``, Hugging Face ``hidden_states[j]`` (the
@@ -278,7 +278,7 @@ class DraftKeyCache:
     ``specontext::draft_step`` in compiled graphs only). When a step is run without the
     backend (eager prefill of Hugging Face's compile path), its tokens get no K: ``length``
     then stays behind the target's and every later selection falls back to the most recent
-    tokens (counter ``draft_recency_fallback``); it is never scored from unwritten slots.
+    tokens (``path_counts()["recency_fallback_steps"]``); it is never scored from unwritten slots.
     ``aux_state`` ``[batch, 1, aux_width]`` and ``aux_valid`` (int64 scalar, 0 until
     recorded): the last token's auxiliary hidden states (fused heads; unused otherwise).
 

@@ -1,21 +1,17 @@
-"""Draft-head ops (``specontext::``, option ``retrieval_head``): its anchor, its step (Q/K of
-the step's tokens into its own key cache), the recorded hidden states of fused heads, and its
-selection node. Reference helpers: :mod:`.draft_retrieval`; selection body: :mod:`.aten_step`."""
+"""Draft-head ops (``specontext::``, option ``retrieval_head``): its anchor and its step (Q/K of
+the step's tokens into its own key cache: a loaded module, opaque to the compiler). The
+recorded hidden states of fused heads and the selection node are direct calls of
+:func:`.aten_step.record_hidden` and :func:`.aten_step.draft_select`. Reference helpers:
+:mod:`.draft_retrieval`."""
 
 from __future__ import annotations
 
-import logging
-
 import torch
-from torch._dynamo.utils import counters
 
-from . import aten_step, draft_retrieval
+from . import draft_retrieval
 from .ops_store import CacheCapacityError
-from .spec import StepSpec
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["draft_anchor", "draft_record", "draft_select", "draft_step"]
+__all__ = ["draft_anchor", "draft_step"]
 
 
 @torch.library.custom_op("specontext::draft_anchor",
@@ -30,11 +26,9 @@ def draft_anchor(draft_keys: torch.Tensor, draft_length: torch.Tensor, aux_state
     against ``retrieval_head``)."""
     return
 
-
 @draft_anchor.register_fake
 def _(draft_keys, draft_length, aux_state, aux_valid, head) -> None:
     return None
-
 
 @torch.library.custom_op("specontext::draft_step", mutates_args=("draft_keys", "draft_length"))
 def draft_step(
@@ -108,74 +102,8 @@ def draft_step(
     draft_length.copy_(in_step * (start + q_len) + (1 - in_step) * draft_length)
     return query[:, :, -1:, :].contiguous()
 
-
 @draft_step.register_fake
 def _(draft_keys, draft_length, length, input_ids, embedding, head, aux_state, aux_valid, hidden,
       after_write):
     spec = draft_retrieval.head_spec(head)
     return draft_keys.new_empty((input_ids.shape[0], spec.num_heads, 1, spec.head_dim))
-
-
-@torch.library.custom_op("specontext::draft_record", mutates_args=("aux_state", "aux_valid"))
-def draft_record(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor]) -> None:
-    """Keep the last row of the concatenated ``hidden`` (the auxiliary layers' outputs
-    ``[batch, q_len, target_hidden]``, in ``aux_layer_ids`` order) in ``aux_state``
-    ``[batch, 1, aux_width]`` and set ``aux_valid`` (fused draft heads: the next step's first
-    token reads it)."""
-    aux_state.copy_(torch.cat([h[:, -1:] for h in hidden], -1))
-    aux_valid.fill_(1)
-
-
-@draft_record.register_fake
-def _(aux_state, aux_valid, hidden) -> None:
-    return None
-
-
-@torch.library.custom_op("specontext::draft_select", mutates_args=())
-def draft_select(
-    query: torch.Tensor,
-    draft_keys: torch.Tensor,
-    draft_length: torch.Tensor,
-    key_cache: torch.Tensor,
-    length: torch.Tensor,
-    q_len: int,
-    spec: StepSpec,
-    sliding_window: int = 0,
-    attn_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """The selection node with the draft head (``retrieval_head``), once per decode step
-    (once per distinct sliding window).
-
-    Args:
-        query: ``[batch, head_heads, 1, head_dim]`` from ``draft_step`` of this step.
-        draft_keys, draft_length: the head's key cache (see ``draft_step``); positions
-            ``0 .. length+q_len-1`` are scored (causal: the step's last token attends to
-            itself and every earlier token).
-        key_cache: the target's layer-0 store ``[batch, num_kv_heads, capacity, head_dim]``
-            (only its shape is read: KV heads and capacity).
-        length: the target's written tokens before this step (int64 scalar).
-        q_len, attn_mask: as ``speculative_select``; spec: its :class:`~.spec.StepSpec`
-            (``candidate_slots``, ``sink_tokens``, ``recent_window``); sliding_window: 0 = full
-            attention, else the window the selection stays inside.
-
-    Returns:
-        int64 ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]`` ascending positions
-        (``-1`` = padding): :func:`~specontext_compile.runtime.selection.select_tokens` of
-        :func:`~specontext_compile.runtime.draft_retrieval.draft_scores`; the most recent
-        tokens instead when the head's key cache misses a position (counter
-        ``draft_recency_fallback``).
-    """
-    counters["specontext"]["draft_selection_calls"] += 1
-    if key_cache.device.type == "cpu" and int(draft_length) < int(length) + q_len:  # eager CPU: no sync
-        counters["specontext"]["draft_recency_fallback"] += 1
-        if counters["specontext"]["draft_recency_fallback"] == 1:
-            logger.warning("specontext: the draft head's key cache lacks positions (a step ran "
-                           "without the backend, e.g. an eager prefill); selecting recent tokens")
-    return aten_step.draft_select(query, draft_keys, draft_length, key_cache, length, q_len, spec, sliding_window,
-                                  attn_mask)
-
-
-@draft_select.register_fake
-def _(query, draft_keys, draft_length, key_cache, length, q_len, spec, sliding_window=0, attn_mask=None):
-    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, key_cache.shape[-2]))
-    return key_cache.new_empty((key_cache.shape[0], key_cache.shape[1], slots), dtype=torch.long)

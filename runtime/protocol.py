@@ -19,6 +19,7 @@ Meanings (one per name):
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -43,16 +44,27 @@ GUARD_STAT = STATS.index("guard_dense_sites")
 FALLBACK_STAT = STATS.index("recency_fallback_steps")
 
 
-def is_op(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> bool:
-    """True when ``node`` calls ``packet`` (dynamo records packets, AOT records overloads)."""
-    return node.op == "call_function" and (
-        node.target is packet or getattr(node.target, "overloadpacket", None) is packet
-    )
+def is_op(node: fx.Node, target) -> bool:
+    """True when ``node`` calls ``target``: an op packet (dynamo records packets, AOT records
+    overloads) or a step function the pass calls directly (a wrapper of it made with
+    ``functools.wraps``, e.g. a test's spy set before compiling, counts as the function)."""
+    if node.op != "call_function":
+        return False
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return node.target is target or getattr(node.target, "overloadpacket", None) is target
+    return node.target is target or inspect.unwrap(node.target) is target
 
 
-def op_arguments(node: fx.Node, packet: torch._ops.OpOverloadPacket) -> dict[str, Any]:
-    """The arguments of a call of ``packet`` in ``node``, by schema name (defaults filled)."""
-    schema = packet.default._schema
+def op_arguments(node: fx.Node, target) -> dict[str, Any]:
+    """The arguments of a call of ``target`` in ``node`` by name, defaults filled: an op packet
+    (its schema's names) or a step function the pass calls directly (its parameters')."""
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        params = inspect.signature(target).parameters
+        bound = dict(zip(params, node.args))
+        bound.update(node.kwargs)
+        return {name: bound[name] if name in bound else p.default for name, p in params.items()
+                if name in bound or p.default is not inspect.Parameter.empty}
+    schema = target.default._schema
     values: dict[str, Any] = {}
     for i, arg in enumerate(schema.arguments):
         if i < len(node.args):

@@ -11,6 +11,7 @@ The model's weights and its own ``forward`` are not changed.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Any
 
 import torch
@@ -19,14 +20,13 @@ from torch._dynamo.utils import counters
 from .backend import CompileReport, compile_reports
 from .config import SpeContextConfig
 from .passes.sites import ANCHOR, KV_WRITE, is_op
-from .runtime import offload_step
+from .runtime import aten_step, offload_step
 from .runtime.kv_cache import SpeContextCache
 from .runtime.protocol import op_arguments
 
 __all__ = ["Explanation", "SiteRow", "explain"]
 
-_SELECT = torch.ops.specontext.speculative_select.default
-_DRAFT_SELECT = torch.ops.specontext.draft_select.default
+_SELECTIONS = (aten_step.speculative_select, aten_step.draft_select)  # direct calls of the pass
 _SPARSE = torch.ops.specontext.sparse_attention.default
 _ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default, offload_step.attention)
 
@@ -111,6 +111,18 @@ def _consumers(node: torch.fx.Node, depth: int) -> list[torch.fx.Node]:
     return seen
 
 
+def _target_name(target) -> str | None:
+    """``specontext::NAME`` for our ops, ``module.NAME`` for our step functions (a wrapper made
+    with ``functools.wraps`` reads as the function), else None."""
+    name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None),
+                                                                "_qualified_op_name", None)
+    if name is not None or not callable(target):
+        return name
+    target = inspect.unwrap(target)
+    module = getattr(target, "__module__", "") or ""
+    return f"{module.rsplit('.', 1)[-1]}.{target.__name__}" if module.startswith("specontext_compile") else None
+
+
 def _step_calls(index: int, report: CompileReport) -> str:
     """The decode step's calls in graph order, counted: our ops (``specontext::``, each an
     op in the rewritten graph) and the step functions the passes call directly (module and
@@ -118,14 +130,9 @@ def _step_calls(index: int, report: CompileReport) -> str:
     kept and why)."""
     calls: dict[str, int] = {}
     for node in report.graph_module.graph.nodes:
-        target = node.target
         if node.op != "call_function":
             continue
-        name = getattr(target, "_qualified_op_name", None) or getattr(getattr(target, "overloadpacket", None),
-                                                                    "_qualified_op_name", None)
-        module = getattr(target, "__module__", "") or ""
-        if name is None and module.startswith("specontext_compile"):
-            name = f"{module.rsplit('.', 1)[-1]}.{target.__name__}"
+        name = _target_name(node.target)
         if name is not None and name.startswith(("specontext::", "aten_step.", "offload_step.", "page_bounds.",
                                                  "mla.")):
             calls[name] = calls.get(name, 0) + 1
@@ -144,15 +151,15 @@ def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     writes = [n for n in nodes if is_op(n, KV_WRITE)]
     sparse = [n for n in nodes if n.target in _ATTENTION]
     out = []
-    for sel in (n for n in nodes if n.target in (_SELECT, _DRAFT_SELECT)):
-        a = op_arguments(sel, sel.target.overloadpacket)
+    for sel in (n for n in nodes if any(is_op(n, f) for f in _SELECTIONS)):
+        a = op_arguments(sel, next(f for f in _SELECTIONS if is_op(sel, f)))
         window = a["variant"].sliding_window if "variant" in a else a["sliding_window"]
         users = list(dict.fromkeys(u for u in _consumers(sel, depth=3) if u.target in _ATTENTION))
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"
         first_write = f"before the first kv_write (node {where[writes[0]]})" if writes else ""
         out.append(
-            f"graph {index}: {sel.name} ({sel.target.name()}) at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
+            f"graph {index}: {sel.name} ({_target_name(sel.target)}) at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
             f"window={window or 'full'}; feeds {len(users)} of {len(sparse)} sparse_attention nodes, "
             f"first at node {first_sparse}")
     return out

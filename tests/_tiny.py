@@ -57,11 +57,15 @@ def compiled_steps(model, ids, steps, **options):
 
 
 def decode_graph_ops(name: str) -> int:
-    """How many ``specontext::<name>`` op nodes the decode graphs the backend rewrote since the
-    last ``clear_compile_reports()`` hold (the rewritten graph, before lowering swaps each op
-    for its body): what the pass inserted, whichever way the step then ran."""
+    """How many calls of ``name`` the decode graphs the backend rewrote since the last
+    ``clear_compile_reports()`` hold (the rewritten graph, before lowering swaps each op for
+    its body): what the pass inserted, whichever way the step then ran. ``name``: a
+    ``specontext::`` op (``"sparse_attention"``) or a step function of ``aten_step`` the pass
+    calls directly (``"speculative_select"``, ``"refine_selection"``)."""
     import specontext_compile as sc
+    from specontext_compile.runtime import aten_step
+    from specontext_compile.runtime.protocol import is_op
 
-    packet = getattr(torch.ops.specontext, name)
-    return sum(n.target in (packet, packet.default) for r in sc.compile_reports() if r.result.phase == "decode"
+    target = getattr(torch.ops.specontext, name, None) or getattr(aten_step, name)
+    return sum(is_op(n, target) for r in sc.compile_reports() if r.result.phase == "decode"
                for n in r.graph_module.graph.nodes)

@@ -15,6 +15,7 @@ recorded from the eager op chain, ``inner="eager"``), and the wall time.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
@@ -60,6 +61,7 @@ def _record_selections(store: list):
 
     original = aten_step.speculative_select
 
+    @functools.wraps(original)
     def recording(*args, **kwargs):
         out = original(*args, **kwargs)
         store.append(out.detach().clone())

@@ -6,6 +6,7 @@ import pytest
 import torch
 from _families import DECODE_STEPS, record_caches, run_family
 from specontext_compile.runtime import aten_step
+from specontext_compile.runtime.protocol import is_op
 from specontext_compile.runtime.sparse_attention import sparse_attention_reference
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import assert_gather_path
@@ -29,7 +30,7 @@ def test_bloom_rewritten_and_exact_at_full_budget_on_the_gather_path(monkeypatch
     assert_gather_path(caches[-1], 2 * DECODE_STEPS)
     sites = [s for rep in r["reports"] for s in rep.result.sites]
     assert all(s.pattern == "alibi-bmm" and s.node.target is SPARSE for s in sites)
-    select = next(n for n in sites[0].node.graph.nodes if n.target is torch.ops.specontext.speculative_select.default)
+    select = next(n for n in sites[0].node.graph.nodes if is_op(n, aten_step.speculative_select))
     assert select.args[-1] is not None  # the selection receives the bias
 
 

@@ -279,7 +279,7 @@ def test_lowering_keeps_the_offload_ops_and_lowers_the_rest():
     assert targets == [aten_step.write_kv, ops.offload_wait.default]
 
 
-def test_lowering_keeps_the_triton_kernel_and_draft_steps_as_ops():
+def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():
     from torch import fx
 
     from specontext_compile.passes.lower import lower_to_aten
@@ -290,11 +290,11 @@ def test_lowering_keeps_the_triton_kernel_and_draft_steps_as_ops():
     variant = AttentionVariant(0.5)
     graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="triton"), variant))
     graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="torch"), variant))
-    graph.call_function(ops.draft_record.default, (x, x, [x]))
+    graph.call_function(ops.draft_step.default, (x, x, x, x, x, "head", x, x, [x], False))
     graph.output(None)
     result = lower_to_aten(graph)
     targets = [n.target for n in graph.nodes if n.op == "call_function"]
-    assert targets[0] is ops.sparse_attention.default and targets[2] is ops.draft_record.default
+    assert targets[0] is ops.sparse_attention.default and targets[2] is ops.draft_step.default
     assert targets[1] is not ops.sparse_attention.default  # the torch path was lowered
     assert result.lowered["specontext::sparse_attention"] == 1
-    assert set(result.kept) == {"specontext::sparse_attention", "specontext::draft_record"}
+    assert set(result.kept) == {"specontext::sparse_attention", "specontext::draft_step"}

@@ -6,7 +6,7 @@ Heads are random, embedding-only, written in the EAGLE-3 layout with ``runtime/d
 
 import pytest
 import torch
-from _tiny import tiny_llama
+from _tiny import decode_graph_ops, tiny_llama
 from test_backend_e2e import assert_gather_path, assert_same_greedy_tokens, decode_logits
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
@@ -56,10 +56,12 @@ def write_head(folder, model, heads=2, kv_heads=2, head_dim=16, seed=0, variant=
 
 
 def options(folder, **extra):
-    """Backend options; the op chain runs eagerly (``inner="eager", lower=False``: each op
-    called with its Python body) so that the ops' counters (``draft_selection_calls``, the
-    recency fallback's, which only an op body can count on the host) and the spies see every
-    call; the lowered step is checked against it by ``test_inductor_inner_matches_eager_inner``."""
+    """Backend options; the op chain runs eagerly (``inner="eager", lower=False``: the attention
+    ops called with their Python bodies) so that the attention ops' counters
+    (``sparse_attention_calls``, ``gather_attention_calls``) and the spies see every call; the
+    selection is the same direct call of ``aten_step.draft_select`` on every path (counted
+    by ``path_counts()["decode_steps"]``); the lowered step is checked against it by
+    ``test_inductor_inner_matches_eager_inner``."""
     opts = {"retrieval_head": str(folder), "inner": "eager", **extra}
     if opts["inner"] == "eager":
         opts.setdefault("lower", False)
@@ -141,13 +143,13 @@ def assert_exact_with_full_budget(model, folder, seed):
 def test_full_budget_is_exact_over_prefill_and_20_steps(tmp_path):
     model = tiny_llama(layers=4)
     folder = write_head(tmp_path, model)
-    decode, *_ = assert_exact_with_full_budget(model, folder, seed=0)
+    decode, _, _, cache = assert_exact_with_full_budget(model, folder, seed=0)
     assert len(decode) == 1 and (decode[0].sites_total, decode[0].sites_rewritten) == (4, 4)
     assert decode[0].result.selection_head == f"draft:{folder.resolve()}"
     assert decode[0].result.retrieval_layers == ()  # no lagged-query recording
-    assert counters["specontext"]["draft_selection_calls"] == 20
+    assert decode_graph_ops("draft_select") == 1 and decode_graph_ops("speculative_select") == 0
+    assert cache.path_counts()["decode_steps"] == 20
     assert counters["specontext"]["sparse_attention_calls"] == 4 * 20
-    assert counters["specontext"]["selection_calls"] == 0
 
 
 # (head query heads, head KV heads, own embedding): equal to the target's 2 KV heads,
@@ -174,7 +176,7 @@ def test_small_budget_selection_equals_the_hand_computed_one(tmp_path, monkeypat
             tokens.append(nxt)
             logits = compiled(input_ids=nxt, cache=cache, use_cache=True).logits[:, -1]
     ids = torch.cat(tokens, 1)  # every token the cache holds, in position order
-    assert len(seen) == 2 * 6 and counters["specontext"]["draft_selection_calls"] == 6
+    assert len(seen) == 2 * 6 and cache.path_counts()["decode_steps"] == 6
     probs, _ = reference_head_scores(model, folder, ids)
     for step in range(6):
         indices, length = seen[2 * step]  # layer 0 (layer 1 reads the same selection)
@@ -260,7 +262,7 @@ def test_no_token_embedding_in_the_graph_keeps_attention_dense(tmp_path):
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert decode and decode[0].sites_rewritten == 0
     assert all("token embeddings" in reason for _, reason in decode[0].result.fallbacks())
-    assert counters["specontext"]["draft_selection_calls"] == 0
+    assert decode_graph_ops("draft_select") == 0 and cache.path_counts()["decode_steps"] == 0
 
 
 @pytest.mark.slow
@@ -297,8 +299,8 @@ def test_eager_prefill_falls_back_to_recent_tokens(tmp_path):
         logits = model(input_ids=ids, cache=cache, use_cache=True).logits[:, -1]  # eager: no head K
         compiled(input_ids=logits.argmax(-1, keepdim=True), cache=cache, use_cache=True)
     assert int(cache.draft.length) == 0  # never claims positions it did not write
-    assert counters["specontext"]["draft_recency_fallback"] == 1
-    assert cache.path_counts()["recency_fallback_steps"] == 1  # counted by the step itself too
+    assert cache.path_counts()["recency_fallback_steps"] == 1  # counted by the step itself
+    assert cache.path_counts()["decode_steps"] == 1
 
 
 def test_cli_run_accepts_retrieval_head(tmp_path, monkeypatch):
@@ -367,8 +369,8 @@ def test_smollm2_with_a_draft_head(smollm2, tmp_path, variant):
     assert all(torch.isfinite(x).all() for x in logits)
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert [(r.sites_total, r.sites_rewritten) for r in decode] == [(30, 30)]
-    assert counters["specontext"]["draft_selection_calls"] == 10
-    assert counters["specontext"]["draft_recency_fallback"] == 0
+    assert cache.path_counts()["decode_steps"] == 10
+    assert cache.path_counts()["recency_fallback_steps"] == 0
     assert int(cache.draft.length) == 310
     assert int(cache.draft.aux_valid) == (variant == "fused")  # recorded only for fused heads
 
@@ -409,7 +411,7 @@ def test_cache_built_for_another_head_keeps_attention_dense(tmp_path):
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert decode and decode[0].sites_rewritten == 0
     assert all("the cache's draft head is" in reason for _, reason in decode[0].result.fallbacks())
-    assert counters["specontext"]["draft_selection_calls"] == 0
+    assert decode_graph_ops("draft_select") == 0
 
 
 def previous_token_aux(hidden_states, layers):
@@ -424,7 +426,7 @@ def test_fused_head_full_budget_is_exact_and_keys_use_previous_hidden_states(tmp
     folder = write_head(tmp_path, model, heads=4, kv_heads=2, variant="fused", aux=(0, 1, 2))
     decode, ids, sparse, cache = assert_exact_with_full_budget(model, folder, seed=9)
     assert [(r.sites_total, r.sites_rewritten) for r in decode] == [(4, 4)]
-    assert counters["specontext"]["draft_selection_calls"] == 20
+    assert cache.path_counts()["decode_steps"] == 20
     # every K from the dense model's hidden states (exact at this budget), previous token's
     tokens = torch.cat([ids] + [x.argmax(-1, keepdim=True) for x in sparse[:-1]], 1)
     with torch.no_grad():
@@ -494,7 +496,7 @@ def test_fused_head_multi_token_step_stays_dense_and_keeps_the_key_cache_whole(t
     three = [r for r in sc.compile_reports() if r.result.phase == "decode" and r.result.sites[0].q_len == 3]
     assert three and three[0].sites_rewritten == 0
     assert all("a step of 3 tokens" in reason for _, reason in three[0].result.fallbacks())
-    assert counters["specontext"]["draft_selection_calls"] == 2
+    assert cache.path_counts()["decode_steps"] == 2  # the two one-token steps selected
     _, k = reference_head_scores(model, folder, ids, previous_token_aux(hs, (1, 0, 1)))
     assert int(cache.draft.length) == 45
     torch.testing.assert_close(cache.draft.keys[:, :, :45], k, atol=1e-4, rtol=1e-4)

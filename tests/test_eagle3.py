@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
+from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.eagle3 import load_eagle3_head
+from specontext_compile.runtime.protocol import is_op
 
 H, HEADS, KV, D, VOCAB, DRAFT_VOCAB, INTER = 64, 4, 2, 16, 300, 100, 256
 
@@ -314,8 +316,8 @@ def test_aux_id_equal_to_the_layer_count_is_the_last_layer_output(tmp_path):
     assert counts["decode_steps"] == 3 and counts["sparse_sites"] == 3 * TARGET_LAYERS
     assert counts["gather_sites"] == 3 * TARGET_LAYERS
     graph = decode[0].graph_module.graph  # the draft head selected (once per step), not the lagged query
-    assert sum(n.target is torch.ops.specontext.draft_select.default for n in graph.nodes) == 1
-    assert not any(n.target is torch.ops.specontext.speculative_select.default for n in graph.nodes)
+    assert sum(is_op(n, aten_step.draft_select) for n in graph.nodes) == 1
+    assert not any(is_op(n, aten_step.speculative_select) for n in graph.nodes)
 
 
 @pytest.mark.parametrize("ids,layers,match", [

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from specontext_compile.passes.sites import find_attention_sites
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.mla import latent_query, mla_sparse_attention
-from specontext_compile.runtime.protocol import op_arguments
+from specontext_compile.runtime.protocol import is_op, op_arguments
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import assert_gather_path, decode_logits
 
@@ -130,8 +130,8 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
     readers = {u.target for s in stores for u in s.users}  # functions, or method names (str)
     assert not readers & {torch._C._nn.linear, torch.nn.functional.linear, "expand", "view", "transpose"}, readers
     assert all(torch.isfinite(x).all() for x in logits)
-    selections = [n for n in graph.nodes if n.target is torch.ops.specontext.speculative_select.default]
-    select = torch.ops.specontext.speculative_select
+    select = aten_step.speculative_select
+    selections = [n for n in graph.nodes if is_op(n, select)]
     assert len(selections) == 1 and op_arguments(selections[0], select)["mla"] is True  # MLA scoring, once per step
 
 

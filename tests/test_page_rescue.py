@@ -17,7 +17,6 @@ from specontext_compile.runtime.kv_cache import SpeContextLayer
 from _tiny import compiled_steps, decode_graph_ops
 from specontext_compile.backend import clear_compile_reports
 from test_two_stage import _refine_reference
-from torch._dynamo.utils import counters
 
 import specontext_compile as sc
 from specontext_compile.tiny_models import tiny_family
@@ -201,9 +200,9 @@ def test_compiled_rescue_step_equals_the_eager_op_chain_and_counts_its_sites():
     layers = len(model.model.layers)
     ids = torch.randint(1, 128, (1, 70), generator=torch.Generator().manual_seed(2))
     opts = dict(budget=12, page_rescue=16, sink_tokens=1, recent_window=2)
-    counters.clear()
+    clear_compile_reports()
     eager, c_eager = compiled_steps(model, ids, 4, inner="eager", lower=False, **opts)
-    assert counters["specontext"]["refine_calls"] == 4 * layers
+    assert decode_graph_ops("refine_selection") == layers
     compiled, c_ind = compiled_steps(model, ids, 4, **opts)
     torch.testing.assert_close(compiled, eager, atol=2e-4, rtol=0)
     assert c_ind.path_counts() == c_eager.path_counts()

