@@ -11,6 +11,7 @@ from .config import SpeContextConfig
 from .explain import explain
 from .runtime.kv_cache import SpeContextCache
 from .runtime.static_state import path_counts
+from .serving import continuous_batching_config
 
 __all__ = [
            "CompileReport",
@@ -18,6 +19,7 @@ __all__ = [
            "SpeContextConfig",
            "compile",
            "compile_reports",
+           "continuous_batching_config",
            "explain",
            "path_counts",
            "restore",

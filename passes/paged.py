@@ -1,0 +1,275 @@
+"""The rewrite of a continuous-batching step (Hugging Face's paged, packed KV; issue 28).
+
+Matches, in the one graph of a step of Hugging Face's continuous batching (its cache update
+made traceable: ``specontext_compile.serving``), every attention site of the form
+
+    key_view.index_copy_(0, write_index, key)            # the engine's KV write
+    keys = index_select(key_view, 0, read_index) ...      # every request's history, packed
+    scaled_dot_product_attention(query, keys..., values..., attn_mask=mask, scale=s)
+
+(``key_view`` / ``value_view`` / ``write_index`` / ``read_index`` / ``mask`` graph inputs),
+and rewrites the step as :mod:`..runtime.paged` describes, in two variants the backend
+compiles side by side and picks per step: the *decode* variant (one
+:func:`~..runtime.paged.packed_select` before the first KV write, each site's attention
+replaced by :func:`~..runtime.paged.packed_sparse_attention`; the dense attention's gathers
+go with it) and the *dense* variant (Hugging Face's attention unchanged); both with a
+:func:`~..runtime.paged.record_packed_query` in each retrieval layer.
+
+Invariants: a graph that does not have exactly this form is left as it is (dense, exact)
+with the reason returned; the cache layout (page size, layers, blocks) is derived from the
+views' shapes and checked against every site; the KV writes are never moved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+
+import torch
+from torch import fx
+
+from ..config import SpeContextConfig, default_retrieval_layers
+from ..runtime import paged
+from ..runtime.spec import StepSpec
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PagedLayout", "PagedRewrite", "PagedSite", "rewrite_paged"]
+
+_SDPA = torch.nn.functional.scaled_dot_product_attention
+_STATE = ("specontext_paged_queries", "specontext_paged_stamps", "specontext_paged_stats")
+
+
+@dataclasses.dataclass
+class PagedSite:
+    """One attention site of a continuous-batching step (graph nodes)."""
+
+    attention: fx.Node
+    query: fx.Node
+    key_view: fx.Node
+    value_view: fx.Node
+    read_index: fx.Node
+    write_index: fx.Node
+    write: fx.Node
+    mask: fx.Node
+    scale: float
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedLayout:
+    """The paged cache as the views' shapes show it: ``page_size`` tokens per page, ``layers``
+    per block, ``stride = 2 * page_size * layers`` rows per block, ``blocks`` blocks."""
+
+    page_size: int
+    layers: int
+    blocks: int
+
+    @property
+    def stride(self) -> int:
+        return 2 * self.page_size * self.layers
+
+
+@dataclasses.dataclass
+class PagedRewrite:
+    """What :func:`rewrite_paged` did: the sites, the layout, the retrieval layers and the
+    state's shape, or the reason the graph was left dense (``reason``)."""
+
+    sites: list[PagedSite] = dataclasses.field(default_factory=list)
+    layout: PagedLayout | None = None
+    retrieval_layers: tuple[int, ...] = ()
+    num_heads: int = 0
+    head_dim: int = 0
+    key_input: int = -1  # the position, among the graph's inputs, of layer 0's key view
+    mask_input: int = -1  # ... of the attention mask
+    reason: str | None = None
+
+    @property
+    def rewritten(self) -> bool:
+        return self.reason is None and bool(self.sites)
+
+
+def _val(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _is_index_select(node: fx.Node) -> bool:
+    return (node.op == "call_function" and node.target in (torch.index_select, torch.ops.aten.index_select.default)
+            or node.op == "call_method" and node.target == "index_select")
+
+
+def _gathered_view(node: fx.Node, depth: int = 12) -> tuple[fx.Node, fx.Node] | None:
+    """``(view, read_index)`` of the ``index_select(view, 0, read_index)`` that ``node`` (an
+    attention operand) is a reshaping of, both graph inputs; else None."""
+    for _ in range(depth):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+            return None
+        if _is_index_select(node):
+            view, dim, index = node.args[:3]
+            ok = dim == 0 and all(isinstance(n, fx.Node) and n.op == "placeholder" for n in (view, index))
+            return (view, index) if ok else None
+        node = node.args[0] if node.args else None
+    return None
+
+
+def _write_of(view: fx.Node) -> fx.Node | None:
+    """The ``view.index_copy_(0, write_index, rows)`` of a cache view, or None."""
+    for user in view.users:
+        if (user.op == "call_method" and user.target == "index_copy_" and user.args[0] is view
+                and user.args[1] == 0 and isinstance(user.args[2], fx.Node)):
+            return user
+    return None
+
+
+def _site(node: fx.Node) -> tuple[PagedSite | None, str | None]:
+    """The site of an SDPA node, or the reason it is not a paged site (None, None: not one at all)."""
+    args = list(node.args) + [None] * (4 - len(node.args))
+    query, keys, values = args[:3]
+    mask = node.kwargs.get("attn_mask", args[3])
+    key_src, value_src = _gathered_view(keys), _gathered_view(values)
+    if key_src is None or value_src is None:
+        return None, None
+    if key_src[1] is not value_src[1]:
+        return None, "keys and values are gathered with different read indices"
+    if node.kwargs.get("is_causal", False) or node.kwargs.get("dropout_p", 0.0) or node.kwargs.get("enable_gqa"):
+        return None, "attention is causal, has dropout or enable_gqa (not the continuous-batching form)"
+    if not (isinstance(mask, fx.Node) and mask.op == "placeholder"):
+        return None, "the attention mask is not a graph input"
+    write, value_write = _write_of(key_src[0]), _write_of(value_src[0])
+    if write is None or value_write is None or write.args[2] is not value_write.args[2]:
+        return None, "no KV write with one write index into the gathered views"
+    if write.args[2].op != "placeholder":
+        return None, "the write index is not a graph input"
+    q = _val(query)
+    if q is None or q.dim() != 4 or q.shape[0] != 1:
+        return None, "the query is not [1, heads, tokens, head_dim]"
+    scale = node.kwargs.get("scale")
+    scale = float(q.shape[-1]) ** -0.5 if scale is None else scale
+    if not isinstance(scale, (int, float)):
+        return None, "the softmax scale is not a constant"
+    return PagedSite(node, query, key_src[0], value_src[0], key_src[1], write.args[2], write, mask, float(scale)), None
+
+
+def _layout(sites: list[PagedSite]) -> tuple[PagedLayout | None, str | None]:
+    """The cache layout from the views' row counts: layer ``i``'s key view starts ``2 i P``
+    rows into the cache, its value view ``(2 i + 1) P``."""
+    rows = [(_val(s.key_view).shape[0], _val(s.value_view).shape[0]) for s in sites]
+    total, page = rows[0][0], rows[0][0] - rows[0][1]
+    if page <= 0:
+        return None, "the cache views do not look like Hugging Face's paged layout"
+    for i, (k, v) in enumerate(rows):
+        if (k, v) != (total - 2 * i * page, total - (2 * i + 1) * page):
+            return None, (f"layer {i}'s cache views ({k}, {v} rows) do not follow the paged layout of "
+                          f"page size {page} (several layer groups, e.g. sliding-window layers, are not built)")
+    layout = PagedLayout(page, len(sites), total // (2 * page * len(sites)))
+    if total % layout.stride:
+        return None, f"{total} cache rows are not whole blocks of {layout.stride}"
+    return layout, None
+
+
+def _shared(sites: list[PagedSite]) -> str | None:
+    first = sites[0]
+    for s in sites[1:]:
+        if s.read_index is not first.read_index or s.write_index is not first.write_index or s.mask is not first.mask:
+            return "sites read different masks or indices (several layer groups are not built)"
+    heads = {(_val(s.query).shape[1], _val(s.query).shape[-1], _val(s.key_view).shape[1]) for s in sites}
+    if len(heads) != 1:
+        return "layers differ in heads or head_dim"
+    if len({s.scale for s in sites}) != 1:
+        return "layers differ in their softmax scale"
+    return None
+
+
+def find_paged_sites(graph: fx.Graph) -> tuple[list[PagedSite], str | None]:
+    """Every paged site of ``graph`` in order, or ``([], reason)``."""
+    sites, reasons = [], []
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _SDPA:
+            site, reason = _site(node)
+            if site is not None:
+                sites.append(site)
+            elif reason is not None:
+                reasons.append(reason)
+    if reasons:
+        return [], f"an attention site is not rewritable: {reasons[0]}"
+    if not sites:
+        return [], "no attention over a paged KV cache (index_copy_ / index_select / SDPA)"
+    return sites, _shared(sites)
+
+
+def _erase_gathers(graph: fx.Graph, node: fx.Node) -> None:
+    """Erase ``node`` and, recursively, its inputs that nothing else reads (the dense
+    attention's gathers and reshapes; never a graph input or an in-place op)."""
+    if node.users or node.op not in ("call_function", "call_method") or str(node.target).endswith("_"):
+        return
+    inputs = list(node.all_input_nodes)
+    graph.erase_node(node)
+    for inp in inputs:
+        _erase_gathers(graph, inp)
+
+
+def _placeholders(graph: fx.Graph) -> list[fx.Node]:
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    out = []
+    for name in _STATE:
+        with graph.inserting_after(last):
+            last = graph.placeholder(name)
+        out.append(last)
+    return out
+
+
+def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, sparse: bool) -> PagedRewrite:
+    """Rewrite a continuous-batching step in place (module docstring): ``sparse`` = the decode
+    variant (selection, sparse attention at every site), else the dense variant (Hugging
+    Face's attention, unchanged); both record the retrieval layers' queries and count the
+    step. Three graph inputs are appended (the :class:`~..runtime.paged.PagedState`
+    tensors) when the graph is rewritten; else ``reason`` says why it was left as it is."""
+    sites, reason = find_paged_sites(graph)
+    if reason is not None:
+        return PagedRewrite(reason=reason)
+    layout, reason = _layout(sites)
+    if reason is not None:
+        return PagedRewrite(reason=reason)
+    n = len(sites)
+    picked = config.selection.retrieval_layers or default_retrieval_layers(n)
+    retrieval = tuple(sorted({min(max(j + n if j < 0 else j, 0), n - 1) for j in picked}))
+    q = _val(sites[0].query)
+    inputs = [p for p in graph.nodes if p.op == "placeholder"]
+    result = PagedRewrite(sites, layout, retrieval, q.shape[1], q.shape[-1], inputs.index(sites[0].key_view),
+                          inputs.index(sites[0].mask))
+    queries, stamps, stats = _placeholders(graph)
+    first_write = min((s.write for s in sites), key=list(graph.nodes).index)
+    with graph.inserting_before(first_write):
+        if sparse:
+            selected = graph.call_function(paged.packed_select, (
+                queries, stamps, [sites[i].key_view for i in retrieval], sites[0].read_index, sites[0].mask,
+                StepSpec.from_config(config), sites[0].scale, layout.stride))
+            columns, recency, last = (graph.call_function(operator.getitem, (selected, i)) for i in range(3))
+            graph.call_function(paged.count_paged_step, (stats, n, recency))
+        else:
+            last = graph.call_function(paged.last_rows, (sites[0].mask,))
+            graph.call_function(paged.count_paged_step, (stats, 0))
+    for slot, layer in enumerate(retrieval):
+        site = sites[layer]
+        with graph.inserting_before(site.attention):
+            graph.call_function(paged.record_packed_query, (
+                queries, stamps, slot, site.query, site.write_index, last, layout.stride))
+    if sparse:
+        for site in sites:
+            _attend_selected(graph, site, columns)
+    graph.lint()
+    return result
+
+
+def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node) -> None:
+    """Replace the site's dense attention by :func:`~..runtime.paged.packed_sparse_attention`
+    over ``columns``, and erase the dense attention's gathers."""
+    with graph.inserting_before(site.attention):
+        out = graph.call_function(paged.packed_sparse_attention, (
+            site.query, site.key_view, site.value_view, site.read_index, columns, site.scale))
+    out.meta.update({k: v for k, v in site.attention.meta.items() if k in ("example_value", "val", "stack_trace")})
+    keys, values = site.attention.args[1:3]
+    site.attention.replace_all_uses_with(out)
+    graph.erase_node(site.attention)
+    _erase_gathers(graph, keys)
+    _erase_gathers(graph, values)

@@ -1,0 +1,246 @@
+"""Sparse decode over a paged, packed KV cache: Hugging Face's continuous batching (issue 28).
+
+Hugging Face's continuous-batching engine (transformers 5.x, ``generate_batch``,
+``transformers serve --continuous-batching``) packs every request of a step into one row of
+``Q`` query tokens. Per layer it writes the step's keys and values into a paged cache at
+``write_index`` and gathers every request's whole history at ``read_index`` into ``KV``
+packed columns; a block-diagonal additive mask ``[1, 1, Q, KV]`` keeps each query row inside
+its own request (causal). This module is the step our pass (``passes/paged.py``) puts in
+that graph, with the same selection as the one-request step (SpeContext section 4):
+
+* **what a row sees comes from the mask alone**: the visible columns of a row are its
+  request's, its last visible column is its own token, the one before it the request's
+  previous token; a row is a request's last row when the next row starts a different
+  request (:func:`packed_rows`);
+* **lagged queries live with the pages**: each retrieval layer records, for every request's
+  last row, its query in the *block* of the cache that holds that token, stamped with the
+  token's physical row (:func:`record_packed_query`). The next step reads the block of the
+  request's previous token and uses the query only when the stamp matches. Blocks are freed
+  and reused with their requests, so the state needs no lifecycle of its own, and a stale
+  query from a block's previous owner never matches (its stamp is another token's row, or
+  the owner's query was overwritten when this request wrote its token);
+* **a step whose rows all decode** (every request one query token: :func:`is_decode_step`)
+  attends sparsely: per row and KV head, sinks + recent window + the top of the
+  lagged-query scores (:func:`packed_select`, the same :func:`~.aten_step.select_positions`
+  as the one-request step), gathered from the paged cache through ``read_index``
+  (:func:`packed_sparse_attention`). Any step with a longer query (prefill, chunked
+  prefill, a mixed batch) runs Hugging Face's own graph (dense, exact), with the recording
+  added: the backend compiles both and picks one per step on the host.
+
+Layout (``runtime/README.md``): a layer's key view ``[rows, num_kv_heads, head_dim]`` is the
+cache tensor from that layer's first row on; the token in block ``b`` at offset ``o`` is row
+``b * stride + o`` of every layer's view, ``stride = 2 * page_size * layers``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .aten_step import select_positions
+from .sparse_attention import query_key_logits
+from .spec import StepSpec
+
+__all__ = ["PAGED_STATS", "PagedState", "count_paged_step", "is_decode_step", "last_rows", "packed_rows",
+           "packed_select", "packed_sparse_attention", "packed_visible", "record_packed_query"]
+
+_NEG = float("-inf")
+
+#: Counters a :class:`PagedState` keeps (index = position), advanced on the device.
+PAGED_STATS = (
+    "steps",             # steps the rewritten graph ran
+    "sparse_steps",      # ... of which every row decoded: sparse attention at every site
+    "dense_steps",       # ... of which some request had a longer query: dense and exact
+    "sparse_sites",      # attention calls over a selection (sites x sparse steps)
+    "recency_rows",      # decode rows whose selection ranked by recency (no lagged query recorded)
+)
+
+
+@dataclasses.dataclass
+class PagedState:
+    """The lagged queries of one paged cache (one per cache: two engines never share one).
+
+    Attributes:
+        queries: ``[retrieval_layers, blocks + 1, num_heads, head_dim]`` float32; entry
+            ``blocks`` is scratch (rows that record nothing write there).
+        stamps: int64 ``[retrieval_layers, blocks + 1]``: the physical row of the token each
+            entry's query was recorded at (-1 = never).
+        stats: int64 ``[len(PAGED_STATS)]``.
+    """
+
+    queries: torch.Tensor
+    stamps: torch.Tensor
+    stats: torch.Tensor
+
+    @classmethod
+    def allocate(cls, layers: int, blocks: int, num_heads: int, head_dim: int, device) -> PagedState:
+        """Zero queries, stamps -1 (nothing recorded), zero counters."""
+        return cls(torch.zeros(layers, blocks + 1, num_heads, head_dim, device=device),
+                   torch.full((layers, blocks + 1), -1, dtype=torch.long, device=device),
+                   torch.zeros(len(PAGED_STATS), dtype=torch.long, device=device))
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.queries, self.stamps, self.stats
+
+    def counts(self) -> dict[str, int]:
+        """The counters by name (one host read)."""
+        return dict(zip(PAGED_STATS, self.stats.tolist()))
+
+
+def packed_visible(attn_mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[Q, 1, KV]``: the packed columns each query row may attend to, read from Hugging
+    Face's additive mask ``[1, 1, Q, KV]`` (0 = visible, the dtype's minimum = hidden) or a
+    bool mask (True = visible)."""
+    mask = attn_mask[0, 0]
+    if mask.dtype == torch.bool:
+        return mask.unsqueeze(1)
+    return (mask > torch.finfo(mask.dtype).min / 2).unsqueeze(1)
+
+
+def packed_rows(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per query row, from its visible columns ``[Q, 1, KV]``: ``(real, last, first, own)``.
+
+    ``real`` bool ``[Q]``: the row sees something (padding rows see nothing); ``first`` /
+    ``own`` int64 ``[Q]``: its first and last visible column (its request's first token and its
+    own token); ``last`` bool ``[Q]``: the row is its request's last row (the next row starts
+    another request or is padding), so its query is the one the next step's selection uses.
+    A decode step is one whose real rows are all last rows (:func:`is_decode_step`)."""
+    seen = visible[:, 0]
+    q_rows, kv = seen.shape
+    cols = torch.arange(kv, device=seen.device)
+    real = seen.any(-1)
+    first = torch.where(seen, cols, kv).amin(-1)
+    own = torch.where(seen, cols, -1).amax(-1)
+    nxt = torch.cat([first[1:], first.new_full((1,), -1)])
+    nxt_real = torch.cat([real[1:], real.new_zeros(1)])
+    last = real & ~(nxt_real & (nxt == first))
+    return real, last, first, own
+
+
+def record_packed_query(queries: torch.Tensor, stamps: torch.Tensor, slot: int, query: torch.Tensor,
+                        write_index: torch.Tensor, last: torch.Tensor, stride: int) -> None:
+    """Retrieval layer ``slot`` keeps each request's last query row in the block of the token
+    that row wrote (``write_index // stride``), stamped with that token's physical row; other
+    rows write the scratch entry. In place on ``queries`` / ``stamps`` (:class:`PagedState`).
+
+    Args:
+        query: ``[1, num_heads, Q, head_dim]`` (the layer's attention query, after RoPE).
+        write_index: int64 ``[Q]``: each row's token's physical row.
+        last: bool ``[Q]`` (:func:`packed_rows`).
+        stride: rows per block of the layer views.
+    """
+    scratch = queries.shape[1] - 1
+    block = torch.where(last, write_index // stride, scratch)
+    rows = query[0].transpose(0, 1).detach().to(queries.dtype)  # [Q, H, D]
+    queries[slot].index_copy_(0, block, rows)
+    stamps[slot].index_copy_(0, block, torch.where(last, write_index, -1))
+
+
+def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[torch.Tensor],
+                  read_index: torch.Tensor, attn_mask: torch.Tensor, spec: StepSpec, scale: float,
+                  stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The step's selection, per query row and KV head, over the packed columns.
+
+    Scores (as :func:`~.aten_step.lagged_query_scores`, per row): for each retrieval layer
+    ``i`` the softmax of its recorded query (the request's previous token's) against its
+    keys over the row's visible columns except its own token, max over the query heads of
+    each KV group, summed over the layers; a row whose request has no matching record
+    (stamp) ranks by recency (the column). Then :func:`~.aten_step.select_positions` over the
+    row's visible columns: sinks (its first), recent window (its last, its own token
+    included), the top of the scores; ``min(spec.candidate_slots, KV)`` slots.
+
+    Args:
+        queries, stamps: the cache's :class:`PagedState` tensors.
+        key_views: the retrieval layers' key views ``[rows, num_kv_heads, head_dim]``, in
+            slot order (read before this step's writes: only past tokens are scored).
+        read_index: int64 ``[KV]``: each packed column's physical row.
+        attn_mask: Hugging Face's mask ``[1, 1, Q, KV]``.
+        spec: budget (``candidate_slots``), ``sink_tokens``, ``recent_window``.
+        scale: the retrieval layers' softmax scale.
+        stride: rows per block.
+
+    Returns:
+        ``(columns, recency, last)``: int64 ``[Q, num_kv_heads, slots]`` packed columns
+        (ascending, ``-1`` padding first); int64 scalar, the real rows ranked by recency;
+        bool ``[Q]``, the requests' last rows (:func:`packed_rows`), whose queries the
+        retrieval layers record.
+    """
+    visible = packed_visible(attn_mask)
+    real, last, first, own = packed_rows(visible)
+    q_rows, kv = visible.shape[0], visible.shape[-1]
+    cols = torch.arange(kv, device=visible.device)
+    previous = own - 1
+    has_previous = real & (previous >= first)
+    prev_row = read_index[previous.clamp(min=0)]
+    block = (prev_row // stride).clamp(max=queries.shape[1] - 1)
+    ready = has_previous & (stamps[:, block] == prev_row).all(0)  # [Q]
+    scored = visible & (cols != own.view(-1, 1, 1))  # past tokens of the row's request
+    total = None
+    for i, view in enumerate(key_views):
+        keys = view.index_select(0, read_index).transpose(0, 1)  # [Hkv, KV, D]
+        num_kv, _, d = keys.shape
+        q = queries[i, block].view(q_rows, num_kv, -1, d)  # [Q, Hkv, g, D]
+        groups = q.shape[2]
+        q = q.permute(1, 0, 2, 3).reshape(num_kv, q_rows * groups, d)
+        logits = query_key_logits(q, keys, scale).view(num_kv, q_rows, groups, kv).permute(1, 0, 2, 3)
+        probs = torch.softmax(logits.masked_fill(~scored.unsqueeze(2), _NEG), dim=-1).amax(2)  # [Q, Hkv, KV]
+        probs = torch.where(scored, probs, 0.0)
+        total = probs if total is None else total + probs
+    recency = cols.to(torch.float32).expand_as(total)
+    scores = torch.where(ready.view(-1, 1, 1), total, recency)
+    slots = torch.sym_max(1, torch.sym_min(spec.candidate_slots, kv))
+    everything = torch.full((), kv, dtype=torch.long, device=visible.device)
+    columns = select_positions(scores, everything - 1, 1, slots, spec.sink_tokens, spec.recent_window, 0, visible)
+    recency_rows = (real & ~ready).sum()
+    return columns, recency_rows, last
+
+
+def count_paged_step(stats: torch.Tensor, sites: int, recency_rows: torch.Tensor | None = None) -> None:
+    """Advance :data:`PAGED_STATS` for one step (on the device): a sparse step of ``sites``
+    attention sites (``recency_rows`` from :func:`packed_select`), or a dense one (``sites``
+    0, no ``recency_rows``)."""
+    sparse = int(sites > 0)
+    recency = stats.new_zeros(()) if recency_rows is None else recency_rows.to(stats.dtype)
+    ones = stats.new_tensor([1, sparse, 1 - sparse, sites])
+    stats.add_(torch.cat([ones, recency.view(1)]))
+
+
+def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
+    """bool ``[Q]``: the requests' last query rows (:func:`packed_rows`) of Hugging Face's mask."""
+    return packed_rows(packed_visible(attn_mask))[1]
+
+
+def is_decode_step(attn_mask: torch.Tensor) -> bool:
+    """Whether every request of the step has one query token (read on the host, once per step,
+    by the backend's step function: it picks the sparse or the dense graph)."""
+    real, last, _, _ = packed_rows(packed_visible(attn_mask))
+    return bool((last | ~real).all())
+
+
+def packed_sparse_attention(query: torch.Tensor, key_view: torch.Tensor, value_view: torch.Tensor,
+                            read_index: torch.Tensor, columns: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each row attends to its selected columns only, read from the paged cache.
+
+    Args:
+        query: ``[1, num_heads, Q, head_dim]``.
+        key_view, value_view: the layer's views ``[rows, num_kv_heads, head_dim]`` (this step's
+            write included).
+        read_index: int64 ``[KV]``.
+        columns: int64 ``[Q, num_kv_heads, slots]`` (:func:`packed_select`; ``-1`` = none).
+        scale: softmax scale.
+
+    Returns:
+        ``[1, num_heads, Q, head_dim_v]`` in ``query.dtype`` (a row that selected nothing: 0).
+    """
+    _, num_heads, q_rows, d = query.shape
+    num_kv = key_view.shape[1]
+    valid = columns >= 0
+    rows = read_index[columns.clamp(min=0)]  # [Q, Hkv, S] physical rows
+    heads = torch.arange(num_kv, device=rows.device).view(1, num_kv, 1)
+    keys, values = key_view[rows, heads], value_view[rows, heads]  # [Q, Hkv, S, D]
+    q = query[0].transpose(0, 1).reshape(q_rows, num_kv, -1, d)  # [Q, Hkv, g, D]
+    logits = query_key_logits(q, keys, scale).masked_fill(~valid.unsqueeze(2), _NEG)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
+    out = torch.matmul(probs, values)  # [Q, Hkv, g, Dv]
+    return out.reshape(q_rows, num_heads, -1).transpose(0, 1).unsqueeze(0).to(query.dtype)

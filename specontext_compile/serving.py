@@ -1,0 +1,198 @@
+"""Sparse decoding inside Hugging Face's continuous batching (issue 28).
+
+One call builds the engine's configuration with the backend as its compiler::
+
+    cb = specontext_compile.continuous_batching_config({"budget": 512}, max_batch_tokens=256)
+    outputs = model.generate_batch(inputs=[ids_a, ids_b, ...], generation_config=gen,
+                                   continuous_batching_config=cb)
+    specontext_compile.serving.path_counts(cb)   # {"sparse_steps": ..., "dense_steps": ...}
+
+Every step of the engine then runs as one compiled graph (``passes/paged.py`` rewrites it,
+``runtime/paged.py`` has its functions): a step whose requests all decode attends sparsely,
+each request to its own selection (sinks, recent window, lagged-query top-k: the one-request
+step's selection) over the paged cache; prefill, chunked prefill and mixed steps attend
+densely and exactly, as Hugging Face does. The lagged queries live in the cache's blocks,
+so requests joining, finishing and reusing blocks need nothing from us.
+
+What it changes outside the package, and why: Hugging Face excludes the paged cache's update
+from compilation (``@torch.compiler.disable`` on ``PagedAttentionCache.update``), so a
+compiled step would never see the KV write and the gather it must rewrite.
+:func:`continuous_batching_config` makes that method traceable (its undecorated function:
+the same code) for the process, logged once.
+
+Not built yet (issue 28): page rescue and per-layer refinement in this step (the selection
+is the step's shared one, as ``page_rescue=0``), draft heads, sliding-window layer groups,
+KV offload, CUDA graphs; a one-token chunk of a chunked prefill is attended sparsely like a
+decode row (the mask cannot tell them apart).
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from typing import Any, Callable
+
+import torch
+
+from .backend import _copy
+from .config import SpeContextConfig
+from .passes.paged import PagedRewrite, rewrite_paged
+from .runtime.paged import PAGED_STATS, PagedState, is_decode_step
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PagedBackend", "continuous_batching_config", "path_counts"]
+
+
+class PagedBackend:
+    """A ``torch.compile`` backend for the steps of Hugging Face's continuous batching.
+
+    ``states``: one :class:`~.runtime.paged.PagedState` per live paged cache (keyed by its
+    layer-0 key view), so two engines on one model never read each other's lagged queries.
+    ``rewrites``: what the pass did to each graph (:class:`~.passes.paged.PagedRewrite`).
+    Hugging Face deep-copies its configuration: the backend is held by a plain function
+    (:func:`continuous_batching_config`), which a deep copy keeps as is.
+    """
+
+    def __init__(self, options: dict[str, Any] | None = None):
+        self.config = SpeContextConfig.from_options(options)
+        _check_built(self.config, options or {})
+        self.states: dict[int, PagedState] = {}
+        self.retired = dict.fromkeys(PAGED_STATS, 0)  # counters of caches already freed
+        self.rewrites: list[PagedRewrite] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
+        # two variants of the step (new graph inputs: dynamo's own graph keeps its placeholders)
+        sparse_gm, dense_gm = _copy(gm), _copy(gm)
+        result = rewrite_paged(sparse_gm.graph, self.config, sparse=True)
+        self.rewrites.append(result)
+        if not result.rewritten:
+            logger.info("specontext: continuous-batching graph left dense (exact): %s", result.reason)
+            return self._compile(gm, list(example_inputs))
+        rewrite_paged(dense_gm.graph, self.config, sparse=False)
+        logger.info("specontext: continuous-batching step rewritten: %d sites over a paged cache (page size %d, "
+                    "%d blocks), retrieval layers %s", len(result.sites), result.layout.page_size,
+                    result.layout.blocks, list(result.retrieval_layers))
+        inputs = [*example_inputs, *self._state(result, example_inputs[result.key_input]).tensors()]
+        sparse_step, dense_step = (self._compile(g, inputs) for g in (sparse_gm, dense_gm))
+
+        def step(*args):
+            extra = self._state(result, args[result.key_input]).tensors()
+            if is_decode_step(args[result.mask_input]):  # one host read per step
+                return sparse_step(*args, *extra)
+            return dense_step(*args, *extra)
+
+        return step
+
+    def _state(self, result: PagedRewrite, key_view: torch.Tensor) -> PagedState:
+        """The state of the cache whose layer-0 key view is ``key_view`` (Hugging Face keeps one
+        view object per cache and layer). Dropped with the view: a later cache allocated at
+        the same address never finds a finished engine's lagged queries."""
+        key = id(key_view)
+        state = self.states.get(key)
+        if state is None:
+            state = PagedState.allocate(len(result.retrieval_layers), result.layout.blocks, result.num_heads,
+                                        result.head_dim, key_view.device)
+            self.states[key] = state
+            weakref.finalize(key_view, self._retire, key)
+        return state
+
+    def _retire(self, key: int) -> None:
+        """A cache is gone: keep its counters, drop its state."""
+        state = self.states.pop(key, None)
+        if state is not None:
+            for name, value in state.counts().items():
+                self.retired[name] += value
+
+    def counts(self) -> dict[str, int]:
+        """:data:`~.runtime.paged.PAGED_STATS` summed over every cache this backend stepped."""
+        total = dict(self.retired)
+        for state in list(self.states.values()):
+            for name, value in state.counts().items():
+                total[name] += value
+        return total
+
+    def _compile(self, gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        gm.recompile()
+        inner = self.config.compile.inner
+        if inner == "eager":
+            return gm.forward
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, inputs)
+
+
+#: options whose non-default values this step does not build yet: refused, naming the option
+_NOT_BUILT = {
+    "retrieval_head": "draft heads", "candidates": "two-stage selection", "min_coverage": "the fidelity guard",
+    "dense_layers": "dense layers", "rescue_layers": "per-layer page rescue",
+    "device_memory_bytes": "KV offload", "kernel": "the Triton kernel",
+}
+
+
+def _check_built(config: SpeContextConfig, options: dict[str, Any]) -> None:
+    """Refuse options the continuous-batching step does not build (a clear error instead of
+    an option silently ignored); the page rescue, on by default, is announced once."""
+    defaults = SpeContextConfig()
+    given = sorted(name for name in _NOT_BUILT if name in options and options[name] != getattr(defaults, name))
+    if given:
+        raise ValueError(f"continuous batching does not build {', '.join(_NOT_BUILT[n] for n in given)} yet "
+                         f"(option(s) {given}); drop them (docs/serving.md, 'Not built yet')")
+    if config.selection.page_rescue:
+        logger.warning("specontext: the continuous-batching step selects without the page rescue (not built "
+                       "there yet): each request decodes as the one-request step with page_rescue=0; pass "
+                       "page_rescue=0 to silence this")
+
+
+def _traceable_cache_update() -> None:
+    """Make ``PagedAttentionCache.update`` traceable by dynamo (see the module docstring)."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    wrapped = getattr(PagedAttentionCache.update, "__wrapped__", None)
+    if wrapped is not None:
+        PagedAttentionCache.update = wrapped
+        logger.info("specontext: PagedAttentionCache.update made traceable (its torch.compiler.disable removed) "
+                    "so that the continuous-batching step compiles as one graph")
+
+
+def continuous_batching_config(options: dict[str, Any] | None = None, **engine: Any):
+    """A ``ContinuousBatchingConfig`` whose steps compile with the specontext backend.
+
+    Args:
+        options: backend options (:class:`~.config.SpeContextConfig`; ``budget``,
+            ``sink_tokens``, ``recent_window``, ``retrieval_layers``, ``inner``, ...).
+        **engine: ``ContinuousBatchingConfig`` fields (``max_batch_tokens``, ``num_blocks``,
+            ``block_size``, ``max_requests_per_batch``, ...); ``varlen_compile_config`` is
+            ours. On CPU set ``num_blocks`` and ``max_batch_tokens``: Hugging Face sizes the
+            cache from the host's memory otherwise.
+
+    Returns:
+        ``transformers.ContinuousBatchingConfig``; :func:`path_counts` reads its counters.
+
+    Raises:
+        ValueError: unknown or bad options (before anything runs), or ``varlen_compile_config``
+            given (the backend is the compile configuration).
+    """
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    if "varlen_compile_config" in engine:
+        raise ValueError("continuous_batching_config sets varlen_compile_config itself (the specontext "
+                         "backend); pass backend options as `options` instead")
+    backend = PagedBackend(options)
+
+    def specontext_paged(gm, example_inputs, **kwargs):  # a function: Hugging Face deep-copies the config
+        return backend(gm, example_inputs, **kwargs)
+
+    specontext_paged.backend = backend
+    _traceable_cache_update()
+    engine.setdefault("auto_switch_to_flash", False)
+    compile_config = CompileConfig(backend=specontext_paged, mode="default", fullgraph=False, dynamic=False)
+    return ContinuousBatchingConfig(varlen_compile_config=compile_config, **engine)
+
+
+def path_counts(cb_config) -> dict[str, int]:
+    """The counters (:data:`~.runtime.paged.PAGED_STATS`) of every cache the configuration's
+    backend has stepped, summed: ``steps``, ``sparse_steps``, ``dense_steps``,
+    ``sparse_sites``, ``recency_rows``."""
+    return cb_config.varlen_compile_config.backend.backend.counts()

@@ -1,0 +1,160 @@
+"""Sparse decoding inside Hugging Face's continuous batching (issue 28): ``serving.py``,
+``passes/paged.py``, ``runtime/paged.py``. A tiny random Llama (4 layers, GQA 4/2), three
+requests of different lengths; the step runs eagerly (the compiled step is the same graph)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import fx
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+import specontext_compile as sc
+from specontext_compile import serving
+from specontext_compile.passes.paged import find_paged_sites
+from specontext_compile.runtime import paged
+
+LAYERS, NEW = 4, 8
+ENGINE = dict(block_size=16, num_blocks=32, max_batch_tokens=128, max_requests_per_batch=4)
+OPTIONS = {"inner": "eager", "sink_tokens": 2, "recent_window": 4, "page_rescue": 0}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=LAYERS, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval().to(torch.float32)
+
+
+def prompts(*lengths):
+    return [torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in lengths]
+
+
+def generate(model, inputs, cb_config):
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cb_config)
+    assert all(out[f"req_{i}"].error is None for i in range(len(inputs))), [o.error for o in out.values()]
+    return [out[f"req_{i}"].generated_tokens for i in range(len(inputs))]
+
+
+def test_full_budget_decodes_sparse_and_equals_dense_continuous_batching(model):
+    inputs = prompts(40, 25, 60)
+    dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **ENGINE))
+    cb = sc.continuous_batching_config({"budget": 1000, **OPTIONS}, **ENGINE)
+    assert generate(model, inputs, cb) == dense
+    counts = serving.path_counts(cb)
+    # one prefill step (dense, Hugging Face's graph), then NEW - 1 decode steps, all sparse
+    assert counts["sparse_steps"] == NEW - 1 and counts["sparse_sites"] == (NEW - 1) * LAYERS, counts
+    assert counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
+
+
+def test_small_budget_each_request_decodes_as_alone_through_the_one_request_backend(model):
+    """At a budget far below the contexts, each request of the batch gets the tokens of the
+    same request run alone through ``sc.compile`` (the one-request step: same selection)."""
+    inputs = prompts(40, 25, 60)
+    options = {"budget": 16, **OPTIONS}
+    dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **ENGINE))
+    cb = sc.continuous_batching_config(options, **ENGINE)
+    batched = generate(model, inputs, cb)
+    assert serving.path_counts(cb)["sparse_steps"] == NEW - 1
+    torch._dynamo.reset()
+    try:
+        sc.compile(model, candidates=1, **options)
+        for prompt, tokens in zip(inputs, batched):
+            cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + NEW + 1)
+            alone = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
+                                   pad_token_id=0)[0, len(prompt):].tolist()
+            assert tokens == alone
+            assert cache.path_counts()["gather_sites"] == (NEW - 1) * LAYERS
+    finally:
+        sc.restore(model)
+        torch._dynamo.reset()
+    assert batched != dense  # the budget changed the text: the sparse path was exercised
+
+
+def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model):
+    """Two requests at a time: the third joins when one finishes, in blocks another request
+    used; every request's tokens equal its run alone through the same engine settings."""
+    inputs = prompts(40, 25, 60)  # 3 + 3 + 5 blocks of 16 with their outputs: more than the 10 there are
+    engine = {**ENGINE, "max_requests_per_batch": 2, "num_blocks": 10}
+    options = {"budget": 16, **OPTIONS}
+    cb = sc.continuous_batching_config(options, **engine)
+    batched = generate(model, inputs, cb)
+    counts = serving.path_counts(cb)
+    assert counts["sparse_steps"] == 2 * (NEW - 1) and counts["recency_rows"] == 0, counts  # two waves
+    for prompt, tokens in zip(inputs, batched):
+        assert tokens == generate(model, [prompt], sc.continuous_batching_config(options, **engine))[0]
+
+
+def test_unknown_unbuilt_options_and_our_compile_config_are_refused(caplog):
+    with pytest.raises(ValueError, match="bugdet"):
+        sc.continuous_batching_config({"bugdet": 16})
+    with pytest.raises(ValueError, match="two-stage selection.*candidates"):
+        sc.continuous_batching_config({"budget": 16, "candidates": 2.0})
+    with pytest.raises(ValueError, match="varlen_compile_config"):
+        sc.continuous_batching_config({"budget": 16}, varlen_compile_config=None)
+    with caplog.at_level("WARNING", logger="specontext_compile.serving"):
+        sc.continuous_batching_config({"budget": 16})  # the page rescue is on by default: announced
+    assert "without the page rescue" in caplog.text
+
+
+def test_a_graph_without_paged_attention_is_left_as_is_with_its_reason():
+    """Negative: SDPA over keys that are graph inputs (no paged gather) is not a paged site."""
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    graph = fx.symbolic_trace(attend).graph
+    sites, reason = find_paged_sites(graph)
+    assert sites == [] and "no attention over a paged KV cache" in reason
+
+
+def _mask(lengths: list[int], q_lens: list[int], q_rows: int, kv: int) -> torch.Tensor:
+    """Hugging Face's additive block-diagonal causal mask for packed requests."""
+    mask = torch.full((1, 1, q_rows, kv), torch.finfo(torch.float32).min)
+    row = col = 0
+    for total, q in zip(lengths, q_lens):
+        for r in range(q):
+            mask[0, 0, row + r, col: col + total - q + r + 1] = 0
+        row, col = row + q, col + total
+    return mask
+
+
+def test_packed_rows_reads_requests_from_the_mask():
+    mask = _mask([5, 3, 4], [1, 2, 1], q_rows=6, kv=12)  # row 5 is padding
+    real, last, first, own = paged.packed_rows(paged.packed_visible(mask))
+    assert real.tolist() == [True, True, True, True, False, False]
+    assert last.tolist() == [True, False, True, True, False, False]
+    assert first[:4].tolist() == [0, 5, 5, 8] and own[:4].tolist() == [4, 6, 7, 11]
+    assert not paged.is_decode_step(mask)
+    assert paged.is_decode_step(_mask([5, 3, 4], [1, 1, 1], q_rows=4, kv=12))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 12), min_size=1, max_size=4), st.integers(0, 2 ** 16))
+def test_sparse_attention_over_every_visible_column_equals_float64_attention(lengths, seed):
+    """Property: with every visible column selected, each decode row's packed sparse attention
+    is its request's dense attention (float64 reference), through ``read_index``."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, d, rows_total = 4, 2, 8, 64
+    kv = sum(lengths)
+    q_rows = len(lengths)
+    key_view = torch.randn(rows_total, kv_heads, d, generator=gen)
+    value_view = torch.randn(rows_total, kv_heads, d, generator=gen)
+    read_index = torch.randperm(rows_total, generator=gen)[:kv]
+    query = torch.randn(1, heads, q_rows, d, generator=gen)
+    visible = paged.packed_visible(_mask(lengths, [1] * q_rows, q_rows, kv))
+    cols = torch.arange(kv)
+    columns = torch.where(visible, cols, -1).expand(q_rows, kv_heads, kv)
+    out = paged.packed_sparse_attention(query, key_view, value_view, read_index, columns, 0.3)
+    start = 0
+    for r, n in enumerate(lengths):
+        rows = read_index[start: start + n]
+        k = key_view[rows].double().repeat_interleave(2, dim=1).transpose(0, 1)  # [H, n, d]
+        v = value_view[rows].double().repeat_interleave(2, dim=1).transpose(0, 1)
+        probs = torch.softmax(query[0, :, r:r + 1].double() @ k.transpose(-1, -2) * 0.3, -1)
+        torch.testing.assert_close(out[0, :, r:r + 1].double(), probs @ v, atol=1e-5, rtol=0)
+        start += n
