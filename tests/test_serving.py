@@ -158,3 +158,17 @@ def test_sparse_attention_over_every_visible_column_equals_float64_attention(len
         probs = torch.softmax(query[0, :, r:r + 1].double() @ k.transpose(-1, -2) * 0.3, -1)
         torch.testing.assert_close(out[0, :, r:r + 1].double(), probs @ v, atol=1e-5, rtol=0)
         start += n
+
+
+@pytest.mark.slow
+def test_the_compiled_step_gives_the_eager_steps_tokens(model):
+    """Inductor compiles both variants (``inner="inductor"``): the same tokens as the eager
+    step (``"auto"``), the same counters."""
+    inputs = prompts(40, 25, 60)
+    runs = {}
+    for inner in ("auto", "inductor"):
+        torch._dynamo.reset()
+        cb = sc.continuous_batching_config({"budget": 16, **OPTIONS, "inner": inner}, **ENGINE)
+        runs[inner] = generate(model, inputs, cb), serving.path_counts(cb)
+    assert runs["inductor"] == runs["auto"]
+    assert runs["inductor"][1]["sparse_steps"] == NEW - 1

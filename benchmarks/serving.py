@@ -1,0 +1,183 @@
+"""Continuous batching, dense against specontext, in one run (issue 28, item 4).
+
+N concurrent requests of ``--input`` tokens of real text (distinct windows of
+``pydoc_data.topics``), ``--output`` greedy tokens each, through Hugging Face's
+continuous-batching engine (``model.generate_batch``) twice: with Hugging Face's own step
+compiled by the same compiler (the strongest dense step we can run: its graph as one graph,
+the cache update made traceable as ours is) and with the specontext backend
+(``specontext_compile.continuous_batching_config``). Every step call is timed by a wrapper
+around the compiled step and classed as decode (every request one token) or not, from the
+step's mask; the figures are decode steps only (median, p10-p90), never differences of
+``generate_batch`` totals. Also: the bandwidth floor of a decode step (weights + the KV each
+engine reads, at the measured copy bandwidth), the tokens of each request in both engines,
+and the specontext path counters.
+
+    python -m benchmarks.serving --requests 8 --input 1024 --output 32 --budget 512 --json out/serving.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from .decode import machine_info, measure_copy_bandwidth, param_bytes, real_text_ids
+
+
+class StepTimer:
+    """Wraps a ``torch.compile`` backend: every call of the compiled step is timed and classed
+    (decode: every request of the step has one query token; from the step's mask)."""
+
+    def __init__(self):
+        self.decode: list[float] = []
+        self.other: list[float] = []
+
+    def wrap(self, backend):
+        from specontext_compile.runtime.paged import is_decode_step
+
+        def timed(gm, example_inputs, **kwargs):
+            names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+            mask = next(i for i, name in enumerate(names) if "attention_mask" in name)
+            step = backend(gm, example_inputs, **kwargs)
+
+            def call(*args):
+                decode = is_decode_step(args[mask])
+                start = time.perf_counter()
+                out = step(*args)
+                (self.decode if decode else self.other).append(time.perf_counter() - start)
+                return out
+
+            return call
+
+        timed.backend = getattr(backend, "backend", None)
+        return timed
+
+    def summary(self, requests: int) -> dict:
+        steps = sorted(self.decode)
+        if not steps:
+            return {"decode_steps": 0}
+        q = statistics.quantiles(steps, n=10) if len(steps) > 1 else [steps[0]] * 9
+        median = statistics.median(steps)
+        return {"decode_steps": len(steps), "median_ms": 1e3 * median, "p10_ms": 1e3 * q[0], "p90_ms": 1e3 * q[-1],
+                "decode_tokens_per_s": requests / median, "other_steps": len(self.other),
+                "other_s": sum(self.other)}
+
+
+def inductor(gm, example_inputs, **_):
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
+
+
+def eager(gm, example_inputs, **_):
+    return gm.forward
+
+
+def prompts(tokenizer, requests: int, length: int) -> list[list[int]]:
+    ids = real_text_ids(tokenizer, requests * length)[0]
+    return [ids[i * length:(i + 1) * length].tolist() for i in range(requests)]
+
+
+def engine_settings(args) -> dict:
+    """Static shapes: decode steps pad the query to the request count, every step pads the
+    packed KV to the whole cache (one graph for decode steps, one for prefill chunks)."""
+    per_request = -(-(args.input + args.output) // args.page) + 1
+    blocks = args.requests * per_request + 2
+    return dict(block_size=args.page, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
+                max_requests_per_batch=args.requests, q_padding_interval_size=args.requests,
+                kv_padding_interval_size=blocks * args.page, auto_switch_to_flash=False)
+
+
+def kv_bytes_per_token(config) -> int:
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * 4  # fp32 keys and values
+
+
+def run(args) -> dict:
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    import specontext_compile as sc
+    from specontext_compile import serving
+    from specontext_compile.models import load_model
+
+    torch.set_num_threads(args.threads)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
+    model, tokenizer = load_model(args.model)
+    model.set_attn_implementation("sdpa")
+    inputs = prompts(tokenizer, args.requests, args.input)
+    gen = GenerationConfig(max_new_tokens=args.output, do_sample=False, eos_token_id=-1,
+                           pad_token_id=tokenizer.pad_token_id or 0)
+    settings = engine_settings(args)
+    compiler = {"inductor": inductor, "eager": eager}[args.inner]
+    serving._traceable_cache_update()  # the dense step as one graph too, as ours is
+    results = {}
+    tokens = {}
+    for name in args.engines:
+        torch._dynamo.reset()
+        timer = StepTimer()
+        if name == "dense":
+            compile_config = CompileConfig(backend=timer.wrap(compiler), mode="default", fullgraph=False, dynamic=False)
+            cb = ContinuousBatchingConfig(varlen_compile_config=compile_config, **settings)
+        else:
+            options = {"budget": args.budget, "page_rescue": 0, "inner": "eager" if args.inner == "eager" else "auto"}
+            cb = sc.continuous_batching_config(options, **settings)
+            cb.varlen_compile_config.backend = timer.wrap(cb.varlen_compile_config.backend)
+        start = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cb)
+        wall = time.perf_counter() - start
+        errors = [o.error for o in out.values() if o.error is not None]
+        if errors:
+            raise RuntimeError(f"{name}: {errors[0]}")
+        tokens[name] = [out[f"req_{i}"].generated_tokens for i in range(args.requests)]
+        results[name] = {**timer.summary(args.requests), "generate_batch_s": wall}
+        if name != "dense":
+            results[name]["path_counts"] = serving.path_counts(cb)
+        print(name, json.dumps(results[name]), file=sys.stderr)
+    bandwidth = measure_copy_bandwidth()
+    weights = param_bytes(model)
+    per_token = kv_bytes_per_token(model.config)
+    context = args.requests * (args.input + args.output // 2)  # tokens cached at the median decode step
+    floors = {"dense": weights + per_token * context,
+              "specontext": weights + per_token * args.requests * min(args.budget, args.input)}
+    for name in results:
+        results[name]["floor_ms"] = 1e3 * floors.get(name, floors["specontext"]) / bandwidth
+    if "dense" in results and "specontext" in results and results["dense"].get("median_ms"):
+        results["speedup_decode_step"] = results["dense"]["median_ms"] / results["specontext"]["median_ms"]
+        same = [a == b for a, b in zip(tokens["dense"], tokens["specontext"])]
+        results["requests_with_dense_tokens"] = sum(same)
+    return {"command": " ".join(["python -m benchmarks.serving", *sys.argv[1:]]), "args": vars(args),
+            "machine": machine_info(), "copy_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights,
+            "engine": settings, "results": results, "tokens": tokens}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--requests", type=int, default=8)
+    parser.add_argument("--input", type=int, default=1024)
+    parser.add_argument("--output", type=int, default=32)
+    parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--page", type=int, default=64, help="the engine's page (block) size in tokens")
+    parser.add_argument("--max-batch-tokens", type=int, default=1024)
+    parser.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
+    parser.add_argument("--engines", nargs="+", default=["dense", "specontext"], choices=("dense", "specontext"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    report = run(args)
+    text = json.dumps(report, indent=1)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(json.dumps(report["results"], indent=1))
+
+
+if __name__ == "__main__":
+    main()
