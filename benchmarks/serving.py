@@ -126,7 +126,7 @@ def run(args) -> dict:
             cb = ContinuousBatchingConfig(varlen_compile_config=compile_config, **settings)
         else:
             options = {"budget": args.budget, "page_rescue": 0, "inner": "eager" if args.inner == "eager" else "auto"}
-            cb = sc.continuous_batching_config(options, **settings)
+            cb = sc.continuous_batching_config(model, options, **settings)
             cb.varlen_compile_config.backend = timer.wrap(cb.varlen_compile_config.backend)
         start = time.perf_counter()
         with torch.no_grad():

@@ -2,7 +2,7 @@
 
 One call builds the engine's configuration with the backend as its compiler::
 
-    cb = specontext_compile.continuous_batching_config({"budget": 512}, max_batch_tokens=256)
+    cb = specontext_compile.continuous_batching_config(model, {"budget": 512}, max_batch_tokens=256)
     outputs = model.generate_batch(inputs=[ids_a, ids_b, ...], generation_config=gen,
                                    continuous_batching_config=cb)
     specontext_compile.serving.path_counts(cb)   # {"sparse_steps": ..., "dense_steps": ...}
@@ -21,7 +21,7 @@ compiled step would never see the KV write and the gather it must rewrite.
 the same code) for the process, logged once.
 
 Not built yet (issue 28): page rescue and per-layer refinement in this step (the selection
-is the step's shared one, as ``page_rescue=0``), draft heads, sliding-window layer groups,
+is the step's shared one, as ``page_rescue=0``), draft heads, sliding-window layers (refused),
 KV offload, CUDA graphs; a one-token chunk of a chunked prefill is attended sparsely like a
 decode row (the mask cannot tell them apart).
 """
@@ -160,10 +160,27 @@ def _traceable_cache_update() -> None:
                     "so that the continuous-batching step compiles as one graph")
 
 
-def continuous_batching_config(options: dict[str, Any] | None = None, **engine: Any):
+def _check_model(model: torch.nn.Module) -> None:
+    """Refuse a model whose layers Hugging Face's engine caches other than as full attention
+    (its own grouping: sliding-window layers live in a ring buffer, whose packed columns are
+    not in position order; measured: wrong tokens at a budget covering the context)."""
+    from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+
+    config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+    groups = sorted(group_layers_by_attn_type(config))
+    if groups != ["full_attention"]:
+        raise ValueError(f"specontext's continuous-batching step is built for full-attention layers only; Hugging "
+                         f"Face's engine groups this model's layers as {groups} (sliding-window layers are cached in "
+                         "a ring buffer). Run it with transformers' own ContinuousBatchingConfig (dense), or one "
+                         "request at a time through specontext_compile.compile")
+
+
+def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] | None = None, **engine: Any):
     """A ``ContinuousBatchingConfig`` whose steps compile with the specontext backend.
 
     Args:
+        model: the model that will run ``generate_batch`` / ``init_continuous_batching``
+            with it (checked: full-attention layers only).
         options: backend options (:class:`~.config.SpeContextConfig`; ``budget``,
             ``sink_tokens``, ``recent_window``, ``retrieval_layers``, ``inner``, ...).
         **engine: ``ContinuousBatchingConfig`` fields (``max_batch_tokens``, ``num_blocks``,
@@ -175,8 +192,9 @@ def continuous_batching_config(options: dict[str, Any] | None = None, **engine: 
         ``transformers.ContinuousBatchingConfig``; :func:`path_counts` reads its counters.
 
     Raises:
-        ValueError: unknown or bad options (before anything runs), or ``varlen_compile_config``
-            given (the backend is the compile configuration).
+        ValueError: unknown or bad options (before anything runs), options this step does
+            not build, a model with sliding-window layers, or ``varlen_compile_config`` given
+            (the backend is the compile configuration).
     """
     from transformers import ContinuousBatchingConfig
     from transformers.generation.configuration_utils import CompileConfig
@@ -184,6 +202,7 @@ def continuous_batching_config(options: dict[str, Any] | None = None, **engine: 
     if "varlen_compile_config" in engine:
         raise ValueError("continuous_batching_config sets varlen_compile_config itself (the specontext "
                          "backend); pass backend options as `options` instead")
+    _check_model(model)
     backend = PagedBackend(options)
 
     def specontext_paged(gm, example_inputs, **kwargs):  # a function: Hugging Face deep-copies the config

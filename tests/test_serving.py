@@ -43,7 +43,7 @@ def generate(model, inputs, cb_config):
 def test_full_budget_decodes_sparse_and_equals_dense_continuous_batching(model):
     inputs = prompts(40, 25, 60)
     dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **ENGINE))
-    cb = sc.continuous_batching_config({"budget": 1000, **OPTIONS}, **ENGINE)
+    cb = sc.continuous_batching_config(model, {"budget": 1000, **OPTIONS}, **ENGINE)
     assert generate(model, inputs, cb) == dense
     counts = serving.path_counts(cb)
     # one prefill step (dense, Hugging Face's graph), then NEW - 1 decode steps, all sparse
@@ -57,7 +57,7 @@ def test_small_budget_each_request_decodes_as_alone_through_the_one_request_back
     inputs = prompts(40, 25, 60)
     options = {"budget": 16, **OPTIONS}
     dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **ENGINE))
-    cb = sc.continuous_batching_config(options, **ENGINE)
+    cb = sc.continuous_batching_config(model, options, **ENGINE)
     batched = generate(model, inputs, cb)
     assert serving.path_counts(cb)["sparse_steps"] == NEW - 1
     torch._dynamo.reset()
@@ -81,23 +81,23 @@ def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model
     inputs = prompts(40, 25, 60)  # 3 + 3 + 5 blocks of 16 with their outputs: more than the 10 there are
     engine = {**ENGINE, "max_requests_per_batch": 2, "num_blocks": 10}
     options = {"budget": 16, **OPTIONS}
-    cb = sc.continuous_batching_config(options, **engine)
+    cb = sc.continuous_batching_config(model, options, **engine)
     batched = generate(model, inputs, cb)
     counts = serving.path_counts(cb)
     assert counts["sparse_steps"] == 2 * (NEW - 1) and counts["recency_rows"] == 0, counts  # two waves
     for prompt, tokens in zip(inputs, batched):
-        assert tokens == generate(model, [prompt], sc.continuous_batching_config(options, **engine))[0]
+        assert tokens == generate(model, [prompt], sc.continuous_batching_config(model, options, **engine))[0]
 
 
-def test_unknown_unbuilt_options_and_our_compile_config_are_refused(caplog):
+def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplog):
     with pytest.raises(ValueError, match="bugdet"):
-        sc.continuous_batching_config({"bugdet": 16})
+        sc.continuous_batching_config(model, {"bugdet": 16})
     with pytest.raises(ValueError, match="two-stage selection.*candidates"):
-        sc.continuous_batching_config({"budget": 16, "candidates": 2.0})
+        sc.continuous_batching_config(model, {"budget": 16, "candidates": 2.0})
     with pytest.raises(ValueError, match="varlen_compile_config"):
-        sc.continuous_batching_config({"budget": 16}, varlen_compile_config=None)
+        sc.continuous_batching_config(model, {"budget": 16}, varlen_compile_config=None)
     with caplog.at_level("WARNING", logger="specontext_compile.serving"):
-        sc.continuous_batching_config({"budget": 16})  # the page rescue is on by default: announced
+        sc.continuous_batching_config(model, {"budget": 16})  # the page rescue is on by default: announced
     assert "without the page rescue" in caplog.text
 
 
@@ -168,7 +168,18 @@ def test_the_compiled_step_gives_the_eager_steps_tokens(model):
     runs = {}
     for inner in ("auto", "inductor"):
         torch._dynamo.reset()
-        cb = sc.continuous_batching_config({"budget": 16, **OPTIONS, "inner": inner}, **ENGINE)
+        cb = sc.continuous_batching_config(model, {"budget": 16, **OPTIONS, "inner": inner}, **ENGINE)
         runs[inner] = generate(model, inputs, cb), serving.path_counts(cb)
     assert runs["inductor"] == runs["auto"]
     assert runs["inductor"][1]["sparse_steps"] == NEW - 1
+
+
+def test_a_sliding_window_model_is_refused_with_the_fix():
+    """Hugging Face caches sliding-window layers in a ring buffer (packed columns not in
+    position order): refused up front, not decoded wrongly."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=128, sliding_window=16)
+    with pytest.raises(ValueError, match="sliding_attention.*ContinuousBatchingConfig"):
+        sc.continuous_batching_config(MistralForCausalLM(cfg), {"budget": 16, **OPTIONS}, **ENGINE)
