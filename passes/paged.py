@@ -8,11 +8,12 @@ made traceable: ``specontext_compile.serving``), every attention site of the for
     scaled_dot_product_attention(query, keys..., values..., attn_mask=mask, scale=s)
 
 (``key_view`` / ``value_view`` / ``write_index`` / ``read_index`` / ``mask`` graph inputs),
-and rewrites the step as :mod:`..runtime.paged` describes, in two variants the backend
+and rewrites the step as :mod:`..runtime.paged` describes, in three variants the backend
 compiles side by side and picks per step: the *decode* variant (one
 :func:`~..runtime.paged.packed_select` before the first KV write, each site's attention
 replaced by :func:`~..runtime.paged.packed_sparse_attention`; the dense attention's gathers
-go with it) and the *dense* variant (Hugging Face's attention unchanged); both with a
+go with it), the *mixed* variant (both attentions, the sparse one on decode rows) and the
+*dense* variant (Hugging Face's attention unchanged); all with a
 :func:`~..runtime.paged.record_packed_query` in each retrieval layer.
 
 Invariants: a graph that does not have exactly this form is left as it is (dense, exact)
@@ -218,12 +219,14 @@ def _placeholders(graph: fx.Graph) -> list[fx.Node]:
     return out
 
 
-def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, sparse: bool) -> PagedRewrite:
-    """Rewrite a continuous-batching step in place (module docstring): ``sparse`` = the decode
-    variant (selection, sparse attention at every site), else the dense variant (Hugging
-    Face's attention, unchanged); both record the retrieval layers' queries and count the
-    step. Three graph inputs are appended (the :class:`~..runtime.paged.PagedState`
-    tensors) when the graph is rewritten; else ``reason`` says why it was left as it is."""
+def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int) -> PagedRewrite:
+    """Rewrite a continuous-batching step in place (module docstring) as the variant ``kind``
+    (:data:`~..runtime.paged.SPARSE`: selection, sparse attention at every site;
+    :data:`~..runtime.paged.MIXED`: both attentions, the sparse one on decode rows;
+    :data:`~..runtime.paged.DENSE`: Hugging Face's attention, unchanged); every variant
+    records the retrieval layers' queries and counts the step. Three graph inputs are
+    appended (the :class:`~..runtime.paged.PagedState` tensors) when the graph is
+    rewritten; else ``reason`` says why it was left as it is."""
     sites, reason = find_paged_sites(graph)
     if reason is not None:
         return PagedRewrite(reason=reason)
@@ -240,33 +243,39 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, sparse: bool) -> Pa
     queries, stamps, stats = _placeholders(graph)
     first_write = min((s.write for s in sites), key=list(graph.nodes).index)
     with graph.inserting_before(first_write):
-        if sparse:
+        if kind != paged.DENSE:
             selected = graph.call_function(paged.packed_select, (
                 queries, stamps, [sites[i].key_view for i in retrieval], sites[0].read_index, sites[0].mask,
                 StepSpec.from_config(config), sites[0].scale, layout.stride))
-            columns, recency, last = (graph.call_function(operator.getitem, (selected, i)) for i in range(3))
-            graph.call_function(paged.count_paged_step, (stats, n, recency))
+            columns, recency, last, decode = (graph.call_function(operator.getitem, (selected, i)) for i in range(4))
+            graph.call_function(paged.count_paged_step, (stats, kind, n, recency))
         else:
             last = graph.call_function(paged.last_rows, (sites[0].mask,))
-            graph.call_function(paged.count_paged_step, (stats, 0))
+            graph.call_function(paged.count_paged_step, (stats, kind, n))
     for slot, layer in enumerate(retrieval):
         site = sites[layer]
         with graph.inserting_before(site.attention):
             graph.call_function(paged.record_packed_query, (
                 queries, stamps, slot, site.query, site.write_index, last, layout.stride))
-    if sparse:
-        for site in sites:
-            _attend_selected(graph, site, columns)
+    for site in sites if kind != paged.DENSE else ():
+        _attend_selected(graph, site, columns, decode if kind == paged.MIXED else None)
     graph.lint()
     return result
 
 
-def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node) -> None:
+def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, decode: fx.Node | None) -> None:
     """Replace the site's dense attention by :func:`~..runtime.paged.packed_sparse_attention`
-    over ``columns``, and erase the dense attention's gathers."""
+    over ``columns`` and erase the dense attention's gathers; with ``decode`` (a mixed
+    step's decode rows) keep the dense attention for the other rows
+    (:func:`~..runtime.paged.mixed_attention`)."""
     with graph.inserting_before(site.attention):
         out = graph.call_function(paged.packed_sparse_attention, (
             site.query, site.key_view, site.value_view, site.read_index, columns, site.scale))
+    if decode is not None:
+        with graph.inserting_after(site.attention):
+            mixed = graph.call_function(paged.mixed_attention, (out, site.attention, decode))
+        site.attention.replace_all_uses_with(mixed, delete_user_cb=lambda user: user is not mixed)
+        return
     out.meta.update({k: v for k, v in site.attention.meta.items() if k in ("example_value", "val", "stack_trace")})
     keys, values = site.attention.args[1:3]
     site.attention.replace_all_uses_with(out)

@@ -23,9 +23,12 @@ that graph, with the same selection as the one-request step (SpeContext section 
   attends sparsely: per row and KV head, sinks + recent window + the top of the
   lagged-query scores (:func:`packed_select`, the same :func:`~.aten_step.select_positions`
   as the one-request step), gathered from the paged cache through ``read_index``
-  (:func:`packed_sparse_attention`). Any step with a longer query (prefill, chunked
-  prefill, a mixed batch) runs Hugging Face's own graph (dense, exact), with the recording
-  added: the backend compiles both and picks one per step on the host.
+  (:func:`packed_sparse_attention`). A step of prefill chunks only runs Hugging Face's own
+  graph (dense, exact), with the recording added; a *mixed* step (some requests decode,
+  others prefill) attends sparsely on its decode rows and densely on the others
+  (:func:`mixed_attention`), so a request decodes the same whatever shares its steps. The
+  backend compiles the three variants and picks one per step on the host
+  (:func:`step_kind`).
 
 Layout (``runtime/README.md``): a layer's key view ``[rows, num_kv_heads, head_dim]`` is the
 cache tensor from that layer's first row on; the token in block ``b`` at offset ``o`` is row
@@ -42,8 +45,9 @@ from .aten_step import select_positions
 from .sparse_attention import query_key_logits
 from .spec import StepSpec
 
-__all__ = ["PAGED_STATS", "PagedState", "count_paged_step", "is_decode_step", "last_rows", "packed_rows",
-           "packed_select", "packed_sparse_attention", "packed_visible", "record_packed_query"]
+__all__ = ["DENSE", "MIXED", "PAGED_STATS", "SPARSE", "PagedState", "count_paged_step", "decode_rows",
+           "is_decode_step", "last_rows", "mixed_attention", "packed_rows", "packed_select",
+           "packed_sparse_attention", "packed_visible", "record_packed_query", "step_kind"]
 
 _NEG = float("-inf")
 
@@ -51,10 +55,12 @@ _NEG = float("-inf")
 PAGED_STATS = (
     "steps",             # steps the rewritten graph ran
     "sparse_steps",      # ... of which every row decoded: sparse attention at every site
-    "dense_steps",       # ... of which some request had a longer query: dense and exact
-    "sparse_sites",      # attention calls over a selection (sites x sparse steps)
+    "dense_steps",       # ... of which no row decoded (prefill chunks only): dense and exact
+    "mixed_steps",       # ... of which decode rows attended sparsely, prefill rows densely
+    "sparse_sites",      # attention calls over a selection (sites x sparse and mixed steps)
     "recency_rows",      # decode rows whose selection ranked by recency (no lagged query recorded)
 )
+DENSE, SPARSE, MIXED = 0, 1, 2  # kinds of step (:func:`step_kind`)
 
 
 @dataclasses.dataclass
@@ -139,7 +145,7 @@ def record_packed_query(queries: torch.Tensor, stamps: torch.Tensor, slot: int, 
 
 def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[torch.Tensor],
                   read_index: torch.Tensor, attn_mask: torch.Tensor, spec: StepSpec, scale: float,
-                  stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's selection, per query row and KV head, over the packed columns.
 
     Scores (as :func:`~.aten_step.lagged_query_scores`, per row): for each retrieval layer
@@ -161,10 +167,10 @@ def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[t
         stride: rows per block.
 
     Returns:
-        ``(columns, recency, last)``: int64 ``[Q, num_kv_heads, slots]`` packed columns
-        (ascending, ``-1`` padding first); int64 scalar, the real rows ranked by recency;
-        bool ``[Q]``, the requests' last rows (:func:`packed_rows`), whose queries the
-        retrieval layers record.
+        ``(columns, recency, last, decode)``: int64 ``[Q, num_kv_heads, slots]`` packed
+        columns (ascending, ``-1`` padding first); int64 scalar, the decode rows ranked by
+        recency; bool ``[Q]``, the requests' last rows (:func:`packed_rows`), whose queries
+        the retrieval layers record; bool ``[Q]``, the decode rows (:func:`decode_rows`).
     """
     visible = packed_visible(attn_mask)
     real, last, first, own = packed_rows(visible)
@@ -192,18 +198,18 @@ def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[t
     slots = torch.sym_max(1, torch.sym_min(spec.candidate_slots, kv))
     everything = torch.full((), kv, dtype=torch.long, device=visible.device)
     columns = select_positions(scores, everything - 1, 1, slots, spec.sink_tokens, spec.recent_window, 0, visible)
-    recency_rows = (real & ~ready).sum()
-    return columns, recency_rows, last
+    decode = decode_rows(real, last, first)
+    recency_rows = (decode & ~ready).sum()
+    return columns, recency_rows, last, decode
 
 
-def count_paged_step(stats: torch.Tensor, sites: int, recency_rows: torch.Tensor | None = None) -> None:
-    """Advance :data:`PAGED_STATS` for one step (on the device): a sparse step of ``sites``
-    attention sites (``recency_rows`` from :func:`packed_select`), or a dense one (``sites``
-    0, no ``recency_rows``)."""
-    sparse = int(sites > 0)
+def count_paged_step(stats: torch.Tensor, kind: int, sites: int, recency_rows: torch.Tensor | None = None) -> None:
+    """Advance :data:`PAGED_STATS` for one step of ``kind`` (:data:`DENSE`, :data:`SPARSE`,
+    :data:`MIXED`) with ``sites`` attention sites (``recency_rows`` from
+    :func:`packed_select`; None for a dense step), on the device."""
     recency = stats.new_zeros(()) if recency_rows is None else recency_rows.to(stats.dtype)
-    ones = stats.new_tensor([1, sparse, 1 - sparse, sites])
-    stats.add_(torch.cat([ones, recency.view(1)]))
+    counts = stats.new_tensor([1, kind == SPARSE, kind == DENSE, kind == MIXED, sites * (kind != DENSE)])
+    stats.add_(torch.cat([counts, recency.view(1)]))
 
 
 def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -211,11 +217,35 @@ def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
     return packed_rows(packed_visible(attn_mask))[1]
 
 
+def decode_rows(real: torch.Tensor, last: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
+    """bool ``[Q]``: rows that are their request's only query row this step (a decode token;
+    also a one-token prefill chunk, which the mask cannot tell apart), from
+    :func:`packed_rows`."""
+    prev_first = torch.cat([first.new_full((1,), -1), first[:-1]])
+    prev_real = torch.cat([real.new_zeros(1), real[:-1]])
+    return real & last & ~(prev_real & (prev_first == first))
+
+
+def step_kind(attn_mask: torch.Tensor) -> int:
+    """:data:`SPARSE` when every request of the step has one query token, :data:`MIXED` when
+    some do, else :data:`DENSE` (read on the host, once per step, by the backend's step
+    function: it picks the graph variant)."""
+    real, last, first, _ = packed_rows(packed_visible(attn_mask))
+    decode = decode_rows(real, last, first)
+    if bool((decode | ~real).all()):
+        return SPARSE
+    return MIXED if bool(decode.any()) else DENSE
+
+
 def is_decode_step(attn_mask: torch.Tensor) -> bool:
-    """Whether every request of the step has one query token (read on the host, once per step,
-    by the backend's step function: it picks the sparse or the dense graph)."""
-    real, last, _, _ = packed_rows(packed_visible(attn_mask))
-    return bool((last | ~real).all())
+    """Whether every request of the step has one query token (:func:`step_kind`)."""
+    return step_kind(attn_mask) == SPARSE
+
+
+def mixed_attention(sparse: torch.Tensor, dense: torch.Tensor, decode: torch.Tensor) -> torch.Tensor:
+    """A mixed step's attention output ``[1, num_heads, Q, head_dim_v]``: the sparse one on
+    ``decode`` rows (bool ``[Q]``), Hugging Face's dense one elsewhere."""
+    return torch.where(decode.view(1, 1, -1, 1), sparse, dense)
 
 
 def packed_sparse_attention(query: torch.Tensor, key_view: torch.Tensor, value_view: torch.Tensor,

@@ -10,8 +10,9 @@ One call builds the engine's configuration with the backend as its compiler::
 Every step of the engine then runs as one compiled graph (``passes/paged.py`` rewrites it,
 ``runtime/paged.py`` has its functions): a step whose requests all decode attends sparsely,
 each request to its own selection (sinks, recent window, lagged-query top-k: the one-request
-step's selection) over the paged cache; prefill, chunked prefill and mixed steps attend
-densely and exactly, as Hugging Face does. The lagged queries live in the cache's blocks,
+step's selection) over the paged cache; prefill and chunked prefill attend densely and
+exactly, as Hugging Face does, and in a step that mixes them, decoding requests still
+attend sparsely. The lagged queries live in the cache's blocks,
 so requests joining, finishing and reusing blocks need nothing from us.
 
 What it changes outside the package, and why: Hugging Face excludes the paged cache's update
@@ -37,7 +38,7 @@ import torch
 from .backend import _copy
 from .config import SpeContextConfig
 from .passes.paged import PagedRewrite, rewrite_paged
-from .runtime.paged import PAGED_STATS, PagedState, is_decode_step
+from .runtime.paged import DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, step_kind
 
 logger = logging.getLogger(__name__)
 
@@ -62,25 +63,24 @@ class PagedBackend:
         self.rewrites: list[PagedRewrite] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
-        # two variants of the step (new graph inputs: dynamo's own graph keeps its placeholders)
-        sparse_gm, dense_gm = _copy(gm), _copy(gm)
-        result = rewrite_paged(sparse_gm.graph, self.config, sparse=True)
+        # three variants of the step (new graph inputs: dynamo's own graph keeps its placeholders)
+        variants = {kind: _copy(gm) for kind in (SPARSE, MIXED, DENSE)}
+        result = rewrite_paged(variants[SPARSE].graph, self.config, SPARSE)
         self.rewrites.append(result)
         if not result.rewritten:
             logger.info("specontext: continuous-batching graph left dense (exact): %s", result.reason)
             return self._compile(gm, list(example_inputs))
-        rewrite_paged(dense_gm.graph, self.config, sparse=False)
+        for kind in (MIXED, DENSE):
+            rewrite_paged(variants[kind].graph, self.config, kind)
         logger.info("specontext: continuous-batching step rewritten: %d sites over a paged cache (page size %d, "
                     "%d blocks), retrieval layers %s", len(result.sites), result.layout.page_size,
                     result.layout.blocks, list(result.retrieval_layers))
         inputs = [*example_inputs, *self._state(result, example_inputs[result.key_input]).tensors()]
-        sparse_step, dense_step = (self._compile(g, inputs) for g in (sparse_gm, dense_gm))
+        steps = {kind: self._compile(g, inputs) for kind, g in variants.items()}
 
         def step(*args):
             extra = self._state(result, args[result.key_input]).tensors()
-            if is_decode_step(args[result.mask_input]):  # one host read per step
-                return sparse_step(*args, *extra)
-            return dense_step(*args, *extra)
+            return steps[step_kind(args[result.mask_input])](*args, *extra)  # one host read per step
 
         return step
 

@@ -89,6 +89,28 @@ def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model
         assert tokens == generate(model, [prompt], sc.continuous_batching_config(model, options, **engine))[0]
 
 
+def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model):
+    """Prompts longer than a step's 32 tokens are prefilled in chunks while earlier requests
+    already decode: those mixed steps attend sparsely on decode rows and densely on prefill
+    rows, so every request still equals its run alone through ``sc.compile``."""
+    inputs = prompts(40, 25, 60)
+    options = {"budget": 16, **OPTIONS}
+    cb = sc.continuous_batching_config(model, options, **{**ENGINE, "max_batch_tokens": 32})
+    batched = generate(model, inputs, cb)
+    counts = serving.path_counts(cb)
+    assert counts["mixed_steps"] >= 1 and counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
+    torch._dynamo.reset()
+    try:
+        sc.compile(model, candidates=1, **options)
+        for prompt, tokens in zip(inputs, batched):
+            cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + NEW + 1)
+            assert tokens == model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
+                                            pad_token_id=0)[0, len(prompt):].tolist()
+    finally:
+        sc.restore(model)
+        torch._dynamo.reset()
+
+
 def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplog):
     with pytest.raises(ValueError, match="bugdet"):
         sc.continuous_batching_config(model, {"bugdet": 16})
@@ -129,8 +151,10 @@ def test_packed_rows_reads_requests_from_the_mask():
     assert real.tolist() == [True, True, True, True, False, False]
     assert last.tolist() == [True, False, True, True, False, False]
     assert first[:4].tolist() == [0, 5, 5, 8] and own[:4].tolist() == [4, 6, 7, 11]
-    assert not paged.is_decode_step(mask)
-    assert paged.is_decode_step(_mask([5, 3, 4], [1, 1, 1], q_rows=4, kv=12))
+    assert paged.decode_rows(real, last, first).tolist() == [True, False, False, True, False, False]
+    assert paged.step_kind(mask) == paged.MIXED and not paged.is_decode_step(mask)
+    assert paged.step_kind(_mask([5, 3, 4], [1, 1, 1], q_rows=4, kv=12)) == paged.SPARSE
+    assert paged.step_kind(_mask([5, 3], [2, 3], q_rows=6, kv=8)) == paged.DENSE
 
 
 @settings(max_examples=25, deadline=None)
