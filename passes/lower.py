@@ -18,7 +18,8 @@ Invariants:
 - **Same signature, new target.** An op and its aten body take the same arguments (options
   as a :class:`~..runtime.spec.StepSpec` and an :class:`~..runtime.spec.AttentionVariant`),
   so lowering changes a node's target and nothing else.
-- **Only the ops.** The cache's markers ``kv_write`` and ``page_bounds_write`` and torch-path
+- **Only the ops.** The cache's marker ``kv_write`` (as ``aten_step.write_kv`` and, for a store
+  with page bounds, ``page_bounds.update_after_write``) and torch-path
   ``sparse_attention`` and ``mla_sparse_attention`` are lowered. What the pass inserts as
   direct calls of step functions needs nothing: the selection nodes
   (``aten_step.speculative_select``, ``draft_select``), the per-layer
@@ -56,10 +57,6 @@ logger = logging.getLogger(__name__)
 __all__ = ["LowerResult", "lower_to_aten"]
 
 _OPS = torch.ops.specontext
-_LOWERED = {
-    _OPS.kv_write: aten_step.write_kv,
-    _OPS.page_bounds_write: page_bounds.update_page_bounds,
-}
 _ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor, _OPS.offload_anchor)
 _SPARSE = _OPS.sparse_attention
 
@@ -177,6 +174,25 @@ def _fuse_offloaded(graph: fx.Graph) -> int:
     return fused
 
 
+def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
+    """``kv_write`` as ``aten_step.write_kv`` (after ``check_capacity`` when ``check``, its zero
+    added to the positions), then, for a store with page bounds, ``update_after_write``."""
+    args = op_arguments(node, _OPS.kv_write)
+    checked = ()
+    if check:
+        with graph.inserting_before(node):
+            checked = (graph.call_function(_OPS.check_capacity.default,
+                                           (args["length"], args["key_cache"], args["key"])),)
+    node.target = aten_step.write_kv
+    node.args, node.kwargs = (args["key_cache"], args["value_cache"], args["length"], args["key"],
+                              args["value"], *checked), {}
+    if args["page_bounds"]:
+        with graph.inserting_after(node):
+            graph.call_function(page_bounds.update_after_write, (
+                args["key_cache"], list(args["page_bounds"]), args["length"], args["key"], args["page_tokens"],
+                args["page_shift"]))
+
+
 def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True) -> LowerResult:
     """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
 
@@ -207,24 +223,16 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
     for node in nodes:
         packet = _packet(node.target)
         name = packet._qualified_op_name
-        if check_capacity and node is first_write:
-            args = op_arguments(node, _OPS.kv_write)
-            with graph.inserting_before(node):
-                checked = graph.call_function(_OPS.check_capacity.default,
-                                              (args["length"], args["key_cache"], args["key"]))
-            node.target = aten_step.write_kv
-            node.args, node.kwargs = (args["key_cache"], args["value_cache"], args["length"], args["key"],
-                                      args["value"], checked), {}
+        if packet is _OPS.kv_write:
+            _lower_write(graph, node, check_capacity and node is first_write)
             result.lowered[name] += 1
-            result.kept["specontext::check_capacity"] = "reads the length on the host (CPU), once per step"
+            if check_capacity and node is first_write:
+                result.kept["specontext::check_capacity"] = "reads the length on the host (CPU), once per step"
         elif name.startswith("specontext::offload") and packet is not _OPS.offload_anchor:
             continue  # kept (reason above)
         elif packet in _ANCHORS:
             graph.erase_node(node)
             result.removed[name] += 1
-        elif packet in _LOWERED:
-            node.target = _LOWERED[packet]
-            result.lowered[name] += 1
         elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
             node.target = aten_step.sparse_attention if packet is _SPARSE else mla.mla_sparse_attention
             result.lowered[name] += 1

@@ -33,7 +33,7 @@ from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..runtime import aten_step, page_bounds
-from ..runtime.protocol import RetrievalAnchor
+from ..runtime.protocol import RetrievalAnchor, op_arguments
 from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import make_head
 from .site_nodes import bias_4d, selection_query, static_capacity
@@ -50,7 +50,6 @@ COUNT_FALLBACK = aten_step.count_fallback
 MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = aten_step.store_selection
 LOAD = aten_step.load_selection
-PAGE_BOUNDS = torch.ops.specontext.page_bounds_write
 PAGE_SHIFT = page_bounds.shift_from_mask
 
 
@@ -89,19 +88,16 @@ class RewriteResult:
         return f"layer {site.layer}" if site.layer is not None else f"unresolved store (node {site.node.name})"
 
 
-def _page_bounds_write(site: AttentionSite) -> fx.Node | None:
-    """The ``page_bounds_write`` of the site's store in this graph (its page bounds), or None."""
+def _page_bounds_of(site: AttentionSite) -> tuple[list, fx.Node | None, int] | None:
+    """``([page_min, page_max], page_shift, page_tokens)`` that the site's ``kv_write`` keeps
+    current in this graph, or None (no write here, or a store without page bounds)."""
     if site.write is None:
         return None
-    for user in site.key_cache.users:
-        if is_op(user, PAGE_BOUNDS) and user.args[0] is site.key_cache and isinstance(user.args[5], int):
-            return user
-    return None
-
-
-def _page_shift_of(bounds: fx.Node) -> fx.Node | None:
-    """The per-row page shift a ``page_bounds_write`` node reads (None: pages start at 0)."""
-    return bounds.args[6] if len(bounds.args) > 6 else bounds.kwargs.get("page_shift")
+    args = op_arguments(site.write, KV_WRITE)
+    bounds, tokens = args.get("page_bounds") or [], args.get("page_tokens", 0)
+    if len(bounds) != 2 or not isinstance(tokens, int) or tokens <= 0:
+        return None
+    return list(bounds), args.get("page_shift"), tokens
 
 
 def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None:
@@ -114,8 +110,8 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     that holds the step's first store write (prefill graphs included: the bounds are
     written there)."""
     full = [s for s in resolved if s.window == 0]
-    bounds = next((b for b in map(_page_bounds_write, resolved) if b is not None), None)
-    shift = None if bounds is None else _page_shift_of(bounds)
+    bounds = next((b for b in map(_page_bounds_of, resolved) if b is not None), None)
+    shift = None if bounds is None else bounds[1]
     if shift is None or not full or static_capacity(full[0]) is None:
         return
     mask = full[0].attn_mask if isinstance(full[0].attn_mask, fx.Node) else None
@@ -124,7 +120,7 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     if order[mask or write] > order[write] or order[shift] > order[write]:
         return  # the mask is built after the first write: leave the shift as it is
     with graph.inserting_before(write):
-        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, static_capacity(full[0]), bounds.args[5]))
+        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, static_capacity(full[0]), bounds[2]))
 
 
 def _sources() -> tuple[str, ...]:
@@ -355,13 +351,14 @@ class SparseAttentionPass(CustomGraphPass):
     def _rescue_of(self, site: AttentionSite) -> tuple[list, int] | None:
         """``([page_min, page_max, page_shift], page_tokens)`` when the site refines with the
         page rescue: the option is on, the site is no MLA site and its store keeps page bounds
-        (a ``page_bounds_write`` follows its ``kv_write`` here)."""
+        (its ``kv_write`` here updates them)."""
         if self.step.rescue_tokens <= 0 or site.mla is not None or site.write is None or not self._rescues(site):
             return None
-        bounds = _page_bounds_write(site)
+        bounds = _page_bounds_of(site)
         if bounds is None:
             return None
-        return [bounds.args[1], bounds.args[2], _page_shift_of(bounds)], bounds.args[5]
+        (page_min, page_max), shift, tokens = bounds
+        return [page_min, page_max, shift], tokens
 
     def _rescues(self, site: AttentionSite) -> bool:
         """Whether option ``rescue_layers`` names the site's layer (None: every layer)."""

@@ -9,7 +9,7 @@ A graph traced with ``StaticCache`` writes each layer's K/V as ``StaticLayer.upd
     values.index_copy_(2, cache_position, value_states)
 
 which is exactly ``specontext::kv_write(keys, values, cumulative_length, key_states,
-value_states)``: write at ``length .. length+q_len-1``, then advance ``length`` by ``q_len``.
+value_states, [])``: write at ``length .. length+q_len-1``, then advance ``length`` by ``q_len``.
 This pass replaces each such group by that op (the rewrite pass recognises a store by it),
 and puts a ``specontext::retrieval_anchor`` before layer 0's write whose state tensors
 (:class:`~specontext_compile.runtime.static_state.StaticCacheState`) are *new graph inputs*
@@ -139,7 +139,7 @@ def _replace(graph: fx.Graph, group) -> fx.Node:
     advance, k_write, v_write, length = group
     key_store, value_store = k_write.args[0], v_write.args[0]
     with graph.inserting_before(v_write):
-        write = graph.call_function(KV_WRITE, (key_store, value_store, length, k_write.args[3], v_write.args[3]))
+        write = graph.call_function(KV_WRITE, (key_store, value_store, length, k_write.args[3], v_write.args[3], []))
     for meta in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if meta in k_write.meta:
             write.meta[meta] = k_write.meta[meta]

@@ -676,4 +676,5 @@ MUTATES = {
     count_fallback: ("stats",),
     store_selection: ("selection_state",),
     page_bounds.shift_from_mask: ("page_shift",),
+    page_bounds.update_after_write: ("page_bounds",),
 }

@@ -143,12 +143,9 @@ class SpeContextLayer(StaticLayer):
                 "call cache.batch_select_indices / batch_repeat_interleave to the new batch size first")
         elif not is_torchdynamo_compiling():
             self.reserve(int(self.cumulative_length) + key_states.shape[-2])
-        torch.ops.specontext.kv_write(
-            self.keys, self.values, self.cumulative_length, key_states, value_states
-        )
-        if self.page_min is not None:
-            torch.ops.specontext.page_bounds_write(self.keys, self.page_min, self.page_max, self.cumulative_length,
-                                                   key_states.shape[-2], self.page_tokens, self.page_shift)
+        bounds = [] if self.page_min is None else [self.page_min, self.page_max]
+        torch.ops.specontext.kv_write(self.keys, self.values, self.cumulative_length, key_states, value_states,
+                                      bounds, self.page_shift if bounds else None, self.page_tokens if bounds else 0)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -11,8 +11,8 @@ gathers the others.
 =====================  ====================================================================
 op                     role
 =====================  ====================================================================
-kv_write               append this step's keys/values into a layer's preallocated KV store
-page_bounds_write      after a write: recompute the per-page key bounds of the touched pages
+kv_write               append this step's keys/values into a layer's preallocated KV store, and
+                       recompute the per-page key bounds of the pages it touched
 retrieval_anchor       marks, in the traced graph, where the retrieval state enters (layer 0)
 check_capacity         (compiled CPU steps) raises before a write would pass the store's end
 sparse_attention       attention of one layer over the selected tokens only
@@ -40,8 +40,8 @@ from __future__ import annotations
 from .ops_attention import _mask_allows_selection, _use_triton, sparse_attention  # noqa: F401
 from .ops_mla import mla_sparse_attention
 from .ops_draft import draft_anchor, draft_step
-from .ops_store import CacheCapacityError, check_capacity, kv_write, page_bounds_write, retrieval_anchor
+from .ops_store import CacheCapacityError, check_capacity, kv_write, retrieval_anchor
 from .sparse_attention import sparse_attention_reference  # noqa: F401  (the torch path's reference)
 
 __all__ = ["CacheCapacityError", "check_capacity", "draft_anchor", "draft_step", "kv_write", "mla_sparse_attention",
-           "page_bounds_write", "retrieval_anchor", "sparse_attention"]
+           "retrieval_anchor", "sparse_attention"]

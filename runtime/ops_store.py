@@ -1,61 +1,64 @@
-"""KV-store ops (``specontext::``): the write, the capacity check, the anchor that brings the
-cache's state into traced graphs, and the path counters. Bodies: :mod:`.aten_step`."""
+"""KV-store ops (``specontext::``): the write (and the page bounds it touches), the capacity
+check, the anchor that brings the cache's state into traced graphs. Bodies: :mod:`.aten_step`,
+:mod:`.page_bounds`."""
 
 from __future__ import annotations
 
 
 import torch
 
-from . import aten_step, page_bounds
+from . import aten_step
+from . import page_bounds as page_bounds_module
 
-__all__ = ["CacheCapacityError", "check_capacity", "kv_write", "page_bounds_write", "retrieval_anchor"]
+__all__ = ["CacheCapacityError", "check_capacity", "kv_write", "retrieval_anchor"]
 
 
 class CacheCapacityError(RuntimeError):
     """Raised when a write would pass the end of a preallocated KV store."""
 
 
-@torch.library.custom_op("specontext::kv_write", mutates_args=("key_cache", "value_cache", "length"))
+@torch.library.custom_op("specontext::kv_write",
+                         mutates_args=("key_cache", "value_cache", "length", "page_bounds"))
 def kv_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
     length: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    page_bounds: list[torch.Tensor],
+    page_shift: torch.Tensor | None = None,
+    page_tokens: int = 0,
 ) -> None:
     """Write ``key``/``value`` ``[batch, num_kv_heads, q_len, head_dim]`` at positions
     ``length .. length+q_len-1`` of the caches ``[batch, num_kv_heads, capacity, head_dim]``
-    and advance ``length`` (int64 scalar) by ``q_len``.
+    and advance ``length`` (int64 scalar) by ``q_len``; then, when the store keeps page
+    bounds (``page_bounds`` = ``[page_min, page_max]``, each ``[batch, num_kv_heads, pages,
+    head_dim]``; ``[]``: none), recompute the bounds of the pages of ``page_tokens`` tokens
+    the write touched (``page_shift``: int64 ``[batch]`` per-row page shift, or None; body
+    :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`).
 
     Raises:
         CacheCapacityError: (CPU) when the write would pass ``capacity``; the cache is left
             untouched. Create the cache with a larger ``max_cache_len``.
+        ValueError: ``page_bounds`` neither empty nor two tensors, or bounds without ``page_tokens``.
     """
+    _check_page_bounds(page_bounds, page_tokens)
     if key_cache.device.type == "cpu":  # eager CPU only: the host is the device, no sync
         _raise_if_full(length, key_cache, key)
     aten_step.write_kv(key_cache, value_cache, length, key, value)
+    page_bounds_module.update_after_write(key_cache, page_bounds, length, key, page_tokens, page_shift)
+
+
+def _check_page_bounds(page_bounds: list[torch.Tensor], page_tokens: int) -> None:
+    if len(page_bounds) not in (0, 2) or (page_bounds and page_tokens <= 0):
+        raise ValueError(f"specontext::kv_write: page_bounds must be [] or [page_min, page_max] with "
+                         f"page_tokens > 0, got {len(page_bounds)} tensors and page_tokens={page_tokens}")
 
 
 @kv_write.register_fake
-def _(key_cache, value_cache, length, key, value) -> None:
+def _(key_cache, value_cache, length, key, value, page_bounds, page_shift=None, page_tokens=0) -> None:
+    _check_page_bounds(page_bounds, page_tokens)
     return None
-
-
-@torch.library.custom_op("specontext::page_bounds_write", mutates_args=("page_min", "page_max"))
-def page_bounds_write(key_cache: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, length: torch.Tensor,
-                      q_len: int, page_tokens: int, page_shift: torch.Tensor | None = None) -> None:
-    """After ``kv_write``: recompute the per-page key bounds ``[batch, num_kv_heads, pages,
-    head_dim]`` of the pages the write of ``q_len`` tokens touched (``length``: tokens
-    written, this write's included; ``page_shift``: int64 ``[batch]`` per-row page shift or
-    None). Body: :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`."""
-    page_bounds.update_page_bounds(key_cache, page_min, page_max, length, q_len, page_tokens, page_shift)
-
-
-@page_bounds_write.register_fake
-def _(key_cache, page_min, page_max, length, q_len, page_tokens, page_shift=None) -> None:
-    return None
-
-
 
 
 @torch.library.custom_op("specontext::check_capacity", mutates_args=())

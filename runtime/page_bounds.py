@@ -51,11 +51,20 @@ def _shift(shift: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     return shift.view(-1, 1, 1).expand(batch, 1, 1)
 
 
+def update_after_write(key_cache: torch.Tensor, page_bounds: list[torch.Tensor], length: torch.Tensor,
+                       key: torch.Tensor, page_tokens: int, page_shift: torch.Tensor | None = None) -> None:
+    """The page-bounds half of ``specontext::kv_write``: after ``key`` ``[batch, num_kv_heads,
+    q_len, head_dim]`` was written, :func:`update_page_bounds` of ``page_bounds`` =
+    ``[page_min, page_max]`` for its ``q_len`` tokens (``[]``: the store keeps no bounds)."""
+    if page_bounds:
+        update_page_bounds(key_cache, page_bounds[0], page_bounds[1], length, key.shape[-2], page_tokens, page_shift)
+
+
 def update_page_bounds(key_cache: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
                        length: torch.Tensor, q_len: int, page_tokens: int,
                        page_shift: torch.Tensor | None = None) -> None:
     """Recompute, from the store, the bounds of every page a write of ``q_len`` tokens ending
-    at ``length`` touched (``specontext::page_bounds_write``, after ``kv_write``).
+    at ``length`` touched (the second half of ``specontext::kv_write``).
 
     A touched page is recomputed whole, over its positions ``< length`` only, so the bounds
     never depend on what a page held before (a crop, a reset or a rewrite leaves nothing

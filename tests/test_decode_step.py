@@ -269,7 +269,7 @@ def test_lowering_keeps_the_offload_ops_and_lowers_the_rest():
     graph = fx.Graph()
     x = graph.placeholder("x")
     graph.call_function(ops.offload_anchor.default, (x,))
-    graph.call_function(ops.kv_write.default, (x, x, x, x, x))
+    graph.call_function(ops.kv_write.default, (x, x, x, x, x, []))
     graph.call_function(ops.offload_wait.default, (x, x))
     graph.output(None)
     result = lower_to_aten(graph)

@@ -155,7 +155,7 @@ def test_dead_code_elimination_keeps_store_writes_even_where_fx_calls_them_pure(
 
     graph = fx.Graph()
     k, v, n, nk, nv = (graph.placeholder(name) for name in ("k", "v", "n", "nk", "nv"))
-    write = graph.call_function(torch.ops.specontext.kv_write, (k, v, n, nk, nv))
+    write = graph.call_function(torch.ops.specontext.kv_write, (k, v, n, nk, nv, []))
     unused = graph.call_function(torch.ops.aten.add.Tensor, (k, v))
     graph.output(None)
     monkeypatch.setattr(fx.Node, "is_impure", lambda self, *a, **kw: self.op in ("placeholder", "output"))
