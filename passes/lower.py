@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["LowerResult", "lower_to_aten"]
 
 _OPS = torch.ops.specontext
-_ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor, _OPS.offload_anchor)
+_ANCHORS = (_OPS.retrieval_anchor, _OPS.draft_anchor)
 _SPARSE = _OPS.sparse_attention
 
 
@@ -228,7 +228,10 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
             result.lowered[name] += 1
             if check_capacity and node is first_write:
                 result.kept["specontext::check_capacity"] = "reads the length on the host (CPU), once per step"
-        elif name.startswith("specontext::offload") and packet is not _OPS.offload_anchor:
+        elif packet is _OPS.offload_plan and not op_arguments(node, packet)["run"] and not node.users:
+            graph.erase_node(node)  # the cache's marker in a graph the schedule did not turn on
+            result.removed[name] += 1
+        elif name.startswith("specontext::offload"):
             continue  # kept (reason above)
         elif packet in _ANCHORS:
             graph.erase_node(node)

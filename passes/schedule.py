@@ -4,22 +4,22 @@ Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend'
 ``device_memory_bytes`` option). For the graph's selection node and each rewritten
 ``specontext::sparse_attention`` it
 
-1. inserts ``specontext::offload_plan`` right after the selection (the step's adaptive plan;
-   it returns each layer's index as a tensor, so no layer's code holds its index);
+1. turns on the ``specontext::offload_plan`` the cache put at layer 0 (the step's adaptive
+   plan; it returns each layer's index as a tensor, so no layer's code holds its index);
 2. replaces every sparse attention by a call of :func:`~..runtime.offload_step.attention`
    (the resident arithmetic on rows read through ``specontext::offload_rows``): resident
    layers compute exactly as before, offloaded ones read their device buffer;
-3. inserts ``specontext::offload_wait(l)`` immediately before layer ``l``'s attention (as
-   late as possible: never earlier than needed) and ``specontext::offload_prefetch(l)``
-   ``lead`` layers earlier, right before layer ``l - lead``'s ``kv_write``, or right
-   after the plan when that is not yet in the graph;
+3. inserts ``specontext::offload_prefetch(l)`` ``lead`` layers before layer ``l``'s
+   attention, right before layer ``l - lead``'s ``kv_write``, or right after the plan and the
+   selection when that is not yet in the graph; the layer's ``offload_rows`` (in its
+   attention) waits for the copy, as late as possible;
 4. with the two-stage selection (option ``candidates > 1``), a site's indices come from its
    :func:`~..runtime.aten_step.refine_selection`: the prefetch loads the step's *candidates* (known
-   before layer 0), the wait moves before the refinement, which becomes a call of
+   before layer 0), the refinement becomes a call of
    :func:`~..runtime.offload_step.refine` (an offloaded layer scores the candidates from its
    device buffer), and the attention reads the kept subset of the buffer.
 
-The graph then holds only run ops (prefetch, wait, row reads) and ordinary step code, so
+The graph then holds only run ops (plan, prefetch, row reads) and ordinary step code, so
 the backend compiles it with inductor like a resident step (the lowering fuses a refinement
 and its attention into :func:`~..runtime.offload_step.refine_and_attend` as it does
 resident ones).
@@ -63,10 +63,8 @@ __all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel"]
 SELECT = aten_step.speculative_select  # step functions the pass calls directly
 SPARSE = torch.ops.specontext.sparse_attention
 KV_WRITE = torch.ops.specontext.kv_write
-OFFLOAD_ANCHOR = torch.ops.specontext.offload_anchor
-PLAN = torch.ops.specontext.offload_plan.default
+PLAN = torch.ops.specontext.offload_plan
 PREFETCH = torch.ops.specontext.offload_prefetch.default
-WAIT = torch.ops.specontext.offload_wait.default
 REFINE = aten_step.refine_selection
 
 @dataclasses.dataclass
@@ -153,6 +151,15 @@ def _offload_refine(graph: fx.Graph, refine: fx.Node, rows: tuple, dag: nx.DiGra
         dag.add_edge(new, user)
 
 
+def _run_plan(plan: fx.Node) -> None:
+    """Set ``run=True`` on the cache's ``offload_plan`` node (positional or keyword)."""
+    run_at = [a.name for a in PLAN.default._schema.arguments].index("run")
+    if len(plan.args) > run_at:
+        plan.args = (*plan.args[:run_at], True, *plan.args[run_at + 1:])
+    else:
+        plan.kwargs = {**plan.kwargs, "run": True}
+
+
 class OffloadSchedulePass:
     """Callable FX pass (see the module docstring).
 
@@ -208,23 +215,22 @@ class OffloadSchedulePass:
                            "times smaller than per-head keys and values")
         if not selects or not sparse:
             return result
-        anchors = [n for n in graph.nodes if is_op(n, OFFLOAD_ANCHOR)]
-        if len(anchors) != 1:
+        plans = [n for n in graph.nodes if is_op(n, PLAN)]
+        if len(plans) != 1:
             logger.warning("specontext: compiled with device_memory_bytes, but the cache has no offload manager "
                            "(found %d), so every layer stays resident. Use specontext_compile.compile(model, "
                            "device_memory_bytes=...) or runtime.offload.enable_offload(cache, model, ..., "
-                           "resident_layers=<the dense_layers option>) before the first call", len(anchors))
+                           "resident_layers=<the dense_layers option>) before the first call", len(plans))
             return result
-        manager = anchors[0].args[0]
-        select = selects[0]  # one per distinct sliding window; all sit right after the anchor
-        a = op_arguments(select, SELECT)
+        plan = plans[0]
+        manager = op_arguments(plan, PLAN)["manager"]
+        _run_plan(plan)
         writes = {n.args[0]: n for n in graph.nodes if is_op(n, KV_WRITE)}
         write_order = {store: i for i, store in enumerate(writes)}  # decoder layer order
         stores = [op_arguments(node, SPARSE)["key_cache"] for node in sparse]  # kept: erased nodes lose their args
         layers = [write_order.get(store, pos) for pos, store in enumerate(stores)]
-        with graph.inserting_after(selects[-1]):
-            plan = graph.call_function(PLAN, (manager, select, a["query_state"], a["query_valid"], a["length"],
-                                              a["q_len"], max(layers) + 1))
+        if max(layers) >= op_arguments(plan, PLAN)["layers"]:
+            raise RuntimeError(f"offload schedule: layer {max(layers)} has no index among the plan's outputs")
         with graph.inserting_after(plan):
             layer_of = {layer: graph.call_function(operator.getitem, (plan, layer)) for layer in reversed(layers)}
         order = {n: i for i, n in enumerate(graph.nodes)}
@@ -242,7 +248,7 @@ class OffloadSchedulePass:
             loaded = op_arguments(refine, REFINE)["candidates"] if refine is not None else indices  # what the step prefetches
             inputs = [layer_of[layer], loaded, site_len]
             earliest = max(order[i] for i in inputs)
-            first_use = refine if refine is not None else node  # the wait goes right before it
+            first_use = refine if refine is not None else node  # the first read of the layer's rows
             anchor_node = writes.get(stores[max(0, pos - lead)])
             if anchor_node is None or order[anchor_node] <= earliest or order[anchor_node] > order[first_use]:
                 anchor_node = layer_of[layer].next  # right after the plan (and after every input)
@@ -250,9 +256,7 @@ class OffloadSchedulePass:
                     anchor_node = anchor_node.next
             with graph.inserting_before(anchor_node):
                 ticket = graph.call_function(PREFETCH, (manager, loaded, site_len, layer_of[layer]))
-            with graph.inserting_before(first_use):
-                ready = graph.call_function(WAIT, (manager, ticket))
-            rows = (manager, ready, key_cache, value_cache)
+            rows = (manager, ticket, key_cache, value_cache)
             if refine is not None:
                 _offload_refine(graph, refine, rows, dag)
             with graph.inserting_before(node):
@@ -263,7 +267,6 @@ class OffloadSchedulePass:
             graph.erase_node(node)
             for inp in inputs:
                 dag.add_edge(inp, ticket)
-            dag.add_edge(ticket, ready)
             for inp in new.all_input_nodes:
                 dag.add_edge(inp, new)
             ticket.meta["specontext_schedule"] = {"layer": layer, "lead": lead, "issued_before": anchor_node.name}

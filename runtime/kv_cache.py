@@ -589,7 +589,9 @@ class SpeContextCache(Cache):
                             self.selection_state, 0).emit()
             manager = self._offload_manager()
             if manager is not None:  # the offload manager enters the graph as an explicit input
-                torch.ops.specontext.offload_anchor(manager)
+                torch.ops.specontext.offload_plan(manager, self.query_state, self.query_valid,
+                                                  self.kv_layers[0].cumulative_length, key_states.shape[-2],
+                                                  len(self.layers))
             if self.draft is not None:
                 first = self.kv_layers[0]
                 capacity = (first.max_cache_len if first.is_initialized

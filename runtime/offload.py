@@ -5,7 +5,7 @@ SpeContext (arXiv 2512.00722) sections 5-6. :func:`enable_offload` attaches an
 ``specontext::offload_*`` ops (:mod:`.offload_ops`, inserted by ``passes/schedule.py``) then
 drive it once per step:
 
-1. ``offload_plan`` (after the selection): before the step, while the length reaches
+1. ``offload_plan`` (layer 0, before its write): before the step, while the length reaches
    ``ST[offloaded]`` (:class:`~.memory_model.MemoryModel`), offload one more layer, last
    layers first. Offloading a layer hands its full store to the host tier (on CUDA: a
    pinned host copy; on CPU the store already is host memory and the device tier is
@@ -16,7 +16,7 @@ drive it once per step:
    ``S_now - loaded`` are copied from the host store into the slots of
    ``loaded - S_now``, in place (only tokens written before the step; the step's own
    tokens are copied by the attention op after the layer's ``kv_write``).
-3. ``offload_wait(l)`` then ``offload_rows(l)``: the rows the layer's refinement and
+3. ``offload_rows(l)``: waits for that copy, then the rows the layer's refinement and
    attention read, from the device buffer through the slot map; the arithmetic on them is
    the resident layer's own code (:mod:`.offload_step`), so results are identical.
 
@@ -368,7 +368,7 @@ class OffloadManager(OpaqueBase):
     """Owns the host tier, device buffers, the copy stream and the adaptive plan of one cache.
 
     A torch opaque *reference* object (``torch._library.opaque_object``): the cache passes
-    it to ``specontext::offload_anchor`` at layer 0, so it is an explicit input of every
+    it to ``specontext::offload_plan`` at layer 0, so it is an explicit input of every
     traced graph, and the offload ops take it as their first argument (an op with an opaque
     argument has an ordered effect: no compiler pass reorders or drops it). There is no
     registry from store pointers to managers.
@@ -498,15 +498,9 @@ class OffloadManager(OpaqueBase):
         self.buffers[layer_idx] = LayerBuffer.allocate(layer.keys, layer.values, self.budget, device)
         counters["specontext"]["offloaded_layers"] += 1
 
-    def begin_step(self, indices: torch.Tensor, query_state: torch.Tensor, query_valid: torch.Tensor,
-                   cached: int, q_len: int) -> None:
+    def begin_step(self, query_state: torch.Tensor, query_valid: torch.Tensor, cached: int, q_len: int) -> None:
         """Start a decode step: run the adaptive plan for ``cached + q_len`` tokens and keep
         what :meth:`rollback` needs."""
-        if indices.shape[-1] > self.budget:
-            raise ValueError(
-                f"specontext offload: the step prefetches {indices.shape[-1]} tokens per KV head but the "
-                f"device buffers hold {self.budget}; with option candidates > 1 pass "
-                f"budget=ceil(candidates * budget) to enable_offload (specontext_compile.compile does)")
         if self._failed is not None:
             raise OffloadCopyError(
                 f"{self._failed}; call OffloadManager.rollback() (or cache.offload.rollback()) "
@@ -517,7 +511,7 @@ class OffloadManager(OpaqueBase):
             self.trace.end_step(self._step)
             self.trace.write(self.trace_path)
         self._step += 1
-        self.selection = indices  # this step's selection [batch, kv_heads, budget]
+        self.selection = None  # this step's selection [batch, kv_heads, budget], set by the first prefetch
         self._step_start = {
             "lengths": [int(layer.cumulative_length) for layer in self.cache.layers],
             "query_state": query_state.detach().clone(), "query_valid": query_valid.detach().clone(),
@@ -533,10 +527,8 @@ class OffloadManager(OpaqueBase):
             self.offload_events.append((total, layer_idx))
             logger.info("specontext offload: length %d >= ST[%d]=%s: layer %d -> host tier",
                         total, len(self.buffers) - 1, self.thresholds[len(self.buffers) - 1], layer_idx)
-        full = int((indices >= 0).sum()) * self._row_bytes() * len(self.buffers)
         self.stats.append(StepStats(self._step, total, len(self.buffers),
-                                    self.model.device_bytes(total, len(self.buffers)),
-                                    bytes_full_reload=full, q_len=q_len))
+                                    self.model.device_bytes(total, len(self.buffers)), q_len=q_len))
         self._last_attention_end = self.trace.now_us() if self.trace else None
 
     def _row_bytes(self) -> int:
@@ -560,17 +552,27 @@ class OffloadManager(OpaqueBase):
     def prefetch(self, layer_idx: int, indices: torch.Tensor, cached: int) -> int:
         """Start loading layer ``layer_idx``'s selected rows ``< cached``; returns a ticket
         id (-1 when the layer is resident: nothing to do)."""
+        if indices.shape[-1] > self.budget:
+            raise ValueError(
+                f"specontext offload: the step prefetches {indices.shape[-1]} tokens per KV head but the "
+                f"device buffers hold {self.budget}; with option candidates > 1 pass "
+                f"budget=ceil(candidates * budget) to enable_offload (specontext_compile.compile does)")
+        if self.selection is None:
+            self.selection = indices
         if layer_idx not in self.buffers:
             return -1
+        if self.stats:  # what reloading the whole selection would have moved
+            self.stats[-1].bytes_full_reload += int((indices >= 0).sum()) * self._row_bytes()
         ticket = self._stream.submit(self._load_job, layer_idx, indices, cached)
         self._next_ticket += 1
         self._tickets[self._next_ticket] = (layer_idx, ticket)
         return self._next_ticket
 
     def wait(self, ticket_id: int, layer_idx: int) -> None:
-        """Wait for a prefetch; on failure invalidate that buffer and raise
-        :class:`OffloadCopyError` (the host tier is only read by copies: it stays intact)."""
-        if ticket_id < 0:
+        """Wait for a prefetch (a ticket already waited for, or -1, returns at once); on
+        failure invalidate that buffer and raise :class:`OffloadCopyError` (the host tier is
+        only read by copies: it stays intact)."""
+        if ticket_id < 0 or ticket_id not in self._tickets:
             return
         _, ticket = self._tickets.pop(ticket_id)
         start = self.trace.now_us() if self.trace else 0.0

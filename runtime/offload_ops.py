@@ -9,12 +9,13 @@ return, so a compiled step traces it like the resident step's (issue 27, item 5)
 =============================  ==============================================================
 op                             role
 =============================  ==============================================================
-offload_anchor                 layer 0: brings the cache's OffloadManager into the graph
-offload_plan                   once per step, after the selection: adaptive plan + step start
+offload_plan                   layer 0 (the cache calls it): brings the cache's
+                               OffloadManager into the graph; in a scheduled decode graph
+                               it runs the adaptive plan and starts the step
 offload_prefetch               start elastic loading of one layer on the side stream
-offload_wait                   wait for that layer's copy (errors surface here)
-offload_rows                   the K (and V) rows of given positions: from an offloaded
-                               layer's device buffer (loading what it lacks), else the store
+offload_rows                   wait for that layer's copy (errors surface here), then the K
+                               (and V) rows of given positions: from an offloaded layer's
+                               device buffer (loading what it lacks), else the store
 =============================  ==============================================================
 
 **Plan and run.** The plan (memory model, thresholds, which layers live in the host tier)
@@ -24,16 +25,15 @@ and the manager's buffers. On CPU they read lengths on the host, where they alre
 **Declared effects.** The state these ops change (device buffers, slot maps, the plan)
 belongs to the cache's :class:`~.offload.OffloadManager`, a torch opaque reference object:
 every op takes it as its first argument (``manager``), so it is an explicit graph input
-(dynamo lifts it from ``cache.offload`` at ``offload_anchor``), and an op with an opaque
+(dynamo lifts it from ``cache.offload`` at ``offload_plan``), and an op with an opaque
 argument carries an *ordered effect* (``torch._library.effects``): compilers (AOTAutograd,
 inductor) thread effect tokens through such ops and never reorder or drop them. Their
 order is also fixed by data dependence: the plan returns each layer's index (a 0-d int64
-CPU tensor) consumed by its prefetch, each prefetch a ticket consumed by its wait, each
-wait a ready token consumed by the layer's ``offload_rows``. The layer index travels in
+CPU tensor) consumed by its prefetch, each prefetch a ticket consumed by the layer's ``offload_rows``. The layer index travels in
 these tensors, never as a constant of a layer's code, so regional compilation compiles the
 repeated decoder layer once.
 There is no lookup from store pointers to managers; a graph whose cache has no manager has
-no ``offload_anchor``, and the schedule pass leaves it resident (with a warning).
+no ``offload_plan``, and the schedule pass leaves it resident (with a warning).
 """
 
 from __future__ import annotations
@@ -46,44 +46,36 @@ from .offload import OffloadManager
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["offload_anchor", "offload_plan", "offload_prefetch", "offload_rows", "offload_wait"]
-
-@torch.library.custom_op("specontext::offload_anchor", mutates_args=())
-def offload_anchor(manager: OffloadManager) -> None:
-    """No-op in eager mode: puts the cache's offload manager into the traced graph at layer 0
-    (``SpeContextCache.update``), where the schedule pass reads it."""
-    return
-
-
-@offload_anchor.register_fake
-def _(manager) -> None:
-    return None
-
+__all__ = ["offload_plan", "offload_prefetch", "offload_rows"]
 
 @torch.library.custom_op("specontext::offload_plan", mutates_args=())
-def offload_plan(manager: OffloadManager, indices: torch.Tensor, query_state: torch.Tensor,
-                 query_valid: torch.Tensor, length: torch.Tensor, q_len: int, layers: int) -> list[torch.Tensor]:
-    """Start a decode step: the adaptive plan offloads layers while the cache length after
-    this step (``length + q_len``) reaches ``ST[offloaded]``.
+def offload_plan(manager: OffloadManager, query_state: torch.Tensor, query_valid: torch.Tensor,
+                 length: torch.Tensor, q_len: int, layers: int, run: bool = False) -> list[torch.Tensor]:
+    """The cache calls it at layer 0 (``SpeContextCache.update``, before the layer's write),
+    so the manager enters every traced graph as an explicit input; a no-op until the schedule
+    pass sets ``run`` in a decode graph it schedules. With ``run``: start a decode step, the
+    adaptive plan offloads layers while the cache length after this step (``length + q_len``)
+    reaches ``ST[offloaded]`` (:meth:`~.offload.OffloadManager.begin_step`).
 
     Args:
         manager: the cache's :class:`~.offload.OffloadManager`.
-        indices: the step's selection ``[batch, num_kv_heads, budget]`` (int64, -1 padding).
         query_state, query_valid: the retrieval state (kept for rollback).
         length: tokens cached before this step (int64 scalar).
         q_len: tokens in this step.
-        layers: decoder layers the step schedules.
+        layers: decoder layers of the cache.
+        run: run the plan (set by ``passes/schedule.py``); False: the marker only.
 
     Returns:
         ``layers`` int64 0-d CPU tensors ``0 .. layers-1``: each layer's index for its
         prefetch (so every prefetch runs after the plan).
     """
-    manager.begin_step(indices, query_state, query_valid, int(length), q_len)
+    if run:
+        manager.begin_step(query_state, query_valid, int(length), q_len)
     return [torch.tensor(i) for i in range(layers)]
 
 
 @offload_plan.register_fake
-def _(manager, indices, query_state, query_valid, length, q_len, layers):
+def _(manager, query_state, query_valid, length, q_len, layers, run=False):
     return [torch.empty((), dtype=torch.long) for _ in range(layers)]
 
 
@@ -111,36 +103,16 @@ def _(manager, indices, length, layer):
     return torch.empty((2,), dtype=torch.long)
 
 
-@torch.library.custom_op("specontext::offload_wait", mutates_args=())
-def offload_wait(manager: OffloadManager, ticket: torch.Tensor) -> torch.Tensor:
-    """Wait for the prefetch ``ticket`` of one layer.
-
-    Raises:
-        OffloadCopyError: when the copy failed (the host tier is intact; see
-            :meth:`~.offload.OffloadManager.rollback`).
-
-    Returns:
-        int64 CPU ``[1]`` ready token holding the layer (consumed by its :func:`offload_rows`).
-    """
-    ticket_id, layer = (int(v) for v in ticket)
-    manager.wait(ticket_id, layer)
-    return torch.tensor([layer])
-
-
-@offload_wait.register_fake
-def _(manager, ticket):
-    return torch.empty((1,), dtype=torch.long)
-
-
 @torch.library.custom_op("specontext::offload_rows", mutates_args=())
 def offload_rows(manager: OffloadManager, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                 positions: torch.Tensor, length: torch.Tensor, ready: torch.Tensor, values: bool) -> list[torch.Tensor]:
+                 positions: torch.Tensor, length: torch.Tensor, ticket: torch.Tensor, values: bool) -> list[torch.Tensor]:
     """The rows of ``positions`` ``[batch, num_kv_heads, n]`` (int64, ``-1`` padding) of one
-    layer: from its device buffer when the layer is offloaded (the rows it lacks, the step's
-    own tokens and rescued pages' tokens, are loaded from the host tier first:
-    :meth:`~.offload.OffloadManager.rows`), else gathered from its store, as the resident
-    step gathers them. A ``-1`` position gives some row of the layer (attention gives it no
-    weight).
+    layer, after waiting for the layer's prefetch ``ticket`` (the first read of a step waits;
+    a later read of the same ticket finds it done): from its device buffer when the layer is
+    offloaded (the rows it lacks, the step's own tokens and rescued pages' tokens, are loaded
+    from the host tier first: :meth:`~.offload.OffloadManager.rows`), else gathered from its
+    store, as the resident step gathers them. A ``-1`` position gives some row of the layer
+    (attention gives it no weight).
 
     Args:
         manager: the cache's :class:`~.offload.OffloadManager`.
@@ -148,20 +120,24 @@ def offload_rows(manager: OffloadManager, key_cache: torch.Tensor, value_cache: 
             (the host tier once offloaded), after this step's write.
         positions: the positions to read.
         length: int64 scalar, tokens written including this step's.
-        ready: the layer's token from :func:`offload_wait` (it holds the layer).
+        ticket: the layer's int64 CPU ``[2]`` ticket from :func:`offload_prefetch`.
         values: also the values (a refinement reads keys only).
 
     Returns:
         ``[keys]`` or ``[keys, values]``, each ``[batch, num_kv_heads, n, head_dim]``.
 
     Raises:
-        RuntimeError: a position the buffer cannot hold (prefetch/wait not run).
+        OffloadCopyError: the layer's copy failed (the host tier is intact; see
+            :meth:`~.offload.OffloadManager.rollback`).
+        RuntimeError: a position the buffer cannot hold (no prefetch ran).
     """
-    return manager.rows(int(ready[0]), key_cache, value_cache, positions, length, values)
+    ticket_id, layer = (int(v) for v in ticket)
+    manager.wait(ticket_id, layer)
+    return manager.rows(layer, key_cache, value_cache, positions, length, values)
 
 
 @offload_rows.register_fake
-def _(manager, key_cache, value_cache, positions, length, ready, values):
+def _(manager, key_cache, value_cache, positions, length, ticket, values):
     b, h, n = positions.shape
     stores = (key_cache, value_cache) if values else (key_cache,)
     return [store.new_empty((b, h, n, store.shape[-1])) for store in stores]
@@ -172,7 +148,7 @@ def _declare_effects() -> None:
     opaque arguments): compilers thread effect tokens through them, never reorder or drop."""
     from torch._library.effects import EffectType
 
-    for op in (offload_anchor, offload_plan, offload_prefetch, offload_wait, offload_rows):
+    for op in (offload_plan, offload_prefetch, offload_rows):
         torch.library._register_effectful_op(op._opoverload, EffectType.ORDERED)
 
 

@@ -10,9 +10,9 @@ compiled by inductor (which traces these functions like the resident ones: only 
 reads stay opaque), and one graph serves every plan as layers leave the device.
 
 ``rows`` (every function's first argument) names where a layer's rows live: ``(manager,
-ready, key_cache, value_cache)``, the cache's :class:`~.offload.OffloadManager`, the layer's
-ready token (:func:`~.offload_ops.offload_wait`) and its stores ``[batch, num_kv_heads,
-capacity, head_dim]`` after this step's write.
+ticket, key_cache, value_cache)``, the cache's :class:`~.offload.OffloadManager`, the layer's
+prefetch ticket (:func:`~.offload_ops.offload_prefetch`; the first read waits for it) and its
+stores ``[batch, num_kv_heads, capacity, head_dim]`` after this step's write.
 
 Not built here (the schedule pass keeps such sites resident, or refuses): the fidelity
 guard (``min_coverage``), learned sink logits, MLA. With a selection that covers the whole
@@ -37,8 +37,8 @@ _ROWS = torch.ops.specontext.offload_rows.default
 
 
 def _read(rows, positions: torch.Tensor, length: torch.Tensor, values: bool) -> list[torch.Tensor]:
-    manager, ready, key_cache, value_cache = rows
-    return _ROWS(manager, key_cache, value_cache, positions, length, ready, values)
+    manager, ticket, key_cache, value_cache = rows
+    return _ROWS(manager, key_cache, value_cache, positions, length, ticket, values)
 
 
 def attention(rows, query: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,

@@ -258,7 +258,8 @@ def test_only_one_row_linears_are_rewritten(shape, rewritten):
 def test_lowering_keeps_the_offload_ops_and_lowers_the_rest():
     """Issue 27 item 5: offload ops only move rows and run the plan, so a graph holding them
     is lowered like any other (its KV writes become aten code); the offload ops stay ops,
-    with the reason recorded, and the offload anchor (a no-op) goes like the others."""
+    with the reason recorded, and the cache's plan marker goes where the schedule did not
+    turn it on (``run`` False, nothing reads its layer indices) and stays where it did."""
     from torch import fx
 
     from specontext_compile.passes.lower import lower_to_aten
@@ -266,17 +267,19 @@ def test_lowering_keeps_the_offload_ops_and_lowers_the_rest():
     from specontext_compile.runtime import offload_ops  # noqa: F401  (registers the offload ops)
 
     ops = torch.ops.specontext
-    graph = fx.Graph()
-    x = graph.placeholder("x")
-    graph.call_function(ops.offload_anchor.default, (x,))
-    graph.call_function(ops.kv_write.default, (x, x, x, x, x, []))
-    graph.call_function(ops.offload_wait.default, (x, x))
-    graph.output(None)
-    result = lower_to_aten(graph)
-    assert result.lowered == {"specontext::kv_write": 1} and result.removed == {"specontext::offload_anchor": 1}
-    assert "move KV rows" in result.kept["specontext::offload_*"]
-    targets = [n.target for n in graph.nodes if n.op == "call_function"]
-    assert targets == [aten_step.write_kv, ops.offload_wait.default]
+    for run in (False, True):
+        graph = fx.Graph()
+        x = graph.placeholder("x")
+        plan = graph.call_function(ops.offload_plan.default, (x, x, x, x, 1, 2), {"run": run})
+        graph.call_function(ops.kv_write.default, (x, x, x, x, x, []))
+        graph.call_function(ops.offload_rows.default, (x, x, x, x, x, x, True))
+        graph.output(None)
+        result = lower_to_aten(graph)
+        assert result.lowered == {"specontext::kv_write": 1}
+        assert result.removed == ({} if run else {"specontext::offload_plan": 1})
+        assert "move KV rows" in result.kept["specontext::offload_*"]
+        targets = [n.target for n in graph.nodes if n.op == "call_function"]
+        assert targets == [plan.target] * run + [aten_step.write_kv, ops.offload_rows.default]
 
 
 def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():

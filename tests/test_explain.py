@@ -37,7 +37,7 @@ def test_explain_reports_every_site_windows_and_selection_placement():
     (step,) = result.steps
     assert "aten_step.speculative_select x2" in step and "specontext::sparse_attention x2" in step
     assert "aten_step.record_query x2" in step and "refine_selection" not in step
-    assert "lowered to aten: 6 op nodes, 0 refine+attend pairs fused" in step  # 2 writes, 2 bounds, 2 attentions
+    assert "lowered to aten: 4 op nodes, 0 refine+attend pairs fused" in step  # 2 writes (with their page bounds), 2 attentions
 
 
 @pytest.mark.slow

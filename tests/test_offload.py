@@ -233,15 +233,14 @@ def test_schedule_pass_places_prefetch_early_and_wait_right_before_attention():
     pos = {n: i for i, n in enumerate(nodes)}
     plans = [n for n in nodes if is_op(n, ops.offload_plan)]
     prefetch = {n.meta["specontext_schedule"]["layer"]: n for n in nodes if is_op(n, ops.offload_prefetch)}
-    waits = {layer: next(iter(p.users)) for layer, p in prefetch.items()}
-    attn = {layer: next(u for u in w.users if u.target is offload_step.attention) for layer, w in waits.items()}
+    attn = {layer: next(u for u in p.users if u.target is offload_step.attention) for layer, p in prefetch.items()}
     writes = [n for n in nodes if is_op(n, ops.kv_write)]
-    assert len(plans) == 1 and len(prefetch) == len(waits) == len(attn) == 4
-    assert all(is_op(w, ops.offload_wait) for w in waits.values())
+    assert len(plans) == 1 and len(prefetch) == len(attn) == 4
+    assert op_arguments(plans[0], ops.offload_plan)["run"] is True  # the schedule turned the cache's plan on
     for layer in range(4):
         assert op_arguments(prefetch[layer], ops.offload_prefetch)["layer"].args == (plans[0], layer)
-        assert pos[plans[0]] < pos[prefetch[layer]] < pos[waits[layer]] < pos[attn[layer]]
-        assert waits[layer].next is attn[layer]  # waits as late as possible
+        assert pos[plans[0]] < pos[prefetch[layer]] < pos[attn[layer]]
+        assert attn[layer].args[0][1] is prefetch[layer]  # its rows wait for its own ticket
         assert attn[layer].args[0][2] is op_arguments(writes[layer], ops.kv_write)["key_cache"]  # its layer's rows
         assert pos[prefetch[layer]] < pos[writes[max(0, layer - schedule.lead)]]  # issued early
         if layer - schedule.lead > 0:  # ... but not before it needs to be
@@ -347,7 +346,7 @@ def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplo
     from specontext_compile.runtime import offload as offload_mod
 
     ops = torch.ops.specontext
-    for op in (ops.offload_anchor, ops.offload_plan, ops.offload_prefetch, ops.offload_wait, ops.offload_rows):
+    for op in (ops.offload_plan, ops.offload_prefetch, ops.offload_rows):
         assert _get_effect(op.default) is not None, op
     assert not hasattr(offload_mod, "lookup") and not hasattr(offload_mod, "_REGISTRY")
     model, ids = tiny_llama(layers=2), _ids(9)
@@ -357,7 +356,7 @@ def test_offload_ops_declare_effects_and_take_the_manager_as_a_graph_input(caplo
     managers = [n for n in decode.graph.nodes if n.op == "placeholder" and "offload" in n.name]
     assert len(managers) == 1
     users = {str(u.target).split(".")[1] for u in managers[0].users if str(u.target).startswith("specontext.")}
-    assert {"offload_anchor", "offload_plan", "offload_prefetch", "offload_wait"} <= users
+    assert {"offload_plan", "offload_prefetch"} <= users
     rows = [n for n in decode.graph.nodes if n.target is offload_step.attention]
     assert len(rows) == 2 and all(n.args[0][0] is managers[0] for n in rows)  # its attention reads through it
     assert run.manager.offloaded  # the plan ran through the graph's manager
@@ -415,9 +414,8 @@ def test_two_stage_selection_with_offload_equals_resident_bit_for_bit(size_fn):
     refines = [n for n in graph.nodes if n.target is offload_step.refine]
     assert len(refines) == 3
     for refine in refines:
-        wait = refine.args[0][1]  # rows = (manager, ready, key_cache, value_cache)
-        assert wait.target is torch.ops.specontext.offload_wait.default and order[wait] < order[refine]
-        prefetch = op_arguments(wait, torch.ops.specontext.offload_wait)["ticket"]
+        prefetch = refine.args[0][1]  # rows = (manager, ticket, key_cache, value_cache)
+        assert prefetch.target is torch.ops.specontext.offload_prefetch.default and order[prefetch] < order[refine]
         assert op_arguments(prefetch, torch.ops.specontext.offload_prefetch)["indices"] is refine.args[2]
 
 
