@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from . import cli_distill
+from . import cli_distill, cli_serve
 from .explain_cli import add_explain_parser, cmd_explain
 
 __all__ = ["check_paths", "main", "write_json"]
@@ -253,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     add_explain_parser(sub)
     cli_distill.add_parser(sub)
+    cli_serve.add_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
@@ -262,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_explain(args)
         if args.command == "distill":
             return cli_distill.run(args)
+        if args.command == "serve":
+            return cli_serve.run(args)
         return _cmd_run(args)
     except ValueError as err:
         print(f"specontext: error: {err}", file=sys.stderr)

