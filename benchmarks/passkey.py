@@ -119,9 +119,9 @@ def load_tokenizer(name: str = MODEL):
     """The tokenizer of ``name`` alone (no weights loaded)."""
     from transformers import AutoTokenizer
 
-    from specontext_compile.models import _resolve
+    from specontext_compile.models import resolve_model
 
-    directory, gguf = _resolve(name)
+    directory, gguf = resolve_model(name)
     return AutoTokenizer.from_pretrained(directory, **({"gguf_file": gguf} if gguf else {}))
 
 
