@@ -32,8 +32,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server():
+def _start():
+    """A started server on a free port and its URL, once ``/health`` answers."""
     port = _free_port()
     srv = build_server("smollm2-135m", OPTIONS, port=port, engine=ENGINE)
     srv.start()
@@ -44,6 +44,12 @@ def server():
             break
         except OSError:
             time.sleep(0.1)
+    return srv, url
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv, url = _start()
     yield srv, url
     srv.stop()
 
@@ -127,16 +133,7 @@ def test_bad_options_fail_before_the_model_loads():
 
 
 def test_the_server_shuts_down_cleanly():
-    port = _free_port()
-    srv = build_server("smollm2-135m", OPTIONS, port=port, engine=ENGINE)
-    srv.start()
-    url = f"http://localhost:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=5)
-            break
-        except OSError:
-            time.sleep(0.1)
+    srv, url = _start()
     status, _ = _post(url, _chat(srv, "Say hi.", max_tokens=3))
     assert status == 200
     engine = srv.generation_state._cb_manager._cb  # Hugging Face's ContinuousBatchingManager
