@@ -20,6 +20,7 @@ def add_parser(sub) -> None:
     p.add_argument("--num-blocks", type=int, default=512, help="KV cache pages of the engine")
     p.add_argument("--page-size", type=int, default=32, help="tokens per KV cache page")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step")
+    p.add_argument("--max-requests", type=int, default=8, help="requests per engine step (decode steps pad to it)")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -33,8 +34,12 @@ def run(args) -> int:
     options.setdefault("page_rescue", 0)  # the continuous-batching step has no page rescue yet (docs/serving.md)
     server = build_server(args.model, options, host=args.host, port=args.port, dtype=args.dtype,
                           engine=dict(num_blocks=args.num_blocks, page_size=args.page_size,
-                                      max_batch_tokens=args.max_batch_tokens))
+                                      max_batch_tokens=args.max_batch_tokens,
+                                      max_requests_per_batch=args.max_requests))
     print(f"specontext serve: {server.model_id} on http://{args.host}:{args.port}/v1 "
-          f"(model name for requests: {server.model_id}); Ctrl-C stops it", flush=True)
-    server.run()
+          f"(model name for requests: {server.model_name!r}); Ctrl-C stops it", flush=True)
+    try:
+        server.run()
+    except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down
+        pass
     return 0

@@ -125,6 +125,57 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server):
     assert srv.generation_state.is_cb_alive()
 
 
+@pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -1), ("max_tokens", "abc"),
+                                          ("max_completion_tokens", 0), ("temperature", -1), ("top_p", 0),
+                                          ("messages", []), ("messages", [{"content": "no role"}]),
+                                          ("messages", "hi"), ("stream", "sometimes")])
+def test_bad_values_get_422_naming_the_field(server, field, value):
+    srv, url = server
+    status, body = _post(url, {**_chat(srv, "hi"), field: value})
+    assert status == 422, body
+    assert any(error["loc"][0] == field for error in body["detail"]), body
+
+
+def test_a_negative_max_tokens_cannot_pass_the_capacity_check(server):
+    """A prompt over capacity with ``max_tokens`` -100 passed ``prompt + new <= capacity``,
+    failed Hugging Face's scheduler and killed the engine (every later request: 503)."""
+    srv, url = server
+    status, body = _post(url, _chat(srv, "hello " * request_capacity(srv.cb_config), max_tokens=-100))
+    assert status == 422 and body["detail"][0]["loc"] == ["max_tokens"]
+    status, body = _post(url, _chat(srv, QUESTIONS[1], max_tokens=2))
+    assert status == 200 and srv.generation_state.is_cb_alive()
+
+
+def test_the_model_is_named_by_its_short_name_or_left_out(server):
+    srv, url = server
+    for body in ({**_chat(srv, "Say hi.", max_tokens=2), "model": "smollm2-135m"},
+                 {key: value for key, value in _chat(srv, "Say hi.", max_tokens=2).items() if key != "model"}):
+        status, answer = _post(url, body)
+        assert status == 200, answer
+    status, answer = _post(url, {**_chat(srv, "Say hi.", max_tokens=2), "model": "gpt-4"})
+    assert status == 400 and "pinned" in answer["detail"]
+
+
+def test_a_stream_ends_with_done(server):
+    srv, url = server
+    request = urllib.request.Request(f"{url}/v1/chat/completions",
+                                     data=json.dumps(_chat(srv, "Say hi.", max_tokens=3, stream=True)).encode(),
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=600) as response:
+        events = [line for line in response.read().decode().splitlines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) >= 3
+    assert all(json.loads(event[6:])["object"] == "chat.completion.chunk" for event in events[:-1])
+
+
+def test_text_completions_check_their_prompt(server):
+    srv, url = server
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
+        {"model": srv.model_name, "prompt": "", "max_tokens": 2}).encode(), headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as err:
+        urllib.request.urlopen(request, timeout=600)
+    assert err.value.code == 422 and "prompt" in err.value.read().decode()
+
+
 def test_bad_options_fail_before_the_model_loads():
     with pytest.raises(ValueError, match="budget"):
         build_server("smollm2-135m", {"budget": 0})
