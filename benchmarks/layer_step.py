@@ -107,7 +107,7 @@ def parts(budget: int, rescue_tokens: int, scale: float):
 
     def logits(query, key, value, length, page_min, page_max, candidates):
         rescued = union(query, key, value, length, page_min, page_max, candidates)
-        return selected_logits(query, _gather_tokens(key, rescued.clamp(min=0)), rescued, length, None, scale)
+        return selected_logits(query, _gather_tokens(key, rescued.clamp(min=0)), rescued, length, None, variant)
 
     def refine(query, key, value, length, page_min, page_max, candidates):
         return aten_step.refine_selection(query, key, candidates, length, None, (page_min, page_max, None), spec,

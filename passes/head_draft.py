@@ -124,7 +124,7 @@ class DraftHead(SelectionHead):
                 return f"{last.name} (an input of the draft head) is computed after layer 0's KV write"
         if spec.variant == "embedding":
             with graph.inserting_after(last):
-                step = graph.call_function(DRAFT_STEP, (*base, None, None, [], False))
+                step = graph.call_function(DRAFT_STEP, (*base, [], False))
             return step, write, None
         try:  # the EAGLE-3 default needs the layer count: one KV write per decoder layer
             aux_layers = spec.aux_layers_for(len(writes))
@@ -140,12 +140,12 @@ class DraftHead(SelectionHead):
         last_out = max(outputs, key=lambda n: order[n])
         if q_len == 1:
             with graph.inserting_after(last):
-                step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, [], False))
+                step = graph.call_function(DRAFT_STEP, (*base, [aux_state, aux_valid], False))
             with graph.inserting_after(last_out):
                 graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
             return step, write, None
         with graph.inserting_after(last_out):
-            step = graph.call_function(DRAFT_STEP, (*base, aux_state, aux_valid, list(outputs), True))
+            step = graph.call_function(DRAFT_STEP, (*base, [aux_state, aux_valid, *outputs], True))
         with graph.inserting_after(step):
             graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
         return step, write, (f"fused draft head: a step of {q_len} tokens needs its own hidden "

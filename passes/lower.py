@@ -130,7 +130,8 @@ def _fusable(sparse: fx.Node) -> fx.Node | None:
     mine = _bound(refine, _REFINE_PARAMS)
     same = all(mine[name] is args[name] or mine[name] == args[name] and not isinstance(mine[name], fx.Node)
                for name in ("query", "key_cache", "length", "attn_mask", "variant"))
-    return refine if same and mine["rope_cache"] is None and not mine["spec"].min_coverage else None
+    mla = isinstance(mine["key_cache"], tuple)  # MLA's (latent, rotary) key stores
+    return refine if same and not mla and not mine["spec"].min_coverage else None
 
 
 def _fuse_refine_attend(graph: fx.Graph) -> int:

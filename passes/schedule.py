@@ -136,7 +136,7 @@ def _offload_refine(graph: fx.Graph, refine: fx.Node, rows: tuple, dag: nx.DiGra
     positions, read from the device buffer of an offloaded layer); its outputs keep their
     users (``getitem`` 0 / 1)."""
     a = op_arguments(refine, REFINE)
-    if a["spec"].min_coverage or a["rope_cache"] is not None:
+    if a["spec"].min_coverage or isinstance(a["key_cache"], tuple):  # MLA: (latent, rotary) key stores
         raise ValueError("offload schedule: the fidelity guard (min_coverage) and MLA layers are not built "
                          "with offloaded two-stage selection")
     with graph.inserting_before(refine):

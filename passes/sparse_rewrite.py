@@ -399,11 +399,15 @@ class SparseAttentionPass(CustomGraphPass):
         with graph.inserting_before(site.node):
             rescue = self._rescue_of(site)
             # looked up when the pass runs: a wrapper of it set before compiling is what runs
+            keys = (site.key_cache, site.value_cache) if site.mla is not None else site.key_cache  # MLA: two stores
             refine = graph.call_function(aten_step.refine_selection, (
-                query, site.key_cache, selection, site.length, mask, rescue[0] if rescue is not None else [],
-                self._site_spec(site), _variant(site), stats, site.value_cache if site.mla is not None else None))
+                query, keys, selection, site.length, mask, rescue[0] if rescue is not None else [],
+                self._site_spec(site), _variant(site)))
             kept = graph.call_function(operator.getitem, (refine, 0))
-            dense = graph.call_function(operator.getitem, (refine, 1)) if self.step.min_coverage > 0 else None
+            dense = None
+            if self.step.min_coverage > 0:
+                dense = graph.call_function(operator.getitem, (refine, 1))
+                graph.call_function(aten_step.count_guard, (stats, dense))
         return kept, dense
 
     @staticmethod

@@ -37,7 +37,7 @@ from .sparse_attention import (
     sparse_attention_reference,
 )
 
-__all__ = ["MUTATES", "count_fallback", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
+__all__ = ["MUTATES", "count_fallback", "count_guard", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
            "lagged_query_scores", "masked_group_max_softmax",
            "attend_kept", "record_hidden", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
@@ -345,8 +345,7 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
 
 def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
                      length: torch.Tensor, attn_mask: torch.Tensor | None, pages: Sequence[torch.Tensor | None],
-                     spec: StepSpec, variant: AttentionVariant, stats: torch.Tensor | None = None,
-                     rope_cache: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     spec: StepSpec, variant: AttentionVariant) -> tuple[torch.Tensor, torch.Tensor]:
     """Second stage of the two-stage selection: a layer keeps the ``spec.budget`` candidates its
     *own* query attends to most (the pass calls it in each refined layer, issue 12).
 
@@ -363,7 +362,9 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
 
     Args:
         query: ``[batch, num_heads, q_len, head_dim]`` (this layer's).
-        key_cache: ``[batch, num_kv_heads, capacity, head_dim]``.
+        key_cache: ``[batch, num_kv_heads, capacity, head_dim]``; MLA (:mod:`.mla`): the pair
+            ``(latent_cache, rope_cache)`` of the layer's latent and rotary key stores, and
+            ``query`` the absorbed query.
         candidates: int64 ``[batch, num_kv_heads, slots]`` ascending, ``-1`` padding first
             (a selection node's output). ``slots <= budget`` (a store whose capacity was
             symbolic when the pass ran) keeps every candidate.
@@ -375,13 +376,10 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
             None); before refining, the tokens of the ``spec.rescue_pages`` pages with the
             highest Quest bound under this layer's query join the candidates.
         spec: budget, sinks, recent window, the guard's ``min_coverage`` (0 = off: the site
-            must run dense when any KV head's ``coverage`` (below) is under it; that
-            decision is counted in ``stats``, int64, index
-            :data:`~specontext_compile.runtime.protocol.GUARD_STAT`, on the device) and the
-            page rescue (``rescue_pages``, ``page_tokens``).
+            must run dense when any KV head's ``coverage`` (below) is under it; the pass
+            counts that decision with :func:`count_guard`) and the page rescue
+            (``rescue_pages``, ``page_tokens``).
         variant: the site's :class:`~.spec.AttentionVariant`.
-        rope_cache: MLA only (:mod:`.mla`): the rotary key store; ``key_cache`` is then the
-            latent store and ``query`` the absorbed query.
 
     Returns:
         ``(indices, dense)``: int64 ``[batch, num_kv_heads, budget]`` in no particular order
@@ -395,18 +393,21 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
     Raises:
         ValueError: when ``spec.budget`` does not leave room for the step's ``q_len`` tokens.
     """
-    indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, spec, variant, rope_cache,
-                                        pages)
-    dense = (coverage < spec.min_coverage).any()
-    if stats is not None and spec.min_coverage > 0:
-        stats[GUARD_STAT].add_(dense.long())
-    return indices, dense
+    indices, coverage = refine_coverage(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+    return indices, (coverage < spec.min_coverage).any()
+
+
+def count_guard(stats: torch.Tensor, dense: torch.Tensor) -> None:
+    """Count a site the fidelity guard sent dense (``dense``: :func:`refine_selection`'s bool
+    scalar): ``stats[GUARD_STAT] += 1`` on the device (``guard_dense_sites`` in
+    ``path_counts()``), no host read."""
+    stats[GUARD_STAT].add_(dense.long())
 
 
 def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
                     length: torch.Tensor, attn_mask: torch.Tensor | None, spec: StepSpec,
-                    variant: AttentionVariant, rope_cache: torch.Tensor | None = None,
-                    pages: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                    variant: AttentionVariant, pages: Sequence[torch.Tensor | None] = ()
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`refine_selection`'s kept positions and per-KV-head coverage estimate
     (float32 ``[batch, num_kv_heads]``), arguments as there.
 
@@ -421,19 +422,18 @@ def refine_coverage(query: torch.Tensor, key_cache: torch.Tensor, candidates: to
 
     With the page rescue on (``spec.rescue_pages > 0`` and bounds given; never for MLA), the
     candidates become :func:`~.page_bounds.rescued_candidates` before the gather."""
-    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, rope_cache,
-                                     pages)
+    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     return refine_gathered(query, keys, candidates, length, attn_mask, spec, variant)
 
 
 def refine_inputs(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,
                   attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant,
-                  rope_cache: torch.Tensor | None = None,
                   pages: Sequence[torch.Tensor | None] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """``(candidates, keys)`` the refinement ranks (:func:`refine_coverage`, arguments as there):
     the positions of :func:`refine_candidates` (MLA: the candidates as given) and their keys
     ``[batch, num_kv_heads, slots, head_dim]``, gathered from the store, or the store itself,
     read in place, when the candidates have a slot for every store position."""
+    key_cache, rope_cache = key_cache if isinstance(key_cache, tuple) else (key_cache, None)
     b, num_kv, capacity, _ = key_cache.shape
     if rope_cache is None:  # MLA ranks its candidates as they are (no page bounds, no in-place read)
         covers = known(candidates.shape[-1] >= capacity)
@@ -522,8 +522,7 @@ def ranked(query, keys, candidates, length, attn_mask, spec: StepSpec, variant: 
     budget = torch.sym_min(spec.budget, candidates.shape[-1])  # a budget above the candidates keeps them all
     if known(budget < q_len):
         raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
-    logits = selected_logits(query, keys, candidates, length, attn_mask, variant.scale, variant.soft_cap,
-                             variant.sliding_window)
+    logits = selected_logits(query, keys, candidates, length, attn_mask, variant)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     score = probs.amax(dim=(2, 3))  # [b, kv, slots]
     valid = candidates >= 0
@@ -549,7 +548,7 @@ def refine_and_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     learned sinks or the dense shortcut; arguments as those two functions'. Returns
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
     bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
-    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, None, pages)
+    candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]
     return attend_kept(query, logits, values, top, rows)
@@ -620,7 +619,6 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
     site and step): the price of the guard, which is off by default."""
     capacity = key_cache.shape[-2]
-    scale, soft_cap, sliding_window = variant.scale, variant.soft_cap, variant.sliding_window
     plain = variant.plain and sinks is None
     extra, unpack = optional_operands(attn_mask, sinks)
     tensors = [query, key_cache, value_cache, indices, length] + extra
@@ -628,13 +626,13 @@ def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache:
     def run_dense(q, k, v, idx, n, *rest):
         m, sk = unpack(rest)
         if plain:
-            return _dense_store_attention(q, k, v, n, m, scale)
+            return _dense_store_attention(q, k, v, n, m, variant.scale)
         every = torch.arange(capacity, device=idx.device).expand(idx.shape[0], idx.shape[1], capacity)
-        return sparse_attention_reference(q, k, v, every, n, m, scale, soft_cap, sliding_window, sk)
+        return sparse_attention_reference(q, k, v, every, n, m, variant, sk)
 
     def run_sparse(q, k, v, idx, n, *rest):
         m, sk = unpack(rest)
-        return sparse_attention_reference(q, k, v, idx, n, m, scale, soft_cap, sliding_window, sk)
+        return sparse_attention_reference(q, k, v, idx, n, m, variant, sk)
 
     return torch.cond(dense, run_dense, run_sparse, tuple(tensors))
 
@@ -661,8 +659,7 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         return guarded_attention(query, key_cache, value_cache, indices, length, attn_mask, variant, dense, sinks)
     if spec.dense_shortcut and variant.plain and sinks is None and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
-    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant.scale,
-                                      variant.soft_cap, variant.sliding_window, sinks)
+    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks)
 
 
 #: Step functions the pass calls directly (no op) that change tensors in place, with the
@@ -671,7 +668,7 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
 MUTATES = {
     record_query: ("query_state", "query_valid"),
     record_hidden: ("aux_state", "aux_valid"),
-    refine_selection: ("stats",),
+    count_guard: ("stats",),
     count_step: ("stats",),
     count_fallback: ("stats",),
     store_selection: ("selection_state",),

@@ -98,28 +98,24 @@ def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rop
         ``[batch, num_heads, q_len, value_dim]`` in ``latent_q.dtype``: exactly (up to float
         rounding) Hugging Face's attention restricted to the selected positions.
     """
-    scale, nope_dim = variant.scale, variant.nope_dim
-    if dense is not None:
+    plain = AttentionVariant(scale=variant.scale)  # the latent product: no soft cap, no window
+    if dense is None:
+        out_latent = _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, plain)
+    else:
         capacity = latent_cache.shape[-2]
         every = torch.arange(capacity, device=indices.device).expand(indices.shape[0], indices.shape[1], capacity)
-
         extra, unpack = optional_operands(attn_mask, sinks)
-        tensors = (latent_q, latent_cache, rope_cache, weight, indices, length, *extra)
-        return torch.cond(dense,
-                          lambda q, c, r, w, i, n, *rest: _attend(q, c, r, w, every, n, *unpack(rest), scale=scale,
-                                                                  nope_dim=nope_dim),
-                          lambda q, c, r, w, i, n, *rest: _attend(q, c, r, w, i, n, *unpack(rest), scale=scale,
-                                                                  nope_dim=nope_dim),
-                          tensors)
-    return _attend(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, sinks, scale=scale,
-                   nope_dim=nope_dim)
+        tensors = (latent_q, latent_cache, rope_cache, indices, length, *extra)
+        out_latent = torch.cond(
+            dense, lambda q, c, r, i, n, *rest: _attend(q, c, r, every, n, *unpack(rest), plain),
+            lambda q, c, r, i, n, *rest: _attend(q, c, r, i, n, *unpack(rest), plain), tensors)
+    return up_project(out_latent, weight, variant.nope_dim)
 
 
-def _attend(latent_q, latent_cache, rope_cache, weight, indices, length, attn_mask, sinks, *, scale, nope_dim):
+def _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, variant):
+    """Attended latent rows ``[b, h, q, r]`` over the selected positions."""
     keys, latent = gather_latent_keys(latent_cache, rope_cache, indices)
-    out_latent = attend_gathered(latent_q, keys, latent, indices, length, attn_mask, scale,
-                                 sinks=sinks)  # [b, h, q, r]
-    return up_project(out_latent, weight, nope_dim)
+    return attend_gathered(latent_q, keys, latent, indices, length, attn_mask, variant, sinks=sinks)
 
 
 def up_project(out_latent: torch.Tensor, weight: torch.Tensor, nope_dim: int) -> torch.Tensor:

@@ -48,8 +48,7 @@ def attention(rows, query: torch.Tensor, indices: torch.Tensor, length: torch.Te
     k]`` (int64, ``-1`` padding), ``length`` (int64, this step's tokens included), the site's
     mask and ``variant``. Returns ``[batch, num_heads, q_len, head_dim_v]``."""
     keys, values = _read(rows, indices, length, values=True)
-    return attend_gathered(query, keys, values, indices, length, attn_mask, variant.scale, variant.soft_cap,
-                           variant.sliding_window)
+    return attend_gathered(query, keys, values, indices, length, attn_mask, variant)
 
 
 def refine(rows, query: torch.Tensor, candidates: torch.Tensor, length: torch.Tensor,

@@ -38,9 +38,7 @@ def draft_step(
     input_ids: torch.Tensor,
     embedding: torch.Tensor,
     head: str,
-    aux_state: torch.Tensor | None,
-    aux_valid: torch.Tensor | None,
-    hidden: list[torch.Tensor],
+    aux: list[torch.Tensor],
     after_write: bool,
 ) -> torch.Tensor:
     """The draft head on this step's tokens (SpeContext section 4).
@@ -56,11 +54,12 @@ def draft_step(
     (never scored from unwritten slots). ``embedding``: the target's ``[vocab, hidden]``
     token embedding, used when the head has none.
 
-    Auxiliary hidden states: none (``aux_state`` None) = zeros (embedding-only head). Fused:
-    token ``i`` of the step gets the previous token's: ``aux_state`` ``[batch, 1,
-    aux_width]`` for the first (zeros unless ``aux_valid``), and for the others the
-    concatenation of ``hidden`` (this step's outputs ``[batch, q_len, target_hidden]`` of the
-    auxiliary layers) at row ``i - 1``; steps of more than one token need ``hidden``.
+    Auxiliary hidden states ``aux``: ``[]`` = zeros (embedding-only head). Fused:
+    ``[aux_state, aux_valid, *hidden]``; token ``i`` of the step gets the previous token's:
+    ``aux_state`` ``[batch, 1, aux_width]`` for the first (zeros unless ``aux_valid``), and for
+    the others the concatenation of ``hidden`` (this step's outputs ``[batch, q_len,
+    target_hidden]`` of the auxiliary layers) at row ``i - 1``; steps of more than one token
+    need ``hidden``.
 
     Returns:
         ``[batch, head_heads, 1, head_dim]`` (``draft_keys``' dtype): the head's query of the
@@ -77,9 +76,10 @@ def draft_step(
     start = length.to(device) - (q_len if after_write else 0)
     positions = (start + torch.arange(q_len, device=device)).expand(b, q_len)
     width = module.fc.shape[1]
-    if aux_state is None:
+    if not aux:
         aux = torch.zeros((b, q_len, width), dtype=dtype, device=device)
     else:
+        aux_state, aux_valid, *hidden = aux
         prev = aux_state.to(dtype) * (aux_valid != 0).to(dtype)
         if q_len > 1:
             if not hidden:
@@ -103,7 +103,6 @@ def draft_step(
     return query[:, :, -1:, :].contiguous()
 
 @draft_step.register_fake
-def _(draft_keys, draft_length, length, input_ids, embedding, head, aux_state, aux_valid, hidden,
-      after_write):
+def _(draft_keys, draft_length, length, input_ids, embedding, head, aux, after_write):
     spec = draft_retrieval.head_spec(head)
     return draft_keys.new_empty((input_ids.shape[0], spec.num_heads, 1, spec.head_dim))

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .spec import AttentionVariant
+
 __all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits",
            "sparse_attention_reference"]
 
@@ -121,9 +123,7 @@ def sparse_attention_reference(
     indices: torch.Tensor,
     length: torch.Tensor,
     attn_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    soft_cap: float | None = None,
-    sliding_window: int = 0,
+    variant: AttentionVariant | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``query`` over the selected cached tokens only.
@@ -138,11 +138,11 @@ def sparse_attention_reference(
         length: int64 scalar (or ``[batch]``) tensor: tokens written, this step's included.
         attn_mask: optional HF mask ``[batch|1, 1|num_heads, q_len, capacity]``, bool
             (True = attend) or additive float.
-        scale: softmax scale; ``head_dim ** -0.5`` when None.
-        soft_cap: logit soft-capping (Gemma 2): scores become
-            ``soft_cap * tanh(scores * scale / soft_cap)`` before the mask; None = off.
-        sliding_window: 0 = full causal attention; else positions outside each row's last
-            ``sliding_window`` tokens are never attended (see :func:`causal_limit_mask`).
+        variant: the site's :class:`~.spec.AttentionVariant`: ``scale`` (softmax scale),
+            ``soft_cap`` (Gemma 2: scores become ``soft_cap * tanh(scores * scale / soft_cap)``
+            before the mask; None = off), ``sliding_window`` (0 = full causal attention; else
+            positions outside each row's last ``sliding_window`` tokens are never attended,
+            :func:`causal_limit_mask`). None: plain attention at ``head_dim ** -0.5``.
         sinks: optional learned sink logit per query head ``[num_heads]`` (GPT-OSS): one
             more softmax column that takes probability mass and contributes no value.
 
@@ -157,11 +157,11 @@ def sparse_attention_reference(
     num_kv = key_cache.shape[1]
     if num_heads % num_kv:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv}")
-    scale = head_dim**-0.5 if scale is None else scale
+    variant = AttentionVariant(scale=head_dim**-0.5) if variant is None else variant
     safe_idx = indices.clamp(min=0)
     keys = _gather_tokens(key_cache, safe_idx)  # [b, kv, k, d]
     values = _gather_tokens(value_cache, safe_idx)
-    return attend_gathered(query, keys, values, indices, length, attn_mask, scale, soft_cap, sliding_window, sinks)
+    return attend_gathered(query, keys, values, indices, length, attn_mask, variant, sinks)
 
 
 def selected_logits(
@@ -170,9 +170,7 @@ def selected_logits(
     indices: torch.Tensor,
     length: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int = 0,
+    variant: AttentionVariant,
 ) -> torch.Tensor:
     """The logits a layer's attention gives the selected tokens, exactly as it computes them:
     ``query * scale`` before the product (:func:`query_key_logits`), the soft cap, the mask
@@ -192,11 +190,11 @@ def selected_logits(
     num_kv = keys.shape[1]
     groups = num_heads // num_kv
     q = query.reshape(b, num_kv, groups * q_len, head_dim)
-    logits = query_key_logits(q, keys, scale)  # float32; no float16 overflow before the scale
-    if soft_cap is not None:
-        logits = torch.tanh(logits / soft_cap) * soft_cap
+    logits = query_key_logits(q, keys, variant.scale)  # float32; no float16 overflow before the scale
+    if variant.soft_cap is not None:
+        logits = torch.tanh(logits / variant.soft_cap) * variant.soft_cap
     logits = logits.view(b, num_kv, groups, q_len, -1)
-    allowed = causal_limit_mask(indices, length, q_len, sliding_window).unsqueeze(2)  # [b, kv, 1, q, k]
+    allowed = causal_limit_mask(indices, length, q_len, variant.sliding_window).unsqueeze(2)  # [b, kv, 1, q, k]
     if attn_mask is not None:
         gathered = _gather_mask(attn_mask, indices.clamp(min=0), num_kv)
         if gathered.dtype == torch.bool:
@@ -213,9 +211,7 @@ def attend_gathered(
     indices: torch.Tensor,
     length: torch.Tensor,
     attn_mask: torch.Tensor | None,
-    scale: float,
-    soft_cap: float | None = None,
-    sliding_window: int = 0,
+    variant: AttentionVariant,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The part of sparse attention after the gather (shared by the offloaded path).
@@ -226,7 +222,7 @@ def attend_gathered(
     """
     b, num_heads, q_len, _ = query.shape
     num_kv = keys.shape[1]
-    logits = selected_logits(query, keys, indices, length, attn_mask, scale, soft_cap, sliding_window)
+    logits = selected_logits(query, keys, indices, length, attn_mask, variant)
     if sinks is not None:  # one more column per head: it takes mass, adds no value
         column = sinks.float().view(1, num_kv, -1, 1, 1).expand(*logits.shape[:4], 1)
         logits = torch.cat([logits, column], dim=-1)

@@ -77,7 +77,7 @@ def test_sparse_attention_with_a_per_head_bias_equals_float64_over_the_selection
     bias = alibi(h, cap).expand(b, h, q_len, cap)
     picked = torch.tensor([0, 2, 5, 9, 13, 17, 20] + list(range(length - q_len, length)))
     indices = torch.cat([torch.full((3,), -1), picked]).expand(b, h, -1).contiguous()
-    out = sparse_attention_reference(q, k, v, indices, torch.tensor(length), bias.contiguous(), 0.3)
+    out = sparse_attention_reference(q, k, v, indices, torch.tensor(length), bias.contiguous(), AttentionVariant(0.3))
     logits = (q.double() @ k[:, :, picked].double().transpose(-1, -2)) * 0.3 + bias[..., picked].double()
     rows = torch.arange(q_len).view(q_len, 1) + length - q_len
     logits = logits.masked_fill(picked.view(1, -1) > rows, float("-inf"))

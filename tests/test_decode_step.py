@@ -293,7 +293,7 @@ def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():
     variant = AttentionVariant(0.5)
     graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="triton"), variant))
     graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="torch"), variant))
-    graph.call_function(ops.draft_step.default, (x, x, x, x, x, "head", x, x, [x], False))
+    graph.call_function(ops.draft_step.default, (x, x, x, x, x, "head", [x, x, x], False))
     graph.output(None)
     result = lower_to_aten(graph)
     targets = [n.target for n in graph.nodes if n.op == "call_function"]

@@ -5,6 +5,7 @@ import pytest
 import torch
 from specontext_compile.runtime.selection import select_tokens, window_start
 from specontext_compile.runtime.sparse_attention import sparse_attention_reference
+from specontext_compile.runtime.spec import AttentionVariant
 
 
 def dense_reference(q, k, v, length, scale, soft_cap=None, window=0):
@@ -35,7 +36,7 @@ def test_sparse_op_with_soft_cap_and_window_equals_dense_at_full_selection(q_len
     k, v = torch.randn(b, kv, cap, d), torch.randn(b, kv, cap, d)
     k[:, :, length:] = float("nan")  # unwritten slots must never be read
     indices = torch.cat([torch.randperm(length), torch.full((5,), -1)]).expand(b, kv, -1).contiguous()
-    out = sparse_attention_reference(q, k, v, indices, torch.tensor(length), None, 0.35, soft_cap, window)
+    out = sparse_attention_reference(q, k, v, indices, torch.tensor(length), None, AttentionVariant(0.35, soft_cap, window))
     ref = dense_reference(q, k, v, length, 0.35, soft_cap, window)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -45,8 +46,8 @@ def test_soft_cap_changes_the_result():
     torch.manual_seed(0)
     q, k = torch.randn(1, 2, 1, 8) * 3, torch.randn(1, 2, 16, 8)
     idx = torch.arange(16).expand(1, 2, 16).contiguous()
-    a = sparse_attention_reference(q, k, k, idx, torch.tensor(16), None, 1.0, None)
-    c = sparse_attention_reference(q, k, k, idx, torch.tensor(16), None, 1.0, 1.0)
+    a = sparse_attention_reference(q, k, k, idx, torch.tensor(16), None, AttentionVariant(1.0))
+    c = sparse_attention_reference(q, k, k, idx, torch.tensor(16), None, AttentionVariant(1.0, 1.0))
     assert (a - c).abs().max() > 1e-2
 
 

@@ -9,6 +9,7 @@ from _families import record_caches
 from _family_matrix import DECODE_STEPS, run_family, tiny_model
 from specontext_compile.runtime.kv_cache import SpeContextIndexedLayer
 from specontext_compile.runtime.protocol import op_arguments
+from specontext_compile.runtime.spec import AttentionVariant
 from test_backend_e2e import assert_gather_path
 
 import specontext_compile as sc
@@ -111,7 +112,7 @@ def test_sparse_attention_with_sinks_equals_float64_over_the_selection(q_len):
     sinks = torch.randn(h) * 2
     picked = torch.tensor([0, 3, 7, 11] + list(range(length - q_len, length)))
     indices = torch.cat([torch.full((2,), -1), picked]).expand(b, kv, -1).contiguous()
-    out = sparse_attention_reference(q, k, v, indices, torch.tensor(length), None, 0.3, sinks=sinks)
+    out = sparse_attention_reference(q, k, v, indices, torch.tensor(length), None, AttentionVariant(0.3), sinks=sinks)
     keys = k[:, :, picked].double().repeat_interleave(h // kv, 1)
     logits = q.double() @ keys.transpose(-1, -2) * 0.3
     rows = torch.arange(q_len).view(q_len, 1) + length - q_len
@@ -120,8 +121,8 @@ def test_sparse_attention_with_sinks_equals_float64_over_the_selection(q_len):
     probs = torch.cat([logits, column], -1).softmax(-1)[..., :-1]
     ref = probs @ v[:, :, picked].double().repeat_interleave(h // kv, 1)
     torch.testing.assert_close(out.double(), ref, atol=1e-6, rtol=1e-6)
-    nothing = sparse_attention_reference(q, k, v, torch.full((b, kv, 3), -1), torch.tensor(length), None, 0.3,
-                                         sinks=sinks)
+    nothing = sparse_attention_reference(q, k, v, torch.full((b, kv, 3), -1), torch.tensor(length), None,
+                                         AttentionVariant(0.3), sinks=sinks)
     assert torch.equal(nothing, torch.zeros_like(nothing))
 
 

@@ -171,7 +171,7 @@ def test_sparse_attention_fp16_product_above_range(q_len, window):
     for out in (
         torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, StepSpec(1, 1),
                                               AttentionVariant(scale, sliding_window=window)),
-        sparse_attention_reference(q, k, v, idx, torch.tensor(length), None, scale, None, window),
+        sparse_attention_reference(q, k, v, idx, torch.tensor(length), None, AttentionVariant(scale, sliding_window=window)),
     ):
         assert out.dtype == torch.float16 and torch.isfinite(out).all()
         assert ((out.double() - ref).abs() <= tol).all(), float((out.double() - ref).abs().max())
@@ -185,7 +185,7 @@ def test_attend_gathered_fp16_soft_cap_and_mask():
     idx = torch.arange(C).view(1, 1, C)
     mask = torch.zeros(B, 1, 1, C)
     mask[..., :2] = float("-inf")  # left padding
-    out = attend_gathered(q, k, v, idx, torch.tensor(length), mask, scale, cap)
+    out = attend_gathered(q, k, v, idx, torch.tensor(length), mask, AttentionVariant(scale, cap))
     ref, sens = attention64(q, k, v, idx, length, scale, soft_cap=cap, mask_add=mask)
     assert torch.isfinite(out).all()
     assert ((out.double() - ref).abs() <= fp16_tolerance(ref, v, sens)).all()
@@ -214,7 +214,7 @@ def test_fp16_attention_of_random_magnitude_matches_float64(exponent, logit_std,
     v = torch.randn(B, KV, C, head_dim, generator=gen).half()
     scale = logit_std / (m * m * math.sqrt(head_dim))
     idx = torch.stack([torch.randperm(length, generator=gen)[:budget] for _ in range(KV)])[None]
-    out = sparse_attention_reference(q, k, v, idx, torch.tensor(length), None, scale)
+    out = sparse_attention_reference(q, k, v, idx, torch.tensor(length), None, AttentionVariant(scale))
     ref, sens = attention64(q, k, v, idx, length, scale)
     assert torch.isfinite(out).all()
     err = (out.double() - ref).abs()
