@@ -92,10 +92,9 @@ def test_sliding_window_layers_select_only_inside_their_window(family, monkeypat
     seen = []
     real = aten_step.sparse_attention_reference
 
-    def spy(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window, sinks=None):
-        seen.append((indices.clone(), int(length), sliding_window))
-        return real(query, key_cache, value_cache, indices, length, attn_mask, scale, soft_cap, sliding_window,
-                    sinks)
+    def spy(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks=None):
+        seen.append((indices.clone(), int(length), variant.sliding_window))
+        return real(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks)
 
     monkeypatch.setattr(aten_step, "sparse_attention_reference", spy)
     result = run_family(family, "eager", budget=8, sink_tokens=4, recent_window=2, inner="eager")
