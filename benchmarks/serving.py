@@ -64,7 +64,7 @@ class StepTimer:
         median = statistics.median(steps)
         return {"decode_steps": len(steps), "median_ms": 1e3 * median, "p10_ms": 1e3 * q[0], "p90_ms": 1e3 * q[-1],
                 "decode_tokens_per_s": requests / median, "other_steps": len(self.other),
-                "other_s": sum(self.other)}
+                "other_s": sum(self.other), "other_ms": [round(1e3 * t, 1) for t in self.other]}
 
 
 def inductor(gm, example_inputs, **_):

@@ -73,15 +73,16 @@ class LaggedQueryHead(SelectionHead):
                decode: list[AttentionSite]) -> fx.Node:
         """``speculative_select`` after the anchor, the mask and ALiBi's bias (if any); the
         function is looked up when the pass runs (a wrapper set before compiling is called)."""
-        first, mla = self.drivers[0], self.drivers[0].mla is not None
-        stores = [d.key_cache for d in self.drivers] + ([d.value_cache for d in self.drivers] if mla else [])
+        first = self.drivers[0]
+        # an MLA layer's key store is its (latent, rotary) pair
+        stores = [(d.key_cache, d.value_cache) if d.mla is not None else d.key_cache for d in self.drivers]
         bias = bias_4d(graph, first)
         order = {n: i for i, n in enumerate(graph.nodes)}
         after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
         with graph.inserting_after(after):
             return graph.call_function(aten_step.speculative_select, (
                 self.anchored.query_state, self.anchored.query_valid, stores, first.length, first.q_len, spec,
-                AttentionVariant(first.scale, sliding_window=window), mask, mla, bias))
+                AttentionVariant(first.scale, sliding_window=window), mask, bias))
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
         """:func:`~..runtime.aten_step.lagged_ready` of the drivers' recorded queries."""

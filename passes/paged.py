@@ -219,14 +219,17 @@ def _placeholders(graph: fx.Graph) -> list[fx.Node]:
     return out
 
 
-def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int) -> PagedRewrite:
+def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_rows: int | None = None
+                  ) -> PagedRewrite:
     """Rewrite a continuous-batching step in place (module docstring) as the variant ``kind``
     (:data:`~..runtime.paged.SPARSE`: selection, sparse attention at every site;
     :data:`~..runtime.paged.MIXED`: both attentions, the sparse one on decode rows;
     :data:`~..runtime.paged.DENSE`: Hugging Face's attention, unchanged); every variant
-    records the retrieval layers' queries and counts the step. Three graph inputs are
-    appended (the :class:`~..runtime.paged.PagedState` tensors) when the graph is
-    rewritten; else ``reason`` says why it was left as it is."""
+    records the retrieval layers' queries and counts the step. The mixed variant selects and
+    attends sparsely for at most ``decode_rows`` rows (:func:`~..runtime.paged.decode_subset`;
+    None: every query row). Three graph inputs are appended (the
+    :class:`~..runtime.paged.PagedState` tensors) when the graph is rewritten; else
+    ``reason`` says why it was left as it is."""
     sites, reason = find_paged_sites(graph)
     if reason is not None:
         return PagedRewrite(reason=reason)
@@ -242,12 +245,21 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int) -> Paged
                           inputs.index(sites[0].mask))
     queries, stamps, stats = _placeholders(graph)
     first_write = min((s.write for s in sites), key=list(graph.nodes).index)
+    subset = None
     with graph.inserting_before(first_write):
         if kind != paged.DENSE:
+            mask = sites[0].mask
+            if kind == paged.MIXED:  # decode rows only: (index, mask, slot, decode)
+                rows = min(q.shape[2], decode_rows or q.shape[2])
+                found = graph.call_function(paged.decode_subset, (mask, rows))
+                subset = [graph.call_function(operator.getitem, (found, i)) for i in range(4)]
+                mask = subset[1]
             selected = graph.call_function(paged.packed_select, (
-                queries, stamps, [sites[i].key_view for i in retrieval], sites[0].read_index, sites[0].mask,
+                queries, stamps, [sites[i].key_view for i in retrieval], sites[0].read_index, mask,
                 StepSpec.from_config(config), sites[0].scale, layout.stride))
             columns, recency, last, decode = (graph.call_function(operator.getitem, (selected, i)) for i in range(4))
+            if subset is not None:  # the recording reads every row's last flag
+                last = graph.call_function(paged.last_rows, (sites[0].mask,))
             graph.call_function(paged.count_paged_step, (stats, kind, n, recency))
         else:
             last = graph.call_function(paged.last_rows, (sites[0].mask,))
@@ -258,22 +270,28 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int) -> Paged
             graph.call_function(paged.record_packed_query, (
                 queries, stamps, slot, site.query, site.write_index, last, layout.stride))
     for site in sites if kind != paged.DENSE else ():
-        _attend_selected(graph, site, columns, decode if kind == paged.MIXED else None)
+        _attend_selected(graph, site, columns, subset)
     graph.lint()
     return result
 
 
-def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, decode: fx.Node | None) -> None:
+def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, subset: list[fx.Node] | None) -> None:
     """Replace the site's dense attention by :func:`~..runtime.paged.packed_sparse_attention`
-    over ``columns`` and erase the dense attention's gathers; with ``decode`` (a mixed
-    step's decode rows) keep the dense attention for the other rows
+    over ``columns`` and erase the dense attention's gathers; with ``subset`` (a mixed
+    step's decode rows, :func:`~..runtime.paged.decode_subset`) attend sparsely for those
+    rows only and keep the dense attention for the others
     (:func:`~..runtime.paged.mixed_attention`)."""
+    query = site.query
     with graph.inserting_before(site.attention):
+        if subset is not None:
+            query = graph.call_function(torch.index_select, (site.query, 2, subset[0]))
         out = graph.call_function(paged.packed_sparse_attention, (
-            site.query, site.key_view, site.value_view, site.read_index, columns, site.scale))
-    if decode is not None:
+            query, site.key_view, site.value_view, site.read_index, columns, site.scale))
+        if subset is not None:
+            out = graph.call_function(paged.expand_decode_rows, (out, subset[2]))
+    if subset is not None:
         with graph.inserting_after(site.attention):
-            mixed = graph.call_function(paged.mixed_attention, (out, site.attention, decode))
+            mixed = graph.call_function(paged.mixed_attention, (out, site.attention, subset[3]))
         site.attention.replace_all_uses_with(mixed, delete_user_cb=lambda user: user is not mixed)
         return
     out.meta.update({k: v for k, v in site.attention.meta.items() if k in ("example_value", "val", "stack_trace")})

@@ -186,9 +186,8 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
     return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
 
 
-def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
+def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list,
                         cached: torch.Tensor, scale: float, visible: torch.Tensor | None = None,
-                        rope_caches: list[torch.Tensor] | None = None,
                         position_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Scores of the training-free lagged-query head over every slot of the stores.
 
@@ -203,14 +202,14 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
     Args:
         query_state: ``[slots, batch, num_heads, 1, head_dim]``.
         query_valid: int64 ``[slots]``, the length each slot was recorded at (0 = never).
-        key_caches: the retrieval layers' key stores ``[batch, num_kv_heads, capacity, head_dim]``.
+        key_caches: the retrieval layers' key stores ``[batch, num_kv_heads, capacity, head_dim]``;
+            an MLA layer's is the pair ``(latent_cache, rope_cache)`` (see
+            :func:`masked_group_max_softmax`).
         cached: int64 scalar tensor, tokens written before this step.
         scale: softmax scale.
         visible: optional bool ``[batch|1, 1, capacity]`` (:func:`row_visibility`): hidden
             positions (left padding) are left out of the softmax too, so a padded row
             scores its tokens exactly as the same prompt alone.
-        rope_caches: MLA only: each retrieval layer's rotary key store (see
-            :func:`masked_group_max_softmax`); ``key_caches`` are then the latent stores.
         position_bias: the layers' additive position bias (ALiBi), see
             :func:`masked_group_max_softmax`; the same for every retrieval layer.
 
@@ -218,15 +217,15 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
         float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` (and hidden
         ones) hold 0.
     """
-    first = key_caches[0]
+    stores = [keys if isinstance(keys, (tuple, list)) else (keys, None) for keys in key_caches]
+    first = stores[0][0]
     b, num_kv, capacity, d = first.shape
     pos = torch.arange(capacity, device=first.device)
     written = pos < cached
     if visible is not None:
         written = written & visible
     total = None
-    for i, keys in enumerate(key_caches):
-        rope = rope_caches[i] if rope_caches else None
+    for i, (keys, rope) in enumerate(stores):
         probs = masked_group_max_softmax(query_state[i], keys, written, scale, rope, position_bias)
         total = probs if total is None else total + probs
     ready = lagged_ready(query_valid, cached, len(key_caches))
@@ -288,28 +287,25 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
     return top.sort(dim=-1).values
 
 
-def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list[torch.Tensor],
+def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list,
                        length: torch.Tensor, q_len: int, spec: StepSpec, variant: AttentionVariant,
-                       attn_mask: torch.Tensor | None = None, mla: bool = False,
-                       position_bias: torch.Tensor | None = None) -> torch.Tensor:
+                       attn_mask: torch.Tensor | None = None, position_bias: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """The selection node with the lagged-query head (the pass calls it once per step):
     :func:`lagged_query_scores` then :func:`select_positions` with
     ``slots = min(spec.candidate_slots, capacity)`` (never below ``q_len``; the pass keeps
     longer steps dense), sinks and recent window from ``spec``, scale and sliding window
     from ``variant`` (the retrieval layers'). ``length``: tokens written before this step. ``attn_mask``: a site's Hugging
     Face mask (padding-aware selection, see :func:`row_visibility`), or None.
-    ``mla``: ``key_caches`` is the latent stores then the rotary key stores (MLA layers).
+    ``key_caches``: the retrieval layers' key stores, an MLA layer's as its ``(latent_cache,
+    rope_cache)`` pair (:func:`lagged_query_scores`).
     ``position_bias``: ALiBi's per-head bias ``[batch|1, num_heads, 1, capacity]`` or None.
     Returns int64 ``[batch, num_kv_heads, slots]``."""
-    rope_caches = None
-    if mla:
-        half = len(key_caches) // 2
-        key_caches, rope_caches = key_caches[:half], key_caches[half:]
-    capacity = key_caches[0].shape[-2]
+    first = key_caches[0]
+    capacity = (first[0] if isinstance(first, (tuple, list)) else first).shape[-2]
     slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
     visible = row_visibility(attn_mask, capacity)
-    scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, rope_caches,
-                                 position_bias)
+    scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, position_bias)
     return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
                             variant.sliding_window, visible)
 

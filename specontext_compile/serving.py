@@ -38,7 +38,7 @@ import torch
 from .backend import _copy
 from .config import SpeContextConfig
 from .passes.paged import PagedRewrite, rewrite_paged
-from .runtime.paged import DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, step_kind
+from .runtime.paged import DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, classify_step
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +55,9 @@ class PagedBackend:
     (:func:`continuous_batching_config`), which a deep copy keeps as is.
     """
 
-    def __init__(self, options: dict[str, Any] | None = None):
+    def __init__(self, options: dict[str, Any] | None = None, decode_rows: int | None = None):
         self.config = SpeContextConfig.from_options(options)
+        self.decode_rows = decode_rows  # at most this many decode rows per step (the engine's requests)
         _check_built(self.config, options or {})
         self.states: dict[int, PagedState] = {}
         self.retired = dict.fromkeys(PAGED_STATS, 0)  # counters of caches already freed
@@ -71,7 +72,7 @@ class PagedBackend:
             logger.info("specontext: continuous-batching graph left dense (exact): %s", result.reason)
             return self._compile(gm, list(example_inputs))
         for kind in (MIXED, DENSE):
-            rewrite_paged(variants[kind].graph, self.config, kind)
+            rewrite_paged(variants[kind].graph, self.config, kind, self.decode_rows)
         logger.info("specontext: continuous-batching step rewritten: %d sites over a paged cache (page size %d, "
                     "%d blocks), retrieval layers %s", len(result.sites), result.layout.page_size,
                     result.layout.blocks, list(result.retrieval_layers))
@@ -80,7 +81,11 @@ class PagedBackend:
 
         def step(*args):
             extra = self._state(result, args[result.key_input]).tensors()
-            return steps[step_kind(args[result.mask_input])](*args, *extra)  # one host read per step
+            kind, decoding = classify_step(args[result.mask_input])  # one host read per step
+            if kind == MIXED and self.decode_rows is not None and decoding > self.decode_rows:
+                raise RuntimeError(f"a continuous-batching step has {decoding} decoding requests, more than the "
+                                   f"engine's max_requests_per_batch={self.decode_rows} the step was built for")
+            return steps[kind](*args, *extra)
 
         return step
 
@@ -203,7 +208,7 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
         raise ValueError("continuous_batching_config sets varlen_compile_config itself (the specontext "
                          "backend); pass backend options as `options` instead")
     _check_model(model)
-    backend = PagedBackend(options)
+    backend = PagedBackend(options, engine.get("max_requests_per_batch"))
 
     def specontext_paged(gm, example_inputs, **kwargs):  # a function: Hugging Face deep-copies the config
         return backend(gm, example_inputs, **kwargs)

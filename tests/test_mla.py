@@ -75,7 +75,7 @@ def test_mla_op_equals_float64_up_projected_attention_over_the_selection(heads, 
 
 
 def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
-    """``speculative_select(mla=True)`` over (latent, rope) stores picks exactly what the
+    """``speculative_select`` over a (latent, rope) store pair picks exactly what the
     plain selection picks over the concatenated ``[latent ; rope]`` keys (one KV head)."""
     torch.manual_seed(0)
     b, h, cap, r, p = 2, 4, 40, 16, 4
@@ -83,7 +83,7 @@ def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
     valid = torch.full((8,), 30, dtype=torch.long)
     latent, rope = torch.randn(b, 1, cap, r), torch.randn(b, 1, cap, p)
     args = (torch.tensor(30), 1, StepSpec(12, 12, sink_tokens=2, recent_window=3), AttentionVariant(0.25))
-    got = aten_step.speculative_select(state, valid, [latent, rope], *args, mla=True)
+    got = aten_step.speculative_select(state, valid, [(latent, rope)], *args)
     want = aten_step.speculative_select(state, valid, [torch.cat([latent, rope], -1)], *args)
     assert got.shape == (b, 1, 12)
     assert torch.equal(got, want)
@@ -132,7 +132,8 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
     assert all(torch.isfinite(x).all() for x in logits)
     select = aten_step.speculative_select
     selections = [n for n in graph.nodes if is_op(n, select)]
-    assert len(selections) == 1 and op_arguments(selections[0], select)["mla"] is True  # MLA scoring, once per step
+    assert len(selections) == 1 and all(  # MLA scoring, once per step
+        isinstance(store, tuple) for store in op_arguments(selections[0], select)["key_caches"])
 
 
 def test_mla_triton_kernel_equals_torch_path(triton_interpreter):

@@ -15,6 +15,7 @@ import specontext_compile as sc
 from specontext_compile import serving
 from specontext_compile.passes.paged import find_paged_sites
 from specontext_compile.runtime import paged
+from specontext_compile.runtime.spec import StepSpec
 
 LAYERS, NEW = 4, 8
 ENGINE = dict(block_size=16, num_blocks=32, max_batch_tokens=128, max_requests_per_batch=4)
@@ -155,6 +156,37 @@ def test_packed_rows_reads_requests_from_the_mask():
     assert paged.step_kind(mask) == paged.MIXED and not paged.is_decode_step(mask)
     assert paged.step_kind(_mask([5, 3, 4], [1, 1, 1], q_rows=4, kv=12)) == paged.SPARSE
     assert paged.step_kind(_mask([5, 3], [2, 3], q_rows=6, kv=8)) == paged.DENSE
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.integers(2, 12), st.booleans()), min_size=1, max_size=5), st.integers(0, 3),
+       st.integers(0, 2 ** 16))
+def test_a_mixed_steps_decode_rows_select_as_in_the_whole_step(requests, spare, seed):
+    """Property: the selection over :func:`paged.decode_subset`'s rows (the decode rows, at a
+    bound of exactly the decode count or more) gives each decode row the columns the
+    selection over every row gives it; the subset's output expands back to those rows."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [n for n, _ in requests]
+    q_lens = [1 if decoding else n // 2 + 1 for n, decoding in requests]
+    q_rows, kv = sum(q_lens) + 2, sum(lengths)  # two padding rows
+    mask = _mask(lengths, q_lens, q_rows, kv)
+    heads, kv_heads, d, blocks, stride = 4, 2, 8, 16, 4  # 64 cache rows >= 5 x 12 columns
+    queries = torch.randn(1, blocks, heads, d, generator=gen)
+    read_index = torch.randperm(blocks * stride, generator=gen)[:kv]
+    stamps = read_index[torch.randint(0, kv, (1, blocks), generator=gen)]  # some rows find their query
+    key_view = torch.randn(blocks * stride, kv_heads, d, generator=gen)
+    spec = StepSpec(3, 3, sink_tokens=1, recent_window=1)
+    whole = paged.packed_select(queries, stamps, [key_view], read_index, mask, spec, 0.3, stride)
+    decoding = int(whole[3].sum())
+    bound = max(decoding, 1) + spare
+    index, sub_mask, slot, decode = paged.decode_subset(mask, bound)
+    assert torch.equal(decode, whole[3]) and index[:decoding].tolist() == decode.nonzero().view(-1).tolist()
+    part = paged.packed_select(queries, stamps, [key_view], read_index, sub_mask, spec, 0.3, stride)
+    assert torch.equal(part[0][:decoding], whole[0][decode])
+    assert int(part[1]) == int(whole[1])  # the recency count: the same rows, padding entries count nothing
+    rows = torch.arange(bound, dtype=torch.float32).view(1, 1, bound, 1)
+    back = paged.expand_decode_rows(rows, slot)[0, 0, :, 0]
+    assert back[decode].tolist() == list(range(decoding))
 
 
 @settings(max_examples=25, deadline=None)
