@@ -72,7 +72,7 @@ def variants(budget: int, rescue_tokens: int, scale: float):
         return aten_step.sparse_attention(query, key, value, kept, length, None, spec, variant)
 
     def fused(query, key, value, length, page_min, page_max, candidates):
-        return aten_step.refine_and_attend(query, key, value, candidates, length, None, spec, variant,
+        return aten_step.refine_and_attend(query, (key, value), candidates, length, None, spec, variant,
                                            (page_min, page_max, None))
 
     def dense(query, key, value, length, page_min, page_max, candidates):

@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from ..runtime import aten_step
-from ..runtime.protocol import DraftAnchor, RetrievalAnchor
+from ..runtime.protocol import DraftAnchor, RetrievalAnchor, op_arguments
 from ..runtime.spec import StepSpec
 from .heads import SelectionHead
 from .sites import KV_WRITE, AttentionSite, decoder_layer_outputs, find_token_embedding, is_op
@@ -64,13 +64,14 @@ class DraftHead(SelectionHead):
         step, write, _ = self.inserted
         order = {n: i for i, n in enumerate(graph.nodes)}
         with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
-            return graph.call_function(aten_step.draft_select, (step, step.args[0], step.args[1], write.args[0],
+            return graph.call_function(aten_step.draft_select, (step, (step.args[0], step.args[1]), write.args[0],
                                                       write.args[2], decode[0].q_len, spec, window, mask))
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
         """:func:`~..runtime.aten_step.draft_ready` of the head's key cache (the arguments of
         ``selection``, a ``draft_select`` node)."""
-        _, _, draft_length, _, length, q_len = selection.args[:6]
+        args = op_arguments(selection, aten_step.draft_select)
+        (_, draft_length), length, q_len = args["draft_cache"], args["length"], args["q_len"]
         with graph.inserting_after(selection):
             return graph.call_function(aten_step.draft_ready, (draft_length, length, q_len))
 

@@ -81,7 +81,7 @@ class LaggedQueryHead(SelectionHead):
         after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
         with graph.inserting_after(after):
             return graph.call_function(aten_step.speculative_select, (
-                self.anchored.query_state, self.anchored.query_valid, stores, first.length, first.q_len, spec,
+                (self.anchored.query_state, self.anchored.query_valid), stores, first.length, first.q_len, spec,
                 AttentionVariant(first.scale, sliding_window=window), mask, bias))
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:

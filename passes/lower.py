@@ -144,7 +144,7 @@ def _fuse_refine_attend(graph: fx.Graph) -> int:
             continue
         mine, args = _bound(refine, _REFINE_PARAMS), _bound(sparse, _SPARSE_PARAMS)
         _replace_pair(graph, refine, sparse, aten_step.refine_and_attend, (
-            mine["query"], mine["key_cache"], args["value_cache"], mine["candidates"], mine["length"],
+            mine["query"], (mine["key_cache"], args["value_cache"]), mine["candidates"], mine["length"],
             mine["attn_mask"], mine["spec"], mine["variant"], mine["pages"]))
         fused += 1
     return fused

@@ -287,11 +287,12 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
     return top.sort(dim=-1).values
 
 
-def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list,
-                       length: torch.Tensor, q_len: int, spec: StepSpec, variant: AttentionVariant,
+def speculative_select(lagged: tuple[torch.Tensor, torch.Tensor], key_caches: list, length: torch.Tensor,
+                       q_len: int, spec: StepSpec, variant: AttentionVariant,
                        attn_mask: torch.Tensor | None = None, position_bias: torch.Tensor | None = None
                        ) -> torch.Tensor:
     """The selection node with the lagged-query head (the pass calls it once per step):
+    ``lagged`` is the head's record ``(query_state, query_valid)`` (:func:`record_query`),
     :func:`lagged_query_scores` then :func:`select_positions` with
     ``slots = min(spec.candidate_slots, capacity)`` (never below ``q_len``; the pass keeps
     longer steps dense), sinks and recent window from ``spec``, scale and sliding window
@@ -305,16 +306,18 @@ def speculative_select(query_state: torch.Tensor, query_valid: torch.Tensor, key
     capacity = (first[0] if isinstance(first, (tuple, list)) else first).shape[-2]
     slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
     visible = row_visibility(attn_mask, capacity)
+    query_state, query_valid = lagged
     scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, position_bias)
     return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
                             variant.sliding_window, visible)
 
 
-def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: torch.Tensor,
-                 key_cache: torch.Tensor, length: torch.Tensor, q_len: int, spec: StepSpec,
-                 sliding_window: int = 0, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+def draft_select(query: torch.Tensor, draft_cache: tuple[torch.Tensor, torch.Tensor], key_cache: torch.Tensor,
+                 length: torch.Tensor, q_len: int, spec: StepSpec, sliding_window: int = 0,
+                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with a draft head (the pass calls it once per step): the head's
-    query scores its own key cache over positions ``< length + q_len`` (causal: the step's
+    query scores its own key cache ``draft_cache = (draft_keys, draft_length)`` (the
+    :func:`draft_step` op's stores) over positions ``< length + q_len`` (causal: the step's
     last token sees itself), mapped to the target's KV heads
     (:func:`~specontext_compile.runtime.draft_retrieval.map_to_target_heads`), then
     :func:`select_positions`. When the head's cache lacks a position (``draft_length <
@@ -324,6 +327,7 @@ def draft_select(query: torch.Tensor, draft_keys: torch.Tensor, draft_length: to
     ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]``."""
     from .draft_retrieval import map_to_target_heads
 
+    draft_keys, draft_length = draft_cache
     b, num_kv, capacity = key_cache.shape[0], key_cache.shape[1], key_cache.shape[-2]
     keys = draft_keys[:, :, :capacity]
     pos = torch.arange(capacity, device=key_cache.device)
@@ -532,18 +536,19 @@ def ranked(query, keys, candidates, length, attn_mask, spec: StepSpec, variant: 
     return logits, probs, values, top
 
 
-def refine_and_attend(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      candidates: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
-                      spec: StepSpec, variant: AttentionVariant,
-                      pages: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
+def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candidates: torch.Tensor,
+                      length: torch.Tensor, attn_mask: torch.Tensor | None, spec: StepSpec,
+                      variant: AttentionVariant, pages: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
     """:func:`refine_selection` (guard off) then :func:`sparse_attention` over the kept tokens,
     in one body: the attention reuses the logits the refinement computed for the kept
     candidates instead of gathering their keys again and recomputing them (the same logits:
     :func:`~.sparse_attention.selected_logits` serves both). Only the kept tokens' values are
     gathered. The lowering (``passes/lower.py``) uses it for a refined site without the guard,
-    learned sinks or the dense shortcut; arguments as those two functions'. Returns
+    learned sinks or the dense shortcut; ``store``: the layer's ``(key_cache, value_cache)``,
+    other arguments as those two functions'. Returns
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
     bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
+    key_cache, value_cache = store
     candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]
@@ -604,16 +609,16 @@ def optional_operands(*optional: torch.Tensor | None):
     return given, unpack
 
 
-def guarded_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
-                      variant: AttentionVariant, dense: torch.Tensor,
-                      sinks: torch.Tensor | None = None) -> torch.Tensor:
+def guarded_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], indices: torch.Tensor,
+                      length: torch.Tensor, attn_mask: torch.Tensor | None, variant: AttentionVariant,
+                      dense: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fidelity guard's branch (``torch.cond``, traced by inductor as a conditional, not
-    a graph break): exact dense attention over the store when ``dense`` (bool scalar), else
-    the gather path over ``indices``. Plain sites attend densely with SDPA over the store;
+    a graph break): exact dense attention over the layer's ``store = (key_cache,
+    value_cache)`` when ``dense`` (bool scalar), else the gather path over ``indices``. Plain sites attend densely with SDPA over the store;
     soft-capped or sliding-window ones through the gather path over every slot (the same
     exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
     site and step): the price of the guard, which is off by default."""
+    key_cache, value_cache = store
     capacity = key_cache.shape[-2]
     plain = variant.plain and sinks is None
     extra, unpack = optional_operands(attn_mask, sinks)
@@ -652,7 +657,7 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     guard): when True the site attends densely instead (:func:`guarded_attention`).
     ``sinks``: learned per-head sink logits ``[num_heads]`` (GPT-OSS) or None."""
     if dense is not None:
-        return guarded_attention(query, key_cache, value_cache, indices, length, attn_mask, variant, dense, sinks)
+        return guarded_attention(query, (key_cache, value_cache), indices, length, attn_mask, variant, dense, sinks)
     if spec.dense_shortcut and variant.plain and sinks is None and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks)

@@ -67,6 +67,7 @@ class DistillConfig:
         variant: ``"embedding"`` (token embedding only) or ``"fused"`` (plus the target's
             auxiliary hidden states of the previous token).
         chunk_tokens: tokens per training chunk (the teacher's context length).
+        max_chunks: training chunks at most (cut from the texts in order; >= 1).
         query_rows: teacher query rows per chunk (the last ones: most context).
         init_layer: target layer whose Q/K projections initialise the head.
         aux_layers: 0-based target layers whose outputs (Hugging Face ``hidden_states[j + 1]``)
@@ -86,6 +87,7 @@ class DistillConfig:
 
     variant: str = "fused"
     chunk_tokens: int = 768
+    max_chunks: int = 24
     query_rows: int = 48
     init_layer: int = 8
     aux_layers: tuple[int, int, int] = (2, 15, 28)
@@ -102,8 +104,8 @@ class DistillConfig:
     def __post_init__(self) -> None:
         if self.variant not in ("embedding", "fused"):
             raise ValueError(f"variant must be 'embedding' or 'fused', got {self.variant!r}")
-        if self.query_rows < 1 or self.chunk_tokens <= self.query_rows or self.steps < 1:
-            raise ValueError("need chunk_tokens > query_rows >= 1 and steps >= 1")
+        if self.query_rows < 1 or self.chunk_tokens <= self.query_rows or self.steps < 1 or self.max_chunks < 1:
+            raise ValueError("need chunk_tokens > query_rows >= 1, steps >= 1 and max_chunks >= 1")
         if self.positions not in POSITION_SCHEMES:
             raise ValueError(f"positions must be one of {POSITION_SCHEMES}, got {self.positions!r}")
         if self.positions != "contiguous" and self.max_position < self.chunk_tokens:
@@ -324,8 +326,7 @@ def _load_teacher(path: Path, key: dict) -> list[TeacherBatch] | None:
 
 
 def distill(model, tokenizer, texts: list[str], config: DistillConfig, out_dir: Path,
-            max_chunks: int = 24, progress_factory=None, extra_meta: dict | None = None,
-            teacher_cache: Path | None = None) -> dict:
+            progress_factory=None, extra_meta: dict | None = None, teacher_cache: Path | None = None) -> dict:
     """The whole recipe: teacher targets from ``texts``, training, and the saved head.
 
     ``teacher_cache``: a file for the teacher targets (most of the cost: one target forward
@@ -338,7 +339,7 @@ def distill(model, tokenizer, texts: list[str], config: DistillConfig, out_dir: 
     Raises:
         ValueError: when the texts give no full chunk.
     """
-    chunks = chunks_from_texts(tokenizer, texts, config.chunk_tokens, max_chunks)
+    chunks = chunks_from_texts(tokenizer, texts, config.chunk_tokens, config.max_chunks)
     if not chunks:
         raise ValueError(f"the training texts hold fewer than {config.chunk_tokens} tokens")
     key = {"chunk_tokens": config.chunk_tokens, "query_rows": config.query_rows,

@@ -379,9 +379,10 @@ class OffloadManager(OpaqueBase):
             ``"auto"``: the device's free memory plus the model's weights (already resident),
             read when the plan is made (:func:`auto_device_bytes`).
         budget: selected tokens per KV head (the buffer rows of an offloaded layer).
-        weight_bytes: ``M_O``, the model's weights (see :func:`model_weight_bytes`).
+        weight_bytes: ``M_O``, the model's weights (see :func:`model_weight_bytes`). The plan's
+            other terms (activation share, the draft head's own KV, extra buffers) are
+            :class:`~.memory_model.MemoryModel`'s paper defaults.
         elastic: move only the selection's difference (True) or reload it every step.
-        activation_factor, draft_cache_layers, alpha: see :class:`~.memory_model.MemoryModel`.
         trace_path: when set, the Chrome trace of the latest finished decode step is written
             there at the start of every step (:mod:`.trace`).
         resident_layers: layers never offloaded (option ``dense_layers``: an int or ints,
@@ -396,8 +397,7 @@ class OffloadManager(OpaqueBase):
     """
 
     def __init__(self, cache, device_memory_bytes: int | str, budget: int, weight_bytes: int = 0, *,
-                 elastic: bool = True, activation_factor: float = 0.3, draft_cache_layers: int = 0,
-                 alpha: float = 0.0, trace_path: str | Path | None = None, resident_layers=(),
+                 elastic: bool = True, trace_path: str | Path | None = None, resident_layers=(),
                  inline_copies: bool = False):
         if device_memory_bytes != AUTO and (not isinstance(device_memory_bytes, int) or device_memory_bytes < 1):
             raise ValueError(f"device_memory_bytes must be an int >= 1 or {AUTO!r}, got {device_memory_bytes!r}")
@@ -411,8 +411,6 @@ class OffloadManager(OpaqueBase):
         self.budget = budget
         self.weight_bytes = weight_bytes
         self.elastic = elastic
-        self._model_args = dict(activation_factor=activation_factor,
-                                draft_cache_layers=draft_cache_layers, alpha=alpha)
         self.model: MemoryModel | None = None
         self.thresholds: list[float] | None = None
         self.buffers: dict[int, LayerBuffer] = {}
@@ -478,8 +476,7 @@ class OffloadManager(OpaqueBase):
             num_layers=len(self.cache.layers), num_kv_heads=h, head_dim_k=dk,
             head_dim_v=layer.values.shape[-1], elem_bytes=layer.keys.element_size(), batch=b,
             budget=slots, weight_bytes=self.weight_bytes, fixed_bytes=fixed,
-            map_bytes_per_layer=_selection_bytes(b, h, slots), resident_layers=len(self.resident),
-            **self._model_args)
+            map_bytes_per_layer=_selection_bytes(b, h, slots), resident_layers=len(self.resident))
         self.thresholds = self.model.thresholds(self.device_memory_bytes)
         tokens = int(layer.cumulative_length)
         if tokens >= self.thresholds[-1]:  # not even every layer offloaded holds the prompt

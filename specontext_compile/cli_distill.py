@@ -44,12 +44,13 @@ def run(args) -> int:
     from .runtime.distill import DistillConfig, distill
 
     config = DistillConfig(variant=args.variant, steps=args.steps, chunk_tokens=args.chunk_tokens,
+                           max_chunks=args.chunks,
                            query_rows=args.query_rows, lr=args.lr, seed=args.seed, positions=args.positions,
                            max_position=args.max_position, rope=args.rope, rope_factor=args.rope_factor,
                            loss_sink=args.loss_sink, loss_window=args.loss_window)  # ValueError (before loading anything): cli.main
     texts = [path.read_text(encoding="utf-8", errors="replace") for path in args.text]  # before loading
     model, tokenizer = load_model(args.model)  # --out / --teacher-cache: checked by cli.check_paths
-    meta = distill(model, tokenizer, texts, config, args.out, args.chunks,
+    meta = distill(model, tokenizer, texts, config, args.out,
                    progress_factory=lambda n, desc: tqdm(total=n, desc=desc, leave=False),
                    extra_meta={"text_files": [str(p) for p in args.text]}, teacher_cache=args.teacher_cache)
     print(json.dumps(meta, indent=2), file=sys.stdout)

@@ -58,9 +58,9 @@ def test_selection_accounts_for_the_position_bias():
     state = torch.ones(8, b, h, 1, d)
     valid = torch.full((8,), 30, dtype=torch.long)
     args = (torch.tensor(30), 1, StepSpec(4, 4, sink_tokens=0, recent_window=1), AttentionVariant(0.35))
-    plain = aten_step.speculative_select(state, valid, [keys], *args)
+    plain = aten_step.speculative_select((state, valid), [keys], *args)
     bias = alibi(h, cap) * 8  # steep: 4 and 2 logits per position
-    biased = aten_step.speculative_select(state, valid, [keys], *args, position_bias=bias)
+    biased = aten_step.speculative_select((state, valid), [keys], *args, position_bias=bias)
     assert 3 in plain[0, 0].tolist()
     assert 3 not in biased[0, 0].tolist()
     assert set(biased[0, 0].tolist()) <= set(range(20, 31))

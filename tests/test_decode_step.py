@@ -145,7 +145,7 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
     aten_step.record_query(state, valid, torch.empty(b, h, 1, d, device=meta), 2, length)
     for window in (0, 24):
         spec = StepSpec(32, 32, sink_tokens=4, recent_window=8)
-        idx = aten_step.speculative_select(state, valid, [keys, keys], length, 1, spec,
+        idx = aten_step.speculative_select((state, valid), [keys, keys], length, 1, spec,
                                            AttentionVariant(0.25, sliding_window=window))
         assert idx.shape == (b, kv, 32)
         mask = torch.empty(b, 1, 1, cap, device=meta)
@@ -153,11 +153,11 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
                                          spec, AttentionVariant(0.25, sliding_window=window))
         assert out.shape == (b, h, 1, d)
     full_spec = StepSpec(4096, 4096, sink_tokens=4, recent_window=8, dense_shortcut=True)
-    full = aten_step.speculative_select(state, valid, [keys], length, 1, full_spec, AttentionVariant(0.25))
+    full = aten_step.speculative_select((state, valid), [keys], length, 1, full_spec, AttentionVariant(0.25))
     out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, full, length, None,
                                      full_spec, AttentionVariant(0.25))
-    draft = aten_step.draft_select(torch.empty(b, 4, 1, d, device=meta), torch.empty(b, 4, cap, d, device=meta),
-                                   length, keys, length, 1, StepSpec(32, 32, sink_tokens=4, recent_window=8))
+    draft = aten_step.draft_select(torch.empty(b, 4, 1, d, device=meta),
+                                   (torch.empty(b, 4, cap, d, device=meta), length), keys, length, 1, StepSpec(32, 32, sink_tokens=4, recent_window=8))
     assert draft.shape == (b, kv, 32)
     aten_step.count_step(torch.empty(4, dtype=torch.long, device=meta), [1, 2, 3, 4])
 

@@ -107,8 +107,8 @@ def test_distill_records_the_length_options(tmp_path):
 
     model = tiny_llama(layers=2)
     cfg = D.DistillConfig(chunk_tokens=40, query_rows=8, init_layer=1, aux_layers=(0, 1, 1), steps=2,
-                          positions="random", max_position=320, rope="linear", rope_factor=2.0)
-    meta = D.distill(model, Tok(), ["a" * 90, "b" * 50], cfg, tmp_path, max_chunks=3)
+                          positions="random", max_position=320, rope="linear", rope_factor=2.0, max_chunks=3)
+    meta = D.distill(model, Tok(), ["a" * 90, "b" * 50], cfg, tmp_path)
     assert meta["chunks"] == 3 and meta["positions"] == "random" and meta["max_position"] == 320
     written = json.loads((tmp_path / "config.json").read_text())
     assert written["rope_scaling"] == {"rope_type": "linear", "factor": 2.0}
@@ -132,6 +132,7 @@ def test_chunks_are_taken_round_robin():
     ({"rope": "default", "rope_factor": 2.0}, "rope_factor"),
     ({"loss_sink": -1}, "loss_sink"),
     ({"loss_sink": 100, "loss_window": 620}, "first query row"),
+    ({"max_chunks": 0}, "max_chunks"),
 ])
 def test_bad_length_options(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -144,14 +145,15 @@ def test_teacher_cache_is_reused_only_when_it_matches(tmp_path, monkeypatch):
             return type("Enc", (), {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])})
 
     model = tiny_llama(layers=2)
-    cfg = D.DistillConfig(chunk_tokens=40, query_rows=8, init_layer=1, aux_layers=(0, 1, 1), steps=2)
+    cfg = D.DistillConfig(chunk_tokens=40, query_rows=8, init_layer=1, aux_layers=(0, 1, 1), steps=2,
+                          max_chunks=2)
     cache = tmp_path / "teacher.pt"
-    first = D.distill(model, Tok(), ["abc" * 30], cfg, tmp_path / "a", max_chunks=2, teacher_cache=cache)
+    first = D.distill(model, Tok(), ["abc" * 30], cfg, tmp_path / "a", teacher_cache=cache)
     assert cache.is_file()
     calls = []
     real = D.teacher_batch
     monkeypatch.setattr(D, "teacher_batch", lambda *a: calls.append(1) or real(*a))
-    again = D.distill(model, Tok(), ["abc" * 30], cfg, tmp_path / "b", max_chunks=2, teacher_cache=cache)
+    again = D.distill(model, Tok(), ["abc" * 30], cfg, tmp_path / "b", teacher_cache=cache)
     assert calls == [] and again["loss_first"] == pytest.approx(first["loss_first"])
-    D.distill(model, Tok(), ["xyz" * 30], cfg, tmp_path / "c", max_chunks=2, teacher_cache=cache)
+    D.distill(model, Tok(), ["xyz" * 30], cfg, tmp_path / "c", teacher_cache=cache)
     assert len(calls) == 2  # other text: recomputed

@@ -83,8 +83,8 @@ def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
     valid = torch.full((8,), 30, dtype=torch.long)
     latent, rope = torch.randn(b, 1, cap, r), torch.randn(b, 1, cap, p)
     args = (torch.tensor(30), 1, StepSpec(12, 12, sink_tokens=2, recent_window=3), AttentionVariant(0.25))
-    got = aten_step.speculative_select(state, valid, [(latent, rope)], *args)
-    want = aten_step.speculative_select(state, valid, [torch.cat([latent, rope], -1)], *args)
+    got = aten_step.speculative_select((state, valid), [(latent, rope)], *args)
+    want = aten_step.speculative_select((state, valid), [torch.cat([latent, rope], -1)], *args)
     assert got.shape == (b, 1, 12)
     assert torch.equal(got, want)
 

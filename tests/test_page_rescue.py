@@ -380,5 +380,5 @@ def test_refine_and_attend_equals_refine_then_attend(seed, groups, q_len, budget
     variant = AttentionVariant(d ** -0.5, soft_cap, window)
     kept, _ = aten_step.refine_selection(query, keys, cand, length_t, mask, (lo, hi, None), spec, variant)
     want = aten_step.sparse_attention(query, keys, values, kept, length_t, mask, spec, variant)
-    got = aten_step.refine_and_attend(query, keys, values, cand, length_t, mask, spec, variant, (lo, hi, None))
+    got = aten_step.refine_and_attend(query, (keys, values), cand, length_t, mask, spec, variant, (lo, hi, None))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

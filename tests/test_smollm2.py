@@ -96,7 +96,7 @@ def test_smollm2_compiled_selection_equals_the_eager_one_for_20_steps(smollm2, m
     def spy(*args):
         out = real(*args)
         seen.append(([a.clone() if isinstance(a, torch.Tensor) else
-                      [t.clone() for t in a] if isinstance(a, list) else a for a in args], out))
+                      type(a)(t.clone() for t in a) if isinstance(a, (list, tuple)) else a for a in args], out))
         return out
 
     monkeypatch.setattr(aten_step, "speculative_select", spy)

@@ -56,7 +56,9 @@ def _refine_reference(query, keys, candidates, length, scale, budget, sink, wind
 def test_refine_keeps_each_layers_own_top_budget_and_reports_its_coverage(seed, groups, q_len, budget, extra,
                                                                             dtype):
     """Kept positions equal the float64 hand computation (set equality; random logits make
-    ties improbable) and the coverage estimate matches to 1e-5 (2e-3 in half precision)."""
+    ties improbable) and the coverage estimate matches to 1e-5 (5e-3 in half precision: the
+    query is scaled in its own dtype before the product, as the model's attention does, a
+    relative error up to 2**-11 per logit; seed 2846 measured 2.2e-3)."""
     g = torch.Generator().manual_seed(seed)
     b, kv, d, capacity = 2, 2, 16, 40
     length = 30
@@ -74,7 +76,7 @@ def test_refine_keeps_each_layers_own_top_budget_and_reports_its_coverage(seed, 
                                                   AttentionVariant(d ** -0.5))
     ref, ref_cov = _refine_reference(query.float(), keys.float(), cand, length, d ** -0.5, budget, 2, 3)
     assert indices.sort(-1).values.tolist() == ref  # a set: the refinement keeps no order
-    tol = 1e-5 if dtype == torch.float32 else 2e-3
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(coverage.double(), ref_cov, atol=tol, rtol=0)
 
 
@@ -261,8 +263,8 @@ def test_guarded_attention_is_dense_attention_when_it_fires():
     length = torch.tensor(20)
     for cap in (None, 5.0):
         variant = AttentionVariant(0.25, cap)
-        dense = aten_step.guarded_attention(q, k, v, idx, length, None, variant, torch.tensor(True))
-        sparse = aten_step.guarded_attention(q, k, v, idx, length, None, variant, torch.tensor(False))
+        dense = aten_step.guarded_attention(q, (k, v), idx, length, None, variant, torch.tensor(True))
+        sparse = aten_step.guarded_attention(q, (k, v), idx, length, None, variant, torch.tensor(False))
         for h in range(4):
             s = k[0, h // 2, :20].double() @ q[0, h, 0].double() * 0.25
             if cap:
