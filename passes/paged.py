@@ -244,6 +244,8 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
     result = PagedRewrite(sites, layout, retrieval, q.shape[1], q.shape[-1], inputs.index(sites[0].key_view),
                           inputs.index(sites[0].mask))
     queries, stamps, stats = _placeholders(graph)
+    spec = StepSpec.from_config(config)
+    refine = spec.candidate_slots > spec.budget  # option candidates > 1: each layer keeps its own budget
     first_write = min((s.write for s in sites), key=list(graph.nodes).index)
     subset = None
     with graph.inserting_before(first_write):
@@ -256,11 +258,11 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
                 mask = subset[1]
             selected = graph.call_function(paged.packed_select, (
                 queries, stamps, [sites[i].key_view for i in retrieval], sites[0].read_index, mask,
-                StepSpec.from_config(config), sites[0].scale, layout.stride))
+                spec, sites[0].scale, layout.stride))
             columns, recency, last, decode = (graph.call_function(operator.getitem, (selected, i)) for i in range(4))
             if subset is not None:  # the recording reads every row's last flag
                 last = graph.call_function(paged.last_rows, (sites[0].mask,))
-            graph.call_function(paged.count_paged_step, (stats, kind, n, recency))
+            graph.call_function(paged.count_paged_step, (stats, kind, n, recency, refine))
         else:
             last = graph.call_function(paged.last_rows, (sites[0].mask,))
             graph.call_function(paged.count_paged_step, (stats, kind, n))
@@ -270,14 +272,17 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
             graph.call_function(paged.record_packed_query, (
                 queries, stamps, slot, site.query, site.write_index, last, layout.stride))
     for site in sites if kind != paged.DENSE else ():
-        _attend_selected(graph, site, columns, subset)
+        _attend_selected(graph, site, columns, subset, spec if refine else None)
     graph.lint()
     return result
 
 
-def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, subset: list[fx.Node] | None) -> None:
+def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, subset: list[fx.Node] | None,
+                     refine: StepSpec | None) -> None:
     """Replace the site's dense attention by :func:`~..runtime.paged.packed_sparse_attention`
-    over ``columns`` and erase the dense attention's gathers; with ``subset`` (a mixed
+    over ``columns`` (with ``refine``, the step's spec when there are more candidates than
+    the budget: :func:`~..runtime.paged.packed_refine_attention`, each layer keeping its own
+    budget of them) and erase the dense attention's gathers; with ``subset`` (a mixed
     step's decode rows, :func:`~..runtime.paged.decode_subset`) attend sparsely for those
     rows only and keep the dense attention for the others
     (:func:`~..runtime.paged.mixed_attention`)."""
@@ -285,8 +290,11 @@ def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, subset:
     with graph.inserting_before(site.attention):
         if subset is not None:
             query = graph.call_function(torch.index_select, (site.query, 2, subset[0]))
-        out = graph.call_function(paged.packed_sparse_attention, (
-            query, site.key_view, site.value_view, site.read_index, columns, site.scale))
+        args = (query, site.key_view, site.value_view, site.read_index, columns, site.scale)
+        if refine is not None:
+            out = graph.call_function(paged.packed_refine_attention, (*args, refine))
+        else:
+            out = graph.call_function(paged.packed_sparse_attention, args)
         if subset is not None:
             out = graph.call_function(paged.expand_decode_rows, (out, subset[2]))
     if subset is not None:

@@ -48,7 +48,7 @@ from .spec import StepSpec
 __all__ = ["DENSE", "MIXED", "PAGED_STATS", "SPARSE", "PagedState", "count_paged_step", "decode_rows",
            "classify_step", "decode_subset", "expand_decode_rows",
            "is_decode_step", "last_rows", "mixed_attention", "packed_rows", "packed_select",
-           "packed_sparse_attention", "packed_visible", "record_packed_query", "step_kind"]
+           "packed_refine_attention", "packed_sparse_attention", "packed_visible", "record_packed_query", "step_kind"]
 
 _NEG = float("-inf")
 
@@ -60,6 +60,7 @@ PAGED_STATS = (
     "mixed_steps",       # ... of which decode rows attended sparsely, prefill rows densely
     "sparse_sites",      # attention calls over a selection (sites x sparse and mixed steps)
     "recency_rows",      # decode rows whose selection ranked by recency (no lagged query recorded)
+    "refined_sites",     # ... of the sparse_sites, those that kept their own budget of the candidates
 )
 DENSE, SPARSE, MIXED = 0, 1, 2  # kinds of step (:func:`step_kind`)
 
@@ -204,13 +205,16 @@ def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[t
     return columns, recency_rows, last, decode
 
 
-def count_paged_step(stats: torch.Tensor, kind: int, sites: int, recency_rows: torch.Tensor | None = None) -> None:
+def count_paged_step(stats: torch.Tensor, kind: int, sites: int, recency_rows: torch.Tensor | None = None,
+                     refined: bool = False) -> None:
     """Advance :data:`PAGED_STATS` for one step of ``kind`` (:data:`DENSE`, :data:`SPARSE`,
     :data:`MIXED`) with ``sites`` attention sites (``recency_rows`` from
-    :func:`packed_select`; None for a dense step), on the device."""
+    :func:`packed_select`; None for a dense step; ``refined``: each site refines the
+    candidates, :func:`packed_refine_attention`), on the device."""
     recency = stats.new_zeros(()) if recency_rows is None else recency_rows.to(stats.dtype)
-    counts = stats.new_tensor([1, kind == SPARSE, kind == DENSE, kind == MIXED, sites * (kind != DENSE)])
-    stats.add_(torch.cat([counts, recency.view(1)]))
+    sparse = sites * (kind != DENSE)
+    counts = stats.new_tensor([1, kind == SPARSE, kind == DENSE, kind == MIXED, sparse])
+    stats.add_(torch.cat([counts, recency.view(1), stats.new_tensor([sparse * refined])]))
 
 
 def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -306,14 +310,62 @@ def packed_sparse_attention(query: torch.Tensor, key_view: torch.Tensor, value_v
     Returns:
         ``[1, num_heads, Q, head_dim_v]`` in ``query.dtype`` (a row that selected nothing: 0).
     """
-    _, num_heads, q_rows, d = query.shape
-    num_kv = key_view.shape[1]
+    logits, rows, heads = _column_logits(query, key_view, read_index, columns, scale)
+    return _attend_rows(query, logits, value_view[rows, heads])
+
+
+def packed_refine_attention(query: torch.Tensor, key_view: torch.Tensor, value_view: torch.Tensor,
+                            read_index: torch.Tensor, columns: torch.Tensor, scale: float, spec: StepSpec
+                            ) -> torch.Tensor:
+    """The two-stage selection's second stage (option ``candidates`` > 1), then attention:
+    each row keeps ``spec.budget`` of its candidate ``columns`` by this layer's own scores
+    and attends to those, reusing the logits it ranked them by (as
+    :func:`~.aten_step.refine_and_attend` does for one request). The ranking is
+    :func:`~.aten_step.ranked`'s for a one-token step: softmax of the layer's logits over the
+    candidates, max over the query heads of each KV group; the row's first
+    ``min(sink_tokens, budget - recent)`` candidates (attention sinks) and its last
+    ``recent = min(max(recent_window, 1), budget)`` (its own token included) always kept.
+
+    Args: as :func:`packed_sparse_attention`, ``columns`` holding ``spec.candidate_slots``
+    candidates per row (:func:`packed_select`); ``spec``: ``budget``, ``sink_tokens``,
+    ``recent_window``.
+
+    Returns:
+        ``[1, num_heads, Q, head_dim_v]`` in ``query.dtype`` (a row without candidates: 0).
+    """
+    logits, rows, heads = _column_logits(query, key_view, read_index, columns, scale)
+    q_rows, num_kv, groups, slots = logits.shape
     valid = columns >= 0
+    budget = torch.sym_min(spec.budget, slots)
+    recent = torch.sym_min(max(spec.recent_window, 1), budget)
+    sinks = torch.sym_min(spec.sink_tokens, budget - recent)
+    from_right = valid.flip(-1).cumsum(-1).flip(-1)
+    forced = valid & ((valid.cumsum(-1) <= sinks) | (from_right <= recent))
+    score = torch.softmax(logits, dim=-1).nan_to_num(0.0).amax(2)  # [Q, Hkv, S]
+    rank = torch.where(forced, float("inf"), torch.where(valid, score, _NEG))
+    values, top = rank.topk(budget, dim=-1, sorted=False)  # [Q, Hkv, budget]
+    kept = logits.gather(-1, top.unsqueeze(2).expand(q_rows, num_kv, groups, budget))
+    kept = kept.masked_fill((values == _NEG).unsqueeze(2), _NEG)
+    return _attend_rows(query, kept, value_view[rows.gather(-1, top), heads])
+
+
+def _column_logits(query: torch.Tensor, key_view: torch.Tensor, read_index: torch.Tensor, columns: torch.Tensor,
+                   scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows' float32 logits over their columns ``[Q, Hkv, g, S]`` (``-inf`` at ``-1``
+    padding), the columns' physical rows ``[Q, Hkv, S]`` and the KV-head index ``[1, Hkv, 1]``."""
+    q_rows, d = query.shape[2], query.shape[-1]
+    num_kv = key_view.shape[1]
     rows = read_index[columns.clamp(min=0)]  # [Q, Hkv, S] physical rows
     heads = torch.arange(num_kv, device=rows.device).view(1, num_kv, 1)
-    keys, values = key_view[rows, heads], value_view[rows, heads]  # [Q, Hkv, S, D]
     q = query[0].transpose(0, 1).reshape(q_rows, num_kv, -1, d)  # [Q, Hkv, g, D]
-    logits = query_key_logits(q, keys, scale).masked_fill(~valid.unsqueeze(2), _NEG)
+    logits = query_key_logits(q, key_view[rows, heads], scale)
+    return logits.masked_fill(~(columns >= 0).unsqueeze(2), _NEG), rows, heads
+
+
+def _attend_rows(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``logits`` ``[Q, Hkv, g, S]`` times ``values`` ``[Q, Hkv, S, Dv]``, as
+    ``[1, num_heads, Q, Dv]`` in ``query.dtype``."""
+    _, num_heads, q_rows, _ = query.shape
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
     out = torch.matmul(probs, values)  # [Q, Hkv, g, Dv]
     return out.reshape(q_rows, num_heads, -1).transpose(0, 1).unsqueeze(0).to(query.dtype)

@@ -12,7 +12,9 @@ Every step of the engine then runs as one compiled graph (``passes/paged.py`` re
 each request to its own selection (sinks, recent window, lagged-query top-k: the one-request
 step's selection) over the paged cache; prefill and chunked prefill attend densely and
 exactly, as Hugging Face does, and in a step that mixes them, decoding requests still
-attend sparsely. The lagged queries live in the cache's blocks,
+attend sparsely. With option ``candidates`` > 1 (the two-stage selection) each layer keeps
+its own ``budget`` of the step's candidates by its own scores, as the one-request step with
+``page_rescue=0`` does. The lagged queries live in the cache's blocks,
 so requests joining, finishing and reusing blocks need nothing from us.
 
 What it changes outside the package, and why: Hugging Face excludes the paged cache's update
@@ -21,8 +23,8 @@ compiled step would never see the KV write and the gather it must rewrite.
 :func:`continuous_batching_config` makes that method traceable (its undecorated function:
 the same code) for the process, logged once.
 
-Not built yet (issue 28): page rescue and per-layer refinement in this step (the selection
-is the step's shared one, as ``page_rescue=0``), draft heads, sliding-window layers (refused),
+Not built yet (issue 28): page rescue in this step (each request selects as the one-request
+step with ``page_rescue=0``), draft heads, sliding-window layers (refused),
 KV offload, CUDA graphs; a one-token chunk of a chunked prefill is attended sparsely like a
 decode row (the mask cannot tell them apart).
 """
@@ -134,7 +136,7 @@ class PagedBackend:
 
 #: options whose non-default values this step does not build yet: refused, naming the option
 _NOT_BUILT = {
-    "retrieval_head": "draft heads", "candidates": "two-stage selection", "min_coverage": "the fidelity guard",
+    "retrieval_head": "draft heads", "min_coverage": "the fidelity guard",
     "dense_layers": "dense layers", "rescue_layers": "per-layer page rescue",
     "device_memory_bytes": "KV offload", "kernel": "the Triton kernel",
 }
@@ -150,8 +152,8 @@ def _check_built(config: SpeContextConfig, options: dict[str, Any]) -> None:
                          f"(option(s) {given}); drop them (docs/serving.md, 'Not built yet')")
     if config.selection.page_rescue:
         logger.warning("specontext: the continuous-batching step selects without the page rescue (not built "
-                       "there yet): each request decodes as the one-request step with page_rescue=0; pass "
-                       "page_rescue=0 to silence this")
+                       "there yet): each request decodes as the one-request step with page_rescue=0 (option "
+                       "candidates > 1 refines the selection per layer); pass page_rescue=0 to silence this")
 
 
 def _traceable_cache_update() -> None:
@@ -223,5 +225,6 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
 def path_counts(cb_config) -> dict[str, int]:
     """The counters (:data:`~.runtime.paged.PAGED_STATS`) of every cache the configuration's
     backend has stepped, summed: ``steps``, ``sparse_steps``, ``dense_steps``,
-    ``sparse_sites``, ``recency_rows``."""
+    ``mixed_steps``, ``sparse_sites``, ``recency_rows``, ``refined_sites`` (sites that kept
+    their own budget of the candidates: option ``candidates`` > 1)."""
     return cb_config.varlen_compile_config.backend.backend.counts()

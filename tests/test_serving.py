@@ -52,18 +52,22 @@ def test_full_budget_decodes_sparse_and_equals_dense_continuous_batching(model):
     assert counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
 
 
-def test_small_budget_each_request_decodes_as_alone_through_the_one_request_backend(model):
+@pytest.mark.parametrize("candidates", [1.0, 2.5])
+def test_small_budget_each_request_decodes_as_alone_through_the_one_request_backend(model, candidates):
     """At a budget far below the contexts, each request of the batch gets the tokens of the
-    same request run alone through ``sc.compile`` (the one-request step: same selection)."""
+    same request run alone through ``sc.compile`` (the one-request step: same selection;
+    with ``candidates`` > 1, the same per-layer refinement of 40 candidates to 16)."""
     inputs = prompts(40, 25, 60)
-    options = {"budget": 16, **OPTIONS}
+    options = {"budget": 16, "candidates": candidates, **OPTIONS}
     dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **ENGINE))
     cb = sc.continuous_batching_config(model, options, **ENGINE)
     batched = generate(model, inputs, cb)
-    assert serving.path_counts(cb)["sparse_steps"] == NEW - 1
+    counts = serving.path_counts(cb)
+    assert counts["sparse_steps"] == NEW - 1
+    assert counts["refined_sites"] == (counts["sparse_sites"] if candidates > 1 else 0), counts
     torch._dynamo.reset()
     try:
-        sc.compile(model, candidates=1, **options)
+        sc.compile(model, **options)
         for prompt, tokens in zip(inputs, batched):
             cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + NEW + 1)
             alone = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
@@ -93,16 +97,21 @@ def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model
 def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model):
     """Prompts longer than a step's 32 tokens are prefilled in chunks while earlier requests
     already decode: those mixed steps attend sparsely on decode rows and densely on prefill
-    rows, so every request still equals its run alone through ``sc.compile``."""
+    rows, so every request still equals its run alone through ``sc.compile``.
+    Known limit (docs/serving.md): here the 40-token prompt's last token is scheduled alone
+    and attended sparsely like a decode row (the mask cannot tell them apart); the solo
+    text holds at ``candidates=1`` but not with ``candidates=2.5`` (first token 48, not 10)."""
+    candidates = 1.0
     inputs = prompts(40, 25, 60)
-    options = {"budget": 16, **OPTIONS}
+    options = {"budget": 16, "candidates": candidates, **OPTIONS}
     cb = sc.continuous_batching_config(model, options, **{**ENGINE, "max_batch_tokens": 32})
     batched = generate(model, inputs, cb)
     counts = serving.path_counts(cb)
     assert counts["mixed_steps"] >= 1 and counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
+    assert counts["refined_sites"] == (counts["sparse_sites"] if candidates > 1 else 0), counts
     torch._dynamo.reset()
     try:
-        sc.compile(model, candidates=1, **options)
+        sc.compile(model, **options)
         for prompt, tokens in zip(inputs, batched):
             cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + NEW + 1)
             assert tokens == model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
@@ -115,8 +124,8 @@ def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model):
 def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplog):
     with pytest.raises(ValueError, match="bugdet"):
         sc.continuous_batching_config(model, {"bugdet": 16})
-    with pytest.raises(ValueError, match="two-stage selection.*candidates"):
-        sc.continuous_batching_config(model, {"budget": 16, "candidates": 2.0})
+    with pytest.raises(ValueError, match="fidelity guard.*min_coverage"):
+        sc.continuous_batching_config(model, {"budget": 16, "candidates": 2.0, "min_coverage": 0.9})
     with pytest.raises(ValueError, match="varlen_compile_config"):
         sc.continuous_batching_config(model, {"budget": 16}, varlen_compile_config=None)
     with caplog.at_level("WARNING", logger="specontext_compile.serving"):
@@ -213,6 +222,45 @@ def test_sparse_attention_over_every_visible_column_equals_float64_attention(len
         v = value_view[rows].double().repeat_interleave(2, dim=1).transpose(0, 1)
         probs = torch.softmax(query[0, :, r:r + 1].double() @ k.transpose(-1, -2) * 0.3, -1)
         torch.testing.assert_close(out[0, :, r:r + 1].double(), probs @ v, atol=1e-5, rtol=0)
+        start += n
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 14), min_size=1, max_size=4), st.integers(1, 8), st.integers(0, 3),
+       st.integers(0, 4), st.integers(0, 2 ** 16))
+def test_refined_attention_keeps_each_layers_own_budget_as_float64_ranking_does(lengths, budget, sinks, recent,
+                                                                              seed):
+    """Property: with every visible column a candidate, each row keeps its first ``sinks``
+    and last ``max(recent, 1)`` tokens (inside the budget) and the rest of ``budget`` by the
+    float64 softmax of this layer's query, max over the KV group's query heads, and
+    attends to exactly those (float64 attention reference; random logits: ties
+    improbable)."""
+    gen = torch.Generator().manual_seed(seed)
+    heads, kv_heads, d, rows_total, scale = 4, 2, 8, 64, 0.3
+    kv, q_rows = sum(lengths), len(lengths)
+    key_view = torch.randn(rows_total, kv_heads, d, generator=gen) * 2
+    value_view = torch.randn(rows_total, kv_heads, d, generator=gen)
+    read_index = torch.randperm(rows_total, generator=gen)[:kv]
+    query = torch.randn(1, heads, q_rows, d, generator=gen)
+    visible = paged.packed_visible(_mask(lengths, [1] * q_rows, q_rows, kv))
+    columns = torch.where(visible, torch.arange(kv), -1).expand(q_rows, kv_heads, kv)
+    spec = StepSpec(budget, max(kv, budget), sink_tokens=sinks, recent_window=recent)
+    out = paged.packed_refine_attention(query, key_view, value_view, read_index, columns, scale, spec)
+    start = 0
+    for r, n in enumerate(lengths):
+        rows = read_index[start: start + n]
+        for h in range(kv_heads):
+            k, v = key_view[rows, h].double(), value_view[rows, h].double()  # [n, d]
+            q = query[0, 2 * h: 2 * h + 2, r].double()  # the group's two query heads [2, d]
+            probs = torch.softmax(q @ k.T * scale, -1)
+            keep = min(budget, n)
+            last = min(max(recent, 1), keep)
+            first = min(sinks, keep - last)
+            forced = [j for j in range(n) if j < first or j >= n - last]
+            rest = sorted((j for j in range(n) if j not in forced), key=lambda j: -float(probs[:, j].max()))
+            kept = (forced + rest)[:keep]
+            want = torch.softmax(q @ k[kept].T * scale, -1) @ v[kept]
+            torch.testing.assert_close(out[0, 2 * h: 2 * h + 2, r].double(), want, atol=1e-5, rtol=0)
         start += n
 
 
