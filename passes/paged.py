@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["PagedLayout", "PagedRewrite", "PagedSite", "rewrite_paged"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-_STATE = ("specontext_paged_queries", "specontext_paged_stamps", "specontext_paged_stats")
+_STATE = ("specontext_paged_queries", "specontext_paged_stamps", "specontext_paged_stats", "specontext_paged_chunk_rows")
 
 
 @dataclasses.dataclass
@@ -83,6 +83,9 @@ class PagedRewrite:
     head_dim: int = 0
     key_input: int = -1  # the position, among the graph's inputs, of layer 0's key view
     mask_input: int = -1  # ... of the attention mask
+    read_input: int = -1  # ... of read_index
+    write_input: int = -1  # ... of write_index
+    keep_input: int = -1  # ... of logits_to_keep (-1: the graph has none)
     reason: str | None = None
 
     @property
@@ -227,8 +230,9 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
     :data:`~..runtime.paged.DENSE`: Hugging Face's attention, unchanged); every variant
     records the retrieval layers' queries and counts the step. The mixed variant selects and
     attends sparsely for at most ``decode_rows`` rows (:func:`~..runtime.paged.decode_subset`;
-    None: every query row). Three graph inputs are appended (the
-    :class:`~..runtime.paged.PagedState` tensors) when the graph is rewritten; else
+    None: every query row). Four graph inputs are appended (the
+    :class:`~..runtime.paged.PagedState` tensors, then the step's one-token prefill chunks,
+    bool ``[Q]``: :func:`~..runtime.paged.decoding_rows`) when the graph is rewritten; else
     ``reason`` says why it was left as it is."""
     sites, reason = find_paged_sites(graph)
     if reason is not None:
@@ -241,9 +245,12 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
     retrieval = tuple(sorted({min(max(j + n if j < 0 else j, 0), n - 1) for j in picked}))
     q = _val(sites[0].query)
     inputs = [p for p in graph.nodes if p.op == "placeholder"]
-    result = PagedRewrite(sites, layout, retrieval, q.shape[1], q.shape[-1], inputs.index(sites[0].key_view),
-                          inputs.index(sites[0].mask))
-    queries, stamps, stats = _placeholders(graph)
+    keep = [i for i, p in enumerate(inputs) if "logits_to_keep" in p.name]
+    position = {node: i for i, node in enumerate(inputs)}
+    result = PagedRewrite(sites, layout, retrieval, q.shape[1], q.shape[-1], position[sites[0].key_view],
+                          position[sites[0].mask], position.get(sites[0].read_index, -1),
+                          position.get(sites[0].write_index, -1), keep[0] if len(keep) == 1 else -1)
+    queries, stamps, stats, chunk = _placeholders(graph)
     spec = StepSpec.from_config(config)
     refine = spec.candidate_slots > spec.budget  # option candidates > 1: each layer keeps its own budget
     first_write = min((s.write for s in sites), key=list(graph.nodes).index)
@@ -253,7 +260,7 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
             mask = sites[0].mask
             if kind == paged.MIXED:  # decode rows only: (index, mask, slot, decode)
                 rows = min(q.shape[2], decode_rows or q.shape[2])
-                found = graph.call_function(paged.decode_subset, (mask, rows))
+                found = graph.call_function(paged.decode_subset, (mask, rows, chunk))
                 subset = [graph.call_function(operator.getitem, (found, i)) for i in range(4)]
                 mask = subset[1]
             selected = graph.call_function(paged.packed_select, (

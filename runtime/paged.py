@@ -28,7 +28,11 @@ that graph, with the same selection as the one-request step (SpeContext section 
   others prefill) attends sparsely on its decode rows and densely on the others
   (:func:`mixed_attention`), so a request decodes the same whatever shares its steps. The
   backend compiles the three variants and picks one per step on the host
-  (:func:`step_kind`).
+  (:func:`classify_step`);
+* **a one-row request is not always a decode token**: a chunked prefill may leave one prompt
+  token alone in a step. The step function tells them apart from the engine's
+  ``logits_to_keep`` (whose rows' next tokens it samples), recorded per block after each
+  step (:func:`record_generated`, :func:`decoding_rows`), and runs such a token as prefill.
 
 Layout (``runtime/README.md``): a layer's key view ``[rows, num_kv_heads, head_dim]`` is the
 cache tensor from that layer's first row on; the token in block ``b`` at offset ``o`` is row
@@ -46,7 +50,8 @@ from .sparse_attention import query_key_logits
 from .spec import StepSpec
 
 __all__ = ["DENSE", "MIXED", "PAGED_STATS", "SPARSE", "PagedState", "count_paged_step", "decode_rows",
-           "classify_step", "decode_subset", "expand_decode_rows",
+           "classify_step", "decode_subset", "decoding_rows", "expand_decode_rows", "record_generated",
+           "sampled_rows",
            "is_decode_step", "last_rows", "mixed_attention", "packed_rows", "packed_select",
            "packed_refine_attention", "packed_sparse_attention", "packed_visible", "record_packed_query", "step_kind"]
 
@@ -61,6 +66,7 @@ PAGED_STATS = (
     "sparse_sites",      # attention calls over a selection (sites x sparse and mixed steps)
     "recency_rows",      # decode rows whose selection ranked by recency (no lagged query recorded)
     "refined_sites",     # ... of the sparse_sites, those that kept their own budget of the candidates
+    "one_token_chunks",  # one-row requests still prefilling: attended densely, as prefill (decoding_rows)
 )
 DENSE, SPARSE, MIXED = 0, 1, 2  # kinds of step (:func:`step_kind`)
 
@@ -75,20 +81,27 @@ class PagedState:
         stamps: int64 ``[retrieval_layers, blocks + 1]``: the physical row of the token each
             entry's query was recorded at (-1 = never).
         stats: int64 ``[len(PAGED_STATS)]``.
+        generated: int64 ``[blocks + 1]``: per block, the physical row of the last request
+            row recorded there whose next token the engine sampled (-1: the row ended a
+            prefill chunk with more to come), kept by the step function on the host side
+            (:func:`record_generated`, :func:`decoding_rows`); not a graph input.
     """
 
     queries: torch.Tensor
     stamps: torch.Tensor
     stats: torch.Tensor
+    generated: torch.Tensor
 
     @classmethod
     def allocate(cls, layers: int, blocks: int, num_heads: int, head_dim: int, device) -> PagedState:
         """Zero queries, stamps -1 (nothing recorded), zero counters."""
         return cls(torch.zeros(layers, blocks + 1, num_heads, head_dim, device=device),
                    torch.full((layers, blocks + 1), -1, dtype=torch.long, device=device),
-                   torch.zeros(len(PAGED_STATS), dtype=torch.long, device=device))
+                   torch.zeros(len(PAGED_STATS), dtype=torch.long, device=device),
+                   torch.full((blocks + 1,), -1, dtype=torch.long, device=device))
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The graph inputs the pass appends (queries, stamps, counters)."""
         return self.queries, self.stamps, self.stats
 
     def counts(self) -> dict[str, int]:
@@ -214,7 +227,7 @@ def count_paged_step(stats: torch.Tensor, kind: int, sites: int, recency_rows: t
     recency = stats.new_zeros(()) if recency_rows is None else recency_rows.to(stats.dtype)
     sparse = sites * (kind != DENSE)
     counts = stats.new_tensor([1, kind == SPARSE, kind == DENSE, kind == MIXED, sparse])
-    stats.add_(torch.cat([counts, recency.view(1), stats.new_tensor([sparse * refined])]))
+    stats.add_(torch.cat([counts, recency.view(1), stats.new_tensor([sparse * refined, 0])]))
 
 
 def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -223,20 +236,65 @@ def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
 
 
 def decode_rows(real: torch.Tensor, last: torch.Tensor, first: torch.Tensor) -> torch.Tensor:
-    """bool ``[Q]``: rows that are their request's only query row this step (a decode token;
-    also a one-token prefill chunk, which the mask cannot tell apart), from
-    :func:`packed_rows`."""
+    """bool ``[Q]``: rows that are their request's only query row this step (a decode token,
+    or a one-token prefill chunk: the mask cannot tell them apart, :func:`decoding_rows`
+    can), from :func:`packed_rows`."""
     prev_first = torch.cat([first.new_full((1,), -1), first[:-1]])
     prev_real = torch.cat([real.new_zeros(1), real[:-1]])
     return real & last & ~(prev_real & (prev_first == first))
 
 
-def classify_step(attn_mask: torch.Tensor) -> tuple[int, int]:
-    """``(kind, decode rows)``: :data:`SPARSE` when every request of the step has one query
-    token, :data:`MIXED` when some do, else :data:`DENSE`, and how many rows decode (read on
-    the host, once per step, by the backend's step function: it picks the graph variant)."""
+def sampled_rows(logits_to_keep: torch.Tensor, q_rows: int) -> torch.Tensor:
+    """bool ``[Q]``: the rows whose next token the engine samples, from Hugging Face's
+    ``logits_to_keep`` (int64 ``[max_requests_per_batch]``: one ascending row index per request
+    that has no prefill left, then zeros as padding: an entry counts when it is the first
+    or above the one before it)."""
+    keep = logits_to_keep.long()
+    genuine = torch.cat([keep.new_ones(1, dtype=torch.bool), keep[1:] > keep[:-1]]).cumprod(0).bool()
+    hits = torch.zeros(q_rows, dtype=torch.long, device=keep.device)
+    return hits.index_add_(0, keep.clamp(0, q_rows - 1), genuine.long()) > 0
+
+
+def record_generated(generated: torch.Tensor, attn_mask: torch.Tensor, write_index: torch.Tensor,
+                     logits_to_keep: torch.Tensor, stride: int) -> None:
+    """After a step: for each request's last row, in the block of its token, its physical
+    row when the engine samples its next token (it decodes next), else -1 (its prefill
+    continues), so :func:`decoding_rows` can tell the next step's one-row requests apart.
+    ``generated``: :attr:`PagedState.generated`; ``write_index`` int64 ``[Q]``."""
+    last = last_rows(attn_mask)
+    rows = write_index.long()
+    block = torch.where(last, rows // stride, generated.shape[0] - 1)  # other rows: the scratch entry
+    value = torch.where(last & sampled_rows(logits_to_keep, last.shape[0]), rows, -1)
+    generated.index_copy_(0, block, value)
+    generated[-1] = -1
+
+
+def decoding_rows(attn_mask: torch.Tensor, read_index: torch.Tensor, generated: torch.Tensor | None,
+                  stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(decode, chunk)`` bool ``[Q]``: the one-row requests (:func:`decode_rows`) split into
+    those that decode (their previous token's row sampled this token:
+    :func:`record_generated`) and one-token prefill chunks (their prompt continues or just
+    ended here), which attend densely as prefill does. ``generated`` None (the engine gave no
+    ``logits_to_keep``): every one-row request counts as decoding."""
+    real, last, first, own = packed_rows(packed_visible(attn_mask))
+    single = decode_rows(real, last, first)
+    if generated is None:
+        return single, torch.zeros_like(single)
+    prev = (own - 1).clamp(min=0)
+    prev_row = read_index.long()[prev]
+    block = (prev_row // stride).clamp(max=generated.shape[0] - 2)
+    decode = single & (own > first) & (generated[block] == prev_row)
+    return decode, single & ~decode
+
+
+def classify_step(attn_mask: torch.Tensor, decode: torch.Tensor | None = None) -> tuple[int, int]:
+    """``(kind, decode rows)``: :data:`SPARSE` when every request of the step decodes,
+    :data:`MIXED` when some do, else :data:`DENSE`, and how many rows decode (read on the
+    host, once per step, by the backend's step function: it picks the graph variant).
+    ``decode``: bool ``[Q]`` from :func:`decoding_rows`; None = every one-row request."""
     real, last, first, _ = packed_rows(packed_visible(attn_mask))
-    decode = decode_rows(real, last, first)
+    if decode is None:
+        decode = decode_rows(real, last, first)
     count = int(decode.sum())
     if bool((decode | ~real).all()):
         return SPARSE, count
@@ -248,7 +306,7 @@ def step_kind(attn_mask: torch.Tensor) -> int:
     return classify_step(attn_mask)[0]
 
 
-def decode_subset(attn_mask: torch.Tensor, rows: int
+def decode_subset(attn_mask: torch.Tensor, rows: int, chunk: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A mixed step's decode rows as a step of their own (static shapes): the selection and
     sparse attention of a mixed step run over these ``rows`` rows only, not over every
@@ -259,6 +317,8 @@ def decode_subset(attn_mask: torch.Tensor, rows: int
         attn_mask: Hugging Face's mask ``[1, 1, Q, KV]``.
         rows: the most decode rows a step may have (``max_requests_per_batch``, or ``Q``);
             the backend's step function checks it on the host.
+        chunk: bool ``[Q]``, one-row requests that still prefill (:func:`decoding_rows`):
+            not decode rows; None = none.
 
     Returns:
         ``(index, mask, slot, decode)``: int64 ``[rows]``, the decode rows in order (unused
@@ -268,6 +328,8 @@ def decode_subset(attn_mask: torch.Tensor, rows: int
     """
     real, last, first, _ = packed_rows(packed_visible(attn_mask))
     decode = decode_rows(real, last, first)
+    if chunk is not None:
+        decode = decode & ~chunk
     index = torch.nonzero_static(decode, size=rows, fill_value=-1).view(rows)
     used = (index >= 0).view(1, 1, rows, 1)
     index = index.clamp(min=0)

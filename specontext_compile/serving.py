@@ -25,8 +25,9 @@ the same code) for the process, logged once.
 
 Not built yet (issue 28): page rescue in this step (each request selects as the one-request
 step with ``page_rescue=0``), draft heads, sliding-window layers (refused),
-KV offload, CUDA graphs; a one-token chunk of a chunked prefill is attended sparsely like a
-decode row (the mask cannot tell them apart).
+KV offload, CUDA graphs. A one-token chunk of a chunked prefill looks like a decode row in
+the mask; the step function tells them apart from the engine's ``logits_to_keep``
+(:func:`~.runtime.paged.decoding_rows`) and runs it as prefill.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import torch
 from .backend import _copy
 from .config import SpeContextConfig
 from .passes.paged import PagedRewrite, rewrite_paged
-from .runtime.paged import DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, classify_step
+from .runtime.paged import (DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, classify_step, decoding_rows,
+                            record_generated)
 
 logger = logging.getLogger(__name__)
 
@@ -78,16 +80,30 @@ class PagedBackend:
         logger.info("specontext: continuous-batching step rewritten: %d sites over a paged cache (page size %d, "
                     "%d blocks), retrieval layers %s", len(result.sites), result.layout.page_size,
                     result.layout.blocks, list(result.retrieval_layers))
-        inputs = [*example_inputs, *self._state(result, example_inputs[result.key_input]).tensors()]
+        tells = min(result.keep_input, result.read_input, result.write_input) >= 0
+        if not tells:
+            logger.warning("specontext: this continuous-batching graph has no logits_to_keep (or its read/write "
+                           "indices are not inputs): a one-token prefill chunk cannot be told from a decode token "
+                           "and is attended sparsely (docs/serving.md, 'Not built yet')")
+        mask = example_inputs[result.mask_input]
+        no_chunk = torch.zeros(mask.shape[2], dtype=torch.bool, device=mask.device)
+        inputs = [*example_inputs, *self._state(result, example_inputs[result.key_input]).tensors(), no_chunk]
         steps = {kind: self._compile(g, inputs) for kind, g in variants.items()}
+        stride = result.layout.stride
 
         def step(*args):
-            extra = self._state(result, args[result.key_input]).tensors()
-            kind, decoding = classify_step(args[result.mask_input])  # one host read per step
+            state = self._state(result, args[result.key_input])
+            mask = args[result.mask_input]
+            read = args[result.read_input] if tells else None
+            decode, chunk = decoding_rows(mask, read, state.generated if tells else None, stride)
+            kind, decoding = classify_step(mask, decode)  # one host read per step
             if kind == MIXED and self.decode_rows is not None and decoding > self.decode_rows:
                 raise RuntimeError(f"a continuous-batching step has {decoding} decoding requests, more than the "
                                    f"engine's max_requests_per_batch={self.decode_rows} the step was built for")
-            return steps[kind](*args, *extra)
+            if tells:  # after reading it: this step's rows are the next step's previous tokens
+                record_generated(state.generated, mask, args[result.write_input], args[result.keep_input], stride)
+                state.stats[PAGED_STATS.index("one_token_chunks")] += chunk.sum()
+            return steps[kind](*args, *state.tensors(), chunk)
 
         return step
 
@@ -226,5 +242,6 @@ def path_counts(cb_config) -> dict[str, int]:
     """The counters (:data:`~.runtime.paged.PAGED_STATS`) of every cache the configuration's
     backend has stepped, summed: ``steps``, ``sparse_steps``, ``dense_steps``,
     ``mixed_steps``, ``sparse_sites``, ``recency_rows``, ``refined_sites`` (sites that kept
-    their own budget of the candidates: option ``candidates`` > 1)."""
+    their own budget of the candidates: option ``candidates`` > 1), ``one_token_chunks``
+    (one-row requests still prefilling, attended densely)."""
     return cb_config.varlen_compile_config.backend.backend.counts()

@@ -180,7 +180,7 @@ def test_bad_options_fail_before_the_model_loads():
     with pytest.raises(ValueError, match="budget"):
         build_server("smollm2-135m", {"budget": 0})
     with pytest.raises(ValueError, match="does not build"):
-        build_server("smollm2-135m", {"candidates": 4.0})
+        build_server("smollm2-135m", {"candidates": 4.0, "min_coverage": 0.9})
 
 
 def test_the_server_shuts_down_cleanly():

@@ -94,14 +94,14 @@ def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model
         assert tokens == generate(model, [prompt], sc.continuous_batching_config(model, options, **engine))[0]
 
 
-def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model):
+@pytest.mark.parametrize("candidates", [1.0, 2.5])
+def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model, candidates):
     """Prompts longer than a step's 32 tokens are prefilled in chunks while earlier requests
     already decode: those mixed steps attend sparsely on decode rows and densely on prefill
-    rows, so every request still equals its run alone through ``sc.compile``.
-    Known limit (docs/serving.md): here the 40-token prompt's last token is scheduled alone
-    and attended sparsely like a decode row (the mask cannot tell them apart); the solo
-    text holds at ``candidates=1`` but not with ``candidates=2.5`` (first token 48, not 10)."""
-    candidates = 1.0
+    rows, so every request still equals its run alone through ``sc.compile``. Here the
+    40-token prompt's last token is scheduled alone: a one-row request the mask cannot tell
+    from a decode token; it is attended densely, as prefill (``one_token_chunks``). Before
+    that, at ``candidates=2.5`` its first token was 48, not 10."""
     inputs = prompts(40, 25, 60)
     options = {"budget": 16, "candidates": candidates, **OPTIONS}
     cb = sc.continuous_batching_config(model, options, **{**ENGINE, "max_batch_tokens": 32})
@@ -109,6 +109,7 @@ def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model):
     counts = serving.path_counts(cb)
     assert counts["mixed_steps"] >= 1 and counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
     assert counts["refined_sites"] == (counts["sparse_sites"] if candidates > 1 else 0), counts
+    assert counts["one_token_chunks"] == 1, counts
     torch._dynamo.reset()
     try:
         sc.compile(model, **options)
@@ -165,6 +166,31 @@ def test_packed_rows_reads_requests_from_the_mask():
     assert paged.step_kind(mask) == paged.MIXED and not paged.is_decode_step(mask)
     assert paged.step_kind(_mask([5, 3, 4], [1, 1, 1], q_rows=4, kv=12)) == paged.SPARSE
     assert paged.step_kind(_mask([5, 3], [2, 3], q_rows=6, kv=8)) == paged.DENSE
+
+
+def test_a_one_token_prefill_chunk_is_told_from_a_decode_token():
+    """Step 1: request A prefills 4 of its 5 prompt tokens (block 0, no token sampled), B
+    decodes (block 1, its next token sampled: ``logits_to_keep`` holds its row, then zero
+    padding). Step 2: A's last prompt token alone and B's next token are both one-row
+    requests; only B decodes (its previous row sampled this token), A still prefills."""
+    stride = 16
+    assert paged.sampled_rows(torch.tensor([4, 0, 0]), 5).tolist() == [False] * 4 + [True]
+    assert paged.sampled_rows(torch.tensor([0, 2, 0]), 3).tolist() == [True, False, True]
+    assert paged.sampled_rows(torch.tensor([0, 0]), 2).tolist() == [True, False]  # entry 0 always counts
+    generated = torch.full((4,), -1)
+    step1 = _mask([4, 3], [4, 1], q_rows=5, kv=7)
+    paged.record_generated(generated, step1, torch.tensor([0, 1, 2, 3, 18]), torch.tensor([4, 0]), stride)
+    assert generated.tolist() == [-1, 18, -1, -1]
+    step2 = _mask([5, 4], [1, 1], q_rows=2, kv=9)
+    read = torch.tensor([0, 1, 2, 3, 4, 16, 17, 18, 19])
+    decode, chunk = paged.decoding_rows(step2, read, generated, stride)
+    assert decode.tolist() == [False, True] and chunk.tolist() == [True, False]
+    assert paged.classify_step(step2, decode) == (paged.MIXED, 1)
+    assert paged.classify_step(step2) == (paged.SPARSE, 2)  # the mask alone: both look like decode tokens
+    blind, none = paged.decoding_rows(step2, read, None, stride)  # no logits_to_keep: the mask's reading
+    assert blind.tolist() == [True, True] and not none.any()
+    index, _, _, subset = paged.decode_subset(step2, 2, chunk)
+    assert subset.tolist() == [False, True] and index.tolist()[0] == 1
 
 
 @settings(max_examples=25, deadline=None)
