@@ -160,9 +160,23 @@ def _dense_teacher_forced(model, input_ids, tokens, warmup):
 def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: int,
                max_new_tokens: int, recall_samples: int = 4, warmup: int = 2,
                **options) -> RunReport:
-    """Run the sparse generation and the dense comparison; see the module docstring."""
+    """Run the sparse generation and the dense comparison; see the module docstring.
+
+    Raises:
+        ValueError: the prompt plus ``max_new_tokens`` needs more positions than the model's
+            ``max_position_embeddings`` (its text past them is unreliable), naming both.
+    """
     input_ids = build_prompt(tokenizer, prompt_text)
     n = max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and input_ids.shape[1] + n > limit:
+        raise ValueError(f"the prompt ({input_ids.shape[1]} tokens) plus --max-new-tokens {n} needs "
+                         f"{input_ids.shape[1] + n} positions, more than {model_name}'s {limit} "
+                         f"(max_position_embeddings: it was not trained past them, so its text there is "
+                         f"unreliable); shorten the prompt file or lower --max-new-tokens")
+    if n - 1 - warmup < 8:
+        logger.warning("the speed figures come from %d timed decode steps (--max-new-tokens %d minus %d warm-up): "
+                       "too few to trust; use --max-new-tokens 32 or more", max(n - 1 - warmup, 0), n, warmup + 1)
     probe_steps = {1 + warmup + i * max(1, (n - 1 - warmup) // recall_samples) for i in range(recall_samples)}
     probe_steps = {s for s in probe_steps if s < n}
     tokens, timer, ms_sparse, cache = _sparse_generate(model, input_ids, n, dict(options, budget=budget), warmup)

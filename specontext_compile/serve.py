@@ -127,7 +127,7 @@ def _checked(handler_class, schema):
     """``handler_class`` (Hugging Face's chat or text completions handler) that validates each
     request's values (:func:`~specontext_compile.serve_checks.check_request`), accepts the
     model's short name (``model_aliases``: the name the server was started with) for the
-    pinned model, and ends each stream with ``data: [DONE]`` as OpenAI's API does."""
+    pinned model (another name: a 400 naming the right one), and ends each stream with ``data: [DONE]`` as OpenAI's API does."""
 
     class Checked(handler_class):
         model_aliases: frozenset[str] = frozenset()
@@ -135,8 +135,16 @@ def _checked(handler_class, schema):
         def _validate_request(self, body: dict) -> None:
             super()._validate_request(body)
             check_request(body, schema)
-            if body.get("model") in self.model_aliases:
-                body["model"] = self.model_manager.force_model
+            requested, pinned = body.get("model"), self.model_manager.force_model
+            if requested in self.model_aliases:
+                body["model"] = pinned
+            elif requested is not None and requested != pinned:
+                from fastapi import HTTPException
+
+                names = " or ".join(repr(name) for name in sorted(self.model_aliases))
+                raise HTTPException(status_code=400, detail=(
+                    f"this server serves one model, {names} (also known as '{pinned}'); requested "
+                    f"'{requested}': name it {names} or leave 'model' out"))
 
         def _streaming(self, *args, **kwargs):
             response = super()._streaming(*args, **kwargs)

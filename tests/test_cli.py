@@ -67,6 +67,20 @@ def test_main_job_command_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert not list(out.parent.glob(".*.tmp"))  # the temporary file of the rename is gone
 
 
+def test_a_run_past_the_models_positions_is_refused(tmp_path, capsys):
+    """The tiny model has 256 positions: 80 prompt tokens + 200 new ones are refused with
+    both numbers and the fix, before anything is generated (no figures written)."""
+    model = save_tiny_hf_folder(tmp_path / "tiny-llama")
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text(" ".join(f"w{(i * 37) % 128}" for i in range(80)), encoding="utf-8")
+    out = tmp_path / "run.json"
+    rc = cli.main(["run", "--model", str(model), "--prompt-file", str(prompt), "--budget", "16",
+                   "--max-new-tokens", "200", "--json", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "needs 280 positions" in err and "256 (max_position_embeddings" in err, err
+    assert "lower --max-new-tokens" in err and not out.exists()
+
+
 @pytest.mark.parametrize("argv, option", [
     (["run", "--prompt-file", "{prompt}", "--json", "{blocked}/run.json"], "--json"),
     (["explain", "--model", "tiny:llama", "--json", "{blocked}/t.json"], "--json"),

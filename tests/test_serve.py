@@ -153,7 +153,7 @@ def test_the_model_is_named_by_its_short_name_or_left_out(server):
         status, answer = _post(url, body)
         assert status == 200, answer
     status, answer = _post(url, {**_chat(srv, "Say hi.", max_tokens=2), "model": "gpt-4"})
-    assert status == 400 and "pinned" in answer["detail"]
+    assert status == 400 and "name it 'smollm2-135m'" in answer["detail"] and "gpt-4" in answer["detail"]
 
 
 def test_a_stream_ends_with_done(server):
