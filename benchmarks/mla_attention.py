@@ -25,6 +25,7 @@ from specontext_compile.runtime.mla import (
     latent_query,
     mla_sparse_attention,
     split_kv_b_weight,
+    up_project,
 )
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
@@ -61,8 +62,9 @@ def absorbed_dense(query, latent, rope, weight, length, scale):
 
 def sparse_absorbed(query, latent, rope, weight, length, scale, indices):
     """Ours: absorbed query, attention over the selected latent rows only."""
-    return mla_sparse_attention(latent_query(query, weight, NOPE), latent, rope, weight, indices,
-                                torch.tensor(length), None, StepSpec(1, 1), AttentionVariant(scale, nope_dim=NOPE))
+    latent_rows = mla_sparse_attention(latent_query(query, weight, NOPE), latent, rope, indices,
+                                       torch.tensor(length), None, StepSpec(1, 1), AttentionVariant(scale))
+    return up_project(latent_rows, weight, NOPE)
 
 
 def sparse_up_projected(query, latent, rope, weight, length, scale, indices):

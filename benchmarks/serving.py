@@ -98,6 +98,11 @@ def engine_settings(args) -> dict:
                 safety_margin=0.0)  # every request at once (the default margin ran 8 requests as ~2 waves of 4)
 
 
+def first_divergence(dense: list[int], ours: list[int]) -> int:
+    """The index of the first generated token that differs (the length when none does)."""
+    return next((i for i, (a, b) in enumerate(zip(dense, ours)) if a != b), min(len(dense), len(ours)))
+
+
 def kv_bytes_per_token(config) -> int:
     heads = config.num_key_value_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -131,7 +136,8 @@ def run(args) -> dict:
             compile_config = CompileConfig(backend=timer.wrap(compiler), mode="default", fullgraph=False, dynamic=False)
             cb = ContinuousBatchingConfig(varlen_compile_config=compile_config, **settings)
         else:
-            options = {"budget": args.budget, "page_rescue": 0, "inner": "eager" if args.inner == "eager" else "auto"}
+            options = {"budget": args.budget, "page_rescue": 0, "candidates": args.candidates,
+                       "inner": "eager" if args.inner == "eager" else "auto"}
             cb = sc.continuous_batching_config(model, options, **settings)
             cb.varlen_compile_config.backend = timer.wrap(cb.varlen_compile_config.backend)
         start = time.perf_counter()
@@ -158,6 +164,7 @@ def run(args) -> dict:
         results["speedup_decode_step"] = results["dense"]["median_ms"] / results["specontext"]["median_ms"]
         same = [a == b for a, b in zip(tokens["dense"], tokens["specontext"])]
         results["requests_with_dense_tokens"] = sum(same)
+        results["first_divergence"] = [first_divergence(a, b) for a, b in zip(tokens["dense"], tokens["specontext"])]
     return {"command": " ".join(["python -m benchmarks.serving", *sys.argv[1:]]), "args": vars(args),
             "machine": machine_info(), "copy_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights,
             "engine": settings, "results": results, "tokens": tokens}
@@ -170,6 +177,8 @@ def main(argv=None) -> None:
     parser.add_argument("--input", type=int, default=1024)
     parser.add_argument("--output", type=int, default=32)
     parser.add_argument("--budget", type=int, default=512)
+    parser.add_argument("--candidates", type=float, default=1.0,
+                        help="option candidates: > 1 refines the selection per layer (docs/serving.md)")
     parser.add_argument("--page", type=int, default=64, help="the engine's page (block) size in tokens")
     parser.add_argument("--max-batch-tokens", type=int, default=1024)
     parser.add_argument("--inner", choices=("inductor", "eager"), default="inductor")

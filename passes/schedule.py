@@ -114,8 +114,9 @@ class ScheduleResult:
 
 
 def _has_sinks(node: fx.Node) -> bool:
-    """Whether a ``sparse_attention`` node carries sink logits (its ``sinks`` argument)."""
-    return op_arguments(node, SPARSE)["sinks"] is not None
+    """Whether a node is the attention of a site with learned sink logits (the pass calls
+    :func:`~..runtime.aten_step.sinks_attention`)."""
+    return is_op(node, aten_step.sinks_attention)
 
 
 def _val(node: fx.Node):
@@ -205,8 +206,8 @@ class OffloadSchedulePass:
     def __call__(self, graph: fx.Graph) -> ScheduleResult:
         result = ScheduleResult()
         selects = [n for n in graph.nodes if is_op(n, SELECT)]
-        sparse = [n for n in graph.nodes if is_op(n, SPARSE) and not _has_sinks(n)]
-        if any(is_op(n, SPARSE) and _has_sinks(n) for n in graph.nodes):
+        sparse = [n for n in graph.nodes if is_op(n, SPARSE)]
+        if any(_has_sinks(n) for n in graph.nodes):
             logger.warning("specontext: KV offload is not built for attention with learned sink logits "
                            "(GPT-OSS): those layers stay resident on the device (exact)")
         if any(is_op(n, torch.ops.specontext.mla_sparse_attention) for n in graph.nodes):

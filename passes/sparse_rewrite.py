@@ -32,7 +32,7 @@ from torch import fx
 from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..runtime import aten_step, page_bounds
+from ..runtime import aten_step, mla, page_bounds
 from ..runtime.protocol import RetrievalAnchor, op_arguments
 from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import make_head
@@ -413,20 +413,25 @@ class SparseAttentionPass(CustomGraphPass):
     @staticmethod
     def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, spec: StepSpec,
                       dense: fx.Node | None = None) -> None:
+        latent = None
         if site.mla is not None:
             query = selection_query(graph, site)
+            variant = AttentionVariant(site.scale, nope_dim=site.mla.nope_dim)
             with graph.inserting_before(site.node):
-                sparse = graph.call_function(MLA_SPARSE, (
-                    query, site.key_cache, site.value_cache, site.mla.weight, selection, site.length,
-                    site.attn_mask, spec, AttentionVariant(site.scale, nope_dim=site.mla.nope_dim), dense, site.sinks))
+                if dense is None and site.sinks is None:
+                    latent = graph.call_function(MLA_SPARSE, (
+                        query, site.key_cache, site.value_cache, selection, site.length, site.attn_mask, spec, variant))
+                else:  # no kernel serves these: the torch step function, called directly
+                    latent = graph.call_function(mla.attend_latent, (
+                        query, (site.key_cache, site.value_cache), selection, site.length, site.attn_mask, variant,
+                        dense, site.sinks))
+                sparse = graph.call_function(mla.up_project, (latent, site.mla.weight, site.mla.nope_dim))
             for node in site.mla.scratch:  # in-place copies filling the up-projected keys: now dead
                 graph.erase_node(node)
         else:
             mask = _biased_mask(graph, site)
             with graph.inserting_before(site.node):
-                sparse = graph.call_function(SPARSE, (
-                    site.query, site.key_cache, site.value_cache, selection, site.length, mask, spec, _variant(site),
-                    dense, site.sinks))
+                sparse = graph.call_function(*_attention_call(site, selection, mask, spec, dense))
         keep = ("stack_trace", "nn_module_stack") + (() if site.position_bias is not None else ("example_value", "val"))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in keep})
         result = sparse
@@ -436,7 +441,7 @@ class SparseAttentionPass(CustomGraphPass):
                 result = graph.call_method("reshape", (sparse, *out.shape))
         site.node.replace_all_uses_with(result)
         graph.erase_node(site.node)
-        site.node = sparse
+        site.node = sparse if latent is None else latent  # the attention (MLA: before its up-projection)
 
 
 def _resolve_layers(option: str, layers: tuple[int, ...] | None, num_layers: int | None) -> frozenset[int] | None:
@@ -453,6 +458,22 @@ def _resolve_layers(option: str, layers: tuple[int, ...] | None, num_layers: int
                        f"L = {num_layers}" if num_layers is not None else "its layer count is unknown in "
                        "this graph, so negative layers cannot be resolved")
     return frozenset(j + num_layers if j < 0 and num_layers is not None else j for j in layers)
+
+
+def _attention_call(site: AttentionSite, selection: fx.Node, mask, spec: StepSpec, dense: fx.Node | None):
+    """``(target, args)`` of a (non-MLA) site's attention over ``selection``: the
+    ``specontext::sparse_attention`` op (dense-store shortcut, generated kernel, torch path),
+    or for a site no kernel serves, its torch step function called directly: with the
+    fidelity guard's decision ``dense``, :func:`~..runtime.aten_step.guarded_attention`; with
+    learned sink logits, :func:`~..runtime.aten_step.sinks_attention`."""
+    variant = _variant(site)
+    if dense is not None:
+        return aten_step.guarded_attention, (site.query, (site.key_cache, site.value_cache), selection, site.length,
+                                             mask, variant, dense, site.sinks)
+    if site.sinks is not None:
+        return aten_step.sinks_attention, (site.query, (site.key_cache, site.value_cache), selection, site.length,
+                                           mask, variant, site.sinks)
+    return SPARSE, (site.query, site.key_cache, site.value_cache, selection, site.length, mask, spec, variant)
 
 
 def _variant(site: AttentionSite) -> AttentionVariant:

@@ -27,6 +27,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 from . import page_bounds
+from .probe import record_recall
 from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .sparse_attention import (
@@ -44,7 +45,7 @@ __all__ = ["MUTATES", "count_fallback", "count_guard", "count_step", "covers_sto
            "rescue_pages_into", "row_visibility",
            "seen_positions", "select_positions",
            "sparse_attention",
-           "speculative_select", "write_kv"]
+           "sinks_attention", "speculative_select", "write_kv"]
 
 _NEG = float("-inf")
 
@@ -619,6 +620,7 @@ def guarded_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
     site and step): the price of the guard, which is off by default."""
     key_cache, value_cache = store
+    record_recall(query, key_cache, indices, length, attn_mask, variant, dense)  # the eager harness's probe only
     capacity = key_cache.shape[-2]
     plain = variant.plain and sinks is None
     extra, unpack = optional_operands(attn_mask, sinks)
@@ -638,10 +640,21 @@ def guarded_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     return torch.cond(dense, run_dense, run_sparse, tuple(tensors))
 
 
+def sinks_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], indices: torch.Tensor,
+                    length: torch.Tensor, attn_mask: torch.Tensor | None, variant: AttentionVariant,
+                    sinks: torch.Tensor) -> torch.Tensor:
+    """The attention of a site with learned sink logits ``sinks`` ``[num_heads]`` (GPT-OSS)
+    over ``indices`` of its ``store = (key_cache, value_cache)``: the gather path of
+    :func:`~.sparse_attention.sparse_attention_reference` (no kernel serves these sites, so
+    the pass calls this directly instead of the op). Other arguments as :func:`sparse_attention`'s."""
+    key_cache, value_cache = store
+    record_recall(query, key_cache, indices, length, attn_mask, variant)  # the eager harness's probe only
+    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks)
+
+
 def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
-                     spec: StepSpec, variant: AttentionVariant, dense: torch.Tensor | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
     """Attention of one layer over the selected tokens (``specontext::sparse_attention``,
     torch path: ``spec.kernel`` is the op's business).
 
@@ -652,15 +665,12 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     reads, exact); otherwise the gather path of
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` (shapes,
     mask and ``-1`` padding semantics there; scale, soft cap and sliding window from
-    ``variant``). ``length`` counts this step's tokens.
-    ``dense``: the fidelity guard's bool scalar from :func:`refine_selection` (None = no
-    guard): when True the site attends densely instead (:func:`guarded_attention`).
-    ``sinks``: learned per-head sink logits ``[num_heads]`` (GPT-OSS) or None."""
-    if dense is not None:
-        return guarded_attention(query, (key_cache, value_cache), indices, length, attn_mask, variant, dense, sinks)
-    if spec.dense_shortcut and variant.plain and sinks is None and covers_store(indices, key_cache):
+    ``variant``). ``length`` counts this step's tokens. A site with the fidelity guard or
+    learned sink logits is not this function's: the pass calls :func:`guarded_attention` or
+    :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it."""
+    if spec.dense_shortcut and variant.plain and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
-    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks)
+    return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)
 
 
 #: Step functions the pass calls directly (no op) that change tensors in place, with the

@@ -32,10 +32,11 @@ from __future__ import annotations
 import torch
 
 from .aten_step import optional_operands
+from .probe import active_probe, record_recall
 from .sparse_attention import _gather_tokens, attend_gathered
 from .spec import AttentionVariant, StepSpec
 
-__all__ = ["latent_query", "mla_sparse_attention", "split_kv_b_weight"]
+__all__ = ["attend_latent", "latent_query", "mla_sparse_attention", "split_kv_b_weight", "up_project"]
 
 
 def split_kv_b_weight(weight: torch.Tensor, num_heads: int, nope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,42 +75,52 @@ def gather_latent_keys(latent_cache: torch.Tensor, rope_cache: torch.Tensor, ind
 
 
 def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
-                         weight: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
-                         attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant,
-                         dense: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """MLA attention of one layer over the selected latent rows (``specontext::mla_sparse_attention``).
+                         indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+                         spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
+    """MLA attention of one layer over the selected latent rows (``specontext::mla_sparse_attention``'s
+    torch path), before the up-projection (:func:`up_project`, which the pass puts after it).
 
     Args:
         latent_q: ``[batch, num_heads, q_len, r + p]`` from :func:`latent_query`.
         latent_cache: ``[batch, 1, capacity, r]``; rope_cache: ``[batch, 1, capacity, p]``
             (the layer's two stores; positions ``>= length`` may hold garbage).
-        weight: ``kv_b_proj.weight`` (see :func:`latent_query`).
         indices: int64 ``[batch, 1, k]`` positions (``-1`` padding), from a selection node.
         length: int64 scalar, tokens written including this step's.
         attn_mask: Hugging Face mask ``[batch|1, 1|heads, q_len, >= capacity]`` or None.
         spec: the step's :class:`~.spec.StepSpec` (only ``kernel`` matters, to the op).
         variant: the site's :class:`~.spec.AttentionVariant`: ``scale`` (of the ``nope + rope``
-            wide head) and ``nope_dim`` (``qk_nope_head_dim``).
-        dense: the fidelity guard's bool scalar (None = off): True attends to every slot.
-        sinks: learned sink logit per head ``[num_heads]`` (HY-V4) or None: one more softmax
-            column per head that takes mass and adds no value.
+            wide head).
 
     Returns:
-        ``[batch, num_heads, q_len, value_dim]`` in ``latent_q.dtype``: exactly (up to float
-        rounding) Hugging Face's attention restricted to the selected positions.
+        attended latent rows ``[batch, num_heads, q_len, r]`` in ``latent_q.dtype``: after
+        :func:`up_project`, exactly (up to float rounding) Hugging Face's attention restricted
+        to the selected positions.
     """
+    return attend_latent(latent_q, (latent_cache, rope_cache), indices, length, attn_mask, variant)
+
+
+def attend_latent(latent_q: torch.Tensor, stores: tuple[torch.Tensor, torch.Tensor], indices: torch.Tensor,
+                  length: torch.Tensor, attn_mask: torch.Tensor | None, variant: AttentionVariant,
+                  dense: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Attended latent rows ``[batch, num_heads, q_len, r]`` over the selected positions of the
+    layer's ``stores = (latent_cache, rope_cache)`` (arguments as :func:`mla_sparse_attention`'s).
+    The pass calls it directly for a site no kernel serves: ``dense``, the fidelity guard's
+    bool scalar (None = off; True attends to every slot, through ``torch.cond``); ``sinks``,
+    learned sink logits per head ``[num_heads]`` (HY-V4) or None: one more softmax column per
+    head that takes mass and adds no value."""
+    latent_cache, rope_cache = stores
     plain = AttentionVariant(scale=variant.scale)  # the latent product: no soft cap, no window
+    if active_probe() is not None:  # the eager harness's recall probe (never under tracing)
+        record_recall(latent_q, torch.cat([latent_cache, rope_cache], dim=-1), indices, length, attn_mask, plain, dense)
     if dense is None:
-        out_latent = _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, plain)
-    else:
-        capacity = latent_cache.shape[-2]
-        every = torch.arange(capacity, device=indices.device).expand(indices.shape[0], indices.shape[1], capacity)
-        extra, unpack = optional_operands(attn_mask, sinks)
-        tensors = (latent_q, latent_cache, rope_cache, indices, length, *extra)
-        out_latent = torch.cond(
-            dense, lambda q, c, r, i, n, *rest: _attend(q, c, r, every, n, *unpack(rest), plain),
-            lambda q, c, r, i, n, *rest: _attend(q, c, r, i, n, *unpack(rest), plain), tensors)
-    return up_project(out_latent, weight, variant.nope_dim)
+        return _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, plain)
+    capacity = latent_cache.shape[-2]
+    every = torch.arange(capacity, device=indices.device).expand(indices.shape[0], indices.shape[1], capacity)
+    extra, unpack = optional_operands(attn_mask, sinks)
+    tensors = (latent_q, latent_cache, rope_cache, indices, length, *extra)
+    return torch.cond(
+        dense, lambda q, c, r, i, n, *rest: _attend(q, c, r, every, n, *unpack(rest), plain),
+        lambda q, c, r, i, n, *rest: _attend(q, c, r, i, n, *unpack(rest), plain), tensors)
 
 
 def _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, variant):

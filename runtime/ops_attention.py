@@ -11,7 +11,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import aten_step
-from .probe import active_probe, selection_recall
+from .probe import record_recall
 from .sparse_attention import mask_is_causal_only
 from .spec import AttentionVariant, StepSpec
 
@@ -28,8 +28,6 @@ def sparse_attention(
     attn_mask: Optional[torch.Tensor],
     spec: StepSpec,
     variant: AttentionVariant,
-    dense: Optional[torch.Tensor] = None,
-    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes
@@ -42,22 +40,16 @@ def sparse_attention(
     step (a static fact: budget >= capacity) then runs dense SDPA over the store instead of
     gathering (counter ``dense_prefix_calls``). The pass keeps it on unless the option
     ``dense_shortcut`` is off (tests use that to run the gather path at full budget).
-    ``dense``: the fidelity guard's decision (bool scalar from ``refine_selection``; None =
-    no guard): when True the site attends densely (exact), through ``torch.cond``
-    (:func:`~specontext_compile.runtime.aten_step.guarded_attention`, torch path only).
-    ``sinks``: learned per-head sink logits ``[num_heads]`` (GPT-OSS; torch path) or None.
-    The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
+    A site with the fidelity guard or learned sink logits never takes the kernel: the pass
+    calls its torch step function directly instead of this op
+    (:func:`~specontext_compile.runtime.aten_step.guarded_attention`,
+    :func:`~specontext_compile.runtime.aten_step.sinks_attention`), so the
+    op carries only what its kernel reads. The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
     read); the Triton path on a masked step checks the mask once per step (one host sync)."""
     counters["specontext"]["sparse_attention_calls"] += 1
-    probe = active_probe()
-    if probe is not None:  # a site the fidelity guard ran dense attends to everything: recall 1
-        probe.values.append(1.0 if dense is not None and bool(dense) else
-                            selection_recall(query, key_cache, indices, int(length), variant.scale, attn_mask,
-                                             variant.soft_cap, variant.sliding_window))
-    plain = variant.plain and sinks is None
-    if dense is not None:
-        counters["specontext"]["guarded_attention_calls"] += 1
-    elif plain and spec.dense_shortcut and aten_step.covers_store(indices, key_cache):
+    record_recall(query, key_cache, indices, length, attn_mask, variant)
+    plain = variant.plain
+    if plain and spec.dense_shortcut and aten_step.covers_store(indices, key_cache):
         counters["specontext"]["dense_prefix_calls"] += 1
     elif plain and _use_triton(spec.kernel, query) and _mask_allows_selection(attn_mask, indices, length,
                                                                               query.shape[2]):
@@ -69,8 +61,7 @@ def sparse_attention(
         )
     else:
         counters["specontext"]["gather_attention_calls"] += 1
-    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant,
-                                      dense, sinks)
+    return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
 
 
 class _MaskCheck:
@@ -132,6 +123,6 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 
 
 @sparse_attention.register_fake
-def _(query, key_cache, value_cache, indices, length, attn_mask, spec, variant, dense=None, sinks=None):
+def _(query, key_cache, value_cache, indices, length, attn_mask, spec, variant):
     b, h, q_len, _ = query.shape
     return query.new_empty((b, h, q_len, value_cache.shape[-1]))

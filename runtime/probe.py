@@ -18,7 +18,7 @@ import torch
 
 from .sparse_attention import causal_limit_mask
 
-__all__ = ["RecallRecord", "active_probe", "recall_probe"]
+__all__ = ["RecallRecord", "active_probe", "recall_probe", "record_recall"]
 
 _state = threading.local()
 
@@ -100,3 +100,17 @@ def selection_recall(
     chosen.scatter_(2, torch.where(indices >= 0, indices, length), True)
     mass = (probs * chosen[..., :length].view(b, num_kv, 1, 1, length)).sum(-1)
     return float(mass.nan_to_num(0.0).mean())
+
+
+def record_recall(query: torch.Tensor, key_cache: torch.Tensor, indices: torch.Tensor, length: torch.Tensor,
+                  attn_mask: torch.Tensor | None, variant, dense: torch.Tensor | None = None) -> None:
+    """Inside a :func:`recall_probe` block, record one site's :func:`selection_recall` (1.0
+    when the fidelity guard's ``dense`` ran it densely); else nothing. Called by the
+    attention ops and by the step functions the pass calls directly for guarded and
+    learned-sink sites, when they run eagerly (under tracing no probe is active).
+    ``variant``: the site's :class:`~.spec.AttentionVariant`."""
+    probe = active_probe()
+    if probe is not None:
+        probe.values.append(1.0 if dense is not None and bool(dense) else
+                            selection_recall(query, key_cache, indices, int(length), variant.scale, attn_mask,
+                                             variant.soft_cap, variant.sliding_window))

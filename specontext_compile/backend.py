@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch._dynamo.utils import counters
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import fallbacks
 from . import logs as _logs
@@ -183,7 +184,7 @@ def specontext_backend(
     from torch._inductor.compile_fx import compile_fx
 
     example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
-    patches = inductor_patches(config, mode, example_inputs)
+    patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid)}
     compiled = None
     if _regional(config, on_cuda):  # each distinct decoder layer compiled once
         regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
@@ -368,6 +369,34 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     copied = torch.fx.GraphModule(gm, graph)
     copied.meta.update(gm.meta)
     return copied
+
+
+class _SourcesKey(CustomGraphPass):
+    """A post-grad pass that changes nothing and carries our pass's ``uuid`` (a hash of the
+    passes' and runtime's sources and of the options) into inductor's cache keys: an FX graph
+    or AOTAutograd cache entry compiled by another version of our code is never reused. Seen
+    without it: after an op's schema changed, a cached step called it with its old arguments."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return self.key
+
+
+def _cache_key_patch(pass_uuid: str) -> dict[str, Any]:
+    """``post_grad_custom_post_pass`` = :class:`_SourcesKey` unless the caller set one (then
+    theirs stays, logged: our sources' hash is then not in inductor's keys)."""
+    from torch._inductor import config as inductor_config
+
+    if inductor_config.post_grad_custom_post_pass is not None:
+        logger.info("specontext: inductor's post_grad_custom_post_pass is set by the caller; inductor's caches "
+                    "do not key on this version of specontext's sources")
+        return {}
+    return {"post_grad_custom_post_pass": _SourcesKey(pass_uuid)}
 
 
 def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from torch._dynamo.utils import counters
 from .backend import CompileReport, compile_reports
 from .config import SpeContextConfig
 from .passes.sites import ANCHOR, KV_WRITE, is_op
-from .runtime import aten_step, offload_step
+from .runtime import aten_step, mla, offload_step
 from .runtime.kv_cache import SpeContextCache
 from .runtime.protocol import op_arguments
 
@@ -28,7 +28,8 @@ __all__ = ["Explanation", "SiteRow", "explain"]
 
 _SELECTIONS = (aten_step.speculative_select, aten_step.draft_select)  # direct calls of the pass
 _SPARSE = torch.ops.specontext.sparse_attention.default
-_ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default, offload_step.attention)
+_ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default, offload_step.attention,
+              aten_step.guarded_attention, aten_step.sinks_attention, mla.attend_latent)  # sites no kernel serves
 
 
 @dataclasses.dataclass

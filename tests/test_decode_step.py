@@ -301,3 +301,33 @@ def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():
     assert targets[1] is not ops.sparse_attention.default  # the torch path was lowered
     assert result.lowered["specontext::sparse_attention"] == 1
     assert set(result.kept) == {"specontext::sparse_attention", "specontext::draft_step"}
+
+
+def test_inductors_cache_keys_on_our_sources():
+    """An inductor cache entry compiled by another version of our passes or runtime is never
+    reused (``backend._SourcesKey``): the same step compiled again hits inductor's FX graph
+    cache, and compiled under another sources hash (the pass's ``uuid``) misses it. Seen
+    without it: after the attention op's schema changed, a cached step called the op with
+    its old arguments."""
+    import uuid
+
+    from specontext_compile.passes.sparse_rewrite import SparseAttentionPass
+
+    model = tiny_llama(layers=2)
+    version = uuid.uuid4().hex  # a hash no earlier run compiled under
+    options = {"budget": 16, "inner": "inductor", "regional": False}
+    seen = {}
+    for run in ("first", "again", "other sources"):
+        torch._dynamo.reset()
+        counters.clear()
+        if run == "other sources":
+            real = SparseAttentionPass.uuid
+            SparseAttentionPass.uuid = lambda self: f"{real(self)}-{version}"
+        try:
+            _step_codes(model, options, steps=1)
+        finally:
+            if run == "other sources":
+                SparseAttentionPass.uuid = real
+        seen[run] = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
+    assert seen["again"][0] >= 2 and seen["again"][1] == 0, seen  # prefill and decode graphs found
+    assert seen["other sources"][0] == 0 and seen["other sources"][1] >= 2, seen

@@ -83,13 +83,13 @@ def capture_sparse_calls(monkeypatch):
     seen = []
     real = aten_step.sparse_attention
 
-    def spy(query, key_cache, value_cache, indices, length, attn_mask, spec, variant, dense=None, sinks=None):
-        out = real(query, key_cache, value_cache, indices, length, attn_mask, spec, variant, dense, sinks)
+    def spy(query, key_cache, value_cache, indices, length, attn_mask, spec, variant):
+        out = real(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
         mask = attn_mask.clone() if attn_mask is not None else None
         seen.append({"query": query.clone(), "key_cache": key_cache.clone(), "value_cache": value_cache.clone(),
                      "indices": indices.clone(), "length": length.clone(), "attn_mask": mask,
                      "scale": variant.scale, "soft_cap": variant.soft_cap, "sliding_window": variant.sliding_window,
-                     "dense_shortcut": spec.dense_shortcut, "dense": dense, "out": out.clone()})
+                     "dense_shortcut": spec.dense_shortcut, "out": out.clone()})
         return out
 
     monkeypatch.setattr(aten_step, "sparse_attention", spy)
@@ -133,7 +133,7 @@ def test_sparse_op_equals_float64_reference_over_the_selection_on_a_left_padded_
         assert q.shape[:3] == (len(PADS), 4, 1) and q.dtype == torch.float32, where
         assert idx.shape == (len(PADS), 2, BUDGET), where
         assert int(length.max()) == int(length.min()) == total, where
-        assert call["soft_cap"] is None and call["sliding_window"] == 0 and call["dense"] is None, where
+        assert call["soft_cap"] is None and call["sliding_window"] == 0, where
         assert not aten_step.covers_store(idx, call["key_cache"]), where  # a real selection, not all slots
         # the mask the op got hides exactly each row's pad positions among the written ones
         assert call["attn_mask"] is not None, where

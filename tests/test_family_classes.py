@@ -85,16 +85,19 @@ def test_retrieval_layers_must_fit_the_retrieval_state():
 @pytest.mark.slow
 def test_gpt_oss_sink_logits_rewritten_and_exact(monkeypatch):
     """GPT-OSS's learned sink column (``softmax(cat([scores, sinks]))[..., :-1]``) is
-    recognised; the sparse op adds the sink to each head's softmax: exact at full budget on
-    the gather path, and the lowered step equals the eager op chain at budget 8."""
+    recognised; its site becomes ``aten_step.sinks_attention`` (no kernel serves it, so not
+    the op), which adds the sink to each head's softmax: exact at full budget on the gather
+    path, and the lowered step equals the eager op chain at budget 8."""
     caches = record_caches(monkeypatch)
     r = run_family("gpt_oss", "eager", dense_shortcut=False)
     assert r["decode_rewritten"] == r["decode_sites"] == 2, r["reasons"]
     assert r["max_err"] < 1e-4
     assert_gather_path(caches[-1], 2 * DECODE_STEPS)
     sites = [s for rep in r["reports"] for s in rep.result.sites]
-    sparse = torch.ops.specontext.sparse_attention
-    assert all(s.pattern == "eager-sinks" and op_arguments(s.node, sparse)["sinks"] is not None for s in sites)
+    from specontext_compile.runtime import aten_step
+
+    assert all(s.pattern == "eager-sinks" and s.node.target is aten_step.sinks_attention
+               and op_arguments(s.node, aten_step.sinks_attention)["sinks"] is not None for s in sites)
     runs = {inner: run_family("gpt_oss", "eager", budget=8, inner=inner)["compiled"] for inner in ("eager", "inductor")}
     for a, b in zip(runs["eager"], runs["inductor"]):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

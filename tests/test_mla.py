@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from specontext_compile.passes.sites import find_attention_sites
 from specontext_compile.runtime import aten_step
-from specontext_compile.runtime.mla import latent_query, mla_sparse_attention
+from specontext_compile.runtime.mla import latent_query, mla_sparse_attention, up_project
 from specontext_compile.runtime.protocol import is_op, op_arguments
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import assert_gather_path, decode_logits
@@ -68,8 +68,9 @@ def test_mla_op_equals_float64_up_projected_attention_over_the_selection(heads, 
                             torch.arange(length - q_len, length)]) for _ in range(b)]
     slots = max(len(p) for p in positions) + 2
     indices = torch.stack([torch.cat([torch.full((slots - len(p),), -1), p.sort().values]) for p in positions])
-    out = mla_sparse_attention(latent_query(query, weight, nope), latent, rope_keys, weight, indices[:, None],
-                               torch.tensor(length), None, StepSpec(1, 1), AttentionVariant(0.3, nope_dim=nope))
+    out = up_project(mla_sparse_attention(latent_query(query, weight, nope), latent, rope_keys, indices[:, None],
+                                          torch.tensor(length), None, StepSpec(1, 1), AttentionVariant(0.3)),
+                     weight, nope)
     ref = dense_mla_reference(query, latent, rope_keys, weight, positions, length, 0.3, nope)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
@@ -150,10 +151,10 @@ def test_mla_triton_kernel_equals_torch_path(triton_interpreter):
     q = latent_query(query, weight, nope)
     counters.clear()
     variant = AttentionVariant(0.3, nope_dim=nope)
-    got = torch.ops.specontext.mla_sparse_attention(q, latent, rope, weight, indices, torch.tensor(13), None,
+    got = torch.ops.specontext.mla_sparse_attention(q, latent, rope, indices, torch.tensor(13), None,
                                                     StepSpec(6, 6, kernel="triton"), variant)
     assert counters["specontext"]["triton_attention_calls"] == 1
-    want = mla_sparse_attention(q, latent, rope, weight, indices, torch.tensor(13), None, StepSpec(6, 6), variant)
+    want = mla_sparse_attention(q, latent, rope, indices, torch.tensor(13), None, StepSpec(6, 6), variant)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
