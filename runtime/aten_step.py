@@ -667,7 +667,9 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     mask and ``-1`` padding semantics there; scale, soft cap and sliding window from
     ``variant``). ``length`` counts this step's tokens. A site with the fidelity guard or
     learned sink logits is not this function's: the pass calls :func:`guarded_attention` or
-    :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it."""
+    :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it.
+    Inside a :func:`~.probe.recall_probe` block (an eager run) it records the site's recall."""
+    record_recall(query, key_cache, indices, length, attn_mask, variant)  # the eager harness's probe only
     if spec.dense_shortcut and variant.plain and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)

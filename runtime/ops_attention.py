@@ -47,7 +47,6 @@ def sparse_attention(
     op carries only what its kernel reads. The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
     read); the Triton path on a masked step checks the mask once per step (one host sync)."""
     counters["specontext"]["sparse_attention_calls"] += 1
-    record_recall(query, key_cache, indices, length, attn_mask, variant)
     plain = variant.plain
     if plain and spec.dense_shortcut and aten_step.covers_store(indices, key_cache):
         counters["specontext"]["dense_prefix_calls"] += 1
@@ -56,6 +55,7 @@ def sparse_attention(
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
+        record_recall(query, key_cache, indices, length, attn_mask, variant)  # (the torch path records in its body)
         return sparse_decode_attention(
             query, key_cache, value_cache, indices, length, scale=variant.scale, check_indices=False
         )

@@ -11,9 +11,9 @@ Measures, in one process on the same machine (docs/report.md explains each figur
   saw the same history, so one early difference does not count twice);
 - ``attention_recall``: at a few sampled decode steps, the share of each layer/head's dense
   attention mass (over every cached token) that its selection covers. The recall probe
-  lives in the ops' Python bodies, which the compiled (inductor) step no longer calls, so
-  it is measured on a second, teacher-forced pass of the same tokens through the eager op
-  chain (``inner="eager", lower=False``), whose selections are the same computation;
+  records from the attention's torch step functions when they run eagerly (not inside the
+  inductor-compiled step), so it is measured on a second, teacher-forced pass of the same
+  tokens through the same lowered step run eagerly (``inner="eager"``): the same functions;
 - ``path_counts``: the sparse run's ``SpeContextCache.path_counts()``: decode steps, sparse
   sites, gathered / dense-store sites and the sites the fidelity guard ran dense.
 """
@@ -122,10 +122,10 @@ def _sparse_generate(model, input_ids, max_new_tokens, options, warmup):
 
 def _recall_teacher_forced(model, input_ids, tokens, options, probe_steps) -> list[float]:
     """Mean selection recall at each decode call in ``probe_steps`` (call ``k`` feeds
-    ``tokens[k-1]``, as in the sparse run), through the eager op chain."""
+    ``tokens[k-1]``, as in the sparse run), through the lowered step run eagerly."""
     if not probe_steps:
         return []
-    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner="eager", lower=False))
+    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner="eager"))
     cache = api.make_cache(model, input_ids, len(tokens), retrieval_head=options.get("retrieval_head"))
     recalls = []
     with torch.no_grad():
