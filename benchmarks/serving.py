@@ -9,8 +9,9 @@ the cache update made traceable as ours is) and with the specontext backend
 around the compiled step and classed as decode (every request one token) or not, from the
 step's mask; the figures are decode steps only (median, p10-p90), never differences of
 ``generate_batch`` totals. Also: the bandwidth floor of a decode step (weights + the KV each
-engine reads, at the measured copy bandwidth), the tokens of each request in both engines,
-and the specontext path counters.
+engine reads, at the measured copy bandwidth), the tokens of each request in every engine,
+and the specontext path counters. Engine ``specontext`` runs the backend's options (the page
+rescue on, as by default); ``specontext-p0`` the same without the page rescue.
 
     python -m benchmarks.serving --requests 8 --input 1024 --output 32 --budget 512 --json out/serving.json
 """
@@ -109,6 +110,29 @@ def kv_bytes_per_token(config) -> int:
     return 2 * config.num_hidden_layers * heads * head_dim * 4  # fp32 keys and values
 
 
+def memory(args, settings: dict, per_token: int, state: int) -> dict:
+    """Bytes per engine: the engine's KV cache (every block, fp32 keys and values; the same
+    for every engine: ours keeps the whole KV resident), one request's KV at its last token,
+    and the retrieval state ours keeps beside it (``specontext_compile.serving.state_bytes``),
+    in all and per request."""
+    cache = settings["num_blocks"] * settings["block_size"] * per_token
+    return {"kv_cache_bytes": cache, "kv_bytes_per_request": per_token * (args.input + args.output),
+            "state_bytes": state, "state_bytes_per_request": state // args.requests,
+            "state_share_of_kv_cache": state / cache}
+
+
+def floor_bytes(args, engine: str, weights: int, per_token: int) -> int:
+    """Bytes a decode step must read at the median decode step: the weights, plus the KV of
+    every request's context (dense) or of its ``budget`` selected tokens and, with the page
+    rescue, the keys of the rescued pages it ranks (half a token's KV bytes each)."""
+    context = args.input + args.output // 2  # tokens cached per request at the median decode step
+    if engine == "dense":
+        return weights + per_token * args.requests * context
+    kept = min(args.budget, context)
+    rescued = 0 if engine == "specontext-p0" else min(args.page_rescue, context - kept)
+    return weights + args.requests * (per_token * kept + per_token // 2 * rescued)
+
+
 def run(args) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
@@ -136,8 +160,8 @@ def run(args) -> dict:
             compile_config = CompileConfig(backend=timer.wrap(compiler), mode="default", fullgraph=False, dynamic=False)
             cb = ContinuousBatchingConfig(varlen_compile_config=compile_config, **settings)
         else:
-            options = {"budget": args.budget, "page_rescue": 0, "candidates": args.candidates,
-                       "inner": "eager" if args.inner == "eager" else "auto"}
+            options = {"budget": args.budget, "page_rescue": 0 if name == "specontext-p0" else args.page_rescue,
+                       "candidates": args.candidates, "inner": "eager" if args.inner == "eager" else "auto"}
             cb = sc.continuous_batching_config(model, options, **settings)
             cb.varlen_compile_config.backend = timer.wrap(cb.varlen_compile_config.backend)
         start = time.perf_counter()
@@ -151,20 +175,23 @@ def run(args) -> dict:
         results[name] = {**timer.summary(args.requests), "generate_batch_s": wall}
         if name != "dense":
             results[name]["path_counts"] = serving.path_counts(cb)
+            results[name]["state_bytes"] = serving.state_bytes(cb)
         print(name, json.dumps(results[name]), file=sys.stderr)
     bandwidth = measure_copy_bandwidth()
     weights = param_bytes(model)
     per_token = kv_bytes_per_token(model.config)
-    context = args.requests * (args.input + args.output // 2)  # tokens cached at the median decode step
-    floors = {"dense": weights + per_token * context,
-              "specontext": weights + per_token * args.requests * min(args.budget, args.input)}
     for name in results:
-        results[name]["floor_ms"] = 1e3 * floors.get(name, floors["specontext"]) / bandwidth
-    if "dense" in results and "specontext" in results and results["dense"].get("median_ms"):
-        results["speedup_decode_step"] = results["dense"]["median_ms"] / results["specontext"]["median_ms"]
-        same = [a == b for a, b in zip(tokens["dense"], tokens["specontext"])]
-        results["requests_with_dense_tokens"] = sum(same)
-        results["first_divergence"] = [first_divergence(a, b) for a, b in zip(tokens["dense"], tokens["specontext"])]
+        results[name]["floor_ms"] = 1e3 * floor_bytes(args, name, weights, per_token) / bandwidth
+        results[name]["memory"] = memory(args, settings, per_token, results[name].get("state_bytes", 0))
+    for name in list(results) if "dense" in results and results["dense"].get("median_ms") else ():
+        if name == "dense":
+            continue
+        results[name]["speedup_decode_step"] = results["dense"]["median_ms"] / results[name]["median_ms"]
+        results[name]["requests_with_dense_tokens"] = sum(a == b for a, b in zip(tokens["dense"], tokens[name]))
+        results[name]["first_divergence"] = [first_divergence(a, b) for a, b in zip(tokens["dense"], tokens[name])]
+        if name == "specontext":  # where the runs before 2026-12-03 wrote them
+            for key in ("speedup_decode_step", "requests_with_dense_tokens", "first_divergence"):
+                results[key] = results[name][key]
     return {"command": " ".join(["python -m benchmarks.serving", *sys.argv[1:]]), "args": vars(args),
             "machine": machine_info(), "copy_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights,
             "engine": settings, "results": results, "tokens": tokens}
@@ -179,13 +206,21 @@ def main(argv=None) -> None:
     parser.add_argument("--budget", type=int, default=512)
     parser.add_argument("--candidates", type=float, default=1.0,
                         help="option candidates: > 1 refines the selection per layer (docs/serving.md)")
+    parser.add_argument("--page-rescue", type=int, default=None,
+                        help="option page_rescue of the specontext engine (default: the option's default); "
+                             "engine specontext-p0 runs without it")
     parser.add_argument("--page", type=int, default=64, help="the engine's page (block) size in tokens")
     parser.add_argument("--max-batch-tokens", type=int, default=1024)
     parser.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
-    parser.add_argument("--engines", nargs="+", default=["dense", "specontext"], choices=("dense", "specontext"))
+    parser.add_argument("--engines", nargs="+", default=["dense", "specontext"],
+                        choices=("dense", "specontext", "specontext-p0"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
+    if args.page_rescue is None:  # the option's default at this budget
+        from specontext_compile.config import SpeContextConfig
+
+        args.page_rescue = SpeContextConfig.from_options({"budget": args.budget}).selection.page_rescue
     report = run(args)
     text = json.dumps(report, indent=1)
     if args.json:

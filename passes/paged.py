@@ -31,7 +31,9 @@ import torch
 from torch import fx
 
 from ..config import SpeContextConfig, default_retrieval_layers
-from ..runtime import paged
+from ..runtime import paged, paged_bounds
+from ..runtime.page_bounds import PAGE_TOKENS
+from ..runtime.paged_bounds import PagedLayout
 from ..runtime.spec import StepSpec
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["PagedLayout", "PagedRewrite", "PagedSite", "rewrite_paged"]
 
 _SDPA = torch.nn.functional.scaled_dot_product_attention
-_STATE = ("specontext_paged_queries", "specontext_paged_stamps", "specontext_paged_stats", "specontext_paged_chunk_rows")
+_STATE = ("specontext_paged_queries", "specontext_paged_stamps", "specontext_paged_stats", "specontext_paged_page_min",
+          "specontext_paged_page_max", "specontext_paged_chunk_rows")
 
 
 @dataclasses.dataclass
@@ -57,20 +60,6 @@ class PagedSite:
     scale: float
 
 
-@dataclasses.dataclass(frozen=True)
-class PagedLayout:
-    """The paged cache as the views' shapes show it: ``page_size`` tokens per page, ``layers``
-    per block, ``stride = 2 * page_size * layers`` rows per block, ``blocks`` blocks."""
-
-    page_size: int
-    layers: int
-    blocks: int
-
-    @property
-    def stride(self) -> int:
-        return 2 * self.page_size * self.layers
-
-
 @dataclasses.dataclass
 class PagedRewrite:
     """What :func:`rewrite_paged` did: the sites, the layout, the retrieval layers and the
@@ -86,6 +75,7 @@ class PagedRewrite:
     read_input: int = -1  # ... of read_index
     write_input: int = -1  # ... of write_index
     keep_input: int = -1  # ... of logits_to_keep (-1: the graph has none)
+    spec: StepSpec | None = None  # the sites' step spec (:func:`step_spec`)
     reason: str | None = None
 
     @property
@@ -228,9 +218,11 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
     (:data:`~..runtime.paged.SPARSE`: selection, sparse attention at every site;
     :data:`~..runtime.paged.MIXED`: both attentions, the sparse one on decode rows;
     :data:`~..runtime.paged.DENSE`: Hugging Face's attention, unchanged); every variant
-    records the retrieval layers' queries and counts the step. The mixed variant selects and
+    records the retrieval layers' queries, counts the step and, with the page rescue
+    (:func:`step_spec`), recomputes after each KV write the bounds of the pages written
+    (:func:`~..runtime.paged_bounds.update_bounds`). The mixed variant selects and
     attends sparsely for at most ``decode_rows`` rows (:func:`~..runtime.paged.decode_subset`;
-    None: every query row). Four graph inputs are appended (the
+    None: every query row). Six graph inputs are appended (the
     :class:`~..runtime.paged.PagedState` tensors, then the step's one-token prefill chunks,
     bool ``[Q]``: :func:`~..runtime.paged.decoding_rows`) when the graph is rewritten; else
     ``reason`` says why it was left as it is."""
@@ -250,12 +242,14 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
     result = PagedRewrite(sites, layout, retrieval, q.shape[1], q.shape[-1], position[sites[0].key_view],
                           position[sites[0].mask], position.get(sites[0].read_index, -1),
                           position.get(sites[0].write_index, -1), keep[0] if len(keep) == 1 else -1)
-    queries, stamps, stats, chunk = _placeholders(graph)
-    spec = StepSpec.from_config(config)
-    refine = spec.candidate_slots > spec.budget  # option candidates > 1: each layer keeps its own budget
+    queries, stamps, stats, page_min, page_max, chunk = _placeholders(graph)
+    spec = result.spec = step_spec(config, layout)
     first_write = min((s.write for s in sites), key=list(graph.nodes).index)
     subset = None
     with graph.inserting_before(first_write):
+        if spec.rescue_pages:  # the pages this step writes: their bounds are recomputed at every layer
+            plan = graph.call_function(paged_bounds.write_plan, (
+                sites[0].write_index, sites[0].mask, layout, layout.pages(spec.page_tokens), spec.page_tokens))
         if kind != paged.DENSE:
             mask = sites[0].mask
             if kind == paged.MIXED:  # decode rows only: (index, mask, slot, decode)
@@ -267,9 +261,12 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
                 queries, stamps, [sites[i].key_view for i in retrieval], sites[0].read_index, mask,
                 spec, sites[0].scale, layout.stride))
             columns, recency, last, decode = (graph.call_function(operator.getitem, (selected, i)) for i in range(4))
+            if spec.rescue_pages:  # what every layer's rescue reads from the step
+                rescue = graph.call_function(paged_bounds.rescue_plan, (
+                    columns, sites[0].read_index, mask, spec.page_tokens, layout))
             if subset is not None:  # the recording reads every row's last flag
                 last = graph.call_function(paged.last_rows, (sites[0].mask,))
-            graph.call_function(paged.count_paged_step, (stats, kind, n, recency, refine))
+            graph.call_function(paged.count_paged_step, (stats, kind, n, recency, spec))
         else:
             last = graph.call_function(paged.last_rows, (sites[0].mask,))
             graph.call_function(paged.count_paged_step, (stats, kind, n))
@@ -278,28 +275,47 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
         with graph.inserting_before(site.attention):
             graph.call_function(paged.record_packed_query, (
                 queries, stamps, slot, site.query, site.write_index, last, layout.stride))
-    for site in sites if kind != paged.DENSE else ():
-        _attend_selected(graph, site, columns, subset, spec if refine else None)
+    bounds = []
+    for i, site in enumerate(sites if spec.rescue_pages else ()):
+        with graph.inserting_before(site.write.next):
+            layer = tuple(graph.call_function(operator.getitem, (state, i)) for state in (page_min, page_max))
+            graph.call_function(paged_bounds.update_bounds, (layer, site.key_view, plan))
+        bounds.append(layer)
+    for i, site in enumerate(sites if kind != paged.DENSE else ()):
+        _attend_selected(graph, site, columns, subset, spec, (rescue, bounds[i]) if bounds else None)
     graph.lint()
     return result
 
 
+def step_spec(config: SpeContextConfig, layout: PagedLayout) -> StepSpec:
+    """The step's :class:`StepSpec`: the config's, with the page rescue's pages of
+    :data:`~..runtime.page_bounds.PAGE_TOKENS` tokens (as one request's store) when they
+    divide the engine's ``page_size``; else without the rescue (a page would straddle two
+    blocks; the backend logs it)."""
+    spec = StepSpec.from_config(config)
+    return spec.for_store(0 if layout.page_size % PAGE_TOKENS else PAGE_TOKENS)
+
+
 def _attend_selected(graph: fx.Graph, site: PagedSite, columns: fx.Node, subset: list[fx.Node] | None,
-                     refine: StepSpec | None) -> None:
+                     spec: StepSpec, rescue: tuple | None) -> None:
     """Replace the site's dense attention by :func:`~..runtime.paged.packed_sparse_attention`
-    over ``columns`` (with ``refine``, the step's spec when there are more candidates than
-    the budget: :func:`~..runtime.paged.packed_refine_attention`, each layer keeping its own
-    budget of them) and erase the dense attention's gathers; with ``subset`` (a mixed
-    step's decode rows, :func:`~..runtime.paged.decode_subset`) attend sparsely for those
-    rows only and keep the dense attention for the others
-    (:func:`~..runtime.paged.mixed_attention`)."""
+    over ``columns`` (when ``spec.refines``, more candidates than the budget or the page
+    rescue: :func:`~..runtime.paged.packed_refine_attention`, each layer keeping its own
+    budget of them, after :func:`~..runtime.paged_bounds.packed_rescue` when ``rescue`` =
+    ``(plan, (page_min, page_max))`` is given) and erase the dense attention's
+    gathers; with ``subset`` (a mixed step's decode rows,
+    :func:`~..runtime.paged.decode_subset`) attend sparsely for those rows only and keep the
+    dense attention for the others (:func:`~..runtime.paged.mixed_attention`)."""
     query = site.query
     with graph.inserting_before(site.attention):
         if subset is not None:
             query = graph.call_function(torch.index_select, (site.query, 2, subset[0]))
+        if rescue is not None:
+            plan, bounds = rescue
+            columns = graph.call_function(paged_bounds.packed_rescue, (query, columns, plan, bounds, spec, site.scale))
         args = (query, site.key_view, site.value_view, site.read_index, columns, site.scale)
-        if refine is not None:
-            out = graph.call_function(paged.packed_refine_attention, (*args, refine))
+        if spec.refines:
+            out = graph.call_function(paged.packed_refine_attention, (*args, spec))
         else:
             out = graph.call_function(paged.packed_sparse_attention, args)
         if subset is not None:

@@ -52,7 +52,7 @@ from .spec import StepSpec
 __all__ = ["DENSE", "MIXED", "PAGED_STATS", "SPARSE", "PagedState", "count_paged_step", "decode_rows",
            "classify_step", "decode_subset", "decoding_rows", "expand_decode_rows", "record_generated",
            "sampled_rows",
-           "is_decode_step", "last_rows", "mixed_attention", "packed_rows", "packed_select",
+           "is_decode_step", "last_rows", "mask_rows", "mixed_attention", "packed_rows", "packed_select",
            "packed_refine_attention", "packed_sparse_attention", "packed_visible", "record_packed_query", "step_kind"]
 
 _NEG = float("-inf")
@@ -67,6 +67,7 @@ PAGED_STATS = (
     "recency_rows",      # decode rows whose selection ranked by recency (no lagged query recorded)
     "refined_sites",     # ... of the sparse_sites, those that kept their own budget of the candidates
     "one_token_chunks",  # one-row requests still prefilling: attended densely, as prefill (decoding_rows)
+    "rescued_sites",     # ... of the refined_sites, those whose candidates took in rescued pages (paged_bounds)
 )
 DENSE, SPARSE, MIXED = 0, 1, 2  # kinds of step (:func:`step_kind`)
 
@@ -85,12 +86,18 @@ class PagedState:
             row recorded there whose next token the engine sampled (-1: the row ended a
             prefill chunk with more to come), kept by the step function on the host side
             (:func:`record_generated`, :func:`decoding_rows`); not a graph input.
+        page_min, page_max: the page rescue's per-page key bounds ``[layers, pages + 1,
+            num_kv_heads, head_dim]`` in the keys' dtype (entry ``pages`` is scratch;
+            :mod:`.paged_bounds`), or empty when the step keeps none
+            (:meth:`allocate_bounds`).
     """
 
     queries: torch.Tensor
     stamps: torch.Tensor
     stats: torch.Tensor
     generated: torch.Tensor
+    page_min: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
+    page_max: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
 
     @classmethod
     def allocate(cls, layers: int, blocks: int, num_heads: int, head_dim: int, device) -> PagedState:
@@ -100,9 +107,21 @@ class PagedState:
                    torch.zeros(len(PAGED_STATS), dtype=torch.long, device=device),
                    torch.full((blocks + 1,), -1, dtype=torch.long, device=device))
 
-    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The graph inputs the pass appends (queries, stamps, counters)."""
-        return self.queries, self.stamps, self.stats
+    def allocate_bounds(self, layers: int, pages: int, key_view: torch.Tensor) -> None:
+        """Zero bounds for ``pages`` pages of every one of ``layers`` layers, shaped and typed as
+        the keys of ``key_view`` ``[rows, num_kv_heads, head_dim]``."""
+        shape = (layers, pages + 1, *key_view.shape[1:])
+        self.page_min = key_view.new_zeros(shape)
+        self.page_max = key_view.new_zeros(shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the state's tensors (what the step keeps beside the engine's KV cache)."""
+        return sum(t.numel() * t.element_size() for t in (*self.tensors(), self.generated))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The graph inputs the pass appends (queries, stamps, counters, page_min, page_max)."""
+        return self.queries, self.stamps, self.stats, self.page_min, self.page_max
 
     def counts(self) -> dict[str, int]:
         """The counters by name (one host read)."""
@@ -219,15 +238,19 @@ def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[t
 
 
 def count_paged_step(stats: torch.Tensor, kind: int, sites: int, recency_rows: torch.Tensor | None = None,
-                     refined: bool = False) -> None:
+                     spec: StepSpec | None = None) -> None:
     """Advance :data:`PAGED_STATS` for one step of ``kind`` (:data:`DENSE`, :data:`SPARSE`,
     :data:`MIXED`) with ``sites`` attention sites (``recency_rows`` from
-    :func:`packed_select`; None for a dense step; ``refined``: each site refines the
-    candidates, :func:`packed_refine_attention`), on the device."""
+    :func:`packed_select`; None for a dense step; ``spec``: the sites' step spec, whose
+    ``refines`` says each site refines the candidates, :func:`packed_refine_attention`,
+    and ``rescue_pages`` that they take in rescued pages first,
+    :func:`~.paged_bounds.packed_rescue`), on the device."""
     recency = stats.new_zeros(()) if recency_rows is None else recency_rows.to(stats.dtype)
     sparse = sites * (kind != DENSE)
+    refined = sparse * bool(spec is not None and spec.refines)
+    rescued = sparse * bool(spec is not None and spec.rescue_pages > 0)
     counts = stats.new_tensor([1, kind == SPARSE, kind == DENSE, kind == MIXED, sparse])
-    stats.add_(torch.cat([counts, recency.view(1), stats.new_tensor([sparse * refined, 0])]))
+    stats.add_(torch.cat([counts, recency.view(1), stats.new_tensor([refined, 0, rescued])]))
 
 
 def last_rows(attn_mask: torch.Tensor) -> torch.Tensor:
@@ -260,28 +283,37 @@ def sampled_rows(logits_to_keep: torch.Tensor, q_rows: int) -> torch.Tensor:
     return hits.index_add_(0, keep.clamp(0, q_rows - 1), genuine.long()) > 0
 
 
+def mask_rows(attn_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`packed_rows` of Hugging Face's mask ``[1, 1, Q, KV]``: ``(real, last, first, own)``.
+    The host step computes it once and hands it to :func:`decoding_rows`,
+    :func:`classify_step` and :func:`record_generated` (their ``rows``)."""
+    return packed_rows(packed_visible(attn_mask))
+
+
 def record_generated(generated: torch.Tensor, attn_mask: torch.Tensor, write_index: torch.Tensor,
-                     logits_to_keep: torch.Tensor, stride: int) -> None:
+                     logits_to_keep: torch.Tensor, stride: int, rows: tuple | None = None) -> None:
     """After a step: for each request's last row, in the block of its token, its physical
     row when the engine samples its next token (it decodes next), else -1 (its prefill
     continues), so :func:`decoding_rows` can tell the next step's one-row requests apart.
-    ``generated``: :attr:`PagedState.generated`; ``write_index`` int64 ``[Q]``."""
-    last = last_rows(attn_mask)
-    rows = write_index.long()
-    block = torch.where(last, rows // stride, generated.shape[0] - 1)  # other rows: the scratch entry
-    value = torch.where(last & sampled_rows(logits_to_keep, last.shape[0]), rows, -1)
+    ``generated``: :attr:`PagedState.generated`; ``write_index`` int64 ``[Q]``; ``rows``:
+    :func:`mask_rows` of ``attn_mask`` when already computed."""
+    last = (rows or mask_rows(attn_mask))[1]
+    written = write_index.long()
+    block = torch.where(last, written // stride, generated.shape[0] - 1)  # other rows: the scratch entry
+    value = torch.where(last & sampled_rows(logits_to_keep, last.shape[0]), written, -1)
     generated.index_copy_(0, block, value)
     generated[-1] = -1
 
 
 def decoding_rows(attn_mask: torch.Tensor, read_index: torch.Tensor, generated: torch.Tensor | None,
-                  stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  stride: int, rows: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(decode, chunk)`` bool ``[Q]``: the one-row requests (:func:`decode_rows`) split into
     those that decode (their previous token's row sampled this token:
     :func:`record_generated`) and one-token prefill chunks (their prompt continues or just
     ended here), which attend densely as prefill does. ``generated`` None (the engine gave no
-    ``logits_to_keep``): every one-row request counts as decoding."""
-    real, last, first, own = packed_rows(packed_visible(attn_mask))
+    ``logits_to_keep``): every one-row request counts as decoding. ``rows``: :func:`mask_rows`
+    of ``attn_mask`` when already computed."""
+    real, last, first, own = rows or mask_rows(attn_mask)
     single = decode_rows(real, last, first)
     if generated is None:
         return single, torch.zeros_like(single)
@@ -292,12 +324,14 @@ def decoding_rows(attn_mask: torch.Tensor, read_index: torch.Tensor, generated: 
     return decode, single & ~decode
 
 
-def classify_step(attn_mask: torch.Tensor, decode: torch.Tensor | None = None) -> tuple[int, int]:
+def classify_step(attn_mask: torch.Tensor, decode: torch.Tensor | None = None,
+                  rows: tuple | None = None) -> tuple[int, int]:
     """``(kind, decode rows)``: :data:`SPARSE` when every request of the step decodes,
     :data:`MIXED` when some do, else :data:`DENSE`, and how many rows decode (read on the
     host, once per step, by the backend's step function: it picks the graph variant).
-    ``decode``: bool ``[Q]`` from :func:`decoding_rows`; None = every one-row request."""
-    real, last, first, _ = packed_rows(packed_visible(attn_mask))
+    ``decode``: bool ``[Q]`` from :func:`decoding_rows`; None = every one-row request.
+    ``rows``: :func:`mask_rows` of ``attn_mask`` when already computed."""
+    real, last, first, _ = rows or mask_rows(attn_mask)
     if decode is None:
         decode = decode_rows(real, last, first)
     count = int(decode.sum())
@@ -378,7 +412,7 @@ def packed_sparse_attention(query: torch.Tensor, key_view: torch.Tensor, value_v
         ``[1, num_heads, Q, head_dim_v]`` in ``query.dtype`` (a row that selected nothing: 0).
     """
     logits, rows, heads = _column_logits(query, key_view, read_index, columns, scale)
-    return _attend_rows(query, logits, value_view[rows, heads])
+    return _attend_rows(query, logits, _gather_rows(value_view, rows, heads))
 
 
 def packed_refine_attention(query: torch.Tensor, key_view: torch.Tensor, value_view: torch.Tensor,
@@ -391,7 +425,10 @@ def packed_refine_attention(query: torch.Tensor, key_view: torch.Tensor, value_v
     :func:`~.aten_step.ranked`'s for a one-token step: softmax of the layer's logits over the
     candidates, max over the query heads of each KV group; the row's first
     ``min(sink_tokens, budget - recent)`` candidates (attention sinks) and its last
-    ``recent = min(max(recent_window, 1), budget)`` (its own token included) always kept.
+    ``recent = min(max(recent_window, 1), budget)`` columns (its own token included) always
+    kept. The candidates need not be sorted as a whole: their first valid entries must be the
+    row's sinks (the selection's ascending output, or that output followed by the rescued
+    pages' columns: :func:`~.paged_bounds.packed_rescue`).
 
     Args: as :func:`packed_sparse_attention`, ``columns`` holding ``spec.candidate_slots``
     candidates per row (:func:`packed_select`); ``spec``: ``budget``, ``sink_tokens``,
@@ -406,14 +443,14 @@ def packed_refine_attention(query: torch.Tensor, key_view: torch.Tensor, value_v
     budget = torch.sym_min(spec.budget, slots)
     recent = torch.sym_min(max(spec.recent_window, 1), budget)
     sinks = torch.sym_min(spec.sink_tokens, budget - recent)
-    from_right = valid.flip(-1).cumsum(-1).flip(-1)
-    forced = valid & ((valid.cumsum(-1) <= sinks) | (from_right <= recent))
+    own = columns.amax(-1, keepdim=True)  # the row's own token: always a candidate, the last it may see
+    forced = valid & ((valid.cumsum(-1) <= sinks) | (columns > own - recent))
     score = torch.softmax(logits, dim=-1).nan_to_num(0.0).amax(2)  # [Q, Hkv, S]
     rank = torch.where(forced, float("inf"), torch.where(valid, score, _NEG))
     values, top = rank.topk(budget, dim=-1, sorted=False)  # [Q, Hkv, budget]
     kept = logits.gather(-1, top.unsqueeze(2).expand(q_rows, num_kv, groups, budget))
     kept = kept.masked_fill((values == _NEG).unsqueeze(2), _NEG)
-    return _attend_rows(query, kept, value_view[rows.gather(-1, top), heads])
+    return _attend_rows(query, kept, _gather_rows(value_view, rows.gather(-1, top), heads))
 
 
 def _column_logits(query: torch.Tensor, key_view: torch.Tensor, read_index: torch.Tensor, columns: torch.Tensor,
@@ -425,8 +462,17 @@ def _column_logits(query: torch.Tensor, key_view: torch.Tensor, read_index: torc
     rows = read_index[columns.clamp(min=0)]  # [Q, Hkv, S] physical rows
     heads = torch.arange(num_kv, device=rows.device).view(1, num_kv, 1)
     q = query[0].transpose(0, 1).reshape(q_rows, num_kv, -1, d)  # [Q, Hkv, g, D]
-    logits = query_key_logits(q, key_view[rows, heads], scale)
+    logits = query_key_logits(q, _gather_rows(key_view, rows, heads), scale)
     return logits.masked_fill(~(columns >= 0).unsqueeze(2), _NEG), rows, heads
+
+
+def _gather_rows(view: torch.Tensor, rows: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """``view[rows, heads]`` (``view`` ``[rows, num_kv_heads, dim]``; ``rows`` ``[Q, Hkv, S]``,
+    ``heads`` ``[1, Hkv, 1]``) as one ``index_select`` over the view's ``(row, head)`` pairs,
+    which eager CPU runs faster than the two-index gather (docs/serving.md)."""
+    num_kv, dim = view.shape[1], view.shape[2]
+    flat = (rows * num_kv + heads).reshape(-1)
+    return view.reshape(-1, dim).index_select(0, flat).view(*rows.shape, dim)
 
 
 def _attend_rows(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor) -> torch.Tensor:

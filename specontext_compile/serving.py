@@ -12,10 +12,13 @@ Every step of the engine then runs as one compiled graph (``passes/paged.py`` re
 each request to its own selection (sinks, recent window, lagged-query top-k: the one-request
 step's selection) over the paged cache; prefill and chunked prefill attend densely and
 exactly, as Hugging Face does, and in a step that mixes them, decoding requests still
-attend sparsely. With option ``candidates`` > 1 (the two-stage selection) each layer keeps
-its own ``budget`` of the step's candidates by its own scores, as the one-request step with
-``page_rescue=0`` does. The lagged queries live in the cache's blocks,
-so requests joining, finishing and reusing blocks need nothing from us.
+attend sparsely. With option ``candidates`` > 1 (the two-stage selection) or the page rescue
+(option ``page_rescue``, on by default) each layer keeps its own ``budget`` of the step's
+candidates by its own scores, as the one-request step does; the rescue first adds the tokens
+of the request's pages with the highest Quest bound under the layer's query
+(``runtime/paged_bounds.py``: per-page key bounds kept per physical page of the cache).
+The lagged queries live in the cache's blocks and the bounds in its pages, so requests
+joining, finishing and reusing blocks need nothing from us.
 
 What it changes outside the package, and why: Hugging Face excludes the paged cache's update
 from compilation (``@torch.compiler.disable`` on ``PagedAttentionCache.update``), so a
@@ -23,9 +26,9 @@ compiled step would never see the KV write and the gather it must rewrite.
 :func:`continuous_batching_config` makes that method traceable (its undecorated function:
 the same code) for the process, logged once.
 
-Not built yet (issue 28): page rescue in this step (each request selects as the one-request
-step with ``page_rescue=0``), draft heads, sliding-window layers (refused),
-KV offload, CUDA graphs. A one-token chunk of a chunked prefill looks like a decode row in
+Not built yet (issue 28): draft heads, sliding-window layers (refused), per-layer rescue
+sets (``rescue_layers``), the fidelity guard, KV offload, CUDA graphs; the page rescue needs
+the engine's ``page_size`` to be a multiple of 16 (else the step selects without it, logged). A one-token chunk of a chunked prefill looks like a decode row in
 the mask; the step function tells them apart from the engine's ``logits_to_keep``
 (:func:`~.runtime.paged.decoding_rows`) and runs it as prefill.
 """
@@ -41,12 +44,13 @@ import torch
 from .backend import _copy
 from .config import SpeContextConfig
 from .passes.paged import PagedRewrite, rewrite_paged
+from .runtime.page_bounds import PAGE_TOKENS
 from .runtime.paged import (DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, classify_step, decoding_rows,
-                            record_generated)
+                            mask_rows, record_generated)
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PagedBackend", "continuous_batching_config", "path_counts"]
+__all__ = ["PagedBackend", "continuous_batching_config", "path_counts", "state_bytes"]
 
 
 class PagedBackend:
@@ -65,6 +69,7 @@ class PagedBackend:
         _check_built(self.config, options or {})
         self.states: dict[int, PagedState] = {}
         self.retired = dict.fromkeys(PAGED_STATS, 0)  # counters of caches already freed
+        self.peak_state_bytes = 0  # the most bytes of state (PagedState) live at once
         self.rewrites: list[PagedRewrite] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
@@ -80,6 +85,10 @@ class PagedBackend:
         logger.info("specontext: continuous-batching step rewritten: %d sites over a paged cache (page size %d, "
                     "%d blocks), retrieval layers %s", len(result.sites), result.layout.page_size,
                     result.layout.blocks, list(result.retrieval_layers))
+        if self.config.selection.page_rescue and not result.spec.rescue_pages:
+            logger.warning("specontext: the continuous-batching step selects without the page rescue: its pages of "
+                           "%d tokens do not divide the engine's page_size %d (set page_size to a multiple of %d)",
+                           PAGE_TOKENS, result.layout.page_size, PAGE_TOKENS)
         tells = min(result.keep_input, result.read_input, result.write_input) >= 0
         if not tells:
             logger.warning("specontext: this continuous-batching graph has no logits_to_keep (or its read/write "
@@ -95,13 +104,15 @@ class PagedBackend:
             state = self._state(result, args[result.key_input])
             mask = args[result.mask_input]
             read = args[result.read_input] if tells else None
-            decode, chunk = decoding_rows(mask, read, state.generated if tells else None, stride)
-            kind, decoding = classify_step(mask, decode)  # one host read per step
+            rows = mask_rows(mask)  # what each query row is, read from the mask once per step
+            decode, chunk = decoding_rows(mask, read, state.generated if tells else None, stride, rows)
+            kind, decoding = classify_step(mask, decode, rows)  # one host read per step
             if kind == MIXED and self.decode_rows is not None and decoding > self.decode_rows:
                 raise RuntimeError(f"a continuous-batching step has {decoding} decoding requests, more than the "
                                    f"engine's max_requests_per_batch={self.decode_rows} the step was built for")
             if tells:  # after reading it: this step's rows are the next step's previous tokens
-                record_generated(state.generated, mask, args[result.write_input], args[result.keep_input], stride)
+                record_generated(state.generated, mask, args[result.write_input], args[result.keep_input], stride,
+                                 rows)
                 state.stats[PAGED_STATS.index("one_token_chunks")] += chunk.sum()
             return steps[kind](*args, *state.tensors(), chunk)
 
@@ -116,7 +127,11 @@ class PagedBackend:
         if state is None:
             state = PagedState.allocate(len(result.retrieval_layers), result.layout.blocks, result.num_heads,
                                         result.head_dim, key_view.device)
+            if result.spec.rescue_pages:
+                state.allocate_bounds(len(result.sites), result.layout.pages(result.spec.page_tokens), key_view)
             self.states[key] = state
+            live = sum(s.nbytes for s in self.states.values())
+            self.peak_state_bytes = max(self.peak_state_bytes, live)
             weakref.finalize(key_view, self._retire, key)
         return state
 
@@ -160,16 +175,12 @@ _NOT_BUILT = {
 
 def _check_built(config: SpeContextConfig, options: dict[str, Any]) -> None:
     """Refuse options the continuous-batching step does not build (a clear error instead of
-    an option silently ignored); the page rescue, on by default, is announced once."""
+    an option silently ignored)."""
     defaults = SpeContextConfig()
     given = sorted(name for name in _NOT_BUILT if name in options and options[name] != getattr(defaults, name))
     if given:
         raise ValueError(f"continuous batching does not build {', '.join(_NOT_BUILT[n] for n in given)} yet "
                          f"(option(s) {given}); drop them (docs/serving.md, 'Not built yet')")
-    if config.selection.page_rescue:
-        logger.warning("specontext: the continuous-batching step selects without the page rescue (not built "
-                       "there yet): each request decodes as the one-request step with page_rescue=0 (option "
-                       "candidates > 1 refines the selection per layer); pass page_rescue=0 to silence this")
 
 
 def _traceable_cache_update() -> None:
@@ -242,6 +253,14 @@ def path_counts(cb_config) -> dict[str, int]:
     """The counters (:data:`~.runtime.paged.PAGED_STATS`) of every cache the configuration's
     backend has stepped, summed: ``steps``, ``sparse_steps``, ``dense_steps``,
     ``mixed_steps``, ``sparse_sites``, ``recency_rows``, ``refined_sites`` (sites that kept
-    their own budget of the candidates: option ``candidates`` > 1), ``one_token_chunks``
-    (one-row requests still prefilling, attended densely)."""
+    their own budget of the candidates: option ``candidates`` > 1 or the page rescue),
+    ``one_token_chunks`` (one-row requests still prefilling, attended densely),
+    ``rescued_sites`` (refined sites whose candidates took in the rescued pages)."""
     return cb_config.varlen_compile_config.backend.backend.counts()
+
+
+def state_bytes(cb_config) -> int:
+    """The most bytes of retrieval state the configuration's backend kept at once beside the
+    engine's KV cache (lagged queries and their stamps per block, page bounds per page,
+    counters: :class:`~.runtime.paged.PagedState`), over every cache it stepped."""
+    return cb_config.varlen_compile_config.backend.backend.peak_state_bytes

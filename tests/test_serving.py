@@ -52,40 +52,80 @@ def test_full_budget_decodes_sparse_and_equals_dense_continuous_batching(model):
     assert counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
 
 
-@pytest.mark.parametrize("candidates", [1.0, 2.5])
-def test_small_budget_each_request_decodes_as_alone_through_the_one_request_backend(model, candidates):
-    """At a budget far below the contexts, each request of the batch gets the tokens of the
-    same request run alone through ``sc.compile`` (the one-request step: same selection;
-    with ``candidates`` > 1, the same per-layer refinement of 40 candidates to 16)."""
-    inputs = prompts(40, 25, 60)
-    options = {"budget": 16, "candidates": candidates, **OPTIONS}
-    dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **ENGINE))
-    cb = sc.continuous_batching_config(model, options, **ENGINE)
-    batched = generate(model, inputs, cb)
-    counts = serving.path_counts(cb)
-    assert counts["sparse_steps"] == NEW - 1
-    assert counts["refined_sites"] == (counts["sparse_sites"] if candidates > 1 else 0), counts
+#: the selections built: the shared one; per-layer refinement of 40 candidates to 16; the page
+#: rescue (2 pages of 16 tokens per layer, refined to 16) at blocks of 16 and of 32 tokens
+SELECTIONS = {
+    "shared": ({"candidates": 1.0}, 16),
+    "refined": ({"candidates": 2.5}, 16),
+    "rescue": ({"page_rescue": 32}, 16),
+    "rescue-blocks-32": ({"page_rescue": 32}, 32),
+}
+
+
+def _selection(name: str) -> tuple[dict, dict]:
+    extra, block = SELECTIONS[name]
+    options = {**OPTIONS, "budget": 16, **extra}
+    return options, {**ENGINE, "block_size": block, "num_blocks": ENGINE["num_blocks"] * 16 // block}
+
+
+def _check_paths(counts: dict, options: dict) -> None:
+    """The sites ran the path the options name: refined (more candidates or the rescue), rescued."""
+    refines = options.get("candidates", 1.0) > 1 or options["page_rescue"] > 0
+    assert counts["refined_sites"] == (counts["sparse_sites"] if refines else 0), counts
+    assert counts["rescued_sites"] == (counts["sparse_sites"] if options["page_rescue"] else 0), counts
+
+
+def _solo(model, inputs, options) -> list[list[int]]:
+    """Each prompt alone through ``sc.compile`` (the one-request step), its gather path counted."""
     torch._dynamo.reset()
+    out = []
     try:
         sc.compile(model, **options)
-        for prompt, tokens in zip(inputs, batched):
+        for prompt in inputs:
             cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + NEW + 1)
-            alone = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
-                                   pad_token_id=0)[0, len(prompt):].tolist()
-            assert tokens == alone
+            out.append(model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
+                                      pad_token_id=0)[0, len(prompt):].tolist())
             assert cache.path_counts()["gather_sites"] == (NEW - 1) * LAYERS
     finally:
         sc.restore(model)
         torch._dynamo.reset()
+    return out
+
+
+@pytest.mark.parametrize("selection", list(SELECTIONS))
+def test_small_budget_each_request_decodes_as_alone_through_the_one_request_backend(model, selection):
+    """At a budget far below the contexts, each request of the batch gets the tokens of the
+    same request run alone through ``sc.compile`` (the one-request step: same selection,
+    same per-layer refinement, same rescued pages)."""
+    inputs = prompts(40, 25, 60)
+    options, engine = _selection(selection)
+    dense = generate(model, inputs, ContinuousBatchingConfig(auto_switch_to_flash=False, **engine))
+    cb = sc.continuous_batching_config(model, options, **engine)
+    batched = generate(model, inputs, cb)
+    counts = serving.path_counts(cb)
+    assert counts["sparse_steps"] == NEW - 1
+    _check_paths(counts, options)
+    assert batched == _solo(model, inputs, options)
     assert batched != dense  # the budget changed the text: the sparse path was exercised
 
 
-def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model):
+def test_the_page_rescue_changes_what_a_batched_request_attends_to(model):
+    """The rescue's comparison above is not vacuous: without it, the same requests decode
+    otherwise (so equal tokens mean the batched step rescued the same pages as alone)."""
+    inputs = prompts(40, 25, 60)
+    options, engine = _selection("rescue")
+    plain = generate(model, inputs, sc.continuous_batching_config(model, {**options, "page_rescue": 0}, **engine))
+    assert plain != generate(model, inputs, sc.continuous_batching_config(model, options, **engine))
+
+
+@pytest.mark.parametrize("page_rescue", [0, 32])
+def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model, page_rescue):
     """Two requests at a time: the third joins when one finishes, in blocks another request
-    used; every request's tokens equal its run alone through the same engine settings."""
+    used (their lagged queries and page bounds are the former owner's until overwritten);
+    every request's tokens equal its run alone through the same engine settings."""
     inputs = prompts(40, 25, 60)  # 3 + 3 + 5 blocks of 16 with their outputs: more than the 10 there are
     engine = {**ENGINE, "max_requests_per_batch": 2, "num_blocks": 10}
-    options = {"budget": 16, **OPTIONS}
+    options = {"budget": 16, **OPTIONS, "page_rescue": page_rescue}
     cb = sc.continuous_batching_config(model, options, **engine)
     batched = generate(model, inputs, cb)
     counts = serving.path_counts(cb)
@@ -94,8 +134,8 @@ def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model
         assert tokens == generate(model, [prompt], sc.continuous_batching_config(model, options, **engine))[0]
 
 
-@pytest.mark.parametrize("candidates", [1.0, 2.5])
-def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model, candidates):
+@pytest.mark.parametrize("selection", ["shared", "refined", "rescue"])
+def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model, selection):
     """Prompts longer than a step's 32 tokens are prefilled in chunks while earlier requests
     already decode: those mixed steps attend sparsely on decode rows and densely on prefill
     rows, so every request still equals its run alone through ``sc.compile``. Here the
@@ -103,23 +143,14 @@ def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model, can
     from a decode token; it is attended densely, as prefill (``one_token_chunks``). Before
     that, at ``candidates=2.5`` its first token was 48, not 10."""
     inputs = prompts(40, 25, 60)
-    options = {"budget": 16, "candidates": candidates, **OPTIONS}
-    cb = sc.continuous_batching_config(model, options, **{**ENGINE, "max_batch_tokens": 32})
+    options, engine = _selection(selection)
+    cb = sc.continuous_batching_config(model, options, **{**engine, "max_batch_tokens": 32})
     batched = generate(model, inputs, cb)
     counts = serving.path_counts(cb)
     assert counts["mixed_steps"] >= 1 and counts["dense_steps"] >= 1 and counts["recency_rows"] == 0, counts
-    assert counts["refined_sites"] == (counts["sparse_sites"] if candidates > 1 else 0), counts
+    _check_paths(counts, options)
     assert counts["one_token_chunks"] == 1, counts
-    torch._dynamo.reset()
-    try:
-        sc.compile(model, **options)
-        for prompt, tokens in zip(inputs, batched):
-            cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + NEW + 1)
-            assert tokens == model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, cache=cache,
-                                            pad_token_id=0)[0, len(prompt):].tolist()
-    finally:
-        sc.restore(model)
-        torch._dynamo.reset()
+    assert batched == _solo(model, inputs, options)
 
 
 def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplog):
@@ -129,9 +160,20 @@ def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplo
         sc.continuous_batching_config(model, {"budget": 16, "candidates": 2.0, "min_coverage": 0.9})
     with pytest.raises(ValueError, match="varlen_compile_config"):
         sc.continuous_batching_config(model, {"budget": 16}, varlen_compile_config=None)
+
+
+
+def test_blocks_a_page_does_not_divide_select_without_the_rescue_and_say_so(model, caplog):
+    """Blocks of 8 tokens: a 16-token page would straddle two blocks, so the step selects
+    without the rescue (never a page mixing two blocks), logs why and how to fix it, and
+    counts no rescued site."""
+    engine = {**ENGINE, "block_size": 8, "num_blocks": 64}
+    cb = sc.continuous_batching_config(model, {**OPTIONS, "budget": 16, "page_rescue": 32}, **engine)
     with caplog.at_level("WARNING", logger="specontext_compile.serving"):
-        sc.continuous_batching_config(model, {"budget": 16})  # the page rescue is on by default: announced
-    assert "without the page rescue" in caplog.text
+        generate(model, prompts(40, 25), cb)
+    assert "without the page rescue" in caplog.text and "page_size to a multiple of 16" in caplog.text
+    counts = serving.path_counts(cb)
+    assert counts["sparse_sites"] > 0 and counts["rescued_sites"] == 0 and counts["refined_sites"] == 0, counts
 
 
 def test_a_graph_without_paged_attention_is_left_as_is_with_its_reason():
@@ -291,14 +333,17 @@ def test_refined_attention_keeps_each_layers_own_budget_as_float64_ranking_does(
 
 
 @pytest.mark.slow
-def test_the_compiled_step_gives_the_eager_steps_tokens(model):
+@pytest.mark.parametrize("page_rescue", [0, 32])
+def test_the_compiled_step_gives_the_eager_steps_tokens(model, page_rescue):
     """Inductor compiles both variants (``inner="inductor"``): the same tokens as the eager
-    step (``"auto"``), the same counters."""
+    step (``"auto"``), the same counters (with the page rescue: its bounds, a view of a graph
+    input per layer, updated in place inside the compiled step)."""
     inputs = prompts(40, 25, 60)
     runs = {}
     for inner in ("auto", "inductor"):
         torch._dynamo.reset()
-        cb = sc.continuous_batching_config(model, {"budget": 16, **OPTIONS, "inner": inner}, **ENGINE)
+        options = {"budget": 16, **OPTIONS, "inner": inner, "page_rescue": page_rescue}
+        cb = sc.continuous_batching_config(model, options, **ENGINE)
         runs[inner] = generate(model, inputs, cb), serving.path_counts(cb)
     assert runs["inductor"] == runs["auto"]
     assert runs["inductor"][1]["sparse_steps"] == NEW - 1
