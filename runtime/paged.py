@@ -98,6 +98,36 @@ class PagedState:
     generated: torch.Tensor
     page_min: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
     page_max: torch.Tensor = dataclasses.field(default_factory=lambda: torch.zeros(0))
+    stride: int = 0  # rows per block of a layer's view (:class:`~.paged_bounds.PagedLayout`)
+    pages_per_block: int = 0  # bounds pages per block (0: no bounds kept)
+
+    def copy_blocks(self, source: list[int], dest: list[int]) -> None:
+        """What Hugging Face's engine does to the cache when it forks a request (parallel
+        sampling: ``num_return_sequences`` > 1), done to the state: block ``dest[i]`` gets the
+        lagged queries, page bounds and sampled-row records of block ``source[i]``, their
+        rows moved to the new block, so that the copy selects as the original. The engine
+        copies whole blocks outside the step (``PagedAttentionCache.perform_cache_copy``),
+        which the compiled step never sees: without this, a forked request's copied pages kept
+        the bounds of the block's former contents and it decoded otherwise than its parent
+        (tested)."""
+        src = torch.tensor(source, dtype=torch.long, device=self.stamps.device)
+        dst = torch.tensor(dest, dtype=torch.long, device=self.stamps.device)
+
+        def moved(rows: torch.Tensor) -> torch.Tensor:  # rows [n, ...] of block src[i], now in dst[i] (else -1)
+            shape = (-1,) + (1,) * (rows.dim() - 1)
+            start, into = src.view(shape) * self.stride, dst.view(shape) * self.stride
+            inside = (rows >= start) & (rows < start + self.stride)
+            return torch.where(inside, rows - start + into, -1)
+
+        self.queries[:, dst] = self.queries[:, src]
+        self.stamps[:, dst] = moved(self.stamps[:, src].transpose(0, 1)).transpose(0, 1)
+        self.generated[dst] = moved(self.generated[src])
+        if self.pages_per_block:
+            unit = self.pages_per_block
+            pages = (src.view(-1, 1) * unit + torch.arange(unit, device=src.device)).view(-1)
+            into = (dst.view(-1, 1) * unit + torch.arange(unit, device=src.device)).view(-1)
+            self.page_min[:, into] = self.page_min[:, pages]
+            self.page_max[:, into] = self.page_max[:, pages]
 
     @classmethod
     def allocate(cls, layers: int, blocks: int, num_heads: int, head_dim: int, device) -> PagedState:

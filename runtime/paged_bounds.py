@@ -25,10 +25,10 @@ their blocks.
   :func:`~.page_bounds.rescued_candidates` does; the layer then keeps its ``budget`` of them
   (:func:`~.paged.packed_refine_attention`).
 
-Not covered: blocks the engine copies outside the step (a request forked for parallel
-sampling copies its parent's blocks): the copied pages keep the bounds of the blocks' former
-contents until a row of theirs is written again (the selection is poorer there, the attention
-over what it selects stays exact).
+Blocks the engine copies outside the step (a request forked for parallel sampling gets a
+copy of its parent's last, partly written block) get their bounds copied with them
+(:meth:`~.paged.PagedState.copy_blocks`, hooked into the engine's copy by
+``specontext_compile.serving``).
 
 Everything here has static shapes and reads no tensor on the host.
 """

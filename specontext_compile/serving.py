@@ -70,6 +70,7 @@ class PagedBackend:
         self.states: dict[int, PagedState] = {}
         self.retired = dict.fromkeys(PAGED_STATS, 0)  # counters of caches already freed
         self.peak_state_bytes = 0  # the most bytes of state (PagedState) live at once
+        _BACKENDS.add(self)  # the engine's block copies reach this backend's states (_copy_state_with_blocks)
         self.rewrites: list[PagedRewrite] = []
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list, **_: Any) -> Callable:
@@ -127,8 +128,10 @@ class PagedBackend:
         if state is None:
             state = PagedState.allocate(len(result.retrieval_layers), result.layout.blocks, result.num_heads,
                                         result.head_dim, key_view.device)
+            state.stride = result.layout.stride
             if result.spec.rescue_pages:
                 state.allocate_bounds(len(result.sites), result.layout.pages(result.spec.page_tokens), key_view)
+                state.pages_per_block = result.layout.page_size // result.spec.page_tokens
             self.states[key] = state
             live = sum(s.nbytes for s in self.states.values())
             self.peak_state_bytes = max(self.peak_state_bytes, live)
@@ -181,6 +184,38 @@ def _check_built(config: SpeContextConfig, options: dict[str, Any]) -> None:
     if given:
         raise ValueError(f"continuous batching does not build {', '.join(_NOT_BUILT[n] for n in given)} yet "
                          f"(option(s) {given}); drop them (docs/serving.md, 'Not built yet')")
+
+
+#: live backends, so that a block copy of the engine reaches their states (no strong reference)
+_BACKENDS: weakref.WeakSet = weakref.WeakSet()
+
+
+def _copy_state_with_blocks() -> None:
+    """Make ``PagedAttentionCache.perform_cache_copy`` (the engine forking a request: parallel
+    sampling) copy our state of the copied blocks too (:meth:`~.runtime.paged.PagedState.copy_blocks`),
+    for the process, logged once. The states are found by the layer-0 key view of the
+    copying allocator, as the backend keys them."""
+    from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+    original = PagedAttentionCache.perform_cache_copy
+    if getattr(original, "_specontext", False):
+        return
+
+    def perform_cache_copy(cache, copy_src_and_dst):
+        original(cache, copy_src_and_dst)
+        for name, (source, dest) in copy_src_and_dst.items():
+            views = getattr(cache.cache_allocators[name], "_kv_token_views", {})
+            first = views[min(views)][0] if views else None
+            for backend in list(_BACKENDS):
+                state = backend.states.get(id(first))
+                if source and state is not None:
+                    state.copy_blocks(list(source), list(dest))
+
+    perform_cache_copy._specontext = True
+    perform_cache_copy.__wrapped__ = original
+    PagedAttentionCache.perform_cache_copy = perform_cache_copy
+    logger.info("specontext: PagedAttentionCache.perform_cache_copy also copies the retrieval state of the copied "
+                "blocks (a forked request selects as its parent)")
 
 
 def _traceable_cache_update() -> None:
@@ -244,6 +279,7 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
 
     specontext_paged.backend = backend
     _traceable_cache_update()
+    _copy_state_with_blocks()
     engine.setdefault("auto_switch_to_flash", False)
     compile_config = CompileConfig(backend=specontext_paged, mode="default", fullgraph=False, dynamic=False)
     return ContinuousBatchingConfig(varlen_compile_config=compile_config, **engine)

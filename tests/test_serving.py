@@ -153,6 +153,48 @@ def test_chunked_prefill_and_mixed_steps_keep_each_requests_solo_text(model, sel
     assert batched == _solo(model, inputs, options)
 
 
+def test_a_forked_request_selects_as_its_parent(model):
+    """Parallel sampling (``num_return_sequences=2``): the engine forks each request after its
+    prompt and copies the prompt's last, partly written block for the child, outside the step.
+    With blocks of 64 tokens (four pages each) the copied block holds whole pages whose
+    bounds the child never rewrites: before the state was copied with the block, two of
+    three children (top-1 sampling, so as deterministic as greedy) left their parents' text
+    at the third or fourth token. Now each child equals its parent, and both equal the
+    request run alone through ``sc.compile``."""
+    inputs = prompts(40, 25, 60)
+    options = {**OPTIONS, "budget": 16, "page_rescue": 32}
+    engine = {**ENGINE, "block_size": 64, "num_blocks": 16}
+    gen = GenerationConfig(max_new_tokens=NEW, do_sample=True, top_k=1, num_return_sequences=2, eos_token_id=-1,
+                           pad_token_id=0)
+    cb = sc.continuous_batching_config(model, options, **engine)
+    out = model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cb)
+    assert all(o.error is None for o in out.values())
+    parents = [out[f"req_{i}"].generated_tokens for i in range(len(inputs))]
+    assert [out[f"req_{i}__child#0"].generated_tokens for i in range(len(inputs))] == parents
+    assert serving.path_counts(cb)["rescued_sites"] > 0
+    assert parents == _solo(model, inputs, options)
+
+
+def test_copying_a_block_moves_its_state_to_the_copy():
+    """``PagedState.copy_blocks``: the destination block gets the source's lagged queries,
+    stamps and sampled-row records moved to its own rows, and its pages' bounds; a stamp
+    of another block's row is not carried (it names no token of the copy)."""
+    stride, unit = 8, 2
+    state = paged.PagedState.allocate(1, 4, 2, 3, "cpu")
+    state.stride, state.pages_per_block = stride, unit
+    state.page_min, state.page_max = torch.randn(1, 4 * unit + 1, 1, 3), torch.randn(1, 4 * unit + 1, 1, 3)
+    state.queries[0, 1] = torch.randn(2, 3)
+    state.stamps[0, 1] = 1 * stride + 5
+    state.stamps[0, 2] = 0 * stride + 3  # a stale stamp: not block 2's row
+    state.generated[1], state.generated[2] = 1 * stride + 5, -1
+    state.copy_blocks([1, 2], [3, 0])
+    assert torch.equal(state.queries[0, 3], state.queries[0, 1])
+    assert state.stamps[0, 3] == 3 * stride + 5 and state.stamps[0, 0] == -1
+    assert state.generated[3] == 3 * stride + 5 and state.generated[0] == -1
+    assert torch.equal(state.page_min[:, 6:8], state.page_min[:, 2:4])
+    assert torch.equal(state.page_max[:, 0:2], state.page_max[:, 4:6])
+
+
 def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplog):
     with pytest.raises(ValueError, match="bugdet"):
         sc.continuous_batching_config(model, {"bugdet": 16})
