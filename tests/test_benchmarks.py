@@ -298,3 +298,26 @@ def test_profile_decode_splits_the_step_by_compiled_region(tmp_path, regional):
         assert split["graph_calls_per_step"] == 1 and len(split["graphs"]) == 1
     assert all(g["us_per_call"] > 0 and g["kernels"] for g in split["graphs"])
     assert 0 < split["ms_in_graphs"]
+
+
+def test_serving_floors_and_memory_count_what_each_engine_reads_and_keeps():
+    """``benchmarks.serving``: dense reads every request's context, ours its budget plus, with
+    the page rescue, the rescued pages' keys (half a token's KV bytes each), never more than
+    the context; memory per request is the request's KV and our state's share."""
+    from argparse import Namespace
+
+    from benchmarks import serving
+
+    args = Namespace(requests=8, input=2048, output=256, budget=512, page_rescue=1024)
+    per_token, weights = 100, 10_000
+    context = 2048 + 128
+    assert serving.floor_bytes(args, "dense", weights, per_token) == weights + 8 * per_token * context
+    assert serving.floor_bytes(args, "specontext-p0", weights, per_token) == weights + 8 * per_token * 512
+    assert serving.floor_bytes(args, "specontext", weights, per_token) == weights + 8 * (per_token * 512 + 50 * 1024)
+    big = Namespace(**{**vars(args), "page_rescue": 10_000})  # the rescue cannot read past the context
+    assert serving.floor_bytes(big, "specontext", weights, per_token) == weights + 8 * (
+        per_token * 512 + 50 * (context - 512))
+    memory = serving.memory(args, {"num_blocks": 10, "block_size": 64}, per_token, state=8000)
+    assert memory["kv_cache_bytes"] == 64_000 and memory["kv_bytes_per_request"] == per_token * 2304
+    assert memory["state_bytes_per_request"] == 1000 and memory["state_share_of_kv_cache"] == 8000 / 64_000
+    assert serving.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and serving.first_divergence([1, 2], [1, 2]) == 2
