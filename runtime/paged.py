@@ -304,9 +304,11 @@ def sampled_rows(logits_to_keep: torch.Tensor, q_rows: int) -> torch.Tensor:
     or above the one before it). The padding cannot be told from a genuine row 0, so a step
     in which no request samples marks row 0 as sampled; that misleads
     :func:`decoding_rows` only if row 0 is a one-token chunk whose prompt continues, which
-    Hugging Face's scheduler (transformers 5.24) does not make from the token budget: the
-    step's first request gets all of it, so its chunk is one token only when one prompt token
-    is left, and then it samples."""
+    Hugging Face's scheduler (transformers 5.24) makes only at ``max_batch_tokens=1``: the
+    step's first request gets the whole token budget, so otherwise its chunk is one token
+    only when one prompt token is left, and then it samples. ``max_batch_tokens=1`` is
+    refused (``specontext_compile.continuous_batching_config``; found by a newcomer's
+    attack: every prompt token was attended sparsely)."""
     keep = logits_to_keep.long()
     genuine = torch.cat([keep.new_ones(1, dtype=torch.bool), keep[1:] > keep[:-1]]).cumprod(0).bool()
     hits = torch.zeros(q_rows, dtype=torch.long, device=keep.device)

@@ -70,6 +70,7 @@ class PagedBackend:
         self.states: dict[int, PagedState] = {}
         self.retired = dict.fromkeys(PAGED_STATS, 0)  # counters of caches already freed
         self.peak_state_bytes = 0  # the most bytes of state (PagedState) live at once
+        self.warned_rescue = False  # the page rescue's absence is logged once
         _BACKENDS.add(self)  # the engine's block copies reach this backend's states (_copy_state_with_blocks)
         self.rewrites: list[PagedRewrite] = []
 
@@ -86,9 +87,11 @@ class PagedBackend:
         logger.info("specontext: continuous-batching step rewritten: %d sites over a paged cache (page size %d, "
                     "%d blocks), retrieval layers %s", len(result.sites), result.layout.page_size,
                     result.layout.blocks, list(result.retrieval_layers))
-        if self.config.selection.page_rescue and not result.spec.rescue_pages:
+        if self.config.selection.page_rescue and not result.spec.rescue_pages and not self.warned_rescue:
+            self.warned_rescue = True
             logger.warning("specontext: the continuous-batching step selects without the page rescue: its pages of "
-                           "%d tokens do not divide the engine's page_size %d (set page_size to a multiple of %d)",
+                           "%d tokens do not divide the engine's page_size %d, so tokens will differ from "
+                           "specontext_compile.compile with the same options (set page_size to a multiple of %d)",
                            PAGE_TOKENS, result.layout.page_size, PAGE_TOKENS)
         tells = min(result.keep_input, result.read_input, result.write_input) >= 0
         if not tells:
@@ -262,8 +265,10 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
 
     Raises:
         ValueError: unknown or bad options (before anything runs), options this step does
-            not build, a model with sliding-window layers, or ``varlen_compile_config`` given
-            (the backend is the compile configuration).
+            not build, a model with sliding-window layers, ``varlen_compile_config`` given
+            (the backend is the compile configuration), or ``max_batch_tokens=1``
+            (:func:`~.runtime.paged.sampled_rows` could not tell prompt tokens from decode
+            tokens).
     """
     from transformers import ContinuousBatchingConfig
     from transformers.generation.configuration_utils import CompileConfig
@@ -271,6 +276,10 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
     if "varlen_compile_config" in engine:
         raise ValueError("continuous_batching_config sets varlen_compile_config itself (the specontext "
                          "backend); pass backend options as `options` instead")
+    if engine.get("max_batch_tokens") == 1:
+        raise ValueError("max_batch_tokens=1 schedules every prompt token alone in a step whose logits_to_keep is "
+                         "all padding, so the step cannot tell a prompt token from a decode token (it would attend "
+                         "prompt tokens sparsely); use max_batch_tokens >= 2")
     _check_model(model)
     backend = PagedBackend(options, engine.get("max_requests_per_batch"))
 

@@ -202,6 +202,8 @@ def test_unknown_unbuilt_options_and_our_compile_config_are_refused(model, caplo
         sc.continuous_batching_config(model, {"budget": 16, "candidates": 2.0, "min_coverage": 0.9})
     with pytest.raises(ValueError, match="varlen_compile_config"):
         sc.continuous_batching_config(model, {"budget": 16}, varlen_compile_config=None)
+    with pytest.raises(ValueError, match="max_batch_tokens >= 2"):  # a prompt token could not be told from a decode one
+        sc.continuous_batching_config(model, {"budget": 16}, max_batch_tokens=1)
 
 
 
@@ -214,6 +216,7 @@ def test_blocks_a_page_does_not_divide_select_without_the_rescue_and_say_so(mode
     with caplog.at_level("WARNING", logger="specontext_compile.serving"):
         generate(model, prompts(40, 25), cb)
     assert "without the page rescue" in caplog.text and "page_size to a multiple of 16" in caplog.text
+    assert caplog.text.count("without the page rescue") == 1  # once, though two step shapes compile
     counts = serving.path_counts(cb)
     assert counts["sparse_sites"] > 0 and counts["rescued_sites"] == 0 and counts["refined_sites"] == 0, counts
 
