@@ -256,7 +256,8 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
         options: backend options (:class:`~.config.SpeContextConfig`; ``budget``,
             ``sink_tokens``, ``recent_window``, ``retrieval_layers``, ``inner``, ...).
         **engine: ``ContinuousBatchingConfig`` fields (``max_batch_tokens``, ``num_blocks``,
-            ``block_size``, ``max_requests_per_batch``, ...); ``varlen_compile_config`` is
+            ``page_size``, ``max_requests_per_batch``, ``q_padding_interval_size``,
+            ``kv_padding_interval_size``, ...); ``varlen_compile_config`` is
             ours. On CPU set ``num_blocks`` and ``max_batch_tokens``: Hugging Face sizes the
             cache from the host's memory otherwise.
 
