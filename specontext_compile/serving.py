@@ -208,7 +208,12 @@ def _copy_state_with_blocks() -> None:
         original(cache, copy_src_and_dst)
         for name, (source, dest) in copy_src_and_dst.items():
             views = getattr(cache.cache_allocators[name], "_kv_token_views", {})
-            first = views[min(views)][0] if views else None
+            if source and not views:  # Hugging Face's allocator changed: say so rather than fork with stale state
+                logger.warning("specontext: a block copy of the engine (a forked request) could not find the cache's "
+                               "layer views; the copies' lagged queries and page bounds are not copied (the forked "
+                               "request may select otherwise than its parent)")
+                continue
+            first = views[min(views)][0]
             for backend in list(_BACKENDS):
                 state = backend.states.get(id(first))
                 if source and state is not None:

@@ -130,6 +130,7 @@ def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model
     batched = generate(model, inputs, cb)
     counts = serving.path_counts(cb)
     assert counts["sparse_steps"] == 2 * (NEW - 1) and counts["recency_rows"] == 0, counts  # two waves
+    _check_paths(counts, options)  # with the rescue: every sparse site rescued, in the reused blocks too
     for prompt, tokens in zip(inputs, batched):
         assert tokens == generate(model, [prompt], sc.continuous_batching_config(model, options, **engine))[0]
 
