@@ -16,11 +16,14 @@ compiling the 30-layer model:
 * ``dense`` — SDPA over the whole store with the causal limit (own dense's per-layer step).
 
 ``--parts`` times the refinement's pieces instead (cumulative prefixes, each compiled alone);
-``--scatter`` the rescued union's membership table built by a bool and by an int32 scatter.
+``--scatter`` the rescued union's membership table built by a bool and by an int32 scatter;
+``--products`` the default's and the no-rescue step's site with the query-key products as
+fused reductions (what the backend traces on CPU) and as matmuls (before 2026-12-03).
 
     python -m benchmarks.layer_step --context 8192 --budget 1024 --json out.json
     python -m benchmarks.layer_step --context 8192 --budget 1024 --parts
     python -m benchmarks.layer_step --context 8192 --budget 1024 --scatter
+    python -m benchmarks.layer_step --context 8192 --budget 1024 --products
 """
 
 from __future__ import annotations
@@ -133,6 +136,30 @@ def scatter_dtypes(budget: int, rescue_tokens: int, scale: float):
     return {"membership, bool scatter": membership(torch.bool), "membership, int32 scatter": membership(torch.int32)}
 
 
+def products(budget: int, rescue_tokens: int, scale: float):
+    """The default's site (``refine_and_attend``, page rescue on), the no-rescue step's
+    (``attend``) and the page scores, each traced with the query-key products as fused
+    reductions and as matmuls (``--products``: ``sparse_attention.FUSED_PRODUCT_ROWS`` set to
+    0 while the matmul variant is traced)."""
+    from specontext_compile.runtime import sparse_attention
+
+    table = {**variants(budget, rescue_tokens, scale), **parts(budget, rescue_tokens, scale)}
+
+    def traced_with(fn, rows):
+        def traced(*args):
+            kept, sparse_attention.FUSED_PRODUCT_ROWS = sparse_attention.FUSED_PRODUCT_ROWS, rows
+            try:
+                return fn(*args)
+            finally:
+                sparse_attention.FUSED_PRODUCT_ROWS = kept
+        return traced
+
+    rows = sparse_attention.FUSED_PRODUCT_ROWS
+    return {f"{name}, {label}": traced_with(table[name], n)
+            for name in ("refine_and_attend", "attend", "page scores")
+            for label, n in (("fused products", rows), ("matmuls", 0))}
+
+
 def _compiled(fn, inputs):
     """``fn`` traced to aten (``make_fx``) and compiled by inductor, as the backend compiles the
     lowered step: dynamo cannot trace attribute reads of the opaque specs a closure holds."""
@@ -164,13 +191,16 @@ def main(argv=None) -> int:
     parser.add_argument("--parts", action="store_true", help="time the refinement's pieces instead")
     parser.add_argument("--scatter", action="store_true",
                         help="time the rescued union's membership table as a bool and as an int32 scatter")
+    parser.add_argument("--products", action="store_true",
+                        help="time the sites with the query-key products fused and as matmuls")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rescue = 2 * args.budget if args.rescue is None else args.rescue
     inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
     rows = []
     with torch.no_grad():
-        table = scatter_dtypes if args.scatter else parts if args.parts else variants
+        table = (scatter_dtypes if args.scatter else parts if args.parts else products if args.products
+                 else variants)
         for name, fn in table(args.budget, rescue, 64 ** -0.5).items():
             if args.only and name not in args.only:
                 continue
@@ -186,7 +216,7 @@ def main(argv=None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
                                          "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
-                                         "parts": args.parts, "scatter": args.scatter,
+                                         "parts": args.parts, "scatter": args.scatter, "products": args.products,
                                          "torch": torch.__version__, "threads": torch.get_num_threads(),
                                          "rows": rows}, indent=2))
     return 0

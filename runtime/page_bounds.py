@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from .sparse_attention import row_products
+
 __all__ = ["PAGE_TOKENS", "clear_pages_from", "page_count", "page_positions", "page_scores", "rescued_candidates", "row_shift",
            "shift_from_mask", "update_page_bounds"]
 
@@ -151,7 +153,7 @@ def page_scores(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Ten
     """
     b, num_kv, pages, d = page_min.shape
     q = (query.float() * scale).reshape(b, num_kv, -1, d)  # [b, kv, g * q_len, d]
-    bound = q.clamp(min=0) @ page_max.float().transpose(-1, -2) + q.clamp(max=0) @ page_min.float().transpose(-1, -2)
+    bound = row_products(q.clamp(min=0), page_max.float()) + row_products(q.clamp(max=0), page_min.float())
     bound = bound.amax(2)  # [b, kv, pages]
     pos = page_positions(pages, page_tokens, page_shift, b, page_min.device)
     any_seen = _seen_at(seen, pos).any(-1)  # [b, 1, pages]

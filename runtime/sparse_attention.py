@@ -13,7 +13,7 @@ import torch
 
 from .spec import AttentionVariant
 
-__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits",
+__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products",
            "sparse_attention_reference"]
 
 
@@ -38,7 +38,42 @@ def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
         float32 ``[..., rows, n]``.
     """
     q = (query.float() * scale).to(keys.dtype)
-    return torch.matmul(q, keys.transpose(-1, -2)).float()
+    return row_products(q, keys)
+
+
+def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """float32 ``rows @ keys^T``: ``rows`` ``[..., r, d]``, ``keys`` ``[..., n, d]`` (broadcast
+    like ``matmul``), same dtype. A matmul, or, while inductor traces a CPU decode step
+    (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
+    one reduction that inductor fuses with whatever produced ``keys`` (a gather from the KV
+    store: no gathered copy written and read again). The two differ by float32 rounding
+    (summation order) only."""
+    if fused_products(rows, keys):
+        return (rows.float().unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)
+    return torch.matmul(rows, keys.transpose(-1, -2)).float()
+
+
+# query rows up to which a traced CPU product is a fused reduction instead of a matmul
+FUSED_PRODUCT_ROWS = 16
+
+
+def fused_products(rows: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether :func:`row_products` sums in a fused reduction: True while inductor traces
+    (make_fx's proxy mode) a CPU graph and ``rows`` has at most :data:`FUSED_PRODUCT_ROWS`
+    rows (a decode step's query rows per KV head). There ``(q * k).sum(-1)`` compiles to one
+    vectorised loop that reads each gathered key once, where ``index_select`` then ``bmm``
+    writes the gathered keys and reads them again: 2.5-3x faster for 1024-3072 keys of
+    SmolLM2's shape, and fewer calls per layer (docs/benchmarks.md, "Fused products").
+    Eager calls (the op chain, ``inner="eager"``) keep the matmul, which run eagerly does not
+    materialise the product; prefill-sized rows keep the matmul's blocking; CUDA keeps
+    cuBLAS (not measured there)."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    # dynamo traces torch.cond's branches (the guard's): is_compiling() is True there, and
+    # dynamo cannot trace get_proxy_mode()
+    traced = torch.compiler.is_compiling() or get_proxy_mode() is not None
+    return keys.device.type == "cpu" and traced and statically_known_true(rows.shape[-2] <= FUSED_PRODUCT_ROWS)
 
 
 def causal_limit_mask(

@@ -1,0 +1,108 @@
+"""The decode step's query-key products as fused reductions while inductor traces a CPU step
+(runtime.sparse_attention.row_products): which path is taken, and that both give the
+matmul's values."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import given, settings
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from specontext_compile.runtime import aten_step, page_bounds
+from specontext_compile.runtime.sparse_attention import FUSED_PRODUCT_ROWS, fused_products, row_products
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+
+_MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default}
+
+
+def _matmul_calls(fn, *args) -> int:
+    """aten matmul nodes (bmm / mm) in ``fn`` traced to aten by make_fx."""
+    graph = make_fx(fn)(*args).graph
+    return sum(node.target in _MATMULS for node in graph.nodes)
+
+
+def _reference(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(rows.double(), keys.double().transpose(-1, -2))
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), r=st.integers(1, FUSED_PRODUCT_ROWS), n=st.integers(1, 40),
+       d=st.sampled_from([1, 8, 64, 72]), batch=st.sampled_from([(), (2,), (2, 3)]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_traced_products_are_a_reduction_with_the_matmuls_values(seed, r, n, d, batch, dtype):
+    """Traced (make_fx's proxy mode, as inductor traces the lowered step), a decode-sized
+    product has no matmul node, and the traced graph's value equals float64's within float32
+    rounding (2e-6 of the terms' magnitude); eagerly it is the matmul, bit for bit."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(*batch, r, d, generator=g).to(dtype)
+    keys = torch.randn(*batch, n, d, generator=g).to(dtype)
+    assert not fused_products(rows, keys)
+    assert torch.equal(row_products(rows, keys), torch.matmul(rows, keys.transpose(-1, -2)).float())
+    traced = make_fx(row_products)(rows, keys)
+    assert not any(node.target in _MATMULS for node in traced.graph.nodes)
+    got = traced(rows, keys)
+    assert got.dtype == torch.float32
+    magnitude = torch.matmul(rows.double().abs(), keys.double().abs().transpose(-1, -2))
+    assert ((got.double() - _reference(rows, keys)).abs() <= 2e-6 * magnitude + 1e-12).all()
+
+
+def test_prefill_sized_rows_keep_the_matmul():
+    """More query rows than FUSED_PRODUCT_ROWS (a prefill chunk) keep the matmul when traced."""
+    rows, keys = torch.randn(2, FUSED_PRODUCT_ROWS + 1, 8), torch.randn(2, 20, 8)
+    assert _matmul_calls(row_products, rows, keys) == 1
+    assert _matmul_calls(row_products, rows[:, :FUSED_PRODUCT_ROWS], keys) == 0
+
+
+def _refined_site(seed: int = 0, context: int = 200, capacity: int = 256, budget: int = 32, page: int = 16):
+    """A refined decode site with the page rescue at SmolLM2's head shape (9 query / 3 KV
+    heads, head_dim 64), small context: inputs, spec, variant."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(1, 3, capacity, 64, generator=g)
+    values = torch.randn(1, 3, capacity, 64, generator=g)
+    query = torch.randn(1, 9, 1, 64, generator=g)
+    length = torch.tensor(context)
+    lo = torch.zeros(1, 3, page_bounds.page_count(capacity, page), 64)
+    hi = torch.zeros_like(lo)
+    page_bounds.update_page_bounds(keys, lo, hi, length, context, page)
+    scores = torch.rand(1, 3, capacity, generator=g)
+    candidates = aten_step.select_positions(scores, length - 1, 1, budget, 4, 8)
+    spec = StepSpec(budget, budget, sink_tokens=4, recent_window=8, rescue_tokens=4 * page, page_tokens=page)
+    return (query, keys, values, length, lo, hi, candidates), spec, AttentionVariant(64 ** -0.5)
+
+
+def test_the_lowered_refined_site_multiplies_only_the_values():
+    """The body a refined site with the page rescue lowers to (aten_step.refine_and_attend)
+    traced as inductor traces it: its one matmul is the attention's product with the kept
+    values; the page bounds' and the candidates' products with the query are reductions."""
+    inputs, spec, variant = _refined_site()
+
+    def site(query, keys, values, length, lo, hi, candidates):
+        return aten_step.refine_and_attend(query, (keys, values), candidates, length, None, spec, variant,
+                                           (lo, hi, None))
+
+    assert _matmul_calls(site, *inputs) == 1
+
+
+def test_the_compiled_refined_site_equals_its_eager_body():
+    """Compiled by inductor (fused products) the refined site gives its eager body's output
+    (matmuls) within float32 rounding: 1e-5."""
+    from torch._inductor.compile_fx import compile_fx
+
+    inputs, spec, variant = _refined_site(seed=3)
+
+    def site(query, keys, values, length, lo, hi, candidates):
+        return aten_step.refine_and_attend(query, (keys, values), candidates, length, None, spec, variant,
+                                           (lo, hi, None))
+
+    compiled = compile_fx(make_fx(site)(*inputs), list(inputs))
+    got = compiled(*inputs)
+    got = got[0] if isinstance(got, (tuple, list)) else got
+    torch.testing.assert_close(got, site(*inputs), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_keeps_the_matmul():
+    rows, keys = torch.randn(2, 3, 8, device="cuda"), torch.randn(2, 20, 8, device="cuda")
+    assert _matmul_calls(row_products, rows, keys) == 1
