@@ -10,6 +10,8 @@ written position it equals dense attention exactly (up to float rounding).
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .spec import AttentionVariant
 
@@ -62,14 +64,11 @@ def fused_products(rows: torch.Tensor, keys: torch.Tensor) -> bool:
     (make_fx's proxy mode) a CPU graph and ``rows`` has at most :data:`FUSED_PRODUCT_ROWS`
     rows (a decode step's query rows per KV head). There ``(q * k).sum(-1)`` compiles to one
     vectorised loop that reads each gathered key once, where ``index_select`` then ``bmm``
-    writes the gathered keys and reads them again: 2.5-3x faster for 1024-3072 keys of
-    SmolLM2's shape, and fewer calls per layer (docs/benchmarks.md, "Fused products").
+    writes the gathered keys and reads them again, in two calls (measured:
+    docs/benchmarks.md, "Fused query-key products").
     Eager calls (the op chain, ``inner="eager"``) keep the matmul, which run eagerly does not
     materialise the product; prefill-sized rows keep the matmul's blocking; CUDA keeps
     cuBLAS (not measured there)."""
-    from torch.fx.experimental.proxy_tensor import get_proxy_mode
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
     # dynamo traces torch.cond's branches (the guard's): is_compiling() is True there, and
     # dynamo cannot trace get_proxy_mode()
     traced = torch.compiler.is_compiling() or get_proxy_mode() is not None
