@@ -48,8 +48,9 @@ def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     like ``matmul``), same dtype. A matmul, or, while inductor traces a CPU decode step
     (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
     one reduction that inductor fuses with whatever produced ``keys`` (a gather from the KV
-    store: no gathered copy written and read again). The two differ by float32 rounding
-    (summation order) only."""
+    store: no gathered copy written and read again). For float32 inputs the two differ by
+    summation order only; for bfloat16 / float16 inputs the matmul rounds each product to
+    that dtype and the fused sum keeps it in float32 (closer to float64's)."""
     if fused_products(rows, keys):
         return (rows.float().unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)
     return torch.matmul(rows, keys.transpose(-1, -2)).float()
