@@ -166,7 +166,10 @@ def _compiled(fn, inputs):
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return compile_fx(make_fx(fn)(*inputs), list(inputs))
+    from specontext_compile.runtime.sparse_attention import inductor_trace
+
+    with inductor_trace():  # as the backend traces a CPU step (fused decode products)
+        return compile_fx(make_fx(fn)(*inputs), list(inputs))
 
 
 def time_fn(fn, args, steps: int, warmup: int) -> list[float]:

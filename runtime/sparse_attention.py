@@ -9,13 +9,14 @@ written position it equals dense attention exactly (up to float rounding).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .spec import AttentionVariant
 
-__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products",
+__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
            "sparse_attention_reference"]
 
 
@@ -45,8 +46,8 @@ def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
 
 def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """float32 ``rows @ keys^T``: ``rows`` ``[..., r, d]``, ``keys`` ``[..., n, d]`` (broadcast
-    like ``matmul``), same dtype. A matmul, or, while inductor traces a CPU decode step
-    (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
+    like ``matmul``), same dtype. A matmul, or, while the backend traces a CPU decode step for
+    inductor (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
     one reduction that inductor fuses with whatever produced ``keys`` (a gather from the KV
     store: no gathered copy written and read again). For float32 inputs the two differ by
     summation order only; for bfloat16 / float16 inputs the matmul rounds each product to
@@ -59,21 +60,36 @@ def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 # query rows up to which a traced CPU product is a fused reduction instead of a matmul
 FUSED_PRODUCT_ROWS = 16
 
+# True while the backend hands a CPU graph to inductor (:func:`inductor_trace`); read at trace
+# time (dynamo reads it as a constant when it traces torch.cond's branches)
+_INDUCTOR_TRACE = False
+
+
+@contextlib.contextmanager
+def inductor_trace():
+    """While the backend (or a benchmark) traces a step for inductor: :func:`row_products`
+    traced inside it are fused reductions. A module flag, not a contextvar, so that dynamo,
+    which traces ``torch.cond``'s branches, reads it as a constant. Not for eager code: an eager
+    product inside it would materialise ``[..., r, n, d]``."""
+    global _INDUCTOR_TRACE
+    previous, _INDUCTOR_TRACE = _INDUCTOR_TRACE, True
+    try:
+        yield
+    finally:
+        _INDUCTOR_TRACE = previous
+
 
 def fused_products(rows: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether :func:`row_products` sums in a fused reduction: True while inductor traces
-    (make_fx's proxy mode) a CPU graph and ``rows`` has at most :data:`FUSED_PRODUCT_ROWS`
-    rows (a decode step's query rows per KV head). There ``(q * k).sum(-1)`` compiles to one
-    vectorised loop that reads each gathered key once, where ``index_select`` then ``bmm``
-    writes the gathered keys and reads them again, in two calls (measured:
-    docs/benchmarks.md, "Fused query-key products").
-    Eager calls (the op chain, ``inner="eager"``) keep the matmul, which run eagerly does not
-    materialise the product; prefill-sized rows keep the matmul's blocking; CUDA keeps
-    cuBLAS (not measured there)."""
-    # dynamo traces torch.cond's branches (the guard's): is_compiling() is True there, and
-    # dynamo cannot trace get_proxy_mode()
-    traced = torch.compiler.is_compiling() or get_proxy_mode() is not None
-    return keys.device.type == "cpu" and traced and statically_known_true(rows.shape[-2] <= FUSED_PRODUCT_ROWS)
+    """Whether :func:`row_products` sums in a fused reduction: True inside :func:`inductor_trace`
+    (the backend's compile of a CPU graph with inductor) for CPU tensors when ``rows`` has at
+    most :data:`FUSED_PRODUCT_ROWS` rows (a decode step's query rows per KV head). There
+    ``(q * k).sum(-1)`` compiles to one vectorised loop that reads each gathered key once,
+    where ``index_select`` then ``bmm`` writes the gathered keys and reads them again, in two
+    calls (measured: docs/benchmarks.md, "Fused query-key products"). Everything else keeps
+    the matmul: eager runs (the op chain, ``inner="eager"``, an eager ``torch.cond``, which
+    dynamo traces with its eager backend), where the product would be materialised;
+    prefill-sized rows (the matmul's blocking); CUDA (cuBLAS, not measured there)."""
+    return _INDUCTOR_TRACE and keys.device.type == "cpu" and statically_known_true(rows.shape[-2] <= FUSED_PRODUCT_ROWS)
 
 
 def causal_limit_mask(

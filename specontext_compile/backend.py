@@ -30,6 +30,7 @@ from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from .runtime.aten_step import record_query
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
+from .runtime.sparse_attention import inductor_trace
 from .runtime.static_state import model_stats
 
 logger = logging.getLogger(__name__)
@@ -186,12 +187,13 @@ def specontext_backend(
     example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
     patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid)}
     compiled = None
-    if _regional(config, on_cuda):  # each distinct decoder layer compiled once
-        regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
-        compiled = compile_regions(gm, lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
-                                   lift=_LAYER_SLOTS)
-    if compiled is None:
-        compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    with inductor_trace():  # decode products traced as fused reductions (CPU; sparse_attention.row_products)
+        if _regional(config, on_cuda):  # each distinct decoder layer compiled once
+            regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
+            compiled = compile_regions(gm, lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
+                                       lift=_LAYER_SLOTS)
+        if compiled is None:
+            compiled = compile_fx(gm, example_inputs, config_patches=patches)
     return extra.wrap(_checked_backward(compiled))
 
 

@@ -1,6 +1,6 @@
-"""The decode step's query-key products as fused reductions while inductor traces a CPU step
-(runtime.sparse_attention.row_products): which path is taken, and that both give the
-matmul's values."""
+"""The decode step's query-key products as fused reductions while the backend traces a CPU step
+for inductor (runtime.sparse_attention.row_products inside inductor_trace): which path is
+taken, and that both give the matmul's values."""
 
 from __future__ import annotations
 
@@ -11,15 +11,18 @@ from hypothesis import given, settings
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from specontext_compile.runtime import aten_step, page_bounds
-from specontext_compile.runtime.sparse_attention import FUSED_PRODUCT_ROWS, fused_products, row_products
+from specontext_compile.runtime.sparse_attention import (FUSED_PRODUCT_ROWS, fused_products, inductor_trace,
+                                                          row_products)
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 _MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default}
 
 
 def _matmul_calls(fn, *args) -> int:
-    """aten matmul nodes (bmm / mm) in ``fn`` traced to aten by make_fx."""
-    graph = make_fx(fn)(*args).graph
+    """aten matmul nodes (bmm / mm) in ``fn`` traced to aten by make_fx as the backend traces
+    for inductor (inside ``inductor_trace``)."""
+    with inductor_trace():
+        graph = make_fx(fn)(*args).graph
     return sum(node.target in _MATMULS for node in graph.nodes)
 
 
@@ -32,20 +35,38 @@ def _reference(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
        d=st.sampled_from([1, 8, 64, 72]), batch=st.sampled_from([(), (2,), (2, 3)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_traced_products_are_a_reduction_with_the_matmuls_values(seed, r, n, d, batch, dtype):
-    """Traced (make_fx's proxy mode, as inductor traces the lowered step), a decode-sized
-    product has no matmul node, and the traced graph's value equals float64's within float32
-    rounding (2e-6 of the terms' magnitude); eagerly it is the matmul, bit for bit."""
+    """Traced for inductor (inside inductor_trace, as the backend traces the lowered step), a
+    decode-sized product has no matmul node, and the traced graph's value equals float64's
+    within float32 rounding (2e-6 of the terms' magnitude)."""
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(*batch, r, d, generator=g).to(dtype)
     keys = torch.randn(*batch, n, d, generator=g).to(dtype)
-    assert not fused_products(rows, keys)
-    assert torch.equal(row_products(rows, keys), torch.matmul(rows, keys.transpose(-1, -2)).float())
-    traced = make_fx(row_products)(rows, keys)
+    with inductor_trace():
+        assert fused_products(rows, keys)
+        traced = make_fx(row_products)(rows, keys)
     assert not any(node.target in _MATMULS for node in traced.graph.nodes)
     got = traced(rows, keys)
     assert got.dtype == torch.float32
     magnitude = torch.matmul(rows.double().abs(), keys.double().abs().transpose(-1, -2))
     assert ((got.double() - _reference(rows, keys)).abs() <= 2e-6 * magnitude + 1e-12).all()
+
+
+def test_eager_calls_keep_the_matmul_even_inside_torch_cond():
+    """Outside inductor_trace the product is a matmul: an eager call, a make_fx trace of our
+    own (not the backend's compile), and an eager torch.cond, whose branches dynamo traces
+    with its eager backend (torch.compiler.is_compiling() is True there) and then runs
+    eagerly, where a fused product would be materialised as [..., r, n, d]."""
+    rows, keys = torch.randn(2, 3, 8), torch.randn(2, 20, 8)
+    assert not fused_products(rows, keys)
+    assert make_fx(row_products)(rows, keys).graph.find_nodes(op="call_function", target=torch.ops.aten.bmm.default)
+
+    def branch(r, k):  # what the branch saw, as tensors (a cond branch may not mutate outside state)
+        return (row_products(r, k), torch.tensor(torch.compiler.is_compiling()),
+                torch.tensor(fused_products(r, k)))
+
+    got, compiling, fused = torch.cond(torch.tensor(True), branch, branch, (rows, keys))
+    assert compiling.item() and not fused.item()
+    torch.testing.assert_close(got, torch.matmul(rows, keys.transpose(-1, -2)), atol=1e-6, rtol=1e-6)
 
 
 def test_prefill_sized_rows_keep_the_matmul():
@@ -96,7 +117,8 @@ def test_the_compiled_refined_site_equals_its_eager_body():
         return aten_step.refine_and_attend(query, (keys, values), candidates, length, None, spec, variant,
                                            (lo, hi, None))
 
-    compiled = compile_fx(make_fx(site)(*inputs), list(inputs))
+    with inductor_trace():
+        compiled = compile_fx(make_fx(site)(*inputs), list(inputs))
     got = compiled(*inputs)
     got = got[0] if isinstance(got, (tuple, list)) else got
     torch.testing.assert_close(got, site(*inputs), atol=1e-5, rtol=1e-5)
@@ -106,3 +128,32 @@ def test_the_compiled_refined_site_equals_its_eager_body():
 def test_cuda_keeps_the_matmul():
     rows, keys = torch.randn(2, 3, 8, device="cuda"), torch.randn(2, 20, 8, device="cuda")
     assert _matmul_calls(row_products, rows, keys) == 1
+
+
+@pytest.mark.parametrize("inner", ["auto", "eager"])
+def test_the_backend_fuses_the_products_only_when_inductor_compiles(inner, monkeypatch):
+    """Through the backend on a tiny Llama (budget 8, page rescue on, 3 decode steps): the
+    decode products are traced fused when inductor compiles the step (``inner="auto"``) and
+    are matmuls when the lowered graph runs eagerly (``inner="eager"``); either way the step's
+    logits equal the other's within 1e-5 and the sparse path ran."""
+    from _tiny import compiled_steps, tiny_llama
+    from specontext_compile.runtime import sparse_attention
+
+    calls = []
+    real = sparse_attention.fused_products
+
+    def spy(rows, keys):
+        calls.append(real(rows, keys))
+        return calls[-1]
+
+    monkeypatch.setattr(sparse_attention, "fused_products", spy)
+    model = tiny_llama(layers=2)
+    ids = torch.randint(1, 100, (1, 40), generator=torch.Generator().manual_seed(0))
+    # a cache hit would skip the trace this test observes
+    with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(fx_graph_cache=False):
+        logits, cache = compiled_steps(model, ids, 3, budget=8, inner=inner, page_rescue=16)
+    assert cache.path_counts()["gather_sites"] > 0
+    assert calls and (any(calls) if inner == "auto" else not any(calls))
+    monkeypatch.setattr(sparse_attention, "fused_products", real)
+    other, _ = compiled_steps(model, ids, 3, budget=8, inner="eager" if inner == "auto" else "auto", page_rescue=16)
+    torch.testing.assert_close(logits, other, atol=1e-5, rtol=1e-5)
