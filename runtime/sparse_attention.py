@@ -50,7 +50,7 @@ def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     inductor (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
     one reduction that inductor fuses with whatever produced ``keys`` (a gather from the KV
     store: no gathered copy written and read again). For float32 inputs the two differ by
-    summation order only; for bfloat16 / float16 inputs the matmul rounds each product to
+    summation order only; for bfloat16 / float16 inputs the matmul rounds each result to
     that dtype and the fused sum keeps it in float32 (closer to float64's)."""
     if fused_products(rows, keys):
         return (rows.float().unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)
