@@ -73,7 +73,26 @@ class Server:
         self.model_manager.shutdown()
 
 
+# `transformers serve` from 5.25 runs each model in a process of its own (its EngineClient), so
+# the model the backend compiled in this process is not the one that would serve
+SERVE_TRANSFORMERS = (5, 25)
+
+
+def _check_transformers_version(version: str) -> None:
+    """Raise ImportError naming the fix when ``version`` of transformers is one whose serving
+    stack :func:`build_server` cannot wrap (5.25 and later: a process per model)."""
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) >= SERVE_TRANSFORMERS:
+        raise ImportError(
+            f"specontext serve wraps Hugging Face's serving stack of transformers 5.0-5.24; transformers {version} "
+            "runs each model in a process of its own, which the compiled model cannot be handed to: "
+            "pip install 'transformers>=5.0,<5.25' (or pip install 'specontext-compile[serving]')")
+
+
 def _serving_parts():
+    import transformers
+
+    _check_transformers_version(transformers.__version__)
     try:
         import uvicorn
         from transformers.cli.serving.chat_completion import ChatCompletionHandler

@@ -183,6 +183,23 @@ def test_bad_options_fail_before_the_model_loads():
         build_server("smollm2-135m", {"candidates": 4.0, "min_coverage": 0.9})
 
 
+@pytest.mark.parametrize("version", ["5.25.0", "5.30.1.dev0", "6.0.0"])
+def test_a_transformers_whose_serve_runs_models_in_processes_is_refused_naming_the_fix(version):
+    from specontext_compile.serve import _check_transformers_version
+
+    with pytest.raises(ImportError, match=r"pip install 'transformers>=5.0,<5.25'"):
+        _check_transformers_version(version)
+
+
+def test_the_installed_transformers_is_one_serve_wraps():
+    import transformers
+
+    from specontext_compile.serve import _check_transformers_version
+
+    _check_transformers_version(transformers.__version__)  # the test extra pins it
+    _check_transformers_version("5.24.0")
+
+
 def test_the_server_shuts_down_cleanly():
     srv, url = _start()
     status, _ = _post(url, _chat(srv, "Say hi.", max_tokens=3))
