@@ -18,12 +18,17 @@ compiling the 30-layer model:
 ``--parts`` times the refinement's pieces instead (cumulative prefixes, each compiled alone);
 ``--scatter`` the rescued union's membership table built by a bool and by an int32 scatter;
 ``--products`` the default's and the no-rescue step's site with the query-key products as
-fused reductions (what the backend traces on CPU) and as matmuls (before 2026-12-03).
+fused reductions (what the backend traces on CPU) and as matmuls (before 2026-12-03);
+``--bounds`` both sites after the page bounds' update of the step's key, written with
+``index_put_`` (in place, what the runtime does) and with ``scatter_`` (before 2026-12-03:
+inductor copied each whole bound twice), timed cold: stepped in turn over ``--stores``
+layers' stores, as a model's 30 layers read theirs, each round timing every variant once.
 
     python -m benchmarks.layer_step --context 8192 --budget 1024 --json out.json
     python -m benchmarks.layer_step --context 8192 --budget 1024 --parts
     python -m benchmarks.layer_step --context 8192 --budget 1024 --scatter
     python -m benchmarks.layer_step --context 8192 --budget 1024 --products
+    python -m benchmarks.layer_step --context 8192 --budget 1024 --bounds
 """
 
 from __future__ import annotations
@@ -160,6 +165,59 @@ def products(budget: int, rescue_tokens: int, scale: float):
             for label, n in (("fused products", rows), ("matmuls", 0))}
 
 
+def _scatter_update(key_cache, page_min, page_max, length, q_len, page_tokens):
+    """The page bounds' update as written before 2026-12-03 (``scatter_`` of the touched pages;
+    no page shift), for ``--bounds``: the same values as
+    :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`."""
+    b, kv, capacity, d = key_cache.shape
+    pages = page_min.shape[2]
+    touched = min(pages, -(-(q_len - 1) // page_tokens) + 1)
+    first = ((length - q_len) // page_tokens).clamp(max=pages - touched).clamp(min=0)
+    page_ids = (first + torch.arange(touched)).view(1, touched, 1).expand(b, touched, 1)
+    pos = page_ids * page_tokens + torch.arange(page_tokens)
+    valid = (pos < length) & (pos < capacity)
+    index = pos.clamp(0, capacity - 1).view(b, 1, touched * page_tokens, 1).expand(b, kv, -1, d)
+    keys = key_cache.gather(2, index).view(b, kv, touched, page_tokens, d)
+    inside = valid.view(b, 1, touched, page_tokens, 1)
+    lo = torch.where(inside, keys, float("inf")).amin(3)
+    hi = torch.where(inside, keys, float("-inf")).amax(3)
+    written = valid.any(-1).view(b, 1, touched, 1)
+    rows = page_ids.view(b, 1, touched, 1).expand(b, kv, touched, d)
+    page_min.scatter_(2, rows, torch.where(written, lo, 0.0))
+    page_max.scatter_(2, rows, torch.where(written, hi, 0.0))
+
+
+def bounds_updates(budget: int, rescue_tokens: int, scale: float):
+    """The default's site and the no-rescue site, each after the bounds' update of one written
+    token, with the update in place (``index_put_``) and as before (``scatter_``)."""
+    sites = variants(budget, rescue_tokens, scale)
+
+    def with_update(update, site):
+        def step(query, key, value, length, page_min, page_max, candidates):
+            update(key, page_min, page_max, length, 1, PAGE_TOKENS)
+            return site(query, key, value, length, page_min, page_max, candidates)
+        return step
+
+    return {f"{name}, bounds by {label}": with_update(update, sites[name])
+            for name in ("refine_and_attend", "attend")
+            for label, update in (("index_put_", update_page_bounds), ("scatter_", _scatter_update))}
+
+
+def time_cold(compiled: dict, stores: list, rounds: int) -> dict[str, list[float]]:
+    """ms per call of each compiled variant, stepped over every store in turn (each store read
+    once per pass, so a call finds its store out of cache as a model's layer does), the
+    variants interleaved round by round; the first round is warm-up."""
+    times = {name: [] for name in compiled}
+    for round_ in range(rounds + 1):
+        for name, fn in compiled.items():
+            t0 = time.perf_counter()
+            for inputs in stores:
+                fn(*inputs)
+            if round_:
+                times[name].append(1000 * (time.perf_counter() - t0) / len(stores))
+    return times
+
+
 def _compiled(fn, inputs):
     """``fn`` traced to aten (``make_fx``) and compiled by inductor, as the backend compiles the
     lowered step: dynamo cannot trace attribute reads of the opaque specs a closure holds."""
@@ -196,15 +254,21 @@ def main(argv=None) -> int:
                         help="time the rescued union's membership table as a bool and as an int32 scatter")
     parser.add_argument("--products", action="store_true",
                         help="time the sites with the query-key products fused and as matmuls")
+    parser.add_argument("--bounds", action="store_true",
+                        help="time both sites after the bounds' update, in place and as a scatter_ (cold)")
+    parser.add_argument("--stores", type=int, default=30, help="--bounds: distinct stores stepped in turn")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rescue = 2 * args.budget if args.rescue is None else args.rescue
     inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
     rows = []
+    if args.bounds:
+        rows = _bounds_rows(args, rescue)
     with torch.no_grad():
-        table = (scatter_dtypes if args.scatter else parts if args.parts else products if args.products
-                 else variants)
-        for name, fn in table(args.budget, rescue, 64 ** -0.5).items():
+        kind = (scatter_dtypes if args.scatter else parts if args.parts else products if args.products
+                else variants)
+        table = {} if args.bounds else kind(args.budget, rescue, 64 ** -0.5)
+        for name, fn in table.items():
             if args.only and name not in args.only:
                 continue
             t0 = time.perf_counter()
@@ -220,9 +284,26 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
                                          "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
                                          "parts": args.parts, "scatter": args.scatter, "products": args.products,
+                                         "bounds": args.bounds, "stores": args.stores if args.bounds else None,
                                          "torch": torch.__version__, "threads": torch.get_num_threads(),
                                          "rows": rows}, indent=2))
     return 0
+
+
+def _bounds_rows(args, rescue: int) -> list[dict]:
+    """``--bounds``: compile each variant, then time them cold and interleaved."""
+    stores = [_inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=i) for i in range(args.stores)]
+    with torch.no_grad():
+        compiled = {}
+        for name, fn in bounds_updates(args.budget, rescue, 64 ** -0.5).items():
+            compiled[name] = _compiled(fn, stores[0])
+            compiled[name](*stores[0])
+        times = time_cold(compiled, stores, max(args.steps // args.stores, 5))
+    rows = []
+    for name, ms in times.items():
+        rows.append({"variant": name, "ms_median": statistics.median(ms), "ms_min": min(ms), "rounds": len(ms)})
+        print(f"{name:<48} {statistics.median(ms):7.3f} ms/layer (min {min(ms):.3f}, cold)", flush=True)
+    return rows
 
 
 if __name__ == "__main__":

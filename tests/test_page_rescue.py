@@ -382,3 +382,29 @@ def test_refine_and_attend_equals_refine_then_attend(seed, groups, q_len, budget
     want = aten_step.sparse_attention(query, keys, values, kept, length_t, mask, spec, variant)
     got = aten_step.refine_and_attend(query, (keys, values), cand, length_t, mask, spec, variant, (lo, hi, None))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q_len", [1, 40])
+def test_compiled_bounds_update_writes_the_touched_pages_in_place(q_len):
+    """Inductor's bounds update equals the eager one (shifted rows included) and writes only the
+    touched pages: the generated code has no loop over all of a bound's elements (a scatter_
+    was compiled as a copy of the whole bounds, twice per bound, at every layer and step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    b, kv, cap, d, page = 2, 3, 1000, 8, 16
+    pages = page_bounds.page_count(cap, page)  # 63: 2 * 3 * 63 * 8 = 3024 elements per bound
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(b, kv, cap, d, generator=g)
+    length, shift = torch.tensor(700), torch.tensor([0, 5])
+    lo, hi = torch.randn(b, kv, pages, d, generator=g), torch.randn(b, kv, pages, d, generator=g)
+    want_lo, want_hi = lo.clone(), hi.clone()
+    page_bounds.update_page_bounds(keys, want_lo, want_hi, length, q_len, page, shift)
+    assert not torch.equal(want_lo, lo)  # the update changed something to compare
+
+    def update(keys, lo, hi, length, shift):
+        page_bounds.update_page_bounds(keys, lo, hi, length, q_len, page, shift)
+
+    compiled = torch.compile(update, backend="inductor", fullgraph=True, dynamic=False)
+    _, (code,) = run_and_get_code(compiled, keys, lo, hi, length, shift)
+    assert torch.equal(lo, want_lo) and torch.equal(hi, want_hi)
+    assert str(lo.numel()) not in code, "the compiled bounds update copies a whole bound"
