@@ -22,13 +22,17 @@ fused reductions (what the backend traces on CPU) and as matmuls (before 2026-12
 ``--bounds`` both sites after the page bounds' update of the step's key, written with
 ``index_put_`` (in place, what the runtime does) and with ``scatter_`` (before 2026-12-03:
 inductor copied each whole bound twice), timed cold: stepped in turn over ``--stores``
-layers' stores, as a model's 30 layers read theirs, each round timing every variant once.
+layers' stores, as a model's 30 layers read theirs, each round timing every variant once;
+``--realized`` both sites with the query made by a rotary embedding inside the graph (as in
+the model), the fused products' rows written to a buffer first (what the runtime does) and
+recomputed per key (before 2026-12-03), timed cold the same way.
 
     python -m benchmarks.layer_step --context 8192 --budget 1024 --json out.json
     python -m benchmarks.layer_step --context 8192 --budget 1024 --parts
     python -m benchmarks.layer_step --context 8192 --budget 1024 --scatter
     python -m benchmarks.layer_step --context 8192 --budget 1024 --products
     python -m benchmarks.layer_step --context 8192 --budget 1024 --bounds
+    python -m benchmarks.layer_step --context 8192 --budget 1024 --realized
 """
 
 from __future__ import annotations
@@ -218,6 +222,37 @@ def time_cold(compiled: dict, stores: list, rounds: int) -> dict[str, list[float
     return times
 
 
+def _rotary(query, cos, sin):
+    """The model's rotary embedding of the raw query (as Llama's ``apply_rotary_pos_emb``)."""
+    half = query.shape[-1] // 2
+    return query * cos + torch.cat([-query[..., half:], query[..., :half]], -1) * sin
+
+
+def realized_rows(budget: int, rescue_tokens: int, scale: float):
+    """Both sites with the query made inside the graph by a rotary embedding, as in the model
+    (layer_step's other tables take it as an input, a buffer already), traced with the fused
+    products' rows written to a buffer first and as before (recomputed per key):
+    ``sparse_attention.REALIZE_ROWS`` off while the second is traced."""
+    from specontext_compile.runtime import sparse_attention
+
+    sites = variants(budget, rescue_tokens, scale)
+    gen = torch.Generator().manual_seed(1)
+    cos, sin = torch.randn(1, 1, 1, 64, generator=gen), torch.randn(1, 1, 1, 64, generator=gen)
+
+    def traced_with(site, realize):
+        def step(query, key, value, length, page_min, page_max, candidates):
+            kept, sparse_attention.REALIZE_ROWS = sparse_attention.REALIZE_ROWS, realize
+            try:
+                return site(_rotary(query, cos, sin), key, value, length, page_min, page_max, candidates)
+            finally:
+                sparse_attention.REALIZE_ROWS = kept
+        return step
+
+    return {f"{name}, rows {label}": traced_with(sites[name], realize)
+            for name in ("refine_and_attend", "attend")
+            for label, realize in (("realized", True), ("recomputed", False))}
+
+
 def _compiled(fn, inputs):
     """``fn`` traced to aten (``make_fx``) and compiled by inductor, as the backend compiles the
     lowered step: dynamo cannot trace attribute reads of the opaque specs a closure holds."""
@@ -256,18 +291,20 @@ def main(argv=None) -> int:
                         help="time the sites with the query-key products fused and as matmuls")
     parser.add_argument("--bounds", action="store_true",
                         help="time both sites after the bounds' update, in place and as a scatter_ (cold)")
-    parser.add_argument("--stores", type=int, default=30, help="--bounds: distinct stores stepped in turn")
+    parser.add_argument("--realized", action="store_true",
+                        help="time both sites with a rotary query, the fused products' rows realized and recomputed (cold)")
+    parser.add_argument("--stores", type=int, default=30, help="--bounds / --realized: distinct stores stepped in turn")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rescue = 2 * args.budget if args.rescue is None else args.rescue
     inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
     rows = []
-    if args.bounds:
-        rows = _bounds_rows(args, rescue)
+    if args.bounds or args.realized:
+        rows = _cold_rows(args, rescue, bounds_updates if args.bounds else realized_rows)
     with torch.no_grad():
         kind = (scatter_dtypes if args.scatter else parts if args.parts else products if args.products
                 else variants)
-        table = {} if args.bounds else kind(args.budget, rescue, 64 ** -0.5)
+        table = {} if args.bounds or args.realized else kind(args.budget, rescue, 64 ** -0.5)
         for name, fn in table.items():
             if args.only and name not in args.only:
                 continue
@@ -284,18 +321,20 @@ def main(argv=None) -> int:
         args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
                                          "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
                                          "parts": args.parts, "scatter": args.scatter, "products": args.products,
-                                         "bounds": args.bounds, "stores": args.stores if args.bounds else None,
+                                         "bounds": args.bounds, "realized": args.realized,
+                                         "stores": args.stores if args.bounds or args.realized else None,
                                          "torch": torch.__version__, "threads": torch.get_num_threads(),
                                          "rows": rows}, indent=2))
     return 0
 
 
-def _bounds_rows(args, rescue: int) -> list[dict]:
-    """``--bounds``: compile each variant, then time them cold and interleaved."""
+def _cold_rows(args, rescue: int, table) -> list[dict]:
+    """``--bounds`` / ``--realized``: compile each variant of ``table``, then time them cold and
+    interleaved."""
     stores = [_inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=i) for i in range(args.stores)]
     with torch.no_grad():
         compiled = {}
-        for name, fn in bounds_updates(args.budget, rescue, 64 ** -0.5).items():
+        for name, fn in table(args.budget, rescue, 64 ** -0.5).items():
             compiled[name] = _compiled(fn, stores[0])
             compiled[name](*stores[0])
         times = time_cold(compiled, stores, max(args.steps // args.stores, 5))

@@ -53,12 +53,30 @@ def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     summation order only; for bfloat16 / float16 inputs the matmul rounds each result to
     that dtype and the fused sum keeps it in float32 (closer to float64's)."""
     if fused_products(rows, keys):
-        return (rows.float().unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)
+        return (_realized(rows.float()).unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)
     return torch.matmul(rows, keys.transpose(-1, -2)).float()
+
+
+def _realized(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` written to a buffer of its own in the compiled step (inductor's
+    ``force_stride_order``), so that the fused product reads it instead of recomputing
+    whatever produced it (the rotary embedding, the scale, casts) once per key: at decode a
+    few hundred floats written once against work repeated for thousands of keys
+    (``python -m benchmarks.layer_step --realized``). Only inside :func:`inductor_trace`."""
+    if not REALIZE_ROWS:
+        return rows
+    from torch._inductor import inductor_prims
+
+    rows = rows.contiguous()
+    return inductor_prims.force_stride_order(rows, rows.stride())
 
 
 # query rows up to which a traced CPU product is a fused reduction instead of a matmul
 FUSED_PRODUCT_ROWS = 16
+
+# whether a fused product's rows are written to a buffer first (:func:`_realized`); read at
+# trace time (benchmarks.layer_step --realized traces with it off for the comparison)
+REALIZE_ROWS = True
 
 # True while the backend hands a CPU graph to inductor (:func:`inductor_trace`); read at trace
 # time (dynamo reads it as a constant when it traces torch.cond's branches)

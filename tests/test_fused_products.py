@@ -157,3 +157,25 @@ def test_the_backend_fuses_the_products_only_when_inductor_compiles(inner, monke
     monkeypatch.setattr(sparse_attention, "fused_products", real)
     other, _ = compiled_steps(model, ids, 3, budget=8, inner="eager" if inner == "auto" else "auto", page_rescue=16)
     torch.testing.assert_close(logits, other, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_products_read_their_rows_from_a_buffer_of_their_own():
+    """Traced for inductor, a fused product's rows pass through inductor's force_stride_order
+    (written once to a buffer: a rotary query is not recomputed for every key); its values
+    stay the matmul's. Outside inductor_trace no such node: the eager product is a matmul."""
+    from torch._inductor import inductor_prims
+
+    def rotary_logits(query, cos, sin, keys):
+        half = query.shape[-1] // 2
+        rotated = query * cos + torch.cat([-query[..., half:], query[..., :half]], -1) * sin
+        return row_products(rotated, keys)
+
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 3, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g),
+            torch.randn(2, 50, 8, generator=g))
+    force = inductor_prims.force_stride_order
+    with inductor_trace():
+        traced = make_fx(rotary_logits)(*args)
+    assert traced.graph.find_nodes(op="call_function", target=force)
+    assert not make_fx(rotary_logits)(*args).graph.find_nodes(op="call_function", target=force)
+    torch.testing.assert_close(traced(*args), rotary_logits(*args), atol=1e-5, rtol=1e-5)
