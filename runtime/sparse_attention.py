@@ -63,7 +63,7 @@ def _realized(rows: torch.Tensor) -> torch.Tensor:
     whatever produced it (the rotary embedding, the scale, casts) once per key: at decode a
     few hundred floats written once against work repeated for thousands of keys
     (``python -m benchmarks.layer_step --realized``). Only inside :func:`inductor_trace`."""
-    if not REALIZE_ROWS:
+    if not REALIZE_ROWS or rows.requires_grad:  # the prim has no autograd formula (a step traced with grad)
         return rows
     from torch._inductor import inductor_prims
 
