@@ -145,6 +145,21 @@ def scatter_dtypes(budget: int, rescue_tokens: int, scale: float):
     return {"membership, bool scatter": membership(torch.bool), "membership, int32 scatter": membership(torch.int32)}
 
 
+def _traced_with(fn, name: str, value):
+    """``fn`` run (and so traced) with ``sparse_attention.<name>`` set to ``value``: the
+    runtime reads these flags at trace time."""
+    from specontext_compile.runtime import sparse_attention
+
+    def traced(*args):
+        kept = getattr(sparse_attention, name)
+        setattr(sparse_attention, name, value)
+        try:
+            return fn(*args)
+        finally:
+            setattr(sparse_attention, name, kept)
+    return traced
+
+
 def products(budget: int, rescue_tokens: int, scale: float):
     """The default's site (``refine_and_attend``, page rescue on), the no-rescue step's
     (``attend``) and the page scores, each traced with the query-key products as fused
@@ -153,18 +168,8 @@ def products(budget: int, rescue_tokens: int, scale: float):
     from specontext_compile.runtime import sparse_attention
 
     table = {**variants(budget, rescue_tokens, scale), **parts(budget, rescue_tokens, scale)}
-
-    def traced_with(fn, rows):
-        def traced(*args):
-            kept, sparse_attention.FUSED_PRODUCT_ROWS = sparse_attention.FUSED_PRODUCT_ROWS, rows
-            try:
-                return fn(*args)
-            finally:
-                sparse_attention.FUSED_PRODUCT_ROWS = kept
-        return traced
-
     rows = sparse_attention.FUSED_PRODUCT_ROWS
-    return {f"{name}, {label}": traced_with(table[name], n)
+    return {f"{name}, {label}": _traced_with(table[name], "FUSED_PRODUCT_ROWS", n)
             for name in ("refine_and_attend", "attend", "page scores")
             for label, n in (("fused products", rows), ("matmuls", 0))}
 
@@ -233,22 +238,16 @@ def realized_rows(budget: int, rescue_tokens: int, scale: float):
     (layer_step's other tables take it as an input, a buffer already), traced with the fused
     products' rows written to a buffer first and as before (recomputed per key):
     ``sparse_attention.REALIZE_ROWS`` off while the second is traced."""
-    from specontext_compile.runtime import sparse_attention
-
     sites = variants(budget, rescue_tokens, scale)
     gen = torch.Generator().manual_seed(1)
     cos, sin = torch.randn(1, 1, 1, 64, generator=gen), torch.randn(1, 1, 1, 64, generator=gen)
 
-    def traced_with(site, realize):
+    def rotary_site(site):
         def step(query, key, value, length, page_min, page_max, candidates):
-            kept, sparse_attention.REALIZE_ROWS = sparse_attention.REALIZE_ROWS, realize
-            try:
-                return site(_rotary(query, cos, sin), key, value, length, page_min, page_max, candidates)
-            finally:
-                sparse_attention.REALIZE_ROWS = kept
+            return site(_rotary(query, cos, sin), key, value, length, page_min, page_max, candidates)
         return step
 
-    return {f"{name}, rows {label}": traced_with(sites[name], realize)
+    return {f"{name}, rows {label}": _traced_with(rotary_site(sites[name]), "REALIZE_ROWS", realize)
             for name in ("refine_and_attend", "attend")
             for label, realize in (("realized", True), ("recomputed", False))}
 
@@ -297,15 +296,30 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     rescue = 2 * args.budget if args.rescue is None else args.rescue
-    inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
-    rows = []
     if args.bounds or args.realized:
         rows = _cold_rows(args, rescue, bounds_updates if args.bounds else realized_rows)
+    else:
+        rows = _hot_rows(args, rescue)
+    if args.json:
+        args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
+                                         "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
+                                         "parts": args.parts, "scatter": args.scatter, "products": args.products,
+                                         "bounds": args.bounds, "realized": args.realized,
+                                         "stores": args.stores if args.bounds or args.realized else None,
+                                         "torch": torch.__version__, "threads": torch.get_num_threads(),
+                                         "rows": rows}, indent=2))
+    return 0
+
+
+def _hot_rows(args, rescue: int) -> list[dict]:
+    """The default tables (variants, ``--parts``, ``--scatter``, ``--products``): each variant
+    compiled, then timed alone on one store, ``--steps`` calls after ``--warmup``."""
+    kind = (scatter_dtypes if args.scatter else parts if args.parts else products if args.products
+            else variants)
+    inputs = _inputs(args.context, args.context + 64, 9, 3, 64, args.budget, seed=0)
+    rows = []
     with torch.no_grad():
-        kind = (scatter_dtypes if args.scatter else parts if args.parts else products if args.products
-                else variants)
-        table = {} if args.bounds or args.realized else kind(args.budget, rescue, 64 ** -0.5)
-        for name, fn in table.items():
+        for name, fn in kind(args.budget, rescue, 64 ** -0.5).items():
             if args.only and name not in args.only:
                 continue
             t0 = time.perf_counter()
@@ -317,15 +331,7 @@ def main(argv=None) -> int:
                          "compile_s": compile_s})
             print(f"{name:<36} {statistics.median(ms):7.3f} ms/layer (min {min(ms):.3f}), compile {compile_s:.1f} s",
                   flush=True)
-    if args.json:
-        args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.layer_step", *(argv or sys.argv[1:])]),
-                                         "context": args.context, "budget": args.budget, "rescue_tokens": rescue,
-                                         "parts": args.parts, "scatter": args.scatter, "products": args.products,
-                                         "bounds": args.bounds, "realized": args.realized,
-                                         "stores": args.stores if args.bounds or args.realized else None,
-                                         "torch": torch.__version__, "threads": torch.get_num_threads(),
-                                         "rows": rows}, indent=2))
-    return 0
+    return rows
 
 
 def _cold_rows(args, rescue: int, table) -> list[dict]:
