@@ -138,10 +138,17 @@ def _layers_arg(text: str) -> tuple[int, ...] | None:
     return tuple(layers)
 
 
+def _retrieval_arg(text: str) -> tuple[int, ...] | None:
+    """``--retrieval-layers`` values: "default" (None: the backend's eight) or layers and ranges."""
+    return None if text == "default" else _layers_arg(text)
+
+
 def _arg_text(name: str, value) -> str:
     """One value of a list argument as the command line gave it."""
     if name == "rescue_layers":
         return _layers_label(value)
+    if name == "retrieval_layers":
+        return "default" if value is None else ",".join(map(str, value))
     return "default" if value is None else str(value)
 
 
@@ -165,6 +172,9 @@ def main() -> None:
     parser.add_argument("--rescue-layers", type=_layers_arg, nargs="+", default=[None],
                         help="option rescue_layers, one run per value: 'all' (every layer) or layers and ranges, "
                              "e.g. 0,15-29")
+    parser.add_argument("--retrieval-layers", type=_retrieval_arg, nargs="+", default=[None],
+                        help="option retrieval_layers, one run per value: 'default' (the backend's eight layers) or "
+                             "layers and ranges, e.g. 4,16")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dense-cache", type=Path,
@@ -186,24 +196,29 @@ def main() -> None:
         f"--{k.replace('_', '-')} {' '.join(_arg_text(k, x) for x in v) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if v is not None)
     for budget in args.budgets:
-        for cand, guard, rescue, layers in [(c, g, r, k) for r in args.page_rescue for c in args.candidates
-                                            for g in args.min_coverage for k in args.rescue_layers]:
+        for cand, guard, rescue, layers, lagged in [
+                (c, g, r, k, q) for r in args.page_rescue for c in args.candidates for g in args.min_coverage
+                for k in args.rescue_layers for q in args.retrieval_layers]:
             name = f"budget={budget} candidates={cand:g} min_coverage={guard:g}"
             options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue,
                        "rescue_layers": layers}
             if guard:
                 options["min_coverage"] = guard
+            if lagged is not None:
+                options["retrieval_layers"] = lagged
             if args.dense_layers:
                 options["dense_layers"] = tuple(args.dense_layers)
             rescue = sc.SpeContextConfig.from_options(options).page_rescue  # the default resolved
             name += f" page_rescue={rescue}" + (f" dense_layers={','.join(map(str, args.dense_layers))}"
                                                if args.dense_layers else "")
             name += f" rescue_layers={_layers_label(layers)}" if layers is not None else ""
+            name += f" retrieval_layers={','.join(map(str, lagged))}" if lagged is not None else ""
             run = sparse_run(model, ids, args.context, args.steps, **options)
             res["runs"][name] = {
                 "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
                 "page_rescue": rescue, "dense_layers": list(args.dense_layers),
                 "rescue_layers": _layers_label(layers),
+                "retrieval_layers": "default" if lagged is None else list(lagged),
                 "agreement": float((run["argmax"] == dense_argmax).double().mean()),
                 **_lost_steps(run["argmax"], dense_argmax, dense_margin),
                 "nll_delta": float(run["nll"].mean()) - res["dense_nll"],
