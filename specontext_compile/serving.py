@@ -50,7 +50,7 @@ from .runtime.paged import (DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, class
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PagedBackend", "continuous_batching_config", "path_counts", "state_bytes"]
+__all__ = ["PagedBackend", "check_options", "continuous_batching_config", "path_counts", "state_bytes"]
 
 
 class PagedBackend:
@@ -177,6 +177,13 @@ _NOT_BUILT = {
     "dense_layers": "dense layers", "rescue_layers": "per-layer page rescue",
     "device_memory_bytes": "KV offload", "kernel": "the Triton kernel",
 }
+
+
+def check_options(options: dict[str, Any] | None) -> None:
+    """Refuse, before anything loads, options that are bad or that the continuous-batching step
+    does not build (the checks :func:`continuous_batching_config` makes; ``ValueError`` naming
+    the option). Needs no model: a server checks them before its model's process starts."""
+    _check_built(SpeContextConfig.from_options(options), options or {})
 
 
 def _check_built(config: SpeContextConfig, options: dict[str, Any]) -> None:

@@ -16,8 +16,7 @@ import urllib.request
 import pytest
 import torch
 
-from specontext_compile.serve import build_server, request_capacity
-from specontext_compile.serving import path_counts
+from specontext_compile.serve import build_server
 
 NEW = 10
 QUESTIONS = ("What is the capital of France?", "Name three colors.", "Write one word about the sea.")
@@ -95,7 +94,7 @@ def _stream(url: str, srv, question: str) -> str:
 
 def test_concurrent_chats_one_streamed_give_dense_text_through_the_sparse_step(server):
     srv, url = server
-    before = path_counts(srv.cb_config)
+    before = srv.path_counts()  # read in the model's process
     with concurrent.futures.ThreadPoolExecutor(len(QUESTIONS)) as pool:
         streamed = pool.submit(_stream, url, srv, QUESTIONS[0])
         plain = [pool.submit(_post, url, _chat(srv, q)) for q in QUESTIONS[1:]]
@@ -105,7 +104,7 @@ def test_concurrent_chats_one_streamed_give_dense_text_through_the_sparse_step(s
             assert status == 200, body
             answers.append(body["choices"][0]["message"]["content"])
     assert answers == _dense_answers(srv)
-    after = path_counts(srv.cb_config)
+    after = srv.path_counts()
     assert after["sparse_steps"] > before["sparse_steps"]  # the gather path ran, not a dense shortcut
     assert after["sparse_sites"] - before["sparse_sites"] >= 30 * (after["sparse_steps"] - before["sparse_steps"])
 
@@ -114,7 +113,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server):
     srv, url = server
     status, body = _post(url, _chat(srv, "hi", budget_tokens=3))
     assert status == 422 and "budget_tokens" in json.dumps(body)  # unknown option: named
-    capacity = request_capacity(srv.cb_config)
+    capacity = srv.capacity
     assert capacity == 16 * 32
     status, body = _post(url, _chat(srv, "hello " * capacity))
     assert status == 400 and "shorten the prompt or lower max_tokens" in body["detail"]
@@ -122,7 +121,7 @@ def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server):
     assert status == 400 and f"{capacity} tokens" in body["detail"]
     status, body = _post(url, _chat(srv, QUESTIONS[0]))  # still serving
     assert status == 200 and body["choices"][0]["message"]["content"]
-    assert srv.generation_state.is_cb_alive()
+    assert srv.alive
 
 
 @pytest.mark.parametrize("field, value", [("max_tokens", 0), ("max_tokens", -1), ("max_tokens", "abc"),
@@ -140,10 +139,10 @@ def test_a_negative_max_tokens_cannot_pass_the_capacity_check(server):
     """A prompt over capacity with ``max_tokens`` -100 passed ``prompt + new <= capacity``,
     failed Hugging Face's scheduler and killed the engine (every later request: 503)."""
     srv, url = server
-    status, body = _post(url, _chat(srv, "hello " * request_capacity(srv.cb_config), max_tokens=-100))
+    status, body = _post(url, _chat(srv, "hello " * srv.capacity, max_tokens=-100))
     assert status == 422 and body["detail"][0]["loc"] == ["max_tokens"]
     status, body = _post(url, _chat(srv, QUESTIONS[1], max_tokens=2))
-    assert status == 200 and srv.generation_state.is_cb_alive()
+    assert status == 200 and srv.alive
 
 
 def test_the_model_is_named_by_its_short_name_or_left_out(server):
@@ -183,31 +182,54 @@ def test_bad_options_fail_before_the_model_loads():
         build_server("smollm2-135m", {"candidates": 4.0, "min_coverage": 0.9})
 
 
-@pytest.mark.parametrize("version", ["5.25.0", "5.30.1.dev0", "6.0.0"])
-def test_a_transformers_whose_serve_runs_models_in_processes_is_refused_naming_the_fix(version):
+@pytest.mark.parametrize("version", ["5.0.0", "5.24.0", "5.24.1.dev0"])
+def test_a_transformers_without_a_process_per_model_is_refused_naming_the_fix(version):
     from specontext_compile.serve import _check_transformers_version
 
-    with pytest.raises(ImportError, match=r"pip install 'transformers>=5.0,<5.25'"):
+    with pytest.raises(ImportError, match=r"pip install 'transformers>=5.25,<6'"):
         _check_transformers_version(version)
 
 
-def test_the_installed_transformers_is_one_serve_wraps():
+def test_the_installed_transformers_is_one_serve_assembles():
     import transformers
 
     from specontext_compile.serve import _check_transformers_version
 
     _check_transformers_version(transformers.__version__)  # the test extra pins it
-    _check_transformers_version("5.24.0")
+    _check_transformers_version("5.25.0")
+
+
+def test_the_model_process_refuses_to_serve_without_the_backend(monkeypatch):
+    """In the model's process (another pid than the API server's), a generation state whose
+    loader made no configuration raises instead of letting Hugging Face's runner fall back to
+    its default, dense configuration; in the API server the same question tokenizes for
+    continuous batching."""
+    from transformers import AutoConfig
+
+    from specontext_compile.serve_engine import SpeContextGenerationState, SpeContextLoader
+
+    state = SpeContextGenerationState(SpeContextLoader({}, {}, device="cpu", dtype="float32"))
+    config = AutoConfig.for_model("llama", architectures=["LlamaForCausalLM"])
+    assert state.use_continuous_batching(config, None) and state.cb_config is None  # the API server
+    with pytest.raises(ValueError, match="serves text models"):  # e.g. a speech model: no text runner
+        state.use_continuous_batching(AutoConfig.for_model("llama"), None)
+    monkeypatch.setattr(state, "server_pid", -1)  # as in the model's process
+    with pytest.raises(RuntimeError, match="refusing to serve it dense"):
+        state.use_continuous_batching(config, None)
+    with pytest.raises(ValueError, match="makes the continuous-batching configuration itself"):
+        state.cb_config = object()
 
 
 def test_the_server_shuts_down_cleanly():
     srv, url = _start()
     status, _ = _post(url, _chat(srv, "Say hi.", max_tokens=3))
     assert status == 200
-    engine = srv.generation_state._cb_manager._cb  # Hugging Face's ContinuousBatchingManager
-    assert engine.is_running()
+    engine = srv.model_manager.get_engine(None)  # Hugging Face's EngineClient of the model's process
+    process = engine.managed_process
+    assert process.is_alive()
     srv.stop()
-    assert not srv._thread.is_alive() and not engine.is_running()
+    process.join(30)
+    assert not srv._thread.is_alive() and not process.is_alive()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{url}/health", timeout=5)
 
@@ -217,3 +239,11 @@ def test_the_command_line_refuses_bad_options_with_exit_2(capsys):
 
     assert main(["serve", "--options", "[1]"]) == 2
     assert "--options must be a JSON object" in capsys.readouterr().err
+
+
+def test_the_module_entry_point_runs_nothing_when_a_spawned_process_imports_it():
+    """The model's process is spawned: it imports the parent's main module as ``__mp_main__``.
+    ``python -m specontext_compile serve`` must not start a second command line there."""
+    import runpy
+
+    runpy.run_module("specontext_compile.__main__", run_name="__mp_main__")  # no SystemExit, no CLI run
