@@ -36,8 +36,11 @@ def run(args) -> int:
                           engine=dict(num_blocks=args.num_blocks, page_size=args.page_size,
                                       max_batch_tokens=args.max_batch_tokens,
                                       max_requests_per_batch=args.max_requests))
+    from .serve import COUNTERS_ROUTE
+
     print(f"specontext serve: {server.model_id} on http://{args.host}:{args.port}/v1 "
-          f"(model name for requests: {server.model_name!r}); Ctrl-C stops it", flush=True)
+          f"(model name for requests: {server.model_name!r}; the sparse path's counters: "
+          f"GET http://{args.host}:{args.port}{COUNTERS_ROUTE}); Ctrl-C stops it", flush=True)
     try:
         server.run()
     except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled once it has shut down

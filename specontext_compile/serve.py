@@ -200,6 +200,21 @@ def _check_capacity_of(engine, capacity: int | None) -> None:
     engine.generate_streaming, engine.generate_non_streaming = generate_streaming, generate_non_streaming
 
 
+COUNTERS_ROUTE = "/specontext/path_counts"
+
+
+def _add_counters_route(app, manager) -> None:
+    """``GET /specontext/path_counts``: the backend's path counters of every engine step so far
+    (:func:`~specontext_compile.serving.path_counts`: ``steps``, ``sparse_steps``,
+    ``dense_steps``, ``sparse_sites``, ...), read in the model's process; a user sees whether
+    the sparse path ran without a Python shell."""
+    from .serve_engine import engine_counts
+
+    @app.get(COUNTERS_ROUTE)
+    async def path_counts() -> dict[str, int]:
+        return await manager.get_engine(None).submit(engine_counts)
+
+
 def _capacity(engine: dict[str, Any]) -> int | None:
     """:func:`request_capacity` of the engine's fields (no model needed)."""
     from transformers import ContinuousBatchingConfig
@@ -269,6 +284,7 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
         response_handler=ResponseHandler(**handlers, chat_template_kwargs={}),
         transcription_handler=TranscriptionHandler(manager),
         systemone_handler=SystemOneHandler(**handlers, chat_template_kwargs={}, decision_config=None))
+    _add_counters_route(app, manager)
     # Ctrl-C: in-flight requests get a few seconds, then uvicorn cancels them
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
     logger.info("specontext serve: %s with options %s on %s:%d", model_id, options, host, port)

@@ -107,6 +107,9 @@ def test_concurrent_chats_one_streamed_give_dense_text_through_the_sparse_step(s
     after = srv.path_counts()
     assert after["sparse_steps"] > before["sparse_steps"]  # the gather path ran, not a dense shortcut
     assert after["sparse_sites"] - before["sparse_sites"] >= 30 * (after["sparse_steps"] - before["sparse_steps"])
+    with urllib.request.urlopen(f"{url}/specontext/path_counts", timeout=60) as response:
+        served = json.loads(response.read())  # what a user reads over HTTP: the same counters
+    assert served == srv.path_counts() and served["sparse_steps"] == after["sparse_steps"]
 
 
 def test_bad_requests_get_clear_errors_and_the_server_keeps_serving(server):
