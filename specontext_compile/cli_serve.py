@@ -31,7 +31,6 @@ def run(args) -> int:
     if not isinstance(options, dict):
         raise ValueError(f"--options must be a JSON object, got {args.options!r}")
     options.setdefault("budget", args.budget)
-    options.setdefault("page_rescue", 0)  # the continuous-batching step has no page rescue yet (docs/serving.md)
     server = build_server(args.model, options, host=args.host, port=args.port, dtype=args.dtype,
                           engine=dict(num_blocks=args.num_blocks, page_size=args.page_size,
                                       max_batch_tokens=args.max_batch_tokens,

@@ -10,8 +10,8 @@ needs the loaded model, so it can neither be made in the API server nor travel t
 model's process: it is made there, right after the model loads.
 
 - :class:`SpeContextLoader` loads as Hugging Face's loader does, then makes that
-  configuration (and raises torch's recompile limit to the engine's padded shapes, a
-  setting of that process).
+  configuration (whose backend raises torch's recompile limit to the engine's padded shapes
+  in the engine's own thread: torch's config overrides are thread-local).
 - :class:`SpeContextGenerationState` gives the runner that configuration as its
   ``cb_config``. Both objects travel in one pickle (the model process's arguments), so the
   state's ``loader`` is the loader that loaded the model there.
@@ -61,20 +61,6 @@ def engine_shapes(engine: dict[str, Any] | None) -> dict[str, Any]:
     return engine
 
 
-def raise_recompile_limit(engine: dict[str, Any]) -> None:
-    """Raise ``torch._dynamo.config.recompile_limit`` to the engine's padded query sizes (in
-    this process): past the limit torch would run the step eagerly and dense."""
-    import math
-
-    import torch
-
-    shapes = math.ceil((engine.get("max_batch_tokens") or 512) / engine["q_padding_interval_size"]) + 2
-    if torch._dynamo.config.recompile_limit < shapes:
-        logger.info("specontext serve: torch._dynamo.config.recompile_limit %d -> %d (one compile per padded query "
-                    "size of the engine's step)", torch._dynamo.config.recompile_limit, shapes)
-        torch._dynamo.config.recompile_limit = shapes
-
-
 class SpeContextLoader(ModelLoader):
     """Hugging Face's model loader that, in the model's process, also makes the
     continuous-batching configuration whose steps compile with the specontext backend.
@@ -97,7 +83,6 @@ class SpeContextLoader(ModelLoader):
         from .serving import continuous_batching_config
 
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
-        raise_recompile_limit(self.engine)
         self.cb_config = continuous_batching_config(model, self.options, **self.engine)
         model.specontext_cb_config = self.cb_config  # engine_counts reads it
         logger.info("specontext serve: %s loaded; its continuous-batching steps compile with options %s", model_id,

@@ -179,6 +179,29 @@ _NOT_BUILT = {
 }
 
 
+def _recompile_limit(engine: dict[str, Any]) -> int | None:
+    """Graphs the engine's step may need: one per padded query size
+    (``max_batch_tokens / q_padding_interval_size``) plus two; None when the engine does not
+    pad queries (``q_padding_interval_size`` unset: sizes are not bounded here)."""
+    interval = engine.get("q_padding_interval_size")
+    if not interval:
+        return None
+    return -(-(engine.get("max_batch_tokens") or 512) // interval) + 2
+
+
+def raise_recompile_limit(limit: int | None) -> None:
+    """Raise ``torch._dynamo.config.recompile_limit`` to ``limit`` (None: leave it) in *this
+    thread*: torch's config overrides are thread-local, and Hugging Face's engine compiles its
+    step in a thread of its own, so the backend calls this as it compiles. Past the limit
+    torch would run a new shape of the step eagerly, without the backend (dense)."""
+    import torch
+
+    if limit is not None and torch._dynamo.config.recompile_limit < limit:
+        logger.info("specontext: torch._dynamo.config.recompile_limit %d -> %d in this thread (one compile per "
+                    "padded query size of the engine's step)", torch._dynamo.config.recompile_limit, limit)
+        torch._dynamo.config.recompile_limit = limit
+
+
 def check_options(options: dict[str, Any] | None) -> None:
     """Refuse, before anything loads, options that are bad or that the continuous-batching step
     does not build (the checks :func:`continuous_batching_config` makes; ``ValueError`` naming
@@ -295,8 +318,10 @@ def continuous_batching_config(model: torch.nn.Module, options: dict[str, Any] |
                          "prompt tokens sparsely); use max_batch_tokens >= 2")
     _check_model(model)
     backend = PagedBackend(options, engine.get("max_requests_per_batch"))
+    limit = _recompile_limit(engine)
 
     def specontext_paged(gm, example_inputs, **kwargs):  # a function: Hugging Face deep-copies the config
+        raise_recompile_limit(limit)  # in the thread that compiles: the engine's, not the caller's
         return backend(gm, example_inputs, **kwargs)
 
     specontext_paged.backend = backend

@@ -250,3 +250,33 @@ def test_the_module_entry_point_runs_nothing_when_a_spawned_process_imports_it()
     import runpy
 
     runpy.run_module("specontext_compile.__main__", run_name="__mp_main__")  # no SystemExit, no CLI run
+
+
+def test_the_step_raises_the_recompile_limit_in_the_thread_that_compiles():
+    """torch's config overrides are thread-local and Hugging Face's engine compiles in a thread
+    of its own: a limit raised by the server's thread left the engine's at 8, and the ninth
+    padded query size ran eagerly, without the backend. The backend raises it as it compiles."""
+    import threading
+
+    from specontext_compile.models import load_model
+    from specontext_compile.serving import continuous_batching_config
+
+    model, _ = load_model("smollm2-135m")
+    config = continuous_batching_config(model, OPTIONS, num_blocks=16, page_size=32, max_batch_tokens=512,
+                                        q_padding_interval_size=8)
+    backend = config.varlen_compile_config.backend
+    limits = {}
+
+    def engine_thread():
+        limits["before"] = torch._dynamo.config.recompile_limit
+        compiled = backend(torch.fx.symbolic_trace(torch.nn.Identity()), [torch.zeros(2)])  # not a CB step: dense
+        limits["output"] = compiled(torch.ones(2))
+        limits["after"] = torch._dynamo.config.recompile_limit
+
+    thread = threading.Thread(target=engine_thread)
+    thread.start()
+    thread.join()
+    output = limits.pop("output")
+    assert limits == {"before": 8, "after": 512 // 8 + 2}
+    assert torch.equal(output[0] if isinstance(output, (tuple, list)) else output, torch.ones(2))
+    assert torch._dynamo.config.recompile_limit == 8  # this thread's own setting is untouched
