@@ -27,7 +27,10 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from .serve import build_server
 
-    options = json.loads(args.options)
+    try:
+        options = json.loads(args.options)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--options must be a JSON object, e.g. '{{\"sink_tokens\": 4}}'; {exc}: {args.options!r}") from None
     if not isinstance(options, dict):
         raise ValueError(f"--options must be a JSON object, got {args.options!r}")
     options.setdefault("budget", args.budget)

@@ -242,6 +242,8 @@ def test_the_command_line_refuses_bad_options_with_exit_2(capsys):
 
     assert main(["serve", "--options", "[1]"]) == 2
     assert "--options must be a JSON object" in capsys.readouterr().err
+    assert main(["serve", "--options", "not json"]) == 2
+    assert "--options must be a JSON object" in capsys.readouterr().err
 
 
 def test_the_module_entry_point_runs_nothing_when_a_spawned_process_imports_it():
