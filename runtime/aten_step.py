@@ -27,7 +27,6 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
 from . import page_bounds
-from .probe import record_recall
 from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .sparse_attention import (
@@ -620,7 +619,6 @@ def guarded_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     exact semantics). On CUDA the branch reads ``dense`` on the host (one sync per guarded
     site and step): the price of the guard, which is off by default."""
     key_cache, value_cache = store
-    record_recall(query, key_cache, indices, length, attn_mask, variant, dense)  # the eager harness's probe only
     capacity = key_cache.shape[-2]
     plain = variant.plain and sinks is None
     extra, unpack = optional_operands(attn_mask, sinks)
@@ -648,7 +646,6 @@ def sinks_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor
     :func:`~.sparse_attention.sparse_attention_reference` (no kernel serves these sites, so
     the pass calls this directly instead of the op). Other arguments as :func:`sparse_attention`'s."""
     key_cache, value_cache = store
-    record_recall(query, key_cache, indices, length, attn_mask, variant)  # the eager harness's probe only
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant, sinks)
 
 
@@ -667,9 +664,7 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     mask and ``-1`` padding semantics there; scale, soft cap and sliding window from
     ``variant``). ``length`` counts this step's tokens. A site with the fidelity guard or
     learned sink logits is not this function's: the pass calls :func:`guarded_attention` or
-    :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it.
-    Inside a :func:`~.probe.recall_probe` block (an eager run) it records the site's recall."""
-    record_recall(query, key_cache, indices, length, attn_mask, variant)  # the eager harness's probe only
+    :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it."""
     if spec.dense_shortcut and variant.plain and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)

@@ -32,7 +32,6 @@ from __future__ import annotations
 import torch
 
 from .aten_step import optional_operands
-from .probe import active_probe, record_recall
 from .sparse_attention import _gather_tokens, attend_gathered
 from .spec import AttentionVariant, StepSpec
 
@@ -110,8 +109,6 @@ def attend_latent(latent_q: torch.Tensor, stores: tuple[torch.Tensor, torch.Tens
     head that takes mass and adds no value."""
     latent_cache, rope_cache = stores
     plain = AttentionVariant(scale=variant.scale)  # the latent product: no soft cap, no window
-    if active_probe() is not None:  # the eager harness's recall probe (never under tracing)
-        record_recall(latent_q, torch.cat([latent_cache, rope_cache], dim=-1), indices, length, attn_mask, plain, dense)
     if dense is None:
         return _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, plain)
     capacity = latent_cache.shape[-2]

@@ -11,7 +11,6 @@ import torch
 from torch._dynamo.utils import counters
 
 from . import aten_step
-from .probe import record_recall
 from .sparse_attention import mask_is_causal_only
 from .spec import AttentionVariant, StepSpec
 
@@ -55,7 +54,6 @@ def sparse_attention(
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
-        record_recall(query, key_cache, indices, length, attn_mask, variant)  # (the torch path records in its body)
         return sparse_decode_attention(
             query, key_cache, value_cache, indices, length, scale=variant.scale, check_indices=False
         )

@@ -10,7 +10,6 @@ from torch._dynamo.utils import counters
 
 from . import mla
 from .ops_attention import _mask_allows_selection, _use_triton
-from .probe import active_probe, record_recall
 from .spec import AttentionVariant, StepSpec
 
 __all__ = ["mla_sparse_attention"]
@@ -34,9 +33,6 @@ def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rop
         from ..codegen import sparse_mla_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
-        if active_probe() is not None:  # (the torch path records in mla.attend_latent)
-            record_recall(latent_q, torch.cat([latent_cache, rope_cache], dim=-1), indices, length, attn_mask,
-                          AttentionVariant(variant.scale))
         r = latent_cache.shape[-1]
         return sparse_mla_decode_attention(latent_q[..., :r], latent_q[..., r:], latent_cache, rope_cache,
                                            indices, length, scale=variant.scale, check_indices=False)

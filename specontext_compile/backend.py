@@ -173,12 +173,12 @@ def specontext_backend(
         inner = "inductor" if result.rewritten else "eager"
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     gm = _copy(gm)  # the report keeps the rewritten graph with our ops; lowering edits a copy
-    if inner == "eager":  # the same lowered step, run by the graph module's Python (no inductor)
+    if inner == "eager" or callable(inner):  # the same lowered step, run by the graph module's Python
         if mode != "default":
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
         _lower(gm, config, on_cuda, fuse=False)
-        return extra.wrap(gm.forward)
+        return extra.wrap(inner(gm) if callable(inner) else gm.forward)  # a runner: e.g. the recall probe
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
     _lower(gm, config, on_cuda)
@@ -202,7 +202,7 @@ def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fu
     inductor and for ``inner="eager"`` alike: both run the same functions (``fuse=False`` for
     eager: a refined site's refinement and attention stay two calls, each observable, with
     the same kept set and logits as the fused body). ``lower=False`` keeps the ops opaque
-    (their Python bodies: counters, the recall probe)."""
+    (their Python bodies: counters)."""
     if config.compile.lower:
         lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 __all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "OPTION_GROUPS", "CompileOptions", "DebugOptions",
@@ -82,7 +83,7 @@ class CompileOptions:
     """How the rewritten graph is compiled (the backend's business): the fields of the same
     names of :class:`SpeContextConfig`."""
 
-    inner: str
+    inner: str | Callable
     kernel: str
     mode: str | None
     lower: bool
@@ -184,7 +185,9 @@ class SpeContextConfig:
             gains little), ``"inductor"`` (every graph) or ``"eager"`` (the same lowered step
             run by the FX graph module's Python, without inductor: the debugging path, the
             same functions and numbers up to inductor's fusion; with ``lower=False`` our ops
-            are called one by one instead).
+            are called one by one instead), or a runner: a callable given the graph module
+            ``"eager"`` runs, returning the function to call for each step (the recall probe,
+            :class:`~specontext_compile.recall.RecallProbe`, runs it with an ``fx.Interpreter``).
         kernel: sparse attention implementation: ``"auto"`` (generated Triton kernels on
             CUDA, the torch path elsewhere), ``"torch"``, or ``"triton"`` (on CPU this needs
             ``TRITON_INTERPRET=1``: the kernels then run in Triton's interpreter; small
@@ -299,7 +302,7 @@ class SpeContextConfig:
     recent_window: int = 64
     retrieval_layers: tuple[int, ...] | int | None = None
     max_sparse_q_len: int = 1
-    inner: str = "auto"
+    inner: str | Callable = "auto"
     kernel: str = "auto"
     device_memory_bytes: int | str | None = None
     copy_bandwidth: float | None = None
@@ -410,8 +413,10 @@ class SpeContextConfig:
                              "'candidates' > 1 or 'page_rescue' > 0 (the guard's estimate is the share of "
                              "the ranked tokens' attention that each layer keeps); set candidates=2 or leave "
                              "page_rescue at its default")
-        if self.inner not in _INNER:
-            raise ValueError(f"specontext option 'inner' must be one of {_INNER}, got {self.inner!r}")
+        if not callable(self.inner) and self.inner not in _INNER:
+            raise ValueError(f"specontext option 'inner' must be one of {_INNER} or a runner (a callable taking "
+                             f"the lowered graph module, as specontext_compile.recall.RecallProbe.runner), "
+                             f"got {self.inner!r}")
 
     @property
     def selection(self) -> SelectionOptions:

@@ -11,9 +11,10 @@ Measures, in one process on the same machine (docs/report.md explains each figur
   saw the same history, so one early difference does not count twice);
 - ``attention_recall``: at a few sampled decode steps, the share of each layer/head's dense
   attention mass (over every cached token) that its selection covers. The recall probe
-  records from the attention's torch step functions when they run eagerly (not inside the
-  inductor-compiled step), so it is measured on a second, teacher-forced pass of the same
-  tokens through the same lowered step run eagerly (``inner="eager"``): the same functions;
+  (:class:`~.recall.RecallProbe`) reads each attention node's arguments as an
+  ``fx.Interpreter`` runs the lowered step, which inductor's compiled step does not allow,
+  so it is measured on a second, teacher-forced pass of the same tokens through the same
+  lowered step run eagerly (what ``inner="eager"`` runs): the same functions;
 - ``path_counts``: the sparse run's ``SpeContextCache.path_counts()``: decode steps, sparse
   sites, gathered / dense-store sites and the sites the fidelity guard ran dense.
 """
@@ -31,7 +32,7 @@ from tqdm.auto import tqdm
 from . import api
 from .backend import compile_reports
 from .config import SpeContextConfig
-from .runtime.probe import recall_probe
+from .recall import RecallProbe
 
 logger = logging.getLogger(__name__)
 
@@ -125,7 +126,8 @@ def _recall_teacher_forced(model, input_ids, tokens, options, probe_steps) -> li
     ``tokens[k-1]``, as in the sparse run), through the lowered step run eagerly."""
     if not probe_steps:
         return []
-    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner="eager"))
+    probe = RecallProbe()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(options, inner=probe.runner))
     cache = api.make_cache(model, input_ids, len(tokens), retrieval_head=options.get("retrieval_head"))
     recalls = []
     with torch.no_grad():
@@ -133,7 +135,7 @@ def _recall_teacher_forced(model, input_ids, tokens, options, probe_steps) -> li
         for step in tqdm(range(1, max(probe_steps) + 1), desc="recall probe", leave=False):
             token = tokens[step - 1].view(1, 1)
             if step in probe_steps:
-                with recall_probe() as record:
+                with probe.recording() as record:
                     forward(input_ids=token, cache=cache, use_cache=True)
                 recalls.append(record.mean())
             else:

@@ -165,7 +165,7 @@ class PagedBackend:
         gm.recompile()
         inner = self.config.compile.inner
         if inner != "inductor":
-            return gm.forward
+            return inner(gm) if callable(inner) else gm.forward
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, inputs)

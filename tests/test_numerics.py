@@ -29,7 +29,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime.probe import recall_probe, selection_recall
+from specontext_compile.recall import RecallProbe, selection_recall
 from specontext_compile.runtime.retrieval import group_max_softmax
 from specontext_compile.runtime.sparse_attention import (
     attend_gathered,
@@ -376,8 +376,9 @@ def test_probe_recall_is_float64_recall_of_the_layer_attention(soft_cap, window,
 
 
 def test_probe_through_the_op_with_soft_cap_and_sliding_window():
-    """The op passes its soft cap and window to the probe; without them the recall differs
-    (so this input tells the two apart)."""
+    """The probe reads the op node's soft cap and window (from its ``variant`` argument, as
+    an interpreter runs a one-node graph); without them the recall differs (so this input
+    tells the two apart)."""
     torch.manual_seed(4)
     B, H, KV, D, C, length = 1, 4, 2, 16, 48, 40
     q = torch.zeros(B, H, 1, D)
@@ -389,9 +390,15 @@ def test_probe_through_the_op_with_soft_cap_and_sliding_window():
     v = torch.randn(B, KV, C, D)
     idx = torch.tensor([3, 30, 34, 38, length - 1]).expand(B, KV, -1).contiguous()
     scale, cap, window = D**-0.5, 50.0, 24
-    with recall_probe() as rec:
-        torch.ops.specontext.sparse_attention(q, k, v, idx, torch.tensor(length), None, StepSpec(1, 1),
-                                              AttentionVariant(scale, cap, window))
+    graph = torch.fx.Graph()
+    inputs = [graph.placeholder(name) for name in ("query", "keys", "values", "indices", "length")]
+    graph.output(graph.call_function(torch.ops.specontext.sparse_attention.default,
+                                     (*inputs, None, StepSpec(1, 1), AttentionVariant(scale, cap, window))))
+    probe = RecallProbe()
+    step = probe.runner(torch.fx.GraphModule(torch.nn.Module(), graph))
+    with probe.recording() as rec:
+        step(q, k, v, idx, torch.tensor(length))
+    assert len(rec.values) == 1
     want = recall64(q, k, idx, length, scale, cap, window)
     assert abs(rec.mean() - want) < 1e-9
     assert abs(rec.mean() - recall64(q, k, idx, length, scale)) > 0.05

@@ -42,16 +42,17 @@ def test_smollm2_all_30_sites_rewritten_and_exact_with_full_budget(smollm2):
 
 
 def test_smollm2_small_budget_recall_and_closeness(smollm2):
-    from specontext_compile.runtime.probe import recall_probe
+    from specontext_compile.recall import RecallProbe
 
     model, tokenizer = smollm2
     ids = real_prompt(tokenizer, 601)
-    # the recall probe records from the attention's step functions run eagerly: the lowered step
-    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 512, "inner": "eager"})
+    # the recall probe reads the attention nodes of the lowered step, run by its interpreter
+    probe = RecallProbe()
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 512, "inner": probe.runner})
     cache = sc.SpeContextCache(model.config, max_cache_len=640)
     with torch.no_grad():
         compiled(input_ids=ids[:, :600], cache=cache, use_cache=True)
-        with recall_probe() as record:
+        with probe.recording() as record:
             step = compiled(input_ids=ids[:, 600:], cache=cache, use_cache=True).logits[:, -1]
         ref_cache = DynamicCache(config=model.config)
         model(input_ids=ids[:, :600], cache=ref_cache, use_cache=True)
@@ -64,16 +65,17 @@ def test_smollm2_small_budget_recall_and_closeness(smollm2):
 
 
 def test_recall_probe_reports_one_for_a_full_selection(smollm2):
-    from specontext_compile.runtime.probe import recall_probe
+    from specontext_compile.recall import RecallProbe
 
     model, tokenizer = smollm2
     ids = real_prompt(tokenizer, 100)
+    probe = RecallProbe()  # lower=False: the graph calls our ops, which the probe reads too
     compiled = torch.compile(model.forward, backend="specontext",
-                             options={"budget": 1024, "inner": "eager", "lower": False})
+                             options={"budget": 1024, "inner": probe.runner, "lower": False})
     cache = sc.SpeContextCache(model.config, max_cache_len=128)
     with torch.no_grad():
         compiled(input_ids=ids[:, :99], cache=cache, use_cache=True)
-        with recall_probe() as record:
+        with probe.recording() as record:
             compiled(input_ids=ids[:, 99:], cache=cache, use_cache=True)
     assert len(record.values) == 30
     assert min(record.values) > 1 - 1e-9
