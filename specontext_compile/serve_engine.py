@@ -47,9 +47,8 @@ def engine_shapes(engine: dict[str, Any] | None) -> dict[str, Any]:
     compiles once), ``engine`` completed with:
 
     - ``max_requests_per_batch`` = 8 and ``q_padding_interval_size`` = it: a decode step
-      pads its queries to it. Hugging Face's fallback, 64, made a one-request decode step of
-      SmolLM2 score 64 query rows: 1.1-2.2 s per step against 0.16 s at 8 (measured on this
-      2-core CPU, 512 pages of 32 tokens).
+      pads its queries to it. Hugging Face's fallback, 64, made a one-request decode step
+      score 64 query rows, several times slower (docs/serving.md, the padded query rows).
     - ``kv_padding_interval_size`` = the cache's tokens (``num_blocks`` x ``page_size``): one
       KV size, so only the query size varies.
     """
