@@ -24,7 +24,9 @@ import threading
 from typing import Any
 
 from .models import resolve_model
-from .serve_checks import ChatRequest, CompletionRequest, check_capacity, check_request, request_capacity
+from .serve_checks import (ChatRequest, CompletionRequest, check_capacity, check_honoured, check_request,
+                           request_capacity)
+from .serve_stop import ServedEngine
 
 logger = logging.getLogger(__name__)
 
@@ -141,16 +143,25 @@ def _serving_parts():
 
 def _checked(handler_class, schema):
     """``handler_class`` (Hugging Face's chat or text completions handler) that validates each
-    request's values (:func:`~specontext_compile.serve_checks.check_request`), accepts the
-    model's short name (``model_aliases``: the name the server was started with) for the
-    pinned model (another name: a 400 naming the right one), and ends each stream with ``data: [DONE]`` as OpenAI's API does."""
+    request's values (:func:`~specontext_compile.serve_checks.check_request`), refuses fields
+    the engine would silently not apply (:func:`~specontext_compile.serve_checks.check_honoured`),
+    accepts the model's short name (``model_name``: the name the server was started with) for
+    the pinned model (another name: a 400 naming the right one) and answers under that name,
+    applies stop strings (:mod:`~specontext_compile.serve_stop`), and ends each stream with
+    ``data: [DONE]`` as OpenAI's API does."""
 
     class Checked(handler_class):
-        model_aliases: frozenset[str] = frozenset()
+        model_name: str | None = None
+
+        @property
+        def model_aliases(self) -> frozenset[str]:
+            return frozenset({self.model_name} if self.model_name else ())
 
         def _validate_request(self, body: dict) -> None:
             super()._validate_request(body)
             check_request(body, schema)
+            engine = self.model_manager.get_engine(None)
+            check_honoured(body, samples=bool(getattr(engine.generation_config, "do_sample", False)))
             requested, pinned = body.get("model"), self.model_manager.force_model
             if requested in self.model_aliases:
                 body["model"] = pinned
@@ -162,10 +173,16 @@ def _checked(handler_class, schema):
                     f"this server serves one model, {names} (also known as '{pinned}'); requested "
                     f"'{requested}': name it {names} or leave 'model' out"))
 
-        def _streaming(self, *args, **kwargs):
-            response = super()._streaming(*args, **kwargs)
+        def _served(self, engine):
+            return ServedEngine(engine, self.model_name or engine.model_id)
+
+        def _streaming(self, request_id, engine, *args, **kwargs):
+            response = super()._streaming(request_id, self._served(engine), *args, **kwargs)
             response.body_iterator = _ending_with_done(response.body_iterator)
             return response
+
+        async def _non_streaming(self, request_id, engine, *args, **kwargs):
+            return await super()._non_streaming(request_id, self._served(engine), *args, **kwargs)
 
     Checked.__name__ = Checked.__qualname__ = f"Checked{handler_class.__name__}"
     return Checked
@@ -278,7 +295,7 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
     _check_capacity_of(manager.get_engine(None), capacity)
     handlers = dict(model_manager=manager, generation_state=state)
     chat, completion = ChatCompletionHandler(**handlers, chat_template_kwargs={}), CompletionHandler(**handlers)
-    chat.model_aliases = completion.model_aliases = frozenset({model})
+    chat.model_name = completion.model_name = model
     app = hf_build_server(
         manager, chat, completion_handler=completion,
         response_handler=ResponseHandler(**handlers, chat_template_kwargs={}),

@@ -14,7 +14,8 @@ from typing import Any, Literal
 
 import pydantic
 
-__all__ = ["ChatRequest", "CompletionRequest", "check_capacity", "check_request", "request_capacity"]
+__all__ = ["ChatRequest", "CompletionRequest", "check_capacity", "check_honoured", "check_request", "ignored_fields",
+           "request_capacity"]
 
 
 class _Sampling(pydantic.BaseModel):
@@ -30,7 +31,7 @@ class _Sampling(pydantic.BaseModel):
     frequency_penalty: float | None = pydantic.Field(None, ge=-2, le=2)
     seed: int | None = None
     stream: bool | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[pydantic.constr(min_length=1)] | None = None
 
 
 class _Message(pydantic.BaseModel):
@@ -67,6 +68,59 @@ def check_request(body: dict, schema: type[pydantic.BaseModel]) -> None:
     except pydantic.ValidationError as exc:
         errors = [{"loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
         raise HTTPException(status_code=422, detail=errors) from None
+
+
+#: OpenAI fields Hugging Face's continuous-batching engine does not apply, each with the value
+#: that asks nothing of it (a request may send that) and the fix named in the refusal
+_IGNORED = {
+    "n": (1, "send n requests (one choice per request here)"),
+    "best_of": (1, "send several requests and pick yourself"),
+    "echo": (False, "prepend the prompt yourself"),
+    "logprobs": ((None, False, 0), "leave it out: this server returns no log-probabilities"),
+    "top_logprobs": ((None, 0), "leave it out: this server returns no log-probabilities"),
+    "logit_bias": ((None, {}), "leave it out: the engine applies no logit bias"),
+    "frequency_penalty": ((None, 0), "leave it out: the engine applies no penalties"),
+    "presence_penalty": ((None, 0), "leave it out: the engine applies no penalties"),
+    "response_format": ((None, {"type": "text"}), "leave it out: the engine does not constrain its output"),
+}
+
+
+def ignored_fields(body: dict, samples: bool) -> list[str]:
+    """One line per field of ``body`` that this server would not apply, naming the fix.
+
+    ``samples``: whether the engine samples (the model's generation config sets
+    ``do_sample``); a greedy engine cannot honour ``temperature > 0`` or ``top_p < 1``.
+    """
+    problems = []
+    for name, (neutral, fix) in _IGNORED.items():
+        value = body.get(name)
+        accepted = neutral if isinstance(neutral, tuple) else (None, neutral)
+        if value not in accepted:
+            problems.append(f"'{name}': {value!r} is not applied by this server's engine; {fix}")
+    if not samples:
+        temperature, top_p = body.get("temperature"), body.get("top_p")
+        if isinstance(temperature, (int, float)) and temperature > 0:
+            problems.append(f"'temperature': {temperature!r} asks for sampling, but this server decodes greedily (its "
+                            f"model's generation config has do_sample=False); send temperature 0 or leave it out")
+        if isinstance(top_p, (int, float)) and top_p < 1:
+            problems.append(f"'top_p': {top_p!r} asks for nucleus sampling, but this server decodes greedily; "
+                            f"leave it out")
+    return problems
+
+
+def check_honoured(body: dict, samples: bool) -> None:
+    """Refuse a request that asks for something the engine would silently not do
+    (:func:`ignored_fields`): Hugging Face's server logged a warning, at most once, and answered
+    as if the field were absent.
+
+    Raises:
+        fastapi.HTTPException: 400 listing each such field with its fix.
+    """
+    from fastapi import HTTPException
+
+    problems = ignored_fields(body, samples)
+    if problems:
+        raise HTTPException(status_code=400, detail="; ".join(problems))
 
 
 def request_capacity(cb_config) -> int | None:

@@ -169,6 +169,46 @@ def test_a_stream_ends_with_done(server):
     assert all(json.loads(event[6:])["object"] == "chat.completion.chunk" for event in events[:-1])
 
 
+def test_stop_strings_end_the_answer_streamed_or_not(server):
+    """Hugging Face's engine dropped ``stop`` (the answer ran to max_tokens). Now the answer is
+    the greedy answer cut before the stop string, with finish_reason "stop", fewer tokens,
+    the same streamed and not, and the response names the model as the server was started."""
+    from openai import OpenAI
+
+    srv, url = server
+    question = "Write a short poem about the sea."
+    status, full = _post(url, _chat(srv, question, max_tokens=NEW))
+    assert status == 200 and full["model"] == "smollm2-135m"
+    answer = full["choices"][0]["message"]["content"]
+    stop = answer.split()[2]  # a word inside the greedy answer
+    assert len(answer) > answer.find(stop) > 0
+    status, cut = _post(url, _chat(srv, question, max_tokens=NEW, stop=[stop, "never in it"]))
+    assert status == 200, cut
+    assert cut["choices"][0]["message"]["content"] == answer[:answer.find(stop)]
+    assert cut["choices"][0]["finish_reason"] == "stop" and cut["usage"]["completion_tokens"] < NEW
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    chunks = list(client.chat.completions.create(**_chat(srv, question, max_tokens=NEW, stop=stop), stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == answer[:answer.find(stop)]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["stop"]
+    assert {c.model for c in chunks} == {"smollm2-135m"}
+    completion = client.completions.create(model="smollm2-135m", prompt="The sea is", max_tokens=NEW, temperature=0)
+    text = completion.choices[0].text
+    stop = text.split()[1]
+    cut = client.completions.create(model="smollm2-135m", prompt="The sea is", max_tokens=NEW, temperature=0,
+                                    stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("response_format", {"type": "json_object"}),
+                                          ("temperature", 1.5)])
+def test_fields_the_engine_would_ignore_are_refused_naming_them(server, field, value):
+    """They were answered as if absent (``temperature`` 1.5 gave the greedy text: SmolLM2's
+    generation config does not sample)."""
+    srv, url = server
+    status, body = _post(url, {**_chat(srv, "hi"), field: value})
+    assert status == 400 and f"'{field}'" in body["detail"], body
+
+
 def test_text_completions_check_their_prompt(server):
     srv, url = server
     request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(
