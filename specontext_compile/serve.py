@@ -173,6 +173,16 @@ def _checked(handler_class, schema):
                     f"this server serves one model, {names} (also known as '{pinned}'); requested "
                     f"'{requested}': name it {names} or leave 'model' out"))
 
+        def _build_generation_kwargs(self, body: dict, model_generation_config) -> dict:
+            """Hugging Face's, sampling when the request sets ``temperature > 0`` (Hugging Face's
+            kept the model config's ``do_sample``: greedy on a greedy model, whatever the
+            request asked); the engine samples per request (:func:`~.serve_engine.sample_per_request`)."""
+            kwargs = super()._build_generation_kwargs(body, model_generation_config)
+            temperature = body.get("temperature")
+            if isinstance(temperature, (int, float)) and temperature > 0:
+                kwargs["do_sample"] = True
+            return kwargs
+
         def _served(self, engine):
             return ServedEngine(engine, self.model_name or engine.model_id)
 

@@ -88,8 +88,9 @@ _IGNORED = {
 def ignored_fields(body: dict, samples: bool) -> list[str]:
     """One line per field of ``body`` that this server would not apply, naming the fix.
 
-    ``samples``: whether the engine samples (the model's generation config sets
-    ``do_sample``); a greedy engine cannot honour ``temperature > 0`` or ``top_p < 1``.
+    ``samples``: whether the model's generation config samples. A request samples when it sets
+    ``temperature > 0``, or sets none on a model that samples; ``top_p < 1`` on a request that
+    does not sample would do nothing.
     """
     problems = []
     for name, (neutral, fix) in _IGNORED.items():
@@ -97,14 +98,12 @@ def ignored_fields(body: dict, samples: bool) -> list[str]:
         accepted = neutral if isinstance(neutral, tuple) else (None, neutral)
         if value not in accepted:
             problems.append(f"'{name}': {value!r} is not applied by this server's engine; {fix}")
-    if not samples:
-        temperature, top_p = body.get("temperature"), body.get("top_p")
-        if isinstance(temperature, (int, float)) and temperature > 0:
-            problems.append(f"'temperature': {temperature!r} asks for sampling, but this server decodes greedily (its "
-                            f"model's generation config has do_sample=False); send temperature 0 or leave it out")
-        if isinstance(top_p, (int, float)) and top_p < 1:
-            problems.append(f"'top_p': {top_p!r} asks for nucleus sampling, but this server decodes greedily; "
-                            f"leave it out")
+    temperature, top_p = body.get("temperature"), body.get("top_p")
+    sampling = temperature > 0 if isinstance(temperature, (int, float)) else samples
+    if not sampling and isinstance(top_p, (int, float)) and top_p < 1:
+        problems.append(f"'top_p': {top_p!r} applies when sampling, and this request decodes greedily (temperature "
+                        f"{temperature!r}; the model's generation config does not sample): set temperature > 0 or "
+                        f"leave top_p out")
     return problems
 
 

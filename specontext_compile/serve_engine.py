@@ -39,7 +39,7 @@ from transformers.cli.serving.utils import GenerationState
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["SpeContextGenerationState", "SpeContextLoader", "engine_counts", "engine_shapes"]
+__all__ = ["SpeContextGenerationState", "SpeContextLoader", "engine_counts", "engine_shapes", "sample_per_request"]
 
 
 def engine_shapes(engine: dict[str, Any] | None) -> dict[str, Any]:
@@ -58,6 +58,33 @@ def engine_shapes(engine: dict[str, Any] | None) -> dict[str, Any]:
     if engine.get("num_blocks"):
         engine.setdefault("kv_padding_interval_size", engine["num_blocks"] * engine.get("page_size", 256))
     return engine
+
+
+#: the engine's sampling defaults where the model's generation config does not sample: never
+#: read by a request (a sampling request carries its temperature, top-k and top-p; a greedy one
+#: top_k=1, which leaves one token whatever the others), only there so that Hugging Face builds
+#: each per-request processor (it builds none for a neutral value: temperature 1, top_p 1)
+_SAMPLING_DEFAULTS = {"temperature": 0.7, "top_k": 50, "top_p": 0.95}
+
+
+def sample_per_request(generation_config) -> None:
+    """Make the engine able to sample with each request's own temperature, top-k and top-p.
+
+    Hugging Face's continuous-batching engine samples only when the model's generation
+    config does (``do_sample``), and applies a request's temperature, top-k or top-p only
+    through a processor it builds from that config's non-neutral values; on a greedy model
+    (SmolLM2's GGUF) a request's ``temperature: 1.5`` gave the greedy text. Here, in the model's
+    process, a greedy config is turned into a sampling one whose processors exist
+    (:data:`_SAMPLING_DEFAULTS`); a greedy request stays greedy (the API server sends it as
+    ``top_k=1``: one token left, sampled with probability 1), and the API server asks for
+    sampling only when a request sets ``temperature > 0`` (:mod:`.serve`), so a request without
+    a temperature still decodes as the model's config says. A config that samples already is
+    left as it is."""
+    if generation_config.do_sample:
+        return
+    generation_config.do_sample = True
+    for name, value in _SAMPLING_DEFAULTS.items():
+        setattr(generation_config, name, value)
 
 
 class SpeContextLoader(ModelLoader):
@@ -82,6 +109,7 @@ class SpeContextLoader(ModelLoader):
         from .serving import continuous_batching_config
 
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
+        sample_per_request(model.generation_config)
         self.cb_config = continuous_batching_config(model, self.options, **self.engine)
         model.specontext_cb_config = self.cb_config  # engine_counts reads it
         logger.info("specontext serve: %s loaded; its continuous-batching steps compile with options %s", model_id,

@@ -199,11 +199,30 @@ def test_stop_strings_end_the_answer_streamed_or_not(server):
     assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
+def test_a_request_with_a_temperature_samples_and_one_without_stays_greedy(server):
+    """``temperature`` 1.5 gave the greedy text (SmolLM2's generation config does not sample,
+    and Hugging Face's engine then applies no request's temperature). Now it samples: two
+    seeds give two texts, neither the greedy one; the greedy answer is unchanged."""
+    srv, url = server
+    question = "Write a short poem about the sea."
+    greedy = [_post(url, _chat(srv, question, max_tokens=NEW))[1]["choices"][0]["message"]["content"]
+              for _ in range(2)]
+    assert greedy[0] == greedy[1]
+    sampled = []
+    for seed in (1, 2):
+        status, body = _post(url, _chat(srv, question, max_tokens=NEW, temperature=1.5, seed=seed))
+        assert status == 200, body
+        sampled.append(body["choices"][0]["message"]["content"])
+    assert greedy[0] not in sampled and sampled[0] != sampled[1], (greedy, sampled)
+    status, body = _post(url, {key: value for key, value in _chat(srv, question, max_tokens=NEW).items()
+                               if key != "temperature"})
+    assert body["choices"][0]["message"]["content"] == greedy[0]  # no temperature: the model's greedy config
+
+
 @pytest.mark.parametrize("field, value", [("n", 2), ("logprobs", True), ("response_format", {"type": "json_object"}),
-                                          ("temperature", 1.5)])
+                                          ("top_p", 0.5)])
 def test_fields_the_engine_would_ignore_are_refused_naming_them(server, field, value):
-    """They were answered as if absent (``temperature`` 1.5 gave the greedy text: SmolLM2's
-    generation config does not sample)."""
+    """They were answered as if absent (``top_p`` here: on a request at temperature 0)."""
     srv, url = server
     status, body = _post(url, {**_chat(srv, "hi"), field: value})
     assert status == 400 and f"'{field}'" in body["detail"], body

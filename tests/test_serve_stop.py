@@ -166,7 +166,33 @@ def test_neutral_values_pass(body):
     assert ignored_fields(body, samples=False) == []
 
 
-def test_a_greedy_engine_refuses_sampling_and_a_sampling_one_takes_it():
-    body = {"temperature": 0.7, "top_p": 0.9}
-    assert [p.split(":")[0] for p in ignored_fields(body, samples=False)] == ["'temperature'", "'top_p'"]
-    assert ignored_fields(body, samples=True) == []
+def test_top_p_is_refused_only_on_a_request_that_does_not_sample():
+    assert ignored_fields({"temperature": 0.7, "top_p": 0.9}, samples=False) == []  # the request samples
+    assert ignored_fields({"temperature": 1.5}, samples=False) == []
+    assert [p.split(":")[0] for p in ignored_fields({"top_p": 0.9}, samples=False)] == ["'top_p'"]
+    assert [p.split(":")[0] for p in ignored_fields({"temperature": 0, "top_p": 0.9}, samples=True)] == ["'top_p'"]
+    assert ignored_fields({"top_p": 0.9}, samples=True) == []  # no temperature: the model's config samples
+
+
+def test_a_greedy_generation_config_is_made_to_sample_per_request():
+    """The engine builds a per-request temperature, top-k and top-p processor only from
+    non-neutral values of the model's config (Hugging Face's ``_get_logits_processor``)."""
+    from transformers import GenerationConfig
+    from transformers.generation.continuous_batching.cb_logits_processors import (
+        ContinuousBatchingLogitsProcessorList)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specontext_compile.serve_engine import sample_per_request
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    greedy = GenerationConfig()
+    assert ContinuousBatchingLogitsProcessorList(model._get_logits_processor(greedy),
+                                                 per_request_processors=True).supported_keys == {}
+    sample_per_request(greedy)
+    keys = ContinuousBatchingLogitsProcessorList(model._get_logits_processor(greedy),
+                                                 per_request_processors=True).supported_keys
+    assert greedy.do_sample and set(keys) == {"temperature", "top_k", "top_p"}
+    sampling = GenerationConfig(do_sample=True, temperature=0.3, top_k=5, top_p=0.5)
+    sample_per_request(sampling)
+    assert (sampling.temperature, sampling.top_k, sampling.top_p) == (0.3, 5, 0.5)  # left as it is
