@@ -290,8 +290,11 @@ def test_the_server_shuts_down_cleanly():
     process = engine.managed_process
     assert process.is_alive()
     srv.stop()
-    process.join(30)
-    assert not srv._thread.is_alive() and not process.is_alive()
+    # Hugging Face terminates the process, then kills it after 5 s; under the full tier's load
+    # (two workers) one run still saw it alive 30 s after stop(): the bound is the machine's
+    process.join(120)
+    assert not srv._thread.is_alive()
+    assert not process.is_alive(), f"the model's process outlived stop() by 120 s (exitcode {process.exitcode})"
     with pytest.raises(OSError):
         urllib.request.urlopen(f"{url}/health", timeout=5)
 
