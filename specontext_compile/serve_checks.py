@@ -71,11 +71,11 @@ def check_request(body: dict, schema: type[pydantic.BaseModel]) -> None:
 
 
 #: OpenAI fields Hugging Face's continuous-batching engine does not apply, each with the value
-#: that asks nothing of it (a request may send that) and the fix named in the refusal
+#: values that ask nothing of it (a request may send those) and the fix named in the refusal
 _IGNORED = {
-    "n": (1, "send n requests (one choice per request here)"),
-    "best_of": (1, "send several requests and pick yourself"),
-    "echo": (False, "prepend the prompt yourself"),
+    "n": ((None, 1), "send n requests (one choice per request here)"),
+    "best_of": ((None, 1), "send several requests and pick yourself"),
+    "echo": ((None, False), "prepend the prompt yourself"),
     "logprobs": ((None, False, 0), "leave it out: this server returns no log-probabilities"),
     "top_logprobs": ((None, 0), "leave it out: this server returns no log-probabilities"),
     "logit_bias": ((None, {}), "leave it out: the engine applies no logit bias"),
@@ -95,15 +95,14 @@ def ignored_fields(body: dict, samples: bool) -> list[str]:
     problems = []
     for name, (neutral, fix) in _IGNORED.items():
         value = body.get(name)
-        accepted = neutral if isinstance(neutral, tuple) else (None, neutral)
-        if value not in accepted:
+        if value not in neutral:
             problems.append(f"'{name}': {value!r} is not applied by this server's engine; {fix}")
     temperature, top_p = body.get("temperature"), body.get("top_p")
     sampling = temperature > 0 if isinstance(temperature, (int, float)) else samples
     if not sampling and isinstance(top_p, (int, float)) and top_p < 1:
         problems.append(f"'top_p': {top_p!r} applies when sampling, and this request decodes greedily (temperature "
-                        f"{temperature!r}; the model's generation config does not sample): set temperature > 0 or "
-                        f"leave top_p out")
+                        f"{temperature!r}, or none on a model whose generation config does not sample): set "
+                        f"temperature > 0 or leave top_p out")
     return problems
 
 

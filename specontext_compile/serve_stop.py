@@ -15,6 +15,7 @@ strings to both entry points.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from typing import Any
 
@@ -85,8 +86,6 @@ class StopFilter:
         return not self._ready
 
     def get_nowait(self) -> Any:
-        import asyncio
-
         self._drain()
         if not self._ready:
             raise asyncio.QueueEmpty
