@@ -33,7 +33,8 @@ class StepTimer:
     """Wraps a ``torch.compile`` backend: every call of the compiled step is timed and classed
     (decode: every request of the step has one query token; from the step's mask)."""
 
-    def __init__(self):
+    def __init__(self, name: str = "", every: int = 0):
+        self.name, self.every, self.started = name, every, time.perf_counter()
         self.decode: list[float] = []
         self.other: list[float] = []
         self.rows: list[int] = []  # requests decoding in each decode step
@@ -53,12 +54,21 @@ class StepTimer:
                 (self.decode if kind == SPARSE else self.other).append(time.perf_counter() - start)
                 if kind == SPARSE:
                     self.rows.append(rows)
+                    self.progress()
                 return out
 
             return call
 
         timed.backend = getattr(backend, "backend", None)
         return timed
+
+    def progress(self) -> None:
+        """Every ``every`` decode steps, one line on stderr: a run of thousands of steps shows how far it is."""
+        if self.every and len(self.decode) % self.every == 0:
+            recent = statistics.median(self.decode[-self.every:])
+            print(f"{self.name}: {len(self.decode)} decode steps, {len(self.other)} other, "
+                  f"{time.perf_counter() - self.started:.0f} s, median of the last {self.every}: "
+                  f"{1e3 * recent:.1f} ms", file=sys.stderr, flush=True)
 
     def summary(self, requests: int) -> dict:
         steps = sorted(self.decode)
@@ -155,7 +165,7 @@ def run(args) -> dict:
     tokens = {}
     for name in args.engines:
         torch._dynamo.reset()
-        timer = StepTimer()
+        timer = StepTimer(name, args.progress_every)
         if name == "dense":
             compile_config = CompileConfig(backend=timer.wrap(compiler), mode="default", fullgraph=False, dynamic=False)
             cb = ContinuousBatchingConfig(varlen_compile_config=compile_config, **settings)
@@ -176,7 +186,7 @@ def run(args) -> dict:
         if name != "dense":
             results[name]["path_counts"] = serving.path_counts(cb)
             results[name]["state_bytes"] = serving.state_bytes(cb)
-        print(name, json.dumps(results[name]), file=sys.stderr)
+        print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
     bandwidth = measure_copy_bandwidth()
     weights = param_bytes(model)
     per_token = kv_bytes_per_token(model.config)
@@ -216,6 +226,8 @@ def main(argv=None) -> None:
                         choices=("dense", "specontext", "specontext-p0"))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--progress-every", type=int, default=128,
+                        help="print a progress line every this many decode steps (0: never)")
     args = parser.parse_args(argv)
     if args.page_rescue is None:  # the option's default at this budget
         from specontext_compile.config import SpeContextConfig
