@@ -33,16 +33,19 @@ class StepTimer:
     """Wraps a ``torch.compile`` backend: every call of the compiled step is timed and classed
     (decode: every request of the step has one query token; from the step's mask)."""
 
-    def __init__(self, name: str = "", every: int = 0):
+    def __init__(self, name: str = "", every: int = 0, recompile_limit: int | None = None):
         self.name, self.every, self.started = name, every, time.perf_counter()
+        self.recompile_limit = recompile_limit  # raised in the engine's thread, where the step compiles
         self.decode: list[float] = []
         self.other: list[float] = []
         self.rows: list[int] = []  # requests decoding in each decode step
 
     def wrap(self, backend):
         from specontext_compile.runtime.paged import SPARSE, classify_step
+        from specontext_compile.serving import raise_recompile_limit
 
         def timed(gm, example_inputs, **kwargs):
+            raise_recompile_limit(self.recompile_limit)  # past it torch would run a step untimed
             names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
             mask = next(i for i, name in enumerate(names) if "attention_mask" in name)
             step = backend(gm, example_inputs, **kwargs)
@@ -99,13 +102,15 @@ def prompts(tokenizer, requests: int, length: int) -> list[list[int]]:
 
 def engine_settings(args) -> dict:
     """Static shapes: decode steps pad the query to the request count, every step pads the
-    packed KV to the whole cache (one graph for decode steps, one for prefill chunks); no
-    safety margin of free blocks, so that all requests run at once."""
+    packed KV to the whole cache (one graph for decode steps, one for prefill chunks; or to a
+    multiple of ``--kv-padding`` tokens: a graph per padded size, each step reads less padding);
+    no safety margin of free blocks, so that all requests run at once."""
     per_request = -(-(args.input + args.output) // args.page) + 1
     blocks = args.requests * per_request + 2
+    kv_padding = getattr(args, "kv_padding", None) or blocks * args.page
     return dict(block_size=args.page, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
                 max_requests_per_batch=args.requests, q_padding_interval_size=args.requests,
-                kv_padding_interval_size=blocks * args.page, auto_switch_to_flash=False,
+                kv_padding_interval_size=kv_padding, auto_switch_to_flash=False,
                 safety_margin=0.0)  # every request at once (the default margin ran 8 requests as ~2 waves of 4)
 
 
@@ -152,7 +157,6 @@ def run(args) -> dict:
     from specontext_compile.models import load_model
 
     torch.set_num_threads(args.threads)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 16)
     model, tokenizer = load_model(args.model)
     model.set_attn_implementation("sdpa")
     inputs = prompts(tokenizer, args.requests, args.input)
@@ -165,7 +169,7 @@ def run(args) -> dict:
     tokens = {}
     for name in args.engines:
         torch._dynamo.reset()
-        timer = StepTimer(name, args.progress_every)
+        timer = StepTimer(name, args.progress_every, serving._recompile_limit(settings))
         if name == "dense":
             compile_config = CompileConfig(backend=timer.wrap(compiler), mode="default", fullgraph=False, dynamic=False)
             cb = ContinuousBatchingConfig(varlen_compile_config=compile_config, **settings)
@@ -224,6 +228,9 @@ def main(argv=None) -> None:
     parser.add_argument("--inner", choices=("inductor", "eager"), default="inductor")
     parser.add_argument("--engines", nargs="+", default=["dense", "specontext"],
                         choices=("dense", "specontext", "specontext-p0"))
+    parser.add_argument("--kv-padding", type=int, default=None,
+                        help="pad the packed KV of each step to a multiple of this many tokens (default: the whole "
+                             "cache, one graph per step kind)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--progress-every", type=int, default=128,

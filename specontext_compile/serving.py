@@ -181,12 +181,18 @@ _NOT_BUILT = {
 
 def _recompile_limit(engine: dict[str, Any]) -> int | None:
     """Graphs the engine's step may need: one per padded query size
-    (``max_batch_tokens / q_padding_interval_size``) plus two; None when the engine does not
-    pad queries (``q_padding_interval_size`` unset: sizes are not bounded here)."""
+    (``max_batch_tokens / q_padding_interval_size``) and padded KV size (the cache's tokens,
+    ``num_blocks`` x ``page_size``, over ``kv_padding_interval_size``; one when unset), plus
+    two; None when the engine does not pad queries (``q_padding_interval_size`` unset: sizes
+    are not bounded here)."""
     interval = engine.get("q_padding_interval_size")
     if not interval:
         return None
-    return -(-(engine.get("max_batch_tokens") or 512) // interval) + 2
+    queries = -(-(engine.get("max_batch_tokens") or 512) // interval)
+    kv_interval, blocks = engine.get("kv_padding_interval_size"), engine.get("num_blocks")
+    page = engine.get("page_size") or engine.get("block_size") or 256
+    kv_sizes = -(-(blocks * page) // kv_interval) if kv_interval and blocks else 1
+    return queries * kv_sizes + 2
 
 
 def raise_recompile_limit(limit: int | None) -> None:

@@ -321,3 +321,18 @@ def test_serving_floors_and_memory_count_what_each_engine_reads_and_keeps():
     assert memory["kv_cache_bytes"] == 64_000 and memory["kv_bytes_per_request"] == per_token * 2304
     assert memory["state_bytes_per_request"] == 1000 and memory["state_share_of_kv_cache"] == 8000 / 64_000
     assert serving.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and serving.first_divergence([1, 2], [1, 2]) == 2
+
+
+def test_serving_progress_prints_every_n_decode_steps_the_median_of_those_steps(capsys):
+    from benchmarks import serving
+
+    timer = serving.StepTimer("dense", every=2)
+    for seconds in (0.1, 0.3, 0.5):
+        timer.decode.append(seconds)
+        timer.progress()
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dense: 2 decode steps") and "200.0 ms" in lines[0], lines
+    quiet = serving.StepTimer("dense")  # every=0: never
+    quiet.decode.append(0.1)
+    quiet.progress()
+    assert capsys.readouterr().err == ""

@@ -404,3 +404,17 @@ def test_a_sliding_window_model_is_refused_with_the_fix():
                         num_key_value_heads=2, vocab_size=128, sliding_window=16)
     with pytest.raises(ValueError, match="sliding_attention.*ContinuousBatchingConfig"):
         sc.continuous_batching_config(MistralForCausalLM(cfg), {"budget": 16, **OPTIONS}, **ENGINE)
+
+
+def test_the_recompile_limit_counts_every_padded_query_and_kv_size():
+    """A graph per (padded query size, padded KV size): with the KV padded to a quarter of the
+    cache, four KV sizes per query size (one counted before: past the limit torch ran steps
+    without the backend)."""
+    from specontext_compile.serving import _recompile_limit
+
+    engine = {"q_padding_interval_size": 8, "max_batch_tokens": 512, "num_blocks": 16, "page_size": 32}
+    assert _recompile_limit(engine) == 64 + 2
+    assert _recompile_limit({**engine, "kv_padding_interval_size": 512}) == 64 + 2  # the whole cache: one size
+    assert _recompile_limit({**engine, "kv_padding_interval_size": 128}) == 64 * 4 + 2
+    assert _recompile_limit({**engine, "kv_padding_interval_size": 100}) == 64 * 6 + 2  # 512 / 100, rounded up
+    assert _recompile_limit({"max_batch_tokens": 512}) is None
