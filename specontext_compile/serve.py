@@ -24,8 +24,8 @@ import threading
 from typing import Any
 
 from .models import resolve_model
-from .serve_checks import (ChatRequest, CompletionRequest, check_capacity, check_honoured, check_request,
-                           request_capacity)
+from .serve_checks import (ChatRequest, CompletionRequest, ResponseRequest, check_capacity, check_honoured,
+                           check_request, request_capacity)
 from .serve_stop import ServedEngine
 
 logger = logging.getLogger(__name__)
@@ -137,18 +137,20 @@ def _serving_parts():
         raise ImportError("specontext serve needs Hugging Face's serving stack: "
                           "pip install 'transformers[serving]' (fastapi, uvicorn, openai, pydantic)")
     return (uvicorn, ModelManager, _checked(ChatCompletionHandler, ChatRequest),
-            _checked(CompletionHandler, CompletionRequest), ResponseHandler, TranscriptionHandler, SystemOneHandler,
-            hf_build_server)
+            _checked(CompletionHandler, CompletionRequest), _checked(ResponseHandler, ResponseRequest, done=False),
+            TranscriptionHandler, SystemOneHandler, hf_build_server)
 
 
-def _checked(handler_class, schema):
-    """``handler_class`` (Hugging Face's chat or text completions handler) that validates each
-    request's values (:func:`~specontext_compile.serve_checks.check_request`), refuses fields
-    the engine would silently not apply (:func:`~specontext_compile.serve_checks.check_honoured`),
-    accepts the model's short name (``model_name``: the name the server was started with) for
-    the pinned model (another name: a 400 naming the right one) and answers under that name,
-    applies stop strings (:mod:`~specontext_compile.serve_stop`), and ends each stream with
-    ``data: [DONE]`` as OpenAI's API does."""
+def _checked(handler_class, schema, done: bool = True):
+    """``handler_class`` (Hugging Face's chat, text completions or responses handler) that
+    validates each request's values (:func:`~specontext_compile.serve_checks.check_request`
+    against ``schema``), refuses fields the engine would silently not apply
+    (:func:`~specontext_compile.serve_checks.check_honoured`), samples when the request sets a
+    temperature, accepts the model's short name (``model_name``: the name the server was
+    started with) for the pinned model (another name: a 400 naming the right one) and answers
+    under that name, applies stop strings (:mod:`~specontext_compile.serve_stop`), and, with
+    ``done``, ends each stream with ``data: [DONE]`` as OpenAI's completions APIs do (its
+    responses API ends a stream with its ``response.completed`` event)."""
 
     class Checked(handler_class):
         model_name: str | None = None
@@ -161,7 +163,7 @@ def _checked(handler_class, schema):
             super()._validate_request(body)
             check_request(body, schema)
             engine = self.model_manager.get_engine(None)
-            check_honoured(body, samples=bool(getattr(engine.generation_config, "do_sample", False)))
+            check_honoured(body, bool(getattr(engine.generation_config, "do_sample", False)), schema)
             requested, pinned = body.get("model"), self.model_manager.force_model
             if requested in self.model_aliases:
                 body["model"] = pinned
@@ -188,7 +190,8 @@ def _checked(handler_class, schema):
 
         def _streaming(self, request_id, engine, *args, **kwargs):
             response = super()._streaming(request_id, self._served(engine), *args, **kwargs)
-            response.body_iterator = _ending_with_done(response.body_iterator)
+            if done:
+                response.body_iterator = _ending_with_done(response.body_iterator)
             return response
 
         async def _non_streaming(self, request_id, engine, *args, **kwargs):

@@ -53,8 +53,8 @@ def server():
     srv.stop()
 
 
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(f"{url}/v1/chat/completions", data=json.dumps(body).encode(),
+def _post(url: str, body: dict, path: str = "/v1/chat/completions") -> tuple[int, dict]:
+    request = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=600) as response:
@@ -226,6 +226,55 @@ def test_fields_the_engine_would_ignore_are_refused_naming_them(server, field, v
     srv, url = server
     status, body = _post(url, {**_chat(srv, "hi"), field: value})
     assert status == 400 and f"'{field}'" in body["detail"], body
+
+
+def _respond(srv, content: str, **extra) -> dict:
+    return {"model": srv.model_name, "input": content, "max_output_tokens": NEW, "temperature": 0, **extra}
+
+
+def _output_text(body: dict) -> str:
+    return "".join(part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"])
+
+
+def test_responses_answer_as_chat_does_under_the_started_name_streamed_or_not(server):
+    """``/v1/responses`` renders the same chat as ``/v1/chat/completions``: the same greedy text."""
+    from openai import OpenAI
+
+    srv, url = server
+    question = QUESTIONS[1]
+    chat = _post(url, _chat(srv, question))[1]["choices"][0]["message"]["content"]
+    status, body = _post(url, _respond(srv, question), "/v1/responses")
+    assert status == 200, body
+    assert _output_text(body) == chat and body["model"] == srv.model_name, body
+    events = OpenAI(base_url=f"{url}/v1", api_key="unused").responses.create(**_respond(srv, question), stream=True)
+    streamed = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert streamed == chat
+
+
+def test_a_responses_request_with_a_temperature_samples(server):
+    """As for chat (Hugging Face's shared handler kept the greedy config: temperature 1.5 gave
+    the greedy text): two seeds, two texts, neither the greedy one."""
+    srv, url = server
+    question = "Write a short poem about the sea."
+    greedy = _output_text(_post(url, _respond(srv, question), "/v1/responses")[1])
+    sampled = [_output_text(_post(url, _respond(srv, question, temperature=1.5, seed=seed), "/v1/responses")[1])
+               for seed in (1, 2)]
+    assert greedy not in sampled and sampled[0] != sampled[1], (greedy, sampled)
+
+
+@pytest.mark.parametrize("path, body, status, words", [
+    ("/v1/responses", {"previous_response_id": "resp_1"}, 400, "'previous_response_id'"),
+    ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, 400, "'text'"),
+    ("/v1/responses", {"input": ""}, 422, "input"),
+    ("/v1/responses", {"max_output_tokens": 0}, 422, "max_output_tokens"),
+    ("/v1/responses", {"generation_config": '{"num_beams": 2}'}, 400, "'num_beams'"),
+    ("/v1/chat/completions", {"generation_config": '{"repetition_penalty": 1.3}'}, 400, "'repetition_penalty'"),
+    ("/v1/chat/completions", {"tool_choice": "none"}, 400, "'tool_choice'")])
+def test_what_the_engine_would_not_apply_is_refused_on_every_endpoint(server, path, body, status, words):
+    srv, url = server
+    base = _respond(srv, "hi") if path == "/v1/responses" else _chat(srv, "hi")
+    code, answer = _post(url, {**base, **body}, path)
+    assert code == status and words in json.dumps(answer), answer
 
 
 def test_text_completions_check_their_prompt(server):
