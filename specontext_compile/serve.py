@@ -308,10 +308,10 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
     _check_capacity_of(manager.get_engine(None), capacity)
     handlers = dict(model_manager=manager, generation_state=state)
     chat, completion = ChatCompletionHandler(**handlers, chat_template_kwargs={}), CompletionHandler(**handlers)
-    chat.model_name = completion.model_name = model
+    response = ResponseHandler(**handlers, chat_template_kwargs={})
+    chat.model_name = completion.model_name = response.model_name = model
     app = hf_build_server(
-        manager, chat, completion_handler=completion,
-        response_handler=ResponseHandler(**handlers, chat_template_kwargs={}),
+        manager, chat, completion_handler=completion, response_handler=response,
         transcription_handler=TranscriptionHandler(manager),
         systemone_handler=SystemOneHandler(**handlers, chat_template_kwargs={}, decision_config=None))
     _add_counters_route(app, manager)
