@@ -58,12 +58,12 @@ _RESPONSES_NOT_APPLIED = {
     "conversation": ((None,), _NO_STATE),
     "prompt": ((None,), "send the prompt template's text as 'instructions' and 'input'"),
     "text": ((None, {"format": {"type": "text"}}), "leave it out: the engine does not constrain its output"),
-    "top_logprobs": ((None, 0), "leave it out: this server returns no log-probabilities"),
+    "top_logprobs": _NOT_APPLIED["top_logprobs"],
     "include": ((None, []), "leave it out: this server adds nothing to its answers"),
     "background": ((None, False), "leave it out: the answer comes when it is done (or stream it)"),
-    "tool_choice": ((None, "auto"), "leave it out: the model chooses whether to call a tool"),
+    "tool_choice": _CHAT_NOT_APPLIED["tool_choice"],
     "max_tool_calls": ((None,), "leave it out: the engine does not count tool calls"),
-    "reasoning": ((None,), "leave it out: the engine does not set a reasoning effort"),
+    "reasoning": _CHAT_NOT_APPLIED["reasoning_effort"],
 }
 
 
@@ -156,9 +156,9 @@ def ignored_fields(body: dict, samples: bool, schema: type[_Generation] = ChatRe
         value = body.get(name)
         if value not in neutral:
             problems.append(f"'{name}': {value!r} is not applied by this server's engine; {fix}")
-    problems += _generation_config_problems(body.get("generation_config"))
-    temperature, top_p = body.get("temperature"), body.get("top_p")
     requested = _parsed(body.get("generation_config"))
+    problems += _generation_config_problems(requested)
+    temperature, top_p = body.get("temperature"), body.get("top_p")
     if isinstance(temperature, (int, float)):
         sampling = temperature > 0
     elif isinstance(requested, dict) and "do_sample" in requested:  # as Hugging Face merges it
@@ -182,10 +182,10 @@ def _parsed(text: Any) -> Any:
         return exc
 
 
-def _generation_config_problems(text: Any) -> list[str]:
-    """The request's ``generation_config`` (a JSON object, as a string) must name only keys the
-    engine applies: Hugging Face's handler merged any key, and the engine dropped the others."""
-    requested = _parsed(text)
+def _generation_config_problems(requested: Any) -> list[str]:
+    """The request's ``generation_config`` (a JSON object, as a string; here :func:`_parsed`)
+    must name only keys the engine applies: Hugging Face's handler merged any key, and the
+    engine dropped the others."""
     if requested is None:
         return []
     if isinstance(requested, ValueError):
