@@ -108,7 +108,7 @@ def engine_settings(args) -> dict:
     per_request = -(-(args.input + args.output) // args.page) + 1
     blocks = args.requests * per_request + 2
     kv_padding = getattr(args, "kv_padding", None) or blocks * args.page
-    return dict(block_size=args.page, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
+    return dict(page_size=args.page, num_blocks=blocks, max_batch_tokens=args.max_batch_tokens,
                 max_requests_per_batch=args.requests, q_padding_interval_size=args.requests,
                 kv_padding_interval_size=kv_padding, auto_switch_to_flash=False,
                 safety_margin=0.0)  # every request at once (the default margin ran 8 requests as ~2 waves of 4)
@@ -130,7 +130,7 @@ def memory(args, settings: dict, per_token: int, state: int) -> dict:
     for every engine: ours keeps the whole KV resident), one request's KV at its last token,
     and the retrieval state ours keeps beside it (``specontext_compile.serving.state_bytes``),
     in all and per request."""
-    cache = settings["num_blocks"] * settings["block_size"] * per_token
+    cache = settings["num_blocks"] * settings["page_size"] * per_token
     return {"kv_cache_bytes": cache, "kv_bytes_per_request": per_token * (args.input + args.output),
             "state_bytes": state, "state_bytes_per_request": state // args.requests,
             "state_share_of_kv_cache": state / cache}
@@ -148,6 +148,24 @@ def floor_bytes(args, engine: str, weights: int, per_token: int) -> int:
     return weights + args.requests * (per_token * kept + per_token // 2 * rescued)
 
 
+def dense_whole_run_bound(dense: dict, args) -> dict:
+    """When dense ran only the first ``--dense-output`` tokens of each request: a lower bound on
+    its whole run, seconds. Its measured run (prefill and the first decode steps) plus one step
+    per remaining token at the median of the decode steps it ran, which read the shortest KV
+    of the run (a dense step reads every cached token: later steps cost at least as much).
+    Generated tokens/s over that bound is an upper bound on dense's."""
+    remaining = args.output - args.dense_output
+    seconds = dense["generate_batch_s"] + remaining * dense["median_ms"] / 1e3
+    return {"dense_output": args.dense_output, "whole_run_s_lower_bound": seconds,
+            "generated_tokens_per_s_upper_bound": args.requests * args.output / seconds}
+
+
+def write(args, report: dict) -> None:
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(report, indent=1))
+
+
 def run(args) -> dict:
     from transformers import ContinuousBatchingConfig, GenerationConfig
     from transformers.generation.configuration_utils import CompileConfig
@@ -160,8 +178,9 @@ def run(args) -> dict:
     model, tokenizer = load_model(args.model)
     model.set_attn_implementation("sdpa")
     inputs = prompts(tokenizer, args.requests, args.input)
-    gen = GenerationConfig(max_new_tokens=args.output, do_sample=False, eos_token_id=-1,
-                           pad_token_id=tokenizer.pad_token_id or 0)
+    gen = {n: GenerationConfig(max_new_tokens=args.dense_output if n == "dense" and args.dense_output else args.output,
+                               do_sample=False, eos_token_id=-1, pad_token_id=tokenizer.pad_token_id or 0)
+           for n in args.engines}
     settings = engine_settings(args)
     compiler = {"inductor": inductor, "eager": eager}[args.inner]
     serving._traceable_cache_update()  # the dense step as one graph too, as ours is
@@ -180,7 +199,7 @@ def run(args) -> dict:
             cb.varlen_compile_config.backend = timer.wrap(cb.varlen_compile_config.backend)
         start = time.perf_counter()
         with torch.no_grad():
-            out = model.generate_batch(inputs=inputs, generation_config=gen, continuous_batching_config=cb)
+            out = model.generate_batch(inputs=inputs, generation_config=gen[name], continuous_batching_config=cb)
         wall = time.perf_counter() - start
         errors = [o.error for o in out.values() if o.error is not None]
         if errors:
@@ -191,17 +210,25 @@ def run(args) -> dict:
             results[name]["path_counts"] = serving.path_counts(cb)
             results[name]["state_bytes"] = serving.state_bytes(cb)
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
+        write(args, {"command": " ".join(["python -m benchmarks.serving", *sys.argv[1:]]), "args": vars(args),
+                     "partial": True, "results": results, "tokens": tokens})  # hours of work survive a crash
     bandwidth = measure_copy_bandwidth()
     weights = param_bytes(model)
     per_token = kv_bytes_per_token(model.config)
     for name in results:
         results[name]["floor_ms"] = 1e3 * floor_bytes(args, name, weights, per_token) / bandwidth
         results[name]["memory"] = memory(args, settings, per_token, results[name].get("state_bytes", 0))
+    if args.dense_output and "dense" in results:
+        results["dense"]["whole_run"] = dense_whole_run_bound(results["dense"], args)
     for name in list(results) if "dense" in results and results["dense"].get("median_ms") else ():
         if name == "dense":
             continue
         results[name]["speedup_decode_step"] = results["dense"]["median_ms"] / results[name]["median_ms"]
-        results[name]["requests_with_dense_tokens"] = sum(a == b for a, b in zip(tokens["dense"], tokens[name]))
+        results[name]["requests_with_dense_tokens"] = sum(a == b[:len(a)] for a, b in zip(tokens["dense"], tokens[name]))
+        if "whole_run" in results["dense"]:  # ours measured whole, dense bounded: a lower bound on the ratio
+            ours = args.requests * args.output / results[name]["generate_batch_s"]
+            results[name]["speedup_whole_run_lower_bound"] = ours / results["dense"]["whole_run"][
+                "generated_tokens_per_s_upper_bound"]
         results[name]["first_divergence"] = [first_divergence(a, b) for a, b in zip(tokens["dense"], tokens[name])]
         if name == "specontext":  # where the runs before 2026-12-03 wrote them
             for key in ("speedup_decode_step", "requests_with_dense_tokens", "first_divergence"):
@@ -231,6 +258,9 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-padding", type=int, default=None,
                         help="pad the packed KV of each step to a multiple of this many tokens (default: the whole "
                              "cache, one graph per step kind)")
+    parser.add_argument("--dense-output", type=int, default=None,
+                        help="dense generates only this many tokens per request (the same prompts): its whole run "
+                             "is then bounded from below from the steps it ran (results.dense.whole_run)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     parser.add_argument("--progress-every", type=int, default=128,
@@ -240,11 +270,10 @@ def main(argv=None) -> None:
         from specontext_compile.config import SpeContextConfig
 
         args.page_rescue = SpeContextConfig.from_options({"budget": args.budget}).selection.page_rescue
+    if args.dense_output is not None and not 0 < args.dense_output <= args.output:
+        parser.error(f"--dense-output {args.dense_output}: give 1 to --output ({args.output}) tokens")
     report = run(args)
-    text = json.dumps(report, indent=1)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text)
+    write(args, report)
     print(json.dumps(report["results"], indent=1))
 
 

@@ -317,7 +317,7 @@ def test_serving_floors_and_memory_count_what_each_engine_reads_and_keeps():
     big = Namespace(**{**vars(args), "page_rescue": 10_000})  # the rescue cannot read past the context
     assert serving.floor_bytes(big, "specontext", weights, per_token) == weights + 8 * (
         per_token * 512 + 50 * (context - 512))
-    memory = serving.memory(args, {"num_blocks": 10, "block_size": 64}, per_token, state=8000)
+    memory = serving.memory(args, {"num_blocks": 10, "page_size": 64}, per_token, state=8000)
     assert memory["kv_cache_bytes"] == 64_000 and memory["kv_bytes_per_request"] == per_token * 2304
     assert memory["state_bytes_per_request"] == 1000 and memory["state_share_of_kv_cache"] == 8000 / 64_000
     assert serving.first_divergence([1, 2, 3], [1, 2, 4]) == 2 and serving.first_divergence([1, 2], [1, 2]) == 2
@@ -336,3 +336,21 @@ def test_serving_progress_prints_every_n_decode_steps_the_median_of_those_steps(
     quiet.decode.append(0.1)
     quiet.progress()
     assert capsys.readouterr().err == ""
+
+
+def test_serving_dense_prefix_bounds_its_whole_run_from_the_steps_it_ran():
+    """``--dense-output``: dense's whole run is at least its measured prefix plus one median
+    early step per remaining token; the ratio ours / that bound is a lower bound on the speedup;
+    a token list equal to the first tokens of ours counts as equal."""
+    from argparse import Namespace
+
+    from benchmarks import serving
+
+    args = Namespace(requests=8, output=3072, dense_output=512)
+    bound = serving.dense_whole_run_bound({"generate_batch_s": 1000.0, "median_ms": 3000.0}, args)
+    assert bound["whole_run_s_lower_bound"] == 1000.0 + 2560 * 3.0
+    assert bound["generated_tokens_per_s_upper_bound"] == 8 * 3072 / 8680.0
+    with pytest.raises(SystemExit):  # a prefix longer than the run, or empty, is refused by argparse
+        serving.main(["--output", "16", "--dense-output", "32"])
+    with pytest.raises(SystemExit):
+        serving.main(["--output", "16", "--dense-output", "0"])

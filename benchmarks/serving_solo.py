@@ -1,0 +1,87 @@
+"""Each request of a ``benchmarks.serving`` run alone (issue 28, target "every request's text
+equal to its solo sparse run").
+
+Reads the JSON a ``benchmarks.serving`` run wrote, rebuilds its prompts (the same windows of
+real text), and runs the first ``--check`` requests one at a time through ``sc.compile`` (the
+one-request step, ``SpeContextCache``) with the options the batched engine ran; compares each
+request's greedy tokens with the tokens the batched specontext engine gave it, and counts the
+gather path of the solo run (every decode step of every layer must have gathered).
+
+    python -m benchmarks.serving_solo --run docs/serving_8x4096_3072.json --check 2 --json docs/serving_8x4096_3072_solo.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from .serving import first_divergence, prompts
+
+
+def solo_options(run_args: dict) -> dict:
+    """The options the batched ``specontext`` engine of that run was built with."""
+    return {"budget": run_args["budget"], "page_rescue": run_args["page_rescue"],
+            "candidates": run_args["candidates"], "inner": "eager" if run_args["inner"] == "eager" else "auto"}
+
+
+def run_alone(model, prompt: list[int], new_tokens: int) -> tuple[list[int], dict, float]:
+    """One prompt through the compiled model: its generated tokens, path counts, seconds."""
+    import specontext_compile as sc
+
+    cache = sc.SpeContextCache(model.config, max_cache_len=len(prompt) + new_tokens + 1)
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, cache=cache, pad_token_id=0, eos_token_id=None)
+    return out[0, len(prompt):].tolist(), cache.path_counts(), time.perf_counter() - start
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", required=True, help="the JSON a benchmarks.serving run wrote (with engine specontext)")
+    parser.add_argument("--check", type=int, default=1, help="how many requests (the first ones) to run alone")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    with open(args.run) as f:
+        report = json.load(f)
+    if "specontext" not in report.get("tokens", {}):
+        parser.error(f"{args.run} holds no tokens of engine specontext: run benchmarks.serving with it first")
+
+    import specontext_compile as sc
+    from specontext_compile.models import load_model
+
+    run_args = report["args"]
+    torch.set_num_threads(args.threads)
+    model, tokenizer = load_model(run_args["model"])
+    inputs = prompts(tokenizer, run_args["requests"], run_args["input"])[:args.check]
+    options = solo_options(run_args)
+    layers = model.config.num_hidden_layers
+    requests = []
+    sc.compile(model, **options)
+    try:
+        for i, prompt in enumerate(inputs):
+            tokens, counts, seconds = run_alone(model, prompt, run_args["output"])
+            batched = report["tokens"]["specontext"][i]
+            requests.append({"request": i, "equal": tokens == batched, "first_divergence": first_divergence(batched, tokens),
+                             "seconds": seconds, "path_counts": counts,
+                             "every_decode_step_gathered": counts.get("gather_sites") == (run_args["output"] - 1) * layers,
+                             "tokens": tokens})
+            print(json.dumps({k: v for k, v in requests[-1].items() if k != "tokens"}), file=sys.stderr, flush=True)
+    finally:
+        sc.restore(model)
+    result = {"command": " ".join(["python -m benchmarks.serving_solo", *sys.argv[1:]]), "run": args.run,
+              "options": options, "requests": requests,
+              "requests_equal": sum(r["equal"] for r in requests), "checked": len(requests)}
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
