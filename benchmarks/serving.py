@@ -160,6 +160,10 @@ def dense_whole_run_bound(dense: dict, args) -> dict:
             "generated_tokens_per_s_upper_bound": args.requests * args.output / seconds}
 
 
+def command() -> str:
+    return " ".join(["python -m benchmarks.serving", *sys.argv[1:]])
+
+
 def write(args, report: dict) -> None:
     if args.json:
         with open(args.json, "w") as f:
@@ -210,8 +214,7 @@ def run(args) -> dict:
             results[name]["path_counts"] = serving.path_counts(cb)
             results[name]["state_bytes"] = serving.state_bytes(cb)
         print(name, json.dumps(results[name]), file=sys.stderr, flush=True)
-        write(args, {"command": " ".join(["python -m benchmarks.serving", *sys.argv[1:]]), "args": vars(args),
-                     "partial": True, "results": results, "tokens": tokens})  # hours of work survive a crash
+        write(args, {"command": command(), "args": vars(args), "partial": True, "results": results, "tokens": tokens})  # hours of work survive a crash
     bandwidth = measure_copy_bandwidth()
     weights = param_bytes(model)
     per_token = kv_bytes_per_token(model.config)
@@ -233,8 +236,7 @@ def run(args) -> dict:
         if name == "specontext":  # where the runs before 2026-12-03 wrote them
             for key in ("speedup_decode_step", "requests_with_dense_tokens", "first_divergence"):
                 results[key] = results[name][key]
-    return {"command": " ".join(["python -m benchmarks.serving", *sys.argv[1:]]), "args": vars(args),
-            "machine": machine_info(), "copy_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights,
+    return {"command": command(), "args": vars(args), "machine": machine_info(), "copy_bandwidth_gbs": bandwidth / 1e9, "weight_bytes": weights,
             "engine": settings, "results": results, "tokens": tokens}
 
 
