@@ -21,6 +21,8 @@ def add_parser(sub) -> None:
     p.add_argument("--page-size", type=int, default=32, help="tokens per KV cache page")
     p.add_argument("--max-batch-tokens", type=int, default=512, help="tokens per engine step")
     p.add_argument("--max-requests", type=int, default=8, help="requests per engine step (decode steps pad to it)")
+    p.add_argument("--grace", type=float, default=5.0,
+                   help="seconds requests in flight may still take after Ctrl-C; then they get an error response")
     p.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -34,7 +36,7 @@ def run(args) -> int:
     if not isinstance(options, dict):
         raise ValueError(f"--options must be a JSON object, got {args.options!r}")
     options.setdefault("budget", args.budget)
-    server = build_server(args.model, options, host=args.host, port=args.port, dtype=args.dtype,
+    server = build_server(args.model, options, host=args.host, port=args.port, dtype=args.dtype, grace=args.grace,
                           engine=dict(num_blocks=args.num_blocks, page_size=args.page_size,
                                       max_batch_tokens=args.max_batch_tokens,
                                       max_requests_per_batch=args.max_requests))

@@ -26,6 +26,7 @@ from typing import Any
 from .models import resolve_model
 from .serve_checks import (ChatRequest, CompletionRequest, ResponseRequest, check_capacity, check_honoured,
                            check_request, request_capacity)
+from .serve_drain import Draining
 from .serve_stop import ServedEngine
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class Server:
     model_id: str
     model_name: str
     capacity: int | None
+    draining: Draining | None = None
     _thread: threading.Thread | None = None
     _loop: asyncio.AbstractEventLoop | None = None
 
@@ -68,8 +70,13 @@ class Server:
         finally:
             self.shutdown_engine()
 
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop serving: the HTTP server first (no new requests), then the model's process."""
+    def stop(self, timeout: float = 30.0, grace: float | None = None) -> None:
+        """Stop serving: the HTTP server first (no new requests; those in flight get ``grace``
+        seconds, by default the one built with, then an error response:
+        :class:`~.serve_drain.Draining`), then the model's process. ``timeout``: seconds to
+        wait for the server's thread."""
+        if self.draining is not None:
+            self.draining.stop(grace)
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=timeout)
@@ -254,7 +261,8 @@ def _capacity(engine: dict[str, Any]) -> int | None:
 
 
 def build_server(model: str, options: dict[str, Any] | None = None, *, host: str = "localhost", port: int = 8000,
-                 device: str = "cpu", dtype: str = "float32", engine: dict[str, Any] | None = None) -> Server:
+                 device: str = "cpu", dtype: str = "float32", engine: dict[str, Any] | None = None,
+                 grace: float = 5.0) -> Server:
     """Start the model's process (load the model) and build the OpenAI-compatible server
     around it (not started: :meth:`Server.start` or :meth:`Server.run`).
 
@@ -273,6 +281,8 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
             ``max_batch_tokens`` (Hugging Face sizes the cache from the host's memory otherwise).
             Padding defaults as :func:`~.serve_engine.engine_shapes`. Requests whose prompt and
             ``max_tokens`` pass the cache get an error response.
+        grace: seconds a request in flight may still take once the server stops (Ctrl-C,
+            :meth:`Server.stop`); then it gets a 503, or an error event on a stream.
 
     Returns:
         :class:`Server`.
@@ -281,7 +291,7 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
         ImportError: the serving extra is missing or transformers is older than 5.25 (the
             message names the install).
         ValueError: bad options or options the continuous-batching step does not build
-            (before the model loads), an unknown model, or ``varlen_compile_config`` among the
+            (before the model loads), a negative ``grace``, an unknown model, or ``varlen_compile_config`` among the
             engine fields.
         RuntimeError: the model's process failed to load the model or to build the step (e.g.
             a model with sliding-window layers), with the reason.
@@ -290,6 +300,8 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
 
     options = dict(options or {})
     check_options(options)  # bad options fail before minutes of loading
+    if not grace >= 0:
+        raise ValueError(f"grace must be >= 0 seconds, got {grace}")
     if engine and "varlen_compile_config" in engine:
         raise ValueError("build_server sets varlen_compile_config itself (the specontext backend); pass backend "
                          "options as `options` instead")
@@ -315,8 +327,26 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
         transcription_handler=TranscriptionHandler(manager),
         systemone_handler=SystemOneHandler(**handlers, chat_template_kwargs={}, decision_config=None))
     _add_counters_route(app, manager)
-    # Ctrl-C: in-flight requests get a few seconds, then uvicorn cancels them
-    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=5))
+    # Ctrl-C or stop(): requests in flight get `grace` seconds, then an error response
+    # (serve_drain); uvicorn's own timeout, above it, finds nothing left to cancel
+    draining = Draining(app, grace)
+    config = uvicorn.Config(draining, host=host, port=port, log_level="warning", timeout_graceful_shutdown=grace + 5)
+    server = _stopping_server(uvicorn)(config, draining)
     logger.info("specontext serve: %s with options %s on %s:%d", model_id, options, host, port)
     return Server(app=app, server=server, generation_state=state, model_manager=manager, model_id=model_id,
-                  model_name=model, capacity=capacity)
+                  model_name=model, capacity=capacity, draining=draining)
+
+
+def _stopping_server(uvicorn):
+    """uvicorn's server whose exit (Ctrl-C, SIGTERM) starts the draining of requests in flight."""
+
+    class StoppingServer(uvicorn.Server):
+        def __init__(self, config, draining: Draining):
+            super().__init__(config)
+            self.draining = draining
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self.draining.stop()
+
+    return StoppingServer

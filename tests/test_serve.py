@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import socket
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -331,14 +333,55 @@ def test_the_model_process_refuses_to_serve_without_the_backend(monkeypatch):
         state.cb_config = object()
 
 
+def _stream_events(url: str, srv, first_chunk: threading.Event) -> list[str]:
+    """A long streamed chat's raw events (``data: ...``), read as they come; sets
+    ``first_chunk`` once an answer token has arrived."""
+    request = urllib.request.Request(f"{url}/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                     data=json.dumps(_chat(srv, "Tell a long story.", max_tokens=400,
+                                                           stream=True)).encode())
+    events = []
+    with urllib.request.urlopen(request, timeout=600) as response:
+        for line in response:
+            if line.strip():
+                events.append(line.decode().strip())
+                if '"content"' in events[-1]:
+                    first_chunk.set()
+    return events
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def test_the_server_shuts_down_cleanly():
+    """stop() with a stream and a plain request in flight: each gets an error naming the stop
+    after the grace (the stream an error event and [DONE], the plain one a 503), nothing is
+    logged as an ASGI exception, and the model's process and the port go."""
     srv, url = _start()
+    uvicorn_log = _Records()  # uvicorn's logger does not propagate to the root (caplog)
+    logging.getLogger("uvicorn.error").addHandler(uvicorn_log)
     status, _ = _post(url, _chat(srv, "Say hi.", max_tokens=3))
     assert status == 200
     engine = srv.model_manager.get_engine(None)  # Hugging Face's EngineClient of the model's process
     process = engine.managed_process
     assert process.is_alive()
-    srv.stop()
+    first_chunk = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        streamed = pool.submit(_stream_events, url, srv, first_chunk)
+        plain = pool.submit(_post, url, _chat(srv, "Tell another long story.", max_tokens=400))
+        assert first_chunk.wait(300), "the stream sent no answer token"
+        srv.stop(grace=0.5)
+        events, (status, body) = streamed.result(60), plain.result(60)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2].removeprefix("data: "))["error"]["type"] == "server_stopping"
+    assert status == 503 and "server stopped" in body["error"]["message"]
+    logging.getLogger("uvicorn.error").removeHandler(uvicorn_log)
+    assert not [m for m in uvicorn_log.messages if "Exception in ASGI application" in m or "graceful shutdown" in m]
     # Hugging Face terminates the process, then kills it after 5 s; under the full tier's load
     # (two workers) one run still saw it alive 30 s after stop(): the bound is the machine's
     process.join(120)
