@@ -2,12 +2,16 @@
 equal to its solo sparse run").
 
 Reads the JSON a ``benchmarks.serving`` run wrote, rebuilds its prompts (the same windows of
-real text), and runs the first ``--check`` requests one at a time through ``sc.compile`` (the
+real text), and runs ``--check`` of its requests (from ``--start``) one at a time through ``sc.compile`` (the
 one-request step, ``SpeContextCache``) with the options the batched engine ran; compares each
 request's greedy tokens with the tokens the batched specontext engine gave it, and counts the
 gather path of the solo run (every decode step of every layer must have gathered).
 
     python -m benchmarks.serving_solo --run docs/serving_8x4096_3072.json --check 2 --json docs/serving_8x4096_3072_solo.json
+    python -m benchmarks.serving_solo --run docs/serving_8x4096_3072.json --start 2 --check 6 --json docs/serving_8x4096_3072_solo.json
+
+The second command adds requests 2-7 to the report the first wrote (one run of each request
+takes 10-15 minutes here at [4K in, 3K out]).
 """
 
 from __future__ import annotations
@@ -40,10 +44,39 @@ def run_alone(model, prompt: list[int], new_tokens: int) -> tuple[list[int], dic
     return out[0, len(prompt):].tolist(), cache.path_counts(), time.perf_counter() - start
 
 
+def _earlier(path: str | None, run: str) -> dict | None:
+    """The report already at ``path`` if it checked the same run (its requests are kept)."""
+    try:
+        with open(path) as f:
+            earlier = json.load(f)
+    except (TypeError, FileNotFoundError):
+        return None
+    if earlier.get("run") != run:
+        raise SystemExit(f"{path} reports on {earlier.get('run')}, not {run}: give another --json")
+    earlier.setdefault("commands", [earlier.pop("command")] if "command" in earlier else [])
+    return earlier
+
+
+def merged(earlier: dict | None, report: dict) -> dict:
+    """``report`` with the requests of an ``earlier`` report of the same run that it did not
+    rerun (a rerun request replaces the earlier one), in request order, and the tally."""
+    requests, commands = report["requests"], report["commands"]
+    if earlier:
+        ran = {r["request"] for r in requests}
+        requests = sorted([r for r in earlier["requests"] if r["request"] not in ran] + requests,
+                          key=lambda r: r["request"])
+        commands = earlier["commands"] + commands
+    return {**report, "commands": commands, "requests": requests,
+            "requests_equal": sum(r["equal"] for r in requests), "checked": len(requests)}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--run", required=True, help="the JSON a benchmarks.serving run wrote (with engine specontext)")
-    parser.add_argument("--check", type=int, default=1, help="how many requests (the first ones) to run alone")
+    parser.add_argument("--check", type=int, default=1, help="how many requests to run alone")
+    parser.add_argument("--start", type=int, default=0,
+                        help="the first request to run (requests start .. start + check - 1); with --json naming a "
+                             "report of the same run, its requests are kept and these added")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -58,13 +91,13 @@ def main(argv=None) -> None:
     run_args = report["args"]
     torch.set_num_threads(args.threads)
     model, tokenizer = load_model(run_args["model"])
-    inputs = prompts(tokenizer, run_args["requests"], run_args["input"])[:args.check]
+    inputs = prompts(tokenizer, run_args["requests"], run_args["input"])[args.start:args.start + args.check]
     options = solo_options(run_args)
     layers = model.config.num_hidden_layers
     requests = []
     sc.compile(model, **options)
     try:
-        for i, prompt in enumerate(inputs):
+        for i, prompt in enumerate(inputs, start=args.start):
             tokens, counts, seconds = run_alone(model, prompt, run_args["output"])
             batched = report["tokens"]["specontext"][i]
             requests.append({"request": i, "equal": tokens == batched, "first_divergence": first_divergence(batched, tokens),
@@ -74,9 +107,9 @@ def main(argv=None) -> None:
             print(json.dumps({k: v for k, v in requests[-1].items() if k != "tokens"}), file=sys.stderr, flush=True)
     finally:
         sc.restore(model)
-    result = {"command": " ".join(["python -m benchmarks.serving_solo", *sys.argv[1:]]), "run": args.run,
-              "options": options, "requests": requests,
-              "requests_equal": sum(r["equal"] for r in requests), "checked": len(requests)}
+    command = " ".join(["python -m benchmarks.serving_solo", *sys.argv[1:]])
+    result = merged(_earlier(args.json, args.run), {"commands": [command], "run": args.run, "options": options,
+                                                    "requests": requests})
     if args.json:
         with open(args.json, "w") as f:
             f.write(json.dumps(result, indent=1))

@@ -354,3 +354,27 @@ def test_serving_dense_prefix_bounds_its_whole_run_from_the_steps_it_ran():
         serving.main(["--output", "16", "--dense-output", "32"])
     with pytest.raises(SystemExit):
         serving.main(["--output", "16", "--dense-output", "0"])
+
+
+def test_serving_solo_adds_a_later_invocations_requests_to_the_report_of_the_same_run(tmp_path):
+    """``serving_solo --start``: a second invocation keeps the first's requests, replaces any it
+    reruns, keeps request order and recounts; a report of another run is refused."""
+    import json
+
+    from benchmarks import serving_solo
+
+    def request(i, equal):
+        return {"request": i, "equal": equal}
+
+    first = serving_solo.merged(None, {"commands": ["a"], "run": "r.json", "requests": [request(0, True), request(1, False)]})
+    assert (first["checked"], first["requests_equal"]) == (2, 1)
+    path = tmp_path / "solo.json"
+    old_format = {k: v for k, v in first.items() if k != "commands"}
+    path.write_text(json.dumps({**old_format, "command": "a"}))  # the first format: one command
+    earlier = serving_solo._earlier(str(path), "r.json")
+    both = serving_solo.merged(earlier, {"commands": ["b"], "run": "r.json", "requests": [request(2, True), request(1, True)]})
+    assert [r["request"] for r in both["requests"]] == [0, 1, 2]
+    assert (both["checked"], both["requests_equal"], both["commands"]) == (3, 3, ["a", "b"])
+    with pytest.raises(SystemExit, match="not other.json"):
+        serving_solo._earlier(str(path), "other.json")
+    assert serving_solo._earlier(str(tmp_path / "absent.json"), "r.json") is None
