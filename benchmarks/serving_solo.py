@@ -84,6 +84,9 @@ def main(argv=None) -> None:
         report = json.load(f)
     if "specontext" not in report.get("tokens", {}):
         parser.error(f"{args.run} holds no tokens of engine specontext: run benchmarks.serving with it first")
+    if args.check < 1 or not 0 <= args.start < report["args"]["requests"]:
+        parser.error(f"--check must be >= 1 and --start one of the run's {report['args']['requests']} requests "
+                     f"(0 .. {report['args']['requests'] - 1}); got --check {args.check} --start {args.start}")
 
     import specontext_compile as sc
     from specontext_compile.models import load_model
@@ -94,6 +97,8 @@ def main(argv=None) -> None:
     inputs = prompts(tokenizer, run_args["requests"], run_args["input"])[args.start:args.start + args.check]
     options = solo_options(run_args)
     layers = model.config.num_hidden_layers
+    earlier = _earlier(args.json, args.run)
+    command = " ".join(["python -m benchmarks.serving_solo", *sys.argv[1:]])
     requests = []
     sc.compile(model, **options)
     try:
@@ -105,16 +110,13 @@ def main(argv=None) -> None:
                              "every_decode_step_gathered": counts.get("gather_sites") == (run_args["output"] - 1) * layers,
                              "tokens": tokens})
             print(json.dumps({k: v for k, v in requests[-1].items() if k != "tokens"}), file=sys.stderr, flush=True)
+            result = merged(earlier, {"commands": [command], "run": args.run, "options": options, "requests": requests})
+            if args.json:  # after each request: a run stopped early keeps what it checked
+                with open(args.json, "w") as f:
+                    f.write(json.dumps(result, indent=1))
     finally:
         sc.restore(model)
-    command = " ".join(["python -m benchmarks.serving_solo", *sys.argv[1:]])
-    result = merged(_earlier(args.json, args.run), {"commands": [command], "run": args.run, "options": options,
-                                                    "requests": requests})
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1))
-
 
 if __name__ == "__main__":
     main()
