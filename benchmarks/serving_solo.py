@@ -11,7 +11,7 @@ gather path of the solo run (every decode step of every layer must have gathered
     python -m benchmarks.serving_solo --run docs/serving_8x4096_3072.json --start 2 --check 6 --json docs/serving_8x4096_3072_solo.json
 
 The second command adds requests 2-7 to the report the first wrote (one run of each request
-takes 10-15 minutes here at [4K in, 3K out]).
+takes 6-8 minutes on this quiet 2-core CPU at [4K in, 3K out]: docs/serving.md).
 """
 
 from __future__ import annotations
@@ -117,6 +117,7 @@ def main(argv=None) -> None:
     finally:
         sc.restore(model)
     print(json.dumps({k: v for k, v in result.items() if k != "requests"}, indent=1))
+
 
 if __name__ == "__main__":
     main()
