@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import multiprocessing.connection
 import threading
+import time
 from typing import Any
 
 from .models import resolve_model
@@ -73,17 +75,27 @@ class Server:
     def stop(self, timeout: float = 30.0, grace: float | None = None) -> None:
         """Stop serving: the HTTP server first (no new requests; those in flight get ``grace``
         seconds, by default the one built with, then an error response:
-        :class:`~.serve_drain.Draining`), then the model's process. ``timeout``: seconds to
-        wait for the server's thread."""
+        :class:`~.serve_drain.Draining`), then the model's process, and return once it has
+        ended. ``timeout``: seconds to wait for the server's thread, and again for the model's
+        process (a warning is logged if it is still running then)."""
+        processes = self._model_processes()  # before the server's exit: Hugging Face's lifespan stops them too
         if self.draining is not None:
             self.draining.stop(grace)
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-        self.shutdown_engine()
-
-    def shutdown_engine(self) -> None:
         self.model_manager.shutdown()
+        _wait_ended(processes, timeout)
+
+    def shutdown_engine(self, timeout: float = 30.0) -> None:
+        """Stop the model's process and wait up to ``timeout`` seconds for it to end."""
+        processes = self._model_processes()
+        self.model_manager.shutdown()
+        _wait_ended(processes, timeout)
+
+    def _model_processes(self) -> list:
+        engines = getattr(self.model_manager, "engines", {}).values()
+        return [e.managed_process for e in engines if getattr(e, "managed_process", None) is not None]
 
     @property
     def alive(self) -> bool:
@@ -335,6 +347,22 @@ def build_server(model: str, options: dict[str, Any] | None = None, *, host: str
     logger.info("specontext serve: %s with options %s on %s:%d", model_id, options, host, port)
     return Server(app=app, server=server, generation_state=state, model_manager=manager, model_id=model_id,
                   model_name=model, capacity=capacity, draining=draining)
+
+
+def _wait_ended(processes: list, timeout: float) -> None:
+    """Wait up to ``timeout`` seconds for the model processes to end, on their sentinels.
+
+    Hugging Face terminates a model's process and reaps it on a thread of its own (killing it
+    after 5 s). A sentinel does not reap, so this cannot race that thread, as
+    ``Process.is_alive`` from a second thread can: the reaper's ``waitpid`` leaves the other
+    one an ``ECHILD``, which multiprocessing reads as "still running"."""
+    sentinels = [p.sentinel for p in processes]
+    deadline = time.monotonic() + timeout
+    while sentinels and (left := deadline - time.monotonic()) > 0:  # wait() returns when any one has ended
+        ended = multiprocessing.connection.wait(sentinels, left)
+        sentinels = [s for s in sentinels if s not in ended]
+    if sentinels:
+        logger.warning("%d model process(es) still running %.0f s after they were told to stop", len(sentinels), timeout)
 
 
 def _stopping_server(uvicorn):
