@@ -17,6 +17,8 @@ instead of a prefill. For every workload and batch size (1..32) and every conten
 * ``specontext-eager``: the op chain run one op at a time (``inner="eager", lower=False``:
   the state before issue 11); ``specontext`` is the default (lowered ops compiled by inductor);
   ``specontext-cudagraphs`` adds CUDA graphs (``mode="reduce-overhead"``);
+* ``specontext-torch-kernel`` (``-cudagraphs``): the same with ``kernel="torch"``, i.e. the
+  attention as inductor's own gather kernels instead of the generated kernel (issue 27, item 6);
 
 it reports the median decode ms/step (CUDA-synchronised wall time), tokens/s
 (``batch * 1000 / ms``), the peak device memory and the KV bytes held. Configurations whose
@@ -134,6 +136,9 @@ SPECONTEXT_VARIANTS = {
     "specontext-eager": {"inner": "eager", "lower": False},
     "specontext-inductor": {"inner": "inductor"},
     "specontext-cudagraphs": {"mode": "reduce-overhead"},
+    # the compiled step with inductor's own gather kernels instead of the generated one (before issue 27, item 6)
+    "specontext-torch-kernel": {"kernel": "torch"},
+    "specontext-torch-kernel-cudagraphs": {"kernel": "torch", "mode": "reduce-overhead"},
 }
 
 
@@ -184,6 +189,13 @@ def _sites_rewritten() -> str | None:
 
     decode = [r for r in compile_reports() if r.result.phase == "decode"]
     return f"{decode[-1].sites_rewritten}/{decode[-1].sites_total}" if decode else None
+
+
+def _kernel_sites() -> int:
+    """Sites the lowering sent to the generated kernel so far (runtime/kernel_step.py)."""
+    from torch._dynamo.utils import counters
+
+    return counters["specontext"]["kernel_sites_lowered"]
 
 
 def flex_available() -> str | None:
@@ -283,10 +295,12 @@ def main(argv=None) -> int:
                         model.set_attn_implementation("flex_attention")
                     else:
                         model.set_attn_implementation("sdpa")
+                    lowered_before = _kernel_sites()
                     row.update(run_one(name, model, forwards[name], args, batch, context,
                                        device, dtype))
                     if name.startswith("specontext"):
                         row["sites_rewritten"] = _sites_rewritten()
+                        row["kernel_sites_lowered"] = _kernel_sites() - lowered_before  # compiled in this row
                 except Exception as err:  # a contender failing must not lose the table
                     first_line = (str(err).splitlines() or [""])[0][:120]
                     row["note"] = f"error: {type(err).__name__}: {first_line}"

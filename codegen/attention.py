@@ -244,6 +244,7 @@ def _run(
     soft_cap: float | None,
     sliding_window: int | None,
     num_splits: int | None,
+    wrap=None,
 ) -> torch.Tensor:
     _require_runnable(out.device)
     batch, num_heads, q_len, head_dim_v = out.shape
@@ -273,6 +274,7 @@ def _run(
         window=int(sliding_window or 0),
         split_size=splits.split_size,
         num_splits=splits.num_splits,
+        **({"wrap": wrap} if wrap is not None else {}),
     )
     return out
 
@@ -291,6 +293,7 @@ def sparse_decode_attention(
     num_splits: int | None = None,
     block_n: int = 0,
     out: torch.Tensor | None = None,
+    wrap=None,
 ) -> torch.Tensor:
     """Attention of each query row over the selected cache positions only (generated Triton).
 
@@ -318,6 +321,10 @@ def sparse_decode_attention(
         num_splits: flash-decoding splits per selection (None = chosen for the device).
         block_n: selection entries per inner step (0 = chosen from the head dims).
         out: optional preallocated ``[batch, num_heads, q_len, head_dim_v]`` output.
+        wrap: applied to each generated kernel before its launch:
+            ``torch.library.wrap_triton`` inside a ``torch.library.triton_op`` (so that
+            torch.compile sees and fuses the kernels: :mod:`~specontext_compile.runtime.kernel_step`);
+            None launches them directly.
 
     Returns:
         ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. A row with no allowed
@@ -364,6 +371,7 @@ def sparse_decode_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         num_splits=num_splits,
+        wrap=wrap,
     )
 
 

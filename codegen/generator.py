@@ -323,8 +323,10 @@ def sparse_decode_merge_kernel(
 
 _LAUNCH = Template('''
 def launch(${launch_tensors},
-           out, part_out, part_lse, *, scale, soft_cap, window, split_size, num_splits):
+           out, part_out, part_lse, *, scale, soft_cap, window, split_size, num_splits, wrap=None):
     """Run both phases. Inputs are validated by specontext_compile.codegen.attention.
+    ``wrap``: applied to each kernel before its launch (``torch.library.wrap_triton``
+    inside a ``triton_op``, so that torch.compile sees the kernels); None launches them as they are.
 
     Shapes: out [batch, heads, ${q_len}, ${head_dim_v}] (${dtype}); part_out
     [batch, heads, ${q_len}, num_splits, ${head_dim_v}] and part_lse [batch, heads, ${q_len},
@@ -332,7 +334,10 @@ def launch(${launch_tensors},
     """
     batch, num_heads = out.shape[0], out.shape[1]
     num_kv_heads = num_heads // ${group}
-    sparse_decode_split_kernel[(batch, num_kv_heads * ${row_tiles}, num_splits)](
+    split_kernel, merge_kernel = sparse_decode_split_kernel, sparse_decode_merge_kernel
+    if wrap is not None:
+        split_kernel, merge_kernel = wrap(split_kernel), wrap(merge_kernel)
+    split_kernel[(batch, num_kv_heads * ${row_tiles}, num_splits)](
         ${pointer_kwargs}
         q_stride_b=query.stride(0), q_stride_h=query.stride(1),
         q_stride_t=query.stride(2), q_stride_d=query.stride(3),
@@ -353,7 +358,7 @@ def launch(${launch_tensors},
         HAS_SOFT_CAP=${soft_cap}, HAS_WINDOW=${sliding_window},
         num_warps=${num_warps}, num_stages=${num_stages},
     )
-    sparse_decode_merge_kernel[(batch, num_heads, ${q_len})](
+    merge_kernel[(batch, num_heads, ${q_len})](
         part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
         po_stride_b=part_out.stride(0), po_stride_h=part_out.stride(1),
         po_stride_t=part_out.stride(2), po_stride_s=part_out.stride(3),

@@ -201,8 +201,10 @@ def sparse_decode_merge_kernel(
 
 
 def launch(query, key_cache, value_cache, indices, valid_length,
-           out, part_out, part_lse, *, scale, soft_cap, window, split_size, num_splits):
+           out, part_out, part_lse, *, scale, soft_cap, window, split_size, num_splits, wrap=None):
     """Run both phases. Inputs are validated by specontext_compile.codegen.attention.
+    ``wrap``: applied to each kernel before its launch (``torch.library.wrap_triton``
+    inside a ``triton_op``, so that torch.compile sees the kernels); None launches them as they are.
 
     Shapes: out [batch, heads, 1, 128] (bf16); part_out
     [batch, heads, 1, num_splits, 128] and part_lse [batch, heads, 1,
@@ -210,7 +212,10 @@ def launch(query, key_cache, value_cache, indices, valid_length,
     """
     batch, num_heads = out.shape[0], out.shape[1]
     num_kv_heads = num_heads // 4
-    sparse_decode_split_kernel[(batch, num_kv_heads * 1, num_splits)](
+    split_kernel, merge_kernel = sparse_decode_split_kernel, sparse_decode_merge_kernel
+    if wrap is not None:
+        split_kernel, merge_kernel = wrap(split_kernel), wrap(merge_kernel)
+    split_kernel[(batch, num_kv_heads * 1, num_splits)](
         q_ptr=query, k_ptr=key_cache, v_ptr=value_cache,
         idx_ptr=indices, vlen_ptr=valid_length,
         part_out_ptr=part_out, part_lse_ptr=part_lse,
@@ -237,7 +242,7 @@ def launch(query, key_cache, value_cache, indices, valid_length,
         HAS_SOFT_CAP=False, HAS_WINDOW=False,
         num_warps=4, num_stages=2,
     )
-    sparse_decode_merge_kernel[(batch, num_heads, 1)](
+    merge_kernel[(batch, num_heads, 1)](
         part_out_ptr=part_out, part_lse_ptr=part_lse, out_ptr=out,
         po_stride_b=part_out.stride(0), po_stride_h=part_out.stride(1),
         po_stride_t=part_out.stride(2), po_stride_s=part_out.stride(3),

@@ -48,7 +48,7 @@ import operator
 import torch
 from torch import fx
 
-from ..runtime import aten_step, mla, offload_step, page_bounds
+from ..runtime import aten_step, kernel_step, mla, offload_step, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import is_op, op_arguments
 
@@ -69,6 +69,8 @@ class LowerResult:
     removed: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     kept: dict[str, str] = dataclasses.field(default_factory=dict)  # op -> reason
     fused: int = 0  # (refine_selection, sparse_attention) pairs lowered as one refine_and_attend
+    kernel: int = 0  # sparse attention sites lowered to the generated Triton kernel (CUDA)
+    kernel_refused: collections.Counter = dataclasses.field(default_factory=collections.Counter)  # CUDA: reason -> sites
 
 
 def _packet(target):
@@ -194,6 +196,27 @@ def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
                 args["page_shift"]))
 
 
+def _value(arg):
+    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
+
+
+def _on_cuda(node: fx.Node) -> bool:
+    query = _value(op_arguments(node, _SPARSE)["query"])
+    return isinstance(query, torch.Tensor) and query.device.type == "cuda"
+
+
+def _kernel_reason(node: fx.Node) -> str | None:
+    """:func:`kernel_step.kernel_reason` of a ``sparse_attention`` node, read from its
+    arguments' example values (``meta["val"]``)."""
+    nodes = op_arguments(node, _SPARSE)
+    args = {name: _value(arg) for name, arg in nodes.items()}
+    known = [args[name] for name in ("query", "key_cache", "indices")] + ([args["attn_mask"]] if nodes["attn_mask"] is not None else [])
+    if not all(isinstance(t, torch.Tensor) for t in known):
+        return "no example values to decide from"
+    return kernel_step.kernel_reason(args["query"], args["key_cache"], args["indices"], args["attn_mask"],
+                                     args["spec"], args["variant"])
+
+
 def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True) -> LowerResult:
     """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
 
@@ -240,6 +263,13 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
         elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
             node.target = aten_step.sparse_attention if packet is _SPARSE else mla.mla_sparse_attention
             result.lowered[name] += 1
+            if packet is _SPARSE and _on_cuda(node):
+                reason = _kernel_reason(node)
+                if reason is None:
+                    node.target = kernel_step.kernel_attention
+                    result.kernel += 1
+                else:
+                    result.kernel_refused[reason] += 1
         elif packet in (_SPARSE, _OPS.mla_sparse_attention):
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"
         else:
@@ -248,4 +278,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
     graph.lint()
     for name, reason in result.kept.items():
         logger.info("specontext: %s stays an op: %s", name, reason)
+    if result.kernel or result.kernel_refused:
+        logger.info("specontext: %d sparse attention site(s) call the generated Triton kernel; torch body for %s",
+                    result.kernel, dict(result.kernel_refused) or "none")
     return result

@@ -44,8 +44,8 @@ if [ -n "${DRY:-}" ]; then export TRITON_INTERPRET=1; fi
 if [[ " $STAGES " == *" tests "* ]]; then
   echo "== tests"
   xdist=(); "$PY" -c "import xdist" 2>/dev/null && [ -z "${DRY:-}" ] && xdist=(-n 6)
-  timeout 180 "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_cuda.py \
-    tests/test_codegen_attention.py tests/test_codegen_offsets.py tests/test_codegen_retrieval.py \
+  timeout ${TESTS_S:-180} "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_cuda.py \
+    tests/test_kernel_step.py tests/test_codegen_attention.py tests/test_codegen_offsets.py tests/test_codegen_retrieval.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
@@ -59,11 +59,11 @@ if [[ " $STAGES " == *" kernels "* ]]; then
 fi
 if [[ " $STAGES " == *" e2e "* ]]; then
   echo "== end to end"
-  args=(--workloads 2048:16384 --batches 1 8 --contenders sdpa sdpa-cudagraphs specontext-eager specontext
-        specontext-cudagraphs --time-budget 150)
-  [ -n "${DRY:-}" ] && args=(--dry-run --contenders sdpa sdpa-cudagraphs specontext-eager specontext
-                              specontext-cudagraphs)
-  timeout 190 "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
+  contenders=(sdpa sdpa-cudagraphs specontext specontext-torch-kernel specontext-cudagraphs
+              specontext-torch-kernel-cudagraphs)
+  args=(--workloads 2048:16384 --batches 1 8 --contenders "${contenders[@]}" --time-budget ${E2E_BUDGET_S:-150})
+  [ -n "${DRY:-}" ] && args=(--dry-run --contenders "${contenders[@]}")
+  timeout ${E2E_S:-190} "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
     2>&1 | tee "$OUT/gpu_e2e.log" | tail -20
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

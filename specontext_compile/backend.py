@@ -206,6 +206,7 @@ def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fu
     if config.compile.lower:
         lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
+        counters["specontext"]["kernel_sites_lowered"] += lowered.kernel  # CUDA: the generated kernel (kernel_step)
         _REPORTS[-1].lowered = lowered
     gm.recompile()
 

@@ -142,6 +142,9 @@ def _step_calls(index: int, report: CompileReport) -> str:
     if lowered is not None:
         text += (f"; lowered to aten: {sum(lowered.lowered.values())} op nodes, {lowered.fused} refine+attend "
                  f"pairs fused; kept as ops: {', '.join(sorted(lowered.kept)) or 'none'}")
+        if lowered.kernel or lowered.kernel_refused:
+            text += (f"; generated Triton kernel at {lowered.kernel} site(s)"
+                     + "".join(f", torch body at {n} ({why})" for why, n in lowered.kernel_refused.items()))
     return f"graph {index}: {text}"
 
 

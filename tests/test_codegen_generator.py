@@ -77,7 +77,7 @@ def test_source_follows_kernel_conventions():
     assert "tl.program_id(0).to(tl.int64)" in src  # int64 program ids
     assert "k_stride_c" in src and "q_ptr" in src  # x_ptr / x_stride_* naming
     launch = src[src.index("def launch(") :]
-    call = launch[launch.index("sparse_decode_split_kernel[") :]
+    call = launch[launch.index("split_kernel[(") :]
     args = call[call.index("(", call.index("]")) + 1 : call.index("\n    )")]
     assert "=" in args and all(
         "=" in part for part in args.replace("\n", " ").split(",") if part.strip()

@@ -155,3 +155,40 @@ def test_draft_head_selection_on_cuda(tmp_path, variant):
     assert triton_calls["torch"] == 0 and triton_calls["triton"] > 0, triton_calls  # two kernels compared
     for step, (a, b) in enumerate(zip(runs["triton"], runs["torch"])):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_the_default_step_calls_the_generated_kernel_inside_inductor(mode):
+    """Default options (two-stage selection with the page rescue) at a small budget: the
+    lowering sends every layer's decode attention to the generated kernel
+    (``specontext::generated_attention``, a ``triton_op`` inductor traces through
+    ``wrap_triton``; runtime/kernel_step.py), decode steps after warm-up never sync with the
+    host (with CUDA graphs too), every site gathered with the rescue, and the logits equal the
+    same compiled step with ``kernel="torch"`` (inductor's own gather kernels)."""
+    model = tiny_llama(layers=3).to(CUDA)
+    opts = dict(budget=32, sink_tokens=2, recent_window=8, mode=mode)
+    ids, tokens = _ids(150, 6), _ids(12, 7)
+    runs = {}
+    for kernel in ("torch", "auto"):
+        torch._dynamo.reset()
+        counters.clear()
+        forward = torch.compile(model.forward, backend="specontext", options={**opts, "kernel": kernel})
+        cache = sc.SpeContextCache(model.config, max_cache_len=200)
+        out = []
+        with torch.no_grad():
+            forward(input_ids=ids, cache=cache, use_cache=True)
+            for i in range(12):
+                if i == 4:  # warm-up (compile, CUDA graph capture) done
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                try:
+                    out.append(forward(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1].clone())
+                finally:
+                    if i == 11:
+                        torch.cuda.set_sync_debug_mode(0)
+        runs[kernel] = out, cache.path_counts(), counters["specontext"]["kernel_sites_lowered"]
+    assert runs["torch"][2] == 0 and runs["auto"][2] >= 3, (runs["torch"][2], runs["auto"][2])
+    counts = runs["auto"][1]
+    assert counts["decode_steps"] == 12 and counts["gather_sites"] == counts["page_rescue_sites"] == 3 * 12, counts
+    for step, (a, b) in enumerate(zip(runs["auto"][0], runs["torch"][0])):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")

@@ -1,0 +1,112 @@
+"""The generated Triton kernel inside the compiled decode step (issue 27, item 6).
+
+SpeContext (arXiv 2512.00722), section 4: every layer attends only to the selected tokens.
+On CUDA the lowered step (``passes/lower.py``) calls :func:`kernel_attention` at each plain
+sparse-attention site the kernel can serve exactly (:func:`kernel_reason` says which);
+it calls the op ``specontext::generated_attention``, a ``torch.library.triton_op`` whose
+body launches our generated split-K kernel (``codegen``) through ``wrap_triton``. Inductor
+therefore sees the kernel itself, not an opaque op: it schedules it inside the compiled
+step, with no Python dispatch and no host read, and CUDA graphs capture it like its own
+kernels. Elsewhere (CPU) the op runs the torch reference
+(:func:`~.sparse_attention.sparse_attention_reference`), which is also the tests' oracle.
+
+Invariants:
+
+- **Exact or not taken.** The kernel applies the causal limit only. A site whose mask could
+  hide more is served only when the mask can be folded into the selection exactly (a bool
+  mask, one query row, one mask head: a hidden position becomes a ``-1`` padding slot, which
+  the kernel skips); any other site keeps the torch body, decided from static facts (shapes,
+  dtypes), with the reason in :class:`~..passes.lower.LowerResult`.
+- **No host read.** Nothing here reads a device value on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+from torch.library import triton_op, wrap_triton
+
+from .aten_step import covers_store
+from .sparse_attention import sparse_attention_reference
+from .spec import AttentionVariant, StepSpec
+
+__all__ = ["generated_attention", "kernel_attention", "kernel_reason", "launch_generated"]
+
+#: query tokens per step the generated kernel takes (``codegen.spec.KernelSpec.q_len``)
+MAX_Q_LEN = 16
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                        indices: torch.Tensor, length: torch.Tensor, scale: float) -> torch.Tensor:
+    """Attention of ``query`` over the selected positions only, through the generated
+    Triton kernel (:func:`~specontext_compile.codegen.sparse_decode_attention`, launched with
+    ``wrap_triton``); on CPU the torch reference.
+
+    Args:
+        query: ``[batch, num_heads, q_len, head_dim]``, fp32/bf16/fp16, ``q_len <= 16``.
+        key_cache: ``[batch, num_kv_heads, capacity, head_dim]``, same dtype, any strides.
+        value_cache: ``[batch, num_kv_heads, capacity, head_dim_v]``, same dtype.
+        indices: int64 ``[batch, num_kv_heads, budget]``, unique per row, ``-1`` = padding.
+        length: int64 ``[]`` or ``[batch]``: tokens written, this step's included (row ``r``
+            sees ``p <= length - q_len + r``).
+        scale: softmax scale.
+
+    Returns:
+        ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``; a row with nothing
+        to see is zeros.
+    """
+    from ..codegen import sparse_decode_attention
+
+    return sparse_decode_attention(query, key_cache, value_cache, indices, length, scale=scale,
+                                   check_indices=False, wrap=wrap_triton)
+
+
+#: the op: :func:`launch_generated` as a ``triton_op`` (torch.compile traces into its kernels)
+generated_attention = triton_op("specontext::generated_attention", mutates_args=())(launch_generated)
+
+
+@generated_attention.register_kernel("cpu")
+def _reference(query, key_cache, value_cache, indices, length, scale):
+    return sparse_attention_reference(query, key_cache, value_cache, indices, length, None,
+                                      AttentionVariant(scale))
+
+
+def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, indices: torch.Tensor,
+                  attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant) -> str | None:
+    """Why a sparse-attention site cannot take the generated kernel, or None when it can.
+
+    Reads static facts only (devices, dtypes, shapes of example or fake tensors): a site
+    takes it on CUDA with ``spec.kernel == "auto"``, plain attention (``variant.plain``: no
+    soft cap, sliding window or learned sinks), a selection that is not the whole store
+    under the dense shortcut, ``q_len <= 16``, fp32/bf16/fp16 tensors of one dtype, and no
+    mask or a bool mask of one head and one query row (folded into the selection)."""
+    checks = (
+        (query.device.type == "cuda", "not a CUDA tensor"),
+        (spec.kernel == "auto", f"kernel={spec.kernel!r}"),
+        (variant.plain, "soft cap, sliding window or learned sinks"),
+        (not (spec.dense_shortcut and covers_store(indices, key_cache)), "dense shortcut over the store"),
+        (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
+        (query.dtype in _DTYPES and key_cache.dtype == query.dtype, f"dtype {query.dtype}/{key_cache.dtype}"),
+        (attn_mask is None or _foldable(attn_mask, query.shape[2]), "a mask the kernel cannot apply"),
+    )
+    return next((reason for ok, reason in checks if not ok), None)
+
+
+def _foldable(attn_mask: torch.Tensor, q_len: int) -> bool:
+    return attn_mask.dtype == torch.bool and q_len == 1 and attn_mask.dim() == 4 and attn_mask.shape[1] == 1
+
+
+def kernel_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
+                     spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
+    """:func:`~.aten_step.sparse_attention`'s arguments and result, through
+    :func:`generated_attention`: the lowering's target for a site :func:`kernel_reason`
+    accepts. A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection (a
+    hidden position becomes ``-1``); no host read."""
+    if attn_mask is not None:
+        b, num_kv, budget = indices.shape
+        visible = attn_mask[:, 0, 0, :].expand(b, attn_mask.shape[-1]).gather(
+            1, indices.clamp(min=0).view(b, num_kv * budget)).view(b, num_kv, budget)
+        indices = torch.where(visible, indices, -1)
+    return generated_attention(query, key_cache, value_cache, indices, length, variant.scale)

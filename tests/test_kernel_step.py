@@ -1,0 +1,150 @@
+"""The generated Triton kernel inside the compiled step (runtime/kernel_step.py, issue 27 item 6).
+
+On CPU: the op's body (the kernels launched through ``wrap_triton``) runs under the Triton
+interpreter and is checked against float64 attention; the op's CPU body is the torch
+reference; a bool mask folded into the selection gives the masked attention; the lowering
+sends exactly the sites the kernel can serve to it, and only on CUDA (decided from fake
+CUDA tensors, so the decision is tested here; tests/test_cuda.py runs it on a device).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from specontext_compile.passes.lower import lower_to_aten
+from specontext_compile.runtime import aten_step, kernel_step
+from specontext_compile.runtime.sparse_attention import sparse_attention_reference
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+
+pytestmark = pytest.mark.usefixtures("triton_interpreter")
+
+
+def _case(batch, heads, kv_heads, capacity, budget, length, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(batch, heads, 1, 64, generator=gen).to(dtype)
+    key = torch.randn(batch, kv_heads, capacity, 64, generator=gen).to(dtype)
+    value = torch.randn(batch, kv_heads, capacity, 64, generator=gen).to(dtype)
+    # distinct written positions per row, some slots padding (-1)
+    order = torch.rand(batch, kv_heads, length, generator=gen).argsort(-1)[..., :budget]
+    pad = torch.rand(batch, kv_heads, order.shape[-1], generator=gen) < 0.2
+    indices = torch.where(pad, -1, order)
+    return query, key, value, indices, torch.tensor(length)
+
+
+def _float64(query, key, value, indices, length, mask=None):
+    return sparse_attention_reference(query.double(), key.double(), value.double(), indices, length, mask,
+                                      AttentionVariant(64 ** -0.5))
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(batch=st.integers(1, 2), groups=st.sampled_from([1, 3]), kv_heads=st.integers(1, 2),
+       budget=st.integers(1, 40), seed=st.integers(0, 100))
+def test_the_ops_cuda_body_launched_through_wrap_triton_equals_float64_attention(batch, groups, kv_heads,
+                                                                                   budget, seed):
+    """The body the op runs on CUDA (the generated split and merge kernels, each launched
+    through ``wrap_triton``), here under the interpreter: within 1e-5 of float64."""
+    query, key, value, indices, length = _case(batch, groups * kv_heads, kv_heads, 64, budget, 50, seed=seed)
+    out = kernel_step.launch_generated(query, key, value, indices, length, 64 ** -0.5)
+    torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length), atol=1e-5, rtol=1e-5)
+
+
+def test_the_ops_cpu_body_is_the_torch_reference():
+    """On CPU tensors the op runs the torch reference (its oracle), not the interpreter."""
+    query, key, value, indices, length = _case(2, 6, 2, 64, 24, 50)
+    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5)
+    expected = sparse_attention_reference(query, key, value, indices, length, None, AttentionVariant(64 ** -0.5))
+    assert torch.equal(out, expected)
+
+
+def test_a_bool_mask_is_folded_into_the_selection_exactly():
+    """A left-padded row's bool mask: the folded selection attends as the masked reference
+    (hidden positions become -1 slots), checked against float64."""
+    query, key, value, _, length = _case(2, 6, 2, 64, 64, 50)
+    indices = torch.arange(50).expand(2, 2, 50).contiguous()  # every written position selected
+    mask = torch.ones(2, 1, 1, 64, dtype=torch.bool)
+    mask[1, ..., :7] = False  # row 1: seven pad tokens
+    spec, variant = StepSpec(50, 50, kernel="auto"), AttentionVariant(64 ** -0.5)
+    out = kernel_step.kernel_attention(query, key, value, indices, length, mask, spec, variant)
+    torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length, mask), atol=1e-5, rtol=1e-5)
+    unmasked = kernel_step.kernel_attention(query, key, value, indices, length, None, spec, variant)
+    assert torch.equal(out[0], unmasked[0]) and not torch.allclose(out[1], unmasked[1])
+
+
+def _fake(*shapes_dtypes, device="cuda"):
+    with FakeTensorMode():
+        return [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in shapes_dtypes]
+
+
+_SITE = [((1, 9, 1, 64), torch.bfloat16), ((1, 3, 256, 64), torch.bfloat16), ((1, 3, 256, 64), torch.bfloat16),
+         ((1, 3, 32), torch.int64), ((), torch.int64)]
+
+
+def _site_graph(values, mask=None, spec=None, variant=None):
+    """A graph holding one ``specontext::sparse_attention`` node over placeholders whose
+    example values (``meta["val"]``) are ``values`` (+ ``mask``)."""
+    graph = fx.Graph()
+    names = ("query", "key_cache", "value_cache", "indices", "length")
+    nodes = []
+    for name, value in zip(names, values):
+        node = graph.placeholder(name)
+        node.meta["val"] = value
+        nodes.append(node)
+    mask_node = None
+    if mask is not None:
+        mask_node = graph.placeholder("attn_mask")
+        mask_node.meta["val"] = mask
+    spec = spec or StepSpec(32, 32, kernel="auto")
+    variant = variant or AttentionVariant(0.125)
+    out = graph.call_function(torch.ops.specontext.sparse_attention.default, (*nodes, mask_node, spec, variant))
+    graph.output(out)
+    return graph, out
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_lowering_sends_a_plain_cuda_site_to_the_kernel_and_no_cpu_site(device):
+    values = _fake(*_SITE, device=device)
+    graph, node = _site_graph(values)
+    result = lower_to_aten(graph)
+    if device == "cuda":
+        assert node.target is kernel_step.kernel_attention and result.kernel == 1 and not result.kernel_refused
+    else:
+        assert node.target is aten_step.sparse_attention and result.kernel == 0 and not result.kernel_refused
+
+
+@pytest.mark.parametrize("change,reason", [
+    (dict(variant=AttentionVariant(0.125, soft_cap=50.0)), "soft cap"),
+    (dict(variant=AttentionVariant(0.125, sliding_window=64)), "sliding window"),
+    (dict(spec=StepSpec(32, 32, kernel="torch")), "kernel='torch'"),
+    (dict(spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto"), indices=(1, 3, 256)), "dense shortcut"),
+    (dict(mask=((1, 1, 1, 256), torch.bfloat16)), "mask"),
+    (dict(mask=((1, 1, 4, 256), torch.bool), query=(1, 9, 4, 64)), "mask"),
+    (dict(query=(1, 9, 20, 64)), "query rows"),
+], ids=["soft-cap", "sliding-window", "kernel-torch", "dense-shortcut", "float-mask", "mask-rows", "q-len"])
+def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(change, reason):
+    """Negative cases: each site the kernel cannot serve exactly stays on the torch body, with
+    the reason counted."""
+    site = list(_SITE)
+    if "indices" in change:
+        site[3] = (change["indices"], torch.int64)
+    if "query" in change:
+        site[0] = (change["query"], torch.bfloat16)
+    values = _fake(*site)
+    mask = _fake(change["mask"])[0] if "mask" in change else None
+    graph, node = _site_graph(values, mask, change.get("spec"), change.get("variant"))
+    result = lower_to_aten(graph)
+    assert node.target is aten_step.sparse_attention and result.kernel == 0
+    assert [r for r in result.kernel_refused if reason in r], result.kernel_refused
+
+
+def test_a_bool_decode_mask_of_one_head_goes_with_the_kernel():
+    """A one-row bool mask of one head (Hugging Face's decode mask) is folded, so the site
+    takes the kernel."""
+    values = _fake(*_SITE)
+    mask = _fake(((1, 1, 1, 256), torch.bool))[0]
+    graph, node = _site_graph(values, mask)
+    assert lower_to_aten(graph).kernel == 1 and node.target is kernel_step.kernel_attention
