@@ -88,8 +88,8 @@ def _(length, key_cache, key):
 @torch.library.custom_op("specontext::retrieval_anchor",
                          mutates_args=("query_state", "query_valid", "stats", "selection_state"))
 def retrieval_anchor(
-    query_state: torch.Tensor, query_valid: torch.Tensor, stats: torch.Tensor, layer_windows: str | None = None,
-    selection_state: torch.Tensor | None = None, layer: int = 0,
+    query_state: torch.Tensor, query_valid: torch.Tensor, stats: torch.Tensor, selection_state: torch.Tensor | None,
+    layer_windows: str | None = None, layer: int = 0,
 ) -> None:
     """No-op in eager mode. It puts the retrieval state tensors and the path counters
     ``stats`` into the traced graph at the start of every KV layer (``layer``: its index
@@ -98,10 +98,12 @@ def retrieval_anchor(
     :class:`~specontext_compile.runtime.protocol.RetrievalAnchor` (``layer_windows`` is a
     string so that it stays a graph constant even under ``dynamic=True``, where ints may
     become symbols; ``selection_state`` carries a step's selection to the graphs after a
-    graph break)."""
+    graph break). Every mutated argument comes before the defaulted ones: torch 2.11's
+    version-counter kernel indexes the call's arguments by schema position, and a
+    defaulted argument left at its default is dropped from the call (an IndexError there)."""
     return
 
 
 @retrieval_anchor.register_fake
-def _(query_state, query_valid, stats, layer_windows=None, selection_state=None, layer=0) -> None:
+def _(query_state, query_valid, stats, selection_state, layer_windows=None, layer=0) -> None:
     return None

@@ -94,7 +94,7 @@ class RetrievalAnchor:
     def emit(self) -> None:
         """Call the anchor op (cache side)."""
         torch.ops.specontext.retrieval_anchor(self.query_state, self.query_valid, self.stats,
-                                              self.layer_windows, self.selection_state, self.layer)
+                                              self.selection_state, self.layer_windows, self.layer)
 
     @classmethod
     def of(cls, node: fx.Node) -> RetrievalAnchor:

@@ -23,6 +23,11 @@ from typing import Any
 
 from torch._library.opaque_object import register_opaque_type
 
+try:  # torch 2.11 asks every opaque type, value types too, to be an OpaqueBase; later ones accept it
+    from torch._opaque_base import OpaqueBase as _Opaque
+except ImportError:  # torch without the base class
+    _Opaque = object
+
 __all__ = ["KERNELS", "AttentionVariant", "StepSpec"]
 
 KERNELS = ("auto", "torch", "triton")  # sparse attention implementations (option ``kernel``)
@@ -41,7 +46,7 @@ def _check_int(name: str, value: Any, low: int) -> None:
 
 
 @dataclasses.dataclass(frozen=True)
-class AttentionVariant:
+class AttentionVariant(_Opaque):
     """How one attention site turns query-key products into weights (beyond their softmax).
 
     Attributes:
@@ -90,7 +95,7 @@ class AttentionVariant:
 
 
 @dataclasses.dataclass(frozen=True)
-class StepSpec:
+class StepSpec(_Opaque):
     """What a decode step keeps per KV head, and how (SpeContext section 4; the page rescue).
 
     Attributes:

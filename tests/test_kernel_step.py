@@ -49,7 +49,9 @@ def test_the_ops_cuda_body_launched_through_wrap_triton_equals_float64_attention
     """The body the op runs on CUDA (the generated split and merge kernels, each launched
     through ``wrap_triton``), here under the interpreter: within 1e-5 of float64."""
     query, key, value, indices, length = _case(batch, groups * kv_heads, kv_heads, 64, budget, 50, seed=seed)
-    out = kernel_step.launch_generated(query, key, value, indices, length, 64 ** -0.5)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the fixture sets the interpreter on CPU
+    out = kernel_step.launch_generated(*(t.to(device) for t in (query, key, value, indices, length)),
+                                       64 ** -0.5).cpu()
     torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length), atol=1e-5, rtol=1e-5)
 
 
