@@ -197,12 +197,11 @@ def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
 
 
 def _value(arg):
-    return arg.meta.get("val") if isinstance(arg, fx.Node) else arg
-
-
-def _on_cuda(node: fx.Node) -> bool:
-    query = _value(op_arguments(node, _SPARSE)["query"])
-    return isinstance(query, torch.Tensor) and query.device.type == "cuda"
+    """A node's example value (dynamo's graphs keep it as ``example_value``, AOT's as ``val``),
+    or the argument itself when it is a constant."""
+    if not isinstance(arg, fx.Node):
+        return arg
+    return arg.meta.get("val", arg.meta.get("example_value"))
 
 
 def _kernel_reason(node: fx.Node) -> str | None:
@@ -210,14 +209,14 @@ def _kernel_reason(node: fx.Node) -> str | None:
     arguments' example values (``meta["val"]``)."""
     nodes = op_arguments(node, _SPARSE)
     args = {name: _value(arg) for name, arg in nodes.items()}
-    known = [args[name] for name in ("query", "key_cache", "indices")] + ([args["attn_mask"]] if nodes["attn_mask"] is not None else [])
-    if not all(isinstance(t, torch.Tensor) for t in known):
+    needed = [args["query"], args["key_cache"]] + ([args["attn_mask"]] if nodes["attn_mask"] is not None else [])
+    if not all(isinstance(t, torch.Tensor) for t in needed):
         return "no example values to decide from"
-    return kernel_step.kernel_reason(args["query"], args["key_cache"], args["indices"], args["attn_mask"],
-                                     args["spec"], args["variant"])
+    return kernel_step.kernel_reason(args["query"], args["key_cache"], args["attn_mask"], args["spec"], args["variant"])
 
 
-def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True) -> LowerResult:
+def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True,
+                  kernel_device: bool = False) -> LowerResult:
     """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
 
     ``fuse``: lower each fusable (refinement, attention) pair as one body (the default, for
@@ -225,6 +224,11 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
     an offloaded site's two), as ``inner="eager"`` runs them: the same kept set and logits,
     and each site's attention stays one Python call a caller can observe (a wrapper of
     ``aten_step.sparse_attention`` set before the graph is compiled).
+
+    ``kernel_device`` (CUDA graphs): each plain sparse attention site the generated Triton
+    kernel serves exactly (:func:`~..runtime.kernel_step.kernel_reason`, read from the nodes'
+    example values) calls :func:`~..runtime.kernel_step.kernel_attention` instead of the torch
+    body (``LowerResult.kernel``; the others' reasons in ``LowerResult.kernel_refused``).
 
     ``check_capacity`` (CPU graphs): ``specontext::check_capacity`` (an op: it reads the
     length on the host) goes before the first ``kv_write`` (layer 0) and its zero result is
@@ -263,7 +267,7 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
         elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
             node.target = aten_step.sparse_attention if packet is _SPARSE else mla.mla_sparse_attention
             result.lowered[name] += 1
-            if packet is _SPARSE and _on_cuda(node):
+            if packet is _SPARSE and kernel_device:
                 reason = _kernel_reason(node)
                 if reason is None:
                     node.target = kernel_step.kernel_attention

@@ -26,7 +26,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from torch.library import triton_op, wrap_triton
 
-from .aten_step import covers_store
+from .aten_step import covers_store, sparse_attention
 from .sparse_attention import sparse_attention_reference
 from .spec import AttentionVariant, StepSpec
 
@@ -72,20 +72,20 @@ def _reference(query, key_cache, value_cache, indices, length, scale):
                                       AttentionVariant(scale))
 
 
-def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, indices: torch.Tensor,
-                  attn_mask: torch.Tensor | None, spec: StepSpec, variant: AttentionVariant) -> str | None:
+def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor | None, spec: StepSpec,
+                  variant: AttentionVariant) -> str | None:
     """Why a sparse-attention site cannot take the generated kernel, or None when it can.
 
     Reads static facts only (devices, dtypes, shapes of example or fake tensors): a site
     takes it on CUDA with ``spec.kernel == "auto"``, plain attention (``variant.plain``: no
-    soft cap, sliding window or learned sinks), a selection that is not the whole store
-    under the dense shortcut, ``q_len <= 16``, fp32/bf16/fp16 tensors of one dtype, and no
+    soft cap, sliding window or learned sinks), a budget below the store's capacity when
+    the dense shortcut is on, ``q_len <= 16``, fp32/bf16/fp16 tensors of one dtype, and no
     mask or a bool mask of one head and one query row (folded into the selection)."""
     checks = (
         (query.device.type == "cuda", "not a CUDA tensor"),
         (spec.kernel == "auto", f"kernel={spec.kernel!r}"),
         (variant.plain, "soft cap, sliding window or learned sinks"),
-        (not (spec.dense_shortcut and covers_store(indices, key_cache)), "dense shortcut over the store"),
+        (not (spec.dense_shortcut and known(spec.budget >= key_cache.shape[-2])), "dense shortcut over the store"),
         (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
         (query.dtype in _DTYPES and key_cache.dtype == query.dtype, f"dtype {query.dtype}/{key_cache.dtype}"),
         (attn_mask is None or _foldable(attn_mask, query.shape[2]), "a mask the kernel cannot apply"),
@@ -103,7 +103,11 @@ def kernel_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """:func:`~.aten_step.sparse_attention`'s arguments and result, through
     :func:`generated_attention`: the lowering's target for a site :func:`kernel_reason`
     accepts. A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection (a
-    hidden position becomes ``-1``); no host read."""
+    hidden position becomes ``-1``); no host read. A selection with a slot for every store
+    position under the dense shortcut (a static fact) takes the torch body's dense path, as
+    :func:`~.aten_step.sparse_attention` would."""
+    if spec.dense_shortcut and covers_store(indices, key_cache):
+        return sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
     if attn_mask is not None:
         b, num_kv, budget = indices.shape
         visible = attn_mask[:, 0, 0, :].expand(b, attn_mask.shape[-1]).gather(

@@ -204,7 +204,7 @@ def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fu
     the same kept set and logits as the fused body). ``lower=False`` keeps the ops opaque
     (their Python bodies: counters)."""
     if config.compile.lower:
-        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse)
+        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse, kernel_device=on_cuda)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
         counters["specontext"]["kernel_sites_lowered"] += lowered.kernel  # CUDA: the generated kernel (kernel_step)
         _REPORTS[-1].lowered = lowered

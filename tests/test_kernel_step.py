@@ -86,20 +86,21 @@ _SITE = [((1, 9, 1, 64), torch.bfloat16), ((1, 3, 256, 64), torch.bfloat16), ((1
          ((1, 3, 32), torch.int64), ((), torch.int64)]
 
 
-def _site_graph(values, mask=None, spec=None, variant=None):
+def _site_graph(values, mask=None, spec=None, variant=None, key="example_value"):
     """A graph holding one ``specontext::sparse_attention`` node over placeholders whose
-    example values (``meta["val"]``) are ``values`` (+ ``mask``)."""
+    example values are ``values`` (+ ``mask``), kept under ``meta[key]`` (dynamo's graphs,
+    which the backend lowers, use ``example_value``; AOT's use ``val``)."""
     graph = fx.Graph()
     names = ("query", "key_cache", "value_cache", "indices", "length")
     nodes = []
     for name, value in zip(names, values):
         node = graph.placeholder(name)
-        node.meta["val"] = value
+        node.meta[key] = value
         nodes.append(node)
     mask_node = None
     if mask is not None:
         mask_node = graph.placeholder("attn_mask")
-        mask_node.meta["val"] = mask
+        mask_node.meta[key] = mask
     spec = spec or StepSpec(32, 32, kernel="auto")
     variant = variant or AttentionVariant(0.125)
     out = graph.call_function(torch.ops.specontext.sparse_attention.default, (*nodes, mask_node, spec, variant))
@@ -107,22 +108,62 @@ def _site_graph(values, mask=None, spec=None, variant=None):
     return graph, out
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_the_lowering_sends_a_plain_cuda_site_to_the_kernel_and_no_cpu_site(device):
-    values = _fake(*_SITE, device=device)
-    graph, node = _site_graph(values)
+@pytest.mark.parametrize("key", ["example_value", "val"])
+def test_the_lowering_sends_a_plain_cuda_site_to_the_kernel(key):
+    graph, node = _site_graph(_fake(*_SITE), key=key)
+    result = lower_to_aten(graph, kernel_device=True)
+    assert node.target is kernel_step.kernel_attention and result.kernel == 1 and not result.kernel_refused
+
+
+def test_a_cpu_graph_is_lowered_as_before():
+    """Negative: a CPU graph (``kernel_device`` off, the backend's CPU compile) keeps the torch
+    body and records nothing; a CUDA-lowering of CPU tensors refuses with the reason."""
+    graph, node = _site_graph(_fake(*_SITE, device="cpu"))
     result = lower_to_aten(graph)
-    if device == "cuda":
-        assert node.target is kernel_step.kernel_attention and result.kernel == 1 and not result.kernel_refused
-    else:
-        assert node.target is aten_step.sparse_attention and result.kernel == 0 and not result.kernel_refused
+    assert node.target is aten_step.sparse_attention and result.kernel == 0 and not result.kernel_refused
+    graph, node = _site_graph(_fake(*_SITE, device="cpu"))
+    result = lower_to_aten(graph, kernel_device=True)
+    assert node.target is aten_step.sparse_attention and dict(result.kernel_refused) == {"not a CUDA tensor": 1}
+
+
+def test_the_backend_lowering_reads_the_example_values_of_dynamos_graph(monkeypatch):
+    """The real backend on a tiny Llama (CPU), its lowering asked to place the kernel: every
+    decode site is refused for its CPU tensors, a reason read from dynamo's example values
+    (a graph whose values the lowering could not read would say so instead)."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from _tiny import tiny_llama
+
+    import specontext_compile as sc
+    from specontext_compile import backend
+
+    results = []
+
+    def lowering(graph, *args, **kwargs):
+        results.append(lower_to_aten(graph, *args, **{**kwargs, "kernel_device": True}))
+        return results[-1]
+
+    monkeypatch.setattr(backend, "lower_to_aten", lowering)
+    torch._dynamo.reset()
+    model = tiny_llama(layers=2)
+    forward = torch.compile(model.forward, backend="specontext", options=dict(budget=16, sink_tokens=2,
+                                                                               recent_window=4, inner="eager"))
+    cache = sc.SpeContextCache(model.config, max_cache_len=128)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        forward(input_ids=ids, cache=cache, use_cache=True)
+        forward(input_ids=ids[:, :1], cache=cache, use_cache=True)
+    refused = [dict(r.kernel_refused) for r in results if r.kernel_refused]
+    assert {"not a CUDA tensor": 2} in refused, refused
+    assert cache.path_counts()["gather_sites"] == 2
 
 
 @pytest.mark.parametrize("change,reason", [
     (dict(variant=AttentionVariant(0.125, soft_cap=50.0)), "soft cap"),
     (dict(variant=AttentionVariant(0.125, sliding_window=64)), "sliding window"),
     (dict(spec=StepSpec(32, 32, kernel="torch")), "kernel='torch'"),
-    (dict(spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto"), indices=(1, 3, 256)), "dense shortcut"),
+    (dict(spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto")), "dense shortcut"),
     (dict(mask=((1, 1, 1, 256), torch.bfloat16)), "mask"),
     (dict(mask=((1, 1, 4, 256), torch.bool), query=(1, 9, 4, 64)), "mask"),
     (dict(query=(1, 9, 20, 64)), "query rows"),
@@ -138,7 +179,7 @@ def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(c
     values = _fake(*site)
     mask = _fake(change["mask"])[0] if "mask" in change else None
     graph, node = _site_graph(values, mask, change.get("spec"), change.get("variant"))
-    result = lower_to_aten(graph)
+    result = lower_to_aten(graph, kernel_device=True)
     assert node.target is aten_step.sparse_attention and result.kernel == 0
     assert [r for r in result.kernel_refused if reason in r], result.kernel_refused
 
@@ -149,4 +190,16 @@ def test_a_bool_decode_mask_of_one_head_goes_with_the_kernel():
     values = _fake(*_SITE)
     mask = _fake(((1, 1, 1, 256), torch.bool))[0]
     graph, node = _site_graph(values, mask)
-    assert lower_to_aten(graph).kernel == 1 and node.target is kernel_step.kernel_attention
+    assert lower_to_aten(graph, kernel_device=True).kernel == 1 and node.target is kernel_step.kernel_attention
+
+
+def test_a_covering_selection_under_the_dense_shortcut_takes_the_torch_bodys_dense_path():
+    """kernel_attention never sends a whole-store selection under the dense shortcut to the
+    kernel: the result is the torch body's (SDPA over the store) bit for bit."""
+    query, key, value, _, length = _case(1, 6, 2, 64, 64, 50)
+    indices = torch.arange(64).expand(1, 2, 64).contiguous()  # a slot for every store position
+    spec, variant = StepSpec(64, 64, dense_shortcut=True, kernel="auto"), AttentionVariant(64 ** -0.5)
+    out = kernel_step.kernel_attention(query, key, value, indices, length, None, spec, variant)
+    assert torch.equal(out, aten_step.sparse_attention(query, key, value, indices, length, None, spec, variant))
+    torch.testing.assert_close(out.double(), _float64(query, key, value, indices[..., :50].contiguous(), length),
+                               atol=1e-5, rtol=1e-5)
