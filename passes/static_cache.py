@@ -214,7 +214,7 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
                     if result.store_input is not None else StaticCacheState.allocate(*result.shape))
     query_state, query_valid, stats = _add_state_inputs(graph, result.state)
     with graph.inserting_before(writes[0]):
-        anchor = graph.call_function(ANCHOR, (query_state, query_valid, stats, ""))
+        anchor = graph.call_function(ANCHOR, (query_state, query_valid, stats, None, ""))
     anchor.meta["example_value"] = None
     graph.lint()
     logger.info("specontext: adopted %d StaticCache layer writes as KV stores", len(writes))
