@@ -254,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     add_explain_parser(sub)
     cli_distill.add_parser(sub)
     cli_serve.add_parser(sub)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the subcommand's usage and its --help, not the top level's
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)} "
+                                        f"(see specontext {args.command} --help)")
     logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     try:
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             return cli_serve.run(args)
         return _cmd_run(args)
     except ValueError as err:
-        print(f"specontext: error: {err}", file=sys.stderr)
+        print(f"specontext {args.command}: error: {err}", file=sys.stderr)
         return 2
 
 

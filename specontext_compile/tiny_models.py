@@ -93,7 +93,13 @@ __all__ = ["FAMILIES", "tiny_family"]
 
 
 def tiny_family(family: str, attn: str, seed: int = 0) -> torch.nn.Module:
-    """A random 2-layer ``family`` causal LM with ``attn_implementation=attn``, in eval mode."""
+    """A random 2-layer ``family`` causal LM with ``attn_implementation=attn``, in eval mode.
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILIES` (the message lists them).
+    """
+    if family not in _MODELS:
+        raise ValueError(f"unknown family {family!r}: use tiny:<family> with one of {', '.join(FAMILIES)}")
     torch.manual_seed(seed)
     config = _config(family)
     config._attn_implementation = attn

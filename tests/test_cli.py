@@ -186,3 +186,17 @@ def test_json_report_writes_candidates_inf_as_strict_json(tmp_path):
     text = out.read_text()
     assert "Infinity" not in text
     assert json.loads(text) == {"candidates": "inf", "nested": [1.0, {"x": "-inf"}]}
+
+
+@pytest.mark.parametrize("command", ["run", "explain", "serve"])
+def test_an_unknown_option_names_the_subcommand_and_its_help(tmp_path, capsys, command):
+    """An option the subcommand does not take: exit 2 with that subcommand's usage and a
+    pointer to its --help (not the top level's usage)."""
+    prompt = tmp_path / "p.txt"
+    prompt.write_text("hello")
+    argv = [command, "--frobnicate", "3"] + (["--prompt-file", str(prompt)] if command == "run" else [])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2
+    assert f"specontext {command}: error: unrecognized arguments: --frobnicate 3 (see specontext {command} --help)" in err

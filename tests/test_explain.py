@@ -132,7 +132,8 @@ def test_cli_explain_on_a_tiny_family(tmp_path, capsys):
 
 def test_cli_explain_unknown_family_is_a_clear_error(capsys):
     assert main(["explain", "--model", "tiny:nope"]) == 2
-    assert "unknown family 'nope'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "unknown family 'nope'" in err and "llama, mistral" in err  # names the fix: the families
 
 
 def test_explain_prints_the_offload_plan_thresholds_and_bytes_per_step():
