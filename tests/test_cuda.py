@@ -76,6 +76,25 @@ def test_small_budget_triton_equals_torch_path():
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m, step=step: f"step {step}: {m}")
 
 
+def _decode_without_syncs(forward, ids, tokens, cache, checked: bool = True, warmup: int = 4):
+    """Prefill ``ids``, then one decode step per token of ``tokens`` (``[1, steps]``); after
+    ``warmup`` steps (compile, CUDA graph capture) the steps run under
+    ``torch.cuda.set_sync_debug_mode("error")`` when ``checked`` (a device-to-host sync
+    raises). Returns the last-position logits of each decode step."""
+    out = []
+    with torch.no_grad():
+        forward(input_ids=ids, cache=cache, use_cache=True)
+        try:
+            for i in range(tokens.shape[1]):
+                if checked and i == warmup:
+                    torch.cuda.synchronize()
+                    torch.cuda.set_sync_debug_mode("error")
+                out.append(forward(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1].clone())
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return out
+
+
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
 def test_inductor_decode_steps_never_sync_with_the_host(mode):
     """The default compiled step (lowered ops, inductor; with CUDA graphs for
@@ -91,18 +110,7 @@ def test_inductor_decode_steps_never_sync_with_the_host(mode):
         extra = {"inner": "eager", "lower": False} if inner == "eager" else {"inner": "auto", "mode": mode}
         forward = torch.compile(model.forward, backend="specontext", options={**opts, **extra})
         cache = sc.SpeContextCache(model.config, max_cache_len=160)
-        out = []
-        with torch.no_grad():
-            forward(input_ids=ids, cache=cache, use_cache=True)
-            for i in range(12):
-                if inner != "eager" and i == 4:  # warm-up (compile, CUDA graph capture) done
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out.append(forward(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1].clone())
-                finally:
-                    if i == 11:
-                        torch.cuda.set_sync_debug_mode(0)
+        out = _decode_without_syncs(forward, ids, tokens, cache, checked=inner != "eager")
         runs[inner] = out, cache.path_counts()
     assert runs["default"][1]["decode_steps"] == 12 and runs["default"][1]["gather_sites"] == 3 * 12
     for a, b in zip(runs["default"][0], runs["eager"][0]):
@@ -174,18 +182,7 @@ def test_the_default_step_calls_the_generated_kernel_inside_inductor(mode):
         counters.clear()
         forward = torch.compile(model.forward, backend="specontext", options={**opts, "kernel": kernel})
         cache = sc.SpeContextCache(model.config, max_cache_len=200)
-        out = []
-        with torch.no_grad():
-            forward(input_ids=ids, cache=cache, use_cache=True)
-            for i in range(12):
-                if i == 4:  # warm-up (compile, CUDA graph capture) done
-                    torch.cuda.synchronize()
-                    torch.cuda.set_sync_debug_mode("error")
-                try:
-                    out.append(forward(input_ids=tokens[:, i : i + 1], cache=cache, use_cache=True).logits[:, -1].clone())
-                finally:
-                    if i == 11:
-                        torch.cuda.set_sync_debug_mode(0)
+        out = _decode_without_syncs(forward, ids, tokens, cache)
         runs[kernel] = out, cache.path_counts(), counters["specontext"]["kernel_sites_lowered"]
     assert runs["torch"][2] == 0 and runs["auto"][2] >= 3, (runs["torch"][2], runs["auto"][2])
     counts = runs["auto"][1]
