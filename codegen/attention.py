@@ -274,7 +274,7 @@ def _run(
         window=int(sliding_window or 0),
         split_size=splits.split_size,
         num_splits=splits.num_splits,
-        **({"wrap": wrap} if wrap is not None else {}),
+        wrap=wrap,
     )
     return out
 

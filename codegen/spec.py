@@ -37,6 +37,11 @@ __all__ = [
     "torch_dtype",
 ]
 
+#: the kernels' limits (``KernelSpec`` checks them; the compiled step's lowering reads them)
+MAX_Q_LEN = 16
+MAX_HEAD_DIM = 1024
+MAX_GROUP = 256
+
 #: canonical dtype name -> torch dtype
 DTYPE_NAMES: dict[str, torch.dtype] = {
     "fp32": torch.float32,
@@ -144,9 +149,9 @@ class KernelSpec:
         set_("dtype", canonical_dtype(self.dtype))
         set_("soft_cap", bool(self.soft_cap))
         set_("sliding_window", bool(self.sliding_window))
-        _check_range("head_dim", self.head_dim, 1, 1024)
-        _check_range("group", self.group, 1, 256)
-        _check_range("q_len", self.q_len, 1, 16)
+        _check_range("head_dim", self.head_dim, 1, MAX_HEAD_DIM)
+        _check_range("group", self.group, 1, MAX_GROUP)
+        _check_range("q_len", self.q_len, 1, MAX_Q_LEN)
         _check_range("rope_dim", self.rope_dim, 0, 256)
         _check_range("head_dim_v", self.head_dim_v, 0, 1024)
         if self.head_dim_v == 0:

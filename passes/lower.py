@@ -206,7 +206,7 @@ def _value(arg):
 
 def _kernel_reason(node: fx.Node) -> str | None:
     """:func:`kernel_step.kernel_reason` of a ``sparse_attention`` node, read from its
-    arguments' example values (``meta["val"]``)."""
+    arguments' example values (:func:`_value`)."""
     nodes = op_arguments(node, _SPARSE)
     args = {name: _value(arg) for name, arg in nodes.items()}
     needed = [args["query"], args["key_cache"]] + ([args["attn_mask"]] if nodes["attn_mask"] is not None else [])

@@ -26,15 +26,13 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from torch.library import triton_op, wrap_triton
 
+from ..codegen.spec import DTYPE_NAMES, MAX_GROUP, MAX_HEAD_DIM, MAX_Q_LEN
 from .aten_step import covers_store, sparse_attention
 from .sparse_attention import sparse_attention_reference
 from .spec import AttentionVariant, StepSpec
 
 __all__ = ["generated_attention", "kernel_attention", "kernel_reason", "launch_generated"]
 
-#: query tokens per step the generated kernel takes (``codegen.spec.KernelSpec.q_len``)
-MAX_Q_LEN = 16
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -79,15 +77,19 @@ def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch
     Reads static facts only (devices, dtypes, shapes of example or fake tensors): a site
     takes it on CUDA with ``spec.kernel == "auto"``, plain attention (``variant.plain``: no
     soft cap, sliding window or learned sinks), a budget below the store's capacity when
-    the dense shortcut is on, ``q_len <= 16``, fp32/bf16/fp16 tensors of one dtype, and no
-    mask or a bool mask of one head and one query row (folded into the selection)."""
+    the dense shortcut is on, ``q_len``, ``head_dim`` and the GQA group within the kernel's
+    limits (``codegen.spec``), fp32/bf16/fp16 tensors of one dtype, and no mask or a bool
+    mask of one head and one query row (folded into the selection)."""
     checks = (
         (query.device.type == "cuda", "not a CUDA tensor"),
         (spec.kernel == "auto", f"kernel={spec.kernel!r}"),
         (variant.plain, "soft cap, sliding window or learned sinks"),
         (not (spec.dense_shortcut and known(spec.budget >= key_cache.shape[-2])), "dense shortcut over the store"),
         (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
-        (query.dtype in _DTYPES and key_cache.dtype == query.dtype, f"dtype {query.dtype}/{key_cache.dtype}"),
+        (query.dtype in DTYPE_NAMES.values() and key_cache.dtype == query.dtype,
+         f"dtype {query.dtype}/{key_cache.dtype}"),
+        (known(query.shape[-1] <= MAX_HEAD_DIM) and known(query.shape[1] <= MAX_GROUP * key_cache.shape[1]),
+         f"head_dim or group past the kernel's ({MAX_HEAD_DIM}, {MAX_GROUP})"),
         (attn_mask is None or _foldable(attn_mask, query.shape[2]), "a mask the kernel cannot apply"),
     )
     return next((reason for ok, reason in checks if not ok), None)

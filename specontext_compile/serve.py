@@ -84,12 +84,13 @@ class Server:
         self.server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=timeout)
-        self.model_manager.shutdown()
-        _wait_ended(processes, timeout)
+        self.shutdown_engine(timeout, processes)
 
-    def shutdown_engine(self, timeout: float = 30.0) -> None:
-        """Stop the model's process and wait up to ``timeout`` seconds for it to end."""
-        processes = self._model_processes()
+    def shutdown_engine(self, timeout: float = 30.0, processes: list | None = None) -> None:
+        """Stop the model's process and wait up to ``timeout`` seconds for it to end
+        (``processes``: those recorded before Hugging Face's lifespan cleared them; None:
+        the ones running now)."""
+        processes = self._model_processes() if processes is None else processes
         self.model_manager.shutdown()
         _wait_ended(processes, timeout)
 

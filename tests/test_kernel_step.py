@@ -167,7 +167,8 @@ def test_the_backend_lowering_reads_the_example_values_of_dynamos_graph(monkeypa
     (dict(mask=((1, 1, 1, 256), torch.bfloat16)), "mask"),
     (dict(mask=((1, 1, 4, 256), torch.bool), query=(1, 9, 4, 64)), "mask"),
     (dict(query=(1, 9, 20, 64)), "query rows"),
-], ids=["soft-cap", "sliding-window", "kernel-torch", "dense-shortcut", "float-mask", "mask-rows", "q-len"])
+    (dict(query=(1, 9, 1, 2048), key=(1, 3, 256, 2048)), "head_dim"),
+], ids=["soft-cap", "sliding-window", "kernel-torch", "dense-shortcut", "float-mask", "mask-rows", "q-len", "head-dim"])
 def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(change, reason):
     """Negative cases: each site the kernel cannot serve exactly stays on the torch body, with
     the reason counted."""
@@ -176,6 +177,8 @@ def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(c
         site[3] = (change["indices"], torch.int64)
     if "query" in change:
         site[0] = (change["query"], torch.bfloat16)
+    if "key" in change:
+        site[1] = (change["key"], torch.bfloat16)
     values = _fake(*site)
     mask = _fake(change["mask"])[0] if "mask" in change else None
     graph, node = _site_graph(values, mask, change.get("spec"), change.get("variant"))
