@@ -84,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed steps (3)")
     parser.add_argument("--time-budget", type=float, default=420.0,
                         help="seconds after which remaining configurations are skipped")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="decoder layers (default 32, Llama-3-8B's; fewer compile faster: the "
+                             "per-layer work is the same, the embedding and LM head weigh more)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     dry = args.dry_run
@@ -95,14 +98,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     if any(b < 1 for b in args.batches) or args.window < 1 or args.budget < 1:
         parser.error("batches, --window and --budget must be >= 1")
+    if args.layers is not None and args.layers < 1:
+        parser.error("--layers must be >= 1")
     return args
 
 
-def build_model(dry: bool, device: torch.device, dtype: torch.dtype, attn: str):
-    """Random-weight Llama of Llama-3-8B's shape (or tiny), built directly on ``device``."""
+def build_model(dry: bool, device: torch.device, dtype: torch.dtype, attn: str, layers: int | None = None):
+    """Random-weight Llama of Llama-3-8B's shape (or tiny), built directly on ``device``;
+    ``layers`` decoder layers when given."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**(TINY if dry else LLAMA3_8B), attn_implementation=attn)
+    shape = dict(TINY if dry else LLAMA3_8B)
+    if layers is not None:
+        shape["num_hidden_layers"] = layers
+    config = LlamaConfig(**shape, attn_implementation=attn)
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -250,10 +259,11 @@ def main(argv=None) -> int:
     import specontext_compile  # noqa: F401  (registers the backend and its ops)
 
     print(f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
-          f"random weights ({'tiny' if args.dry_run else 'Llama-3-8B shape'}), {dtype}; "
+          f"random weights ({'tiny' if args.dry_run else 'Llama-3-8B shape'}"
+          f"{f', {args.layers} layers' if args.layers else ''}), {dtype}; "
           "decode speed does not depend on weight values; KV filled with random values",
           flush=True)
-    model = build_model(args.dry_run, device, dtype, "sdpa")
+    model = build_model(args.dry_run, device, dtype, "sdpa", args.layers)
     config = model.config
     forwards = {"sdpa": model.forward}
     flex_reason = flex_available() if "flex" in args.contenders else None

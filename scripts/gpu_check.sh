@@ -13,7 +13,8 @@
 #      than 160 s on the H200 (2026-12-04), so the stage gets 330 s.
 # Logs and JSON go to $OUT (default out/gpu). Stages have their own time limits (TESTS_S,
 # KERNELS_S, E2E_S; E2E_BUDGET_S: the benchmark's own), so a failing stage never hides the
-# others. STAGES="tests kernels e2e" picks stages; the Python wheels in .whl (transformers
+# others. STAGES="tests kernels e2e" picks stages; E2E_CONTENDERS, E2E_BATCHES and E2E_LAYERS
+# (fewer layers compile faster) shape the e2e stage; the Python wheels in .whl (transformers
 # and its needs, see docs/gpu.md) are installed first when present.
 #   bash scripts/gpu_check.sh              # on a CUDA machine with torch + triton installed
 #   DRY=1 bash scripts/gpu_check.sh        # on CPU: exercises the script (interpreter, tiny)
@@ -65,9 +66,10 @@ if [[ " $STAGES " == *" kernels "* ]]; then
 fi
 if [[ " $STAGES " == *" e2e "* ]]; then
   echo "== end to end"
-  contenders=(sdpa specontext specontext-torch-kernel sdpa-cudagraphs specontext-cudagraphs
-              specontext-torch-kernel-cudagraphs)
-  args=(--workloads 2048:16384 --batches 1 8 --contenders "${contenders[@]}" --time-budget ${E2E_BUDGET_S:-300})
+  read -r -a contenders <<< "${E2E_CONTENDERS:-sdpa specontext specontext-torch-kernel sdpa-cudagraphs specontext-cudagraphs specontext-torch-kernel-cudagraphs}"
+  read -r -a batches <<< "${E2E_BATCHES:-1 8}"
+  args=(--workloads 2048:16384 --batches "${batches[@]}" --contenders "${contenders[@]}" --time-budget ${E2E_BUDGET_S:-300})
+  [ -n "${E2E_LAYERS:-}" ] && args+=(--layers "$E2E_LAYERS")
   [ -n "${DRY:-}" ] && args=(--dry-run --contenders "${contenders[@]}")
   timeout ${E2E_S:-330} "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
     2>&1 | tee "$OUT/gpu_e2e.log" | tail -20
