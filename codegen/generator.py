@@ -72,7 +72,7 @@ def _dot(spec: KernelSpec | RetrievalSpec, a: str, b: str) -> str:
 
 
 def _header(spec: KernelSpec | RetrievalSpec, what: str) -> str:
-    imports = "import os\n\n" if spec.dtype == "bf16" else ""
+    imports = "import os\n\n"
     helpers = _BF16_DOT_HELPER if spec.dtype == "bf16" else ""
     return _header_text(spec, what, imports) + helpers
 
@@ -97,7 +97,6 @@ def _header_text(spec: KernelSpec | RetrievalSpec, what: str, imports: str) -> s
         "",
         f"{imports}import triton",
         "import triton.language as tl",
-        "from triton.language.standard import _elementwise_max, _sum_combine",
         "",
         "SPEC = {",
         textwrap.fill(
@@ -130,21 +129,35 @@ def dot_in(x):
 '''
 
 _HELPERS = '''
-@triton.jit
-def sum_along(x, axis: tl.constexpr):
-    """``tl.sum(x, axis)`` written as the reduce it is, with triton's own combiner.
+# Reductions. Under the interpreter (TRITON_INTERPRET=1) ``tl.sum``/``tl.max`` are jit
+# functions bound when triton.language was first imported; if that happened before the
+# variable was set, the interpreter cannot call them, so there a reduction is the builtin
+# ``tl.reduce`` with triton's own combiners, which the interpreter maps to numpy. Compiled
+# kernels call ``tl.sum``/``tl.max``: inductor copies a user kernel's jit dependencies into
+# its own module by their source (``wrap_triton``), and triton's combiners name globals of
+# triton's module (``core``) that the copy does not have.
+if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on"):
+    from triton.language.standard import _elementwise_max, _sum_combine
 
-    ``tl.sum``/``tl.max``/``tl.zeros`` are jit functions bound when triton.language is first
-    imported; if that happened before TRITON_INTERPRET=1 was set, the interpreter cannot call
-    them. ``tl.reduce`` is a builtin and the interpreter maps these combiners to numpy.
-    """
-    return tl.reduce(x, axis, _sum_combine)
+    @triton.jit
+    def sum_along(x, axis: tl.constexpr):
+        """``tl.sum(x, axis)`` as the reduce it is, with triton's own combiner."""
+        return tl.reduce(x, axis, _sum_combine)
 
+    @triton.jit
+    def max_along(x, axis: tl.constexpr):
+        """``tl.max(x, axis)`` for float tiles (see ``sum_along``)."""
+        return tl.reduce(x, axis, _elementwise_max)
+else:
+    @triton.jit
+    def sum_along(x, axis: tl.constexpr):
+        """``tl.sum(x, axis)``."""
+        return tl.sum(x, axis)
 
-@triton.jit
-def max_along(x, axis: tl.constexpr):
-    """``tl.max(x, axis)`` for float tiles (see ``sum_along``)."""
-    return tl.reduce(x, axis, _elementwise_max)
+    @triton.jit
+    def max_along(x, axis: tl.constexpr):
+        """``tl.max(x, axis)``."""
+        return tl.max(x, axis)
 
 
 @triton.jit

@@ -206,3 +206,39 @@ def test_a_covering_selection_under_the_dense_shortcut_takes_the_torch_bodys_den
     assert torch.equal(out, aten_step.sparse_attention(query, key, value, indices, length, None, spec, variant))
     torch.testing.assert_close(out.double(), _float64(query, key, value, indices[..., :50].contiguous(), length),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_inductors_copy_of_the_generated_kernels_resolves_every_name(monkeypatch, tmp_path, dtype):
+    """Inside a compiled step inductor does not call our module's kernels: it copies each
+    kernel and the jit functions it calls, by source, into a module of its own
+    (``user_defined_triton_kernel_transitive_closure_source_code``). A helper that names a
+    global the copy lacks compiles here and fails on the device (an H200 run of 2026-12-04:
+    triton's ``_elementwise_max`` names triton's ``core``). The module is imported as it is
+    on a GPU (no interpreter); every global each copied function reads must exist in the
+    copy."""
+    import dis
+    import builtins
+
+    from triton import JITFunction
+    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+
+    from specontext_compile.codegen.compiler import _import_file
+    from specontext_compile.codegen.generator import generated_source
+    from specontext_compile.codegen.spec import KernelSpec
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    source = generated_source(KernelSpec(head_dim=64, group=3, dtype=dtype))
+    module = _import_file(tmp_path / "generated.py", source)
+    for kernel in (module.sparse_decode_split_kernel, module.sparse_decode_merge_kernel):
+        assert isinstance(kernel, JITFunction)
+        copy = user_defined_triton_kernel_transitive_closure_source_code(kernel)
+        text = "import triton\nimport triton.language as tl\n" + copy
+        namespace = vars(_import_file(tmp_path / f"copy_{kernel.__name__}.py", text))
+        # inductor decorates the kernel itself; the functions it calls come decorated
+        functions = [namespace[kernel.__name__]] + [v.fn for v in namespace.values() if isinstance(v, JITFunction)]
+        assert len(functions) > 1
+        for function in functions:
+            missing = {i.argval for i in dis.Bytecode(function) if i.opname == "LOAD_GLOBAL"
+                       and i.argval not in namespace and not hasattr(builtins, i.argval)}
+            assert not missing, f"{function.__name__} reads {missing}, absent from inductor's copy"
