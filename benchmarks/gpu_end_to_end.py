@@ -321,15 +321,22 @@ def main(argv=None) -> int:
                 print(f"[{time.time() - started:5.0f} s] [{inp}, {out}] batch {batch} {name}: "
                       + (f"{row['ms_median']:.2f} ms/step" if "ms_median" in row else row["note"]),
                       flush=True)
+                _write_json(args, device, dtype, started, rows)  # a killed run keeps its rows
     model.set_attn_implementation("sdpa")
-    result = {"device": str(device), "dtype": str(dtype), "dry_run": args.dry_run,
-              "budget": args.budget, "window": args.window, "warmup": args.warmup,
-              "seconds_total": time.time() - started, "rows": rows}
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    _write_json(args, device, dtype, started, rows)
     print(format_table(rows))
     return 0
+
+
+def _write_json(args, device, dtype, started: float, rows: list[dict]) -> None:
+    if not args.json:
+        return
+    result = {"device": str(device), "dtype": str(dtype), "dry_run": args.dry_run,
+              "layers": args.layers or (TINY if args.dry_run else LLAMA3_8B)["num_hidden_layers"],
+              "budget": args.budget, "window": args.window, "warmup": args.warmup,
+              "seconds_total": time.time() - started, "rows": rows}
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -207,6 +207,10 @@ def sparse_decode_split_kernel(
 ''')
 
 _SPLIT_PROLOGUE = """\
+    # Float arguments as fp32: inductor types a Python float argument of a user kernel as
+    # fp64 on CUDA, which would make the softmax's running statistics fp64.
+    scale = tl.cast(scale, tl.float32)
+    soft_cap = tl.cast(soft_cap, tl.float32)
     # Program ids promoted to int64 before any multiplication by a stride.
     pid_b = tl.program_id(0).to(tl.int64)
     pid_hr = tl.program_id(1).to(tl.int64)
@@ -518,6 +522,7 @@ def retrieval_logits_kernel(
     Writes the logits (fp32, -inf at positions >= valid_length) and, per head, the split's
     log-sum-exp (-inf when the split holds no valid position).
     """
+    scale = tl.cast(scale, tl.float32)  # fp64 when inductor launches it (see the split kernel)
     pid_b = tl.program_id(0).to(tl.int64)
     pid_kvh = tl.program_id(1).to(tl.int64)
     pid_s = tl.program_id(2).to(tl.int64)

@@ -106,6 +106,10 @@ def sparse_decode_split_kernel(
     Writes, per query row, the split's normalised output (fp32) to ``part_out`` and its
     log-sum-exp to ``part_lse`` (-inf when the split holds no allowed position).
     """
+    # Float arguments as fp32: inductor types a Python float argument of a user kernel as
+    # fp64 on CUDA, which would make the softmax's running statistics fp64.
+    scale = tl.cast(scale, tl.float32)
+    soft_cap = tl.cast(soft_cap, tl.float32)
     # Program ids promoted to int64 before any multiplication by a stride.
     pid_b = tl.program_id(0).to(tl.int64)
     pid_hr = tl.program_id(1).to(tl.int64)

@@ -242,3 +242,72 @@ def test_inductors_copy_of_the_generated_kernels_resolves_every_name(monkeypatch
             missing = {i.argval for i in dis.Bytecode(function) if i.opname == "LOAD_GLOBAL"
                        and i.argval not in namespace and not hasattr(builtins, i.argval)}
             assert not missing, f"{function.__name__} reads {missing}, absent from inductor's copy"
+
+
+class _Recorder:
+    """Stands in for ``wrap_triton``: records each launch's keyword arguments instead."""
+
+    launches: list = []
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        return lambda **kwargs: self.launches.append((self.kernel, kwargs))
+
+
+def _inductor_signature(kernel, kwargs) -> tuple[dict, dict]:
+    """The argument types inductor gives a user kernel on CUDA: tensors as pointers, ints as
+    i64, Python floats as fp64 (``triton_utils.signature_of``); constexprs as they are."""
+    names = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int64: "i64"}
+    signature, constants = {}, {}
+    for param in kernel.params:
+        value = kwargs[param.name]
+        if param.is_constexpr:
+            signature[param.name], constants[param.name] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[param.name] = "*" + names[value.dtype]
+        else:
+            signature[param.name] = "fp64" if isinstance(value, float) else "i64"
+    return signature, constants
+
+
+@pytest.mark.parametrize("spec", [dict(dtype="fp32", group=3), dict(dtype="bf16", group=4, head_dim=128),
+                                  dict(dtype="fp16", group=2, soft_cap=True, sliding_window=True)],
+                         ids=["fp32", "bf16", "fp16-softcap-window"])
+def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeypatch, tmp_path, spec):
+    """Triton's front end (source to TTIR, for an sm_90 target; no GPU needed) accepts each
+    generated kernel with the types inductor passes: a Python float is fp64 there, not fp32
+    as in a direct launch. The H200 run of 2026-12-04 failed on it ("loop-carried variable
+    m_i ... re-assigned to fp64"): the kernels now cast their float arguments to fp32."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    from specontext_compile.codegen.compiler import _import_file
+    from specontext_compile.codegen.generator import generated_source
+    from specontext_compile.codegen.spec import KernelSpec
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    spec = KernelSpec(**spec)
+    module = _import_file(tmp_path / "generated.py", generated_source(spec))
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    heads, d = spec.group, spec.head_dim
+    query, key, value = (torch.zeros(1, h, n, d, dtype=dtype) for h, n in ((heads, 1), (1, 100), (1, 100)))
+    out, part_out, part_lse = (torch.zeros(s) for s in ((1, heads, 1, d), (1, heads, 1, 2, d), (1, heads, 1, 2)))
+    _Recorder.launches = []
+    module.launch(query, key, value, torch.arange(40).view(1, 1, 40), torch.tensor([50]), out.to(dtype),
+                  part_out, part_lse, scale=d ** -0.5, soft_cap=30.0, window=64, split_size=32, num_splits=2,
+                  wrap=_Recorder)
+    assert [k.__name__ for k, _ in _Recorder.launches] == ["sparse_decode_split_kernel", "sparse_decode_merge_kernel"]
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    for kernel, kwargs in _Recorder.launches:
+        context = ir.context()
+        ir.load_dialects(context)
+        backend.load_dialects(context)
+        source = ASTSource(kernel, *_inductor_signature(kernel, kwargs))
+        ttir = source.make_ir(target, options, backend.get_codegen_implementation(options),
+                              backend.get_module_map(), context)
+        assert kernel.__name__ in str(ttir)
