@@ -46,6 +46,7 @@ except ImportError as _err:  # pragma: no cover - older torch
                       "device_memory_bytes unset") from _err
 
 from . import page_bounds
+from .elastic import copy_changed_rows, find_positions, plan_slots
 from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .retrieval import MAX_RETRIEVAL_LAYERS
 from .sparse_attention import _gather_tokens
@@ -186,23 +187,6 @@ def check_device_memory(model: torch.nn.Module, device_memory_bytes: int, budget
             "(plus the KV of the tokens you decode), lower budget, or leave it unset (no offload)")
 
 
-def _lookup(table: torch.Tensor, query: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per row, where ``query`` ``[rows, q]`` positions occur in ``table`` ``[rows, n]`` (unique
-    positions ``>= 0`` per row, all below ``capacity``; negative entries are empty).
-
-    Returns ``(found, at)``: bool ``[rows, q]`` and the index into ``table`` (valid where
-    found; a negative query is never found). A transient inverse map ``[rows, capacity + 1]``
-    (int64) answers by one scatter and one gather (sort + binary search, nothing sized by the
-    store, was several times slower on CPU at 3K-row buffers: docs/offload.md)."""
-    rows, n = table.shape
-    inverse = torch.full((rows, capacity + 1), -1, dtype=torch.long, device=table.device)
-    slot = torch.arange(n, device=table.device).expand(rows, n)
-    inverse.scatter_(1, torch.where(table >= 0, table, capacity), slot)
-    inverse[:, capacity] = -1  # the column every empty entry and every negative query maps to
-    at = inverse.gather(1, torch.where((query >= 0) & (query < capacity), query, capacity))
-    return at >= 0, at.clamp(min=0)
-
-
 @dataclasses.dataclass
 class LayerBuffer:
     """Device buffer of one offloaded layer.
@@ -211,7 +195,7 @@ class LayerBuffer:
         keys, values: ``[batch, num_kv_heads, budget, head_dim]`` rows on the device tier.
         pos_of_slot: int64 ``[batch, num_kv_heads, budget]``, the slot map: token position
             held by each slot, -1 = empty. Nothing kept on the device grows with the context;
-            a lookup uses a transient inverse map sized by the store's capacity (:func:`_lookup`).
+            a lookup uses a transient inverse map sized by the store's capacity (:func:`~.elastic.find_positions`).
     """
 
     keys: torch.Tensor
@@ -276,7 +260,7 @@ class LayerBuffer:
         b, h, k = indices.shape
         table = self.pos_of_slot.view(b * h, -1)
         query = indices.to(table.device).reshape(b * h, k)
-        found, at = _lookup(table, query, capacity)
+        found, at = find_positions(table, query, capacity)
         return torch.where(found & (query >= 0), at, -1).view(b, h, k)
 
     @property
@@ -300,45 +284,28 @@ def elastic_load(buf: LayerBuffer, store_k: torch.Tensor, store_v: torch.Tensor,
         loaded: bool ``[batch, num_kv_heads, slots]``, which positions the buffer holds, when
             the caller already looked them up (:meth:`LayerBuffer.slots_of` ``>= 0``).
 
+    The slot plan and the row copy are :mod:`.elastic`'s fixed-size device program (the
+    same code a captured CUDA step runs); only the returned count reads the device.
+
     Returns:
         rows moved (one row = one token's K and V of one (request, KV head)).
 
     Raises:
         RuntimeError: when a row needs more free slots than it has (selection larger than
-            the buffer: an internal error).
+            the buffer: an internal error; checked only when ``slots < k``).
     """
     b, h, k = indices.shape
     rows_n, slots = b * h, buf.pos_of_slot.shape[-1]
     idx = indices.to(buf.pos_of_slot.device).reshape(rows_n, k)
     pos_of_slot = buf.pos_of_slot.view(rows_n, slots)
-    capacity = store_k.shape[2]
-    if loaded is None:
-        loaded, _ = _lookup(pos_of_slot, idx, capacity)
-    else:
-        loaded = loaded.reshape(rows_n, k)
-    need = (idx >= 0) & (idx < limit) & ~loaded
-    n_need = need.sum(1)
-    if not bool(n_need.any()):
-        return 0
-    in_sel, _ = _lookup(idx, pos_of_slot, capacity)
-    keep = (pos_of_slot >= 0) & in_sel
-    if bool((n_need > (~keep).sum(1)).any()):
+    loaded = None if loaded is None else loaded.reshape(rows_n, k)
+    new_pos, changed, overflow = plan_slots(pos_of_slot, idx, limit, store_k.shape[2], loaded)
+    if k > slots and bool(overflow):  # impossible when k <= slots (a fact of shapes)
         raise RuntimeError("elastic_load: a selection row is larger than the device buffer")
-    # k-th missing position of a row goes to the row's k-th free slot (free slots first)
-    order = torch.argsort(keep.to(torch.int8), dim=1, stable=True)
-    rank = (need.cumsum(1) - 1).clamp(min=0, max=slots - 1)
-    target = order.gather(1, rank)
-    rr, jj = need.nonzero(as_tuple=True)
-    pos, slot = idx[rr, jj], target[rr, jj]
-    src_dev = store_k.device
-    rs, ps = rr.to(src_dev), pos.to(src_dev)
-    hk = store_k.view(rows_n, store_k.shape[2], -1)[rs, ps]
-    hv = store_v.view(rows_n, store_v.shape[2], -1)[rs, ps]
-    non_blocking = src_dev.type == "cpu" and buf.keys.device.type == "cuda"
-    buf.keys.view(rows_n, slots, -1)[rr, slot] = hk.to(buf.keys.device, non_blocking=non_blocking)
-    buf.values.view(rows_n, slots, -1)[rr, slot] = hv.to(buf.values.device, non_blocking=non_blocking)
-    pos_of_slot[rr, slot] = pos
-    return int(rr.numel())
+    for buffer, store in ((buf.keys, store_k), (buf.values, store_v)):
+        copy_changed_rows(buffer.view(rows_n, slots, -1), store.view(rows_n, store.shape[2], -1), new_pos, changed)
+    pos_of_slot.copy_(new_pos)
+    return int(changed.sum())
 
 
 def _gather_rows(buf: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
