@@ -3,6 +3,7 @@
 #   1. pytest on the device: tests/test_cuda.py (backend end to end with the generated
 #      Triton kernels, bf16, the sync-free compiled step with and without CUDA graphs, the
 #      generated kernel inside the compiled step, offload refused with a clear error),
+#      tests/test_elastic.py (the elastic row copy reading pinned host memory from the GPU),
 #      tests/test_kernel_step.py and the codegen tests (which run on CUDA when it is there);
 #   2. benchmarks/gpu_kernels.py (STAGES="kernels", not by default: it does not fit beside
 #      the others): kernel correctness vs float64 on the device, copy bandwidth, sparse kernel
@@ -52,7 +53,7 @@ if [[ " $STAGES " == *" tests "* ]]; then
   echo "== tests"
   xdist=(); "$PY" -c "import xdist" 2>/dev/null && [ -z "${DRY:-}" ] && xdist=(-n 6)
   timeout ${TESTS_S:-150} "$PY" -m pytest -q -p no:cacheprovider "${xdist[@]}" tests/test_cuda.py \
-    tests/test_kernel_step.py tests/test_codegen_attention.py tests/test_codegen_offsets.py tests/test_codegen_retrieval.py \
+    tests/test_kernel_step.py tests/test_elastic.py tests/test_codegen_attention.py tests/test_codegen_offsets.py tests/test_codegen_retrieval.py \
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

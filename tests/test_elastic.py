@@ -96,3 +96,19 @@ def test_the_triton_row_copy_equals_the_indexed_copy(dtype):
     got = got.cpu()
     assert torch.equal(got, want)
     assert torch.equal(got[~changed], buffer[~changed]) and not torch.equal(got, buffer)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned host memory read by the GPU)")
+def test_the_row_copy_reads_a_pinned_host_store_from_the_device():
+    """CUDA: the kernel reads the host tier where it lives, pinned host memory (unified
+    addressing), into a device buffer: only the changed rows, equal to the indexed copy."""
+    gen = torch.Generator().manual_seed(1)
+    rows, slots, capacity, dim = 6, 64, 4096, 128
+    store = torch.randn(rows, capacity, dim, generator=gen).to(torch.bfloat16).pin_memory()
+    new_pos = torch.randint(0, capacity, (rows, slots), generator=gen)
+    changed = torch.rand(rows, slots, generator=gen) < 0.3
+    want = torch.zeros(rows, slots, dim, dtype=torch.bfloat16)
+    copy_rows_reference(want, store, new_pos, changed)
+    got = torch.zeros(rows, slots, dim, dtype=torch.bfloat16, device="cuda")
+    copy_changed_rows(got, store, new_pos.cuda(), changed.cuda())
+    assert torch.equal(got.cpu(), want)
