@@ -207,6 +207,12 @@ def _kernel_sites() -> int:
     return counters["specontext"]["kernel_sites_lowered"]
 
 
+def _kernel_fallbacks() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["specontext"]["kernel_compile_fallbacks"]
+
+
 def flex_available() -> str | None:
     """None when FlexAttention can be used, else why not."""
     try:
@@ -311,6 +317,7 @@ def main(argv=None) -> int:
                     if name.startswith("specontext"):
                         row["sites_rewritten"] = _sites_rewritten()
                         row["kernel_sites_lowered"] = _kernel_sites() - lowered_before  # compiled in this row
+                        row["kernel_compile_fallbacks"] = _kernel_fallbacks()  # since the run began
                 except Exception as err:  # a contender failing must not lose the table
                     first_line = (str(err).splitlines() or [""])[0][:120]
                     row["note"] = f"error: {type(err).__name__}: {first_line}"

@@ -181,30 +181,67 @@ def specontext_backend(
         return extra.wrap(inner(gm) if callable(inner) else gm.forward)  # a runner: e.g. the recall probe
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
+    unlowered = _copy(gm) if _may_take_kernel(on_cuda) else None  # for a lowering without the kernel
     _lower(gm, config, on_cuda)
-    from torch._inductor.compile_fx import compile_fx
-
     example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
     patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid)}
-    compiled = None
-    with inductor_trace():  # decode products traced as fused reductions (CPU; sparse_attention.row_products)
-        if _regional(config, on_cuda):  # each distinct decoder layer compiled once
-            regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
-            compiled = compile_regions(gm, lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
-                                       lift=_LAYER_SLOTS)
-        if compiled is None:
-            compiled = compile_fx(gm, example_inputs, config_patches=patches)
+    try:
+        compiled = _inductor(gm, example_inputs, patches, config, on_cuda)
+    except Exception as err:  # noqa: BLE001 - re-raised unless the generated kernel can be left out
+        kernel_sites = _REPORTS[-1].lowered.kernel if _REPORTS[-1].lowered is not None else 0
+        if not kernel_sites or unlowered is None:
+            raise
+        _warn_kernel_fallback(err, kernel_sites, _graph_label(result))
+        _lower(unlowered, config, on_cuda, kernel=False)
+        compiled = _inductor(unlowered, example_inputs, patches, config, on_cuda)
     return extra.wrap(_checked_backward(compiled))
 
 
-def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fuse: bool = True) -> None:
+def _may_take_kernel(on_cuda: bool) -> bool:
+    """Whether the lowering may send sites to the generated kernel (CUDA graphs only)."""
+    return on_cuda
+
+
+def _inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], patches: dict, config: SpeContextConfig,
+              on_cuda: bool):
+    """Inductor's compile of the lowered graph: by regions (each distinct decoder layer once)
+    when option ``regional`` says so, else whole."""
+    from torch._inductor.compile_fx import compile_fx
+
+    with inductor_trace():  # decode products traced as fused reductions (CPU; sparse_attention.row_products)
+        if _regional(config, on_cuda):
+            regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
+            compiled = compile_regions(gm, lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
+                                       lift=_LAYER_SLOTS)
+            if compiled is not None:
+                return compiled
+        return compile_fx(gm, example_inputs, config_patches=patches)
+
+
+def _warn_kernel_fallback(err: Exception, sites: int, label: str) -> None:
+    """Inductor could not compile the generated attention kernel inside this graph (a
+    torch/triton pair it was not verified with): the graph is lowered again with those sites
+    on the torch body, which inductor compiles with its own kernels (exact, slower on long
+    contexts). Logged with the error and counted (``kernel_compile_fallbacks``)."""
+    first_line = next((line for line in str(err).splitlines() if line.strip()), "")[:300]
+    logger.warning("specontext: inductor could not compile the generated attention kernel in the %s "
+                   "(%s: %s); its %d kernel sites use inductor's own kernels instead (exact). "
+                   "kernel='torch' skips the attempt; please report the error with your torch and "
+                   "triton versions", label, type(err).__name__, first_line, sites)
+    counters["specontext"]["kernel_compile_fallbacks"] += 1
+    counters["specontext"]["kernel_sites_lowered"] -= sites
+
+
+def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fuse: bool = True,
+           kernel: bool = True) -> None:
     """Our ops swapped for their aten bodies (option ``lower``; ``passes/lower.py``), for
     inductor and for ``inner="eager"`` alike: both run the same functions (``fuse=False`` for
     eager: a refined site's refinement and attention stay two calls, each observable, with
     the same kept set and logits as the fused body). ``lower=False`` keeps the ops opaque
-    (their Python bodies: counters)."""
+    (their Python bodies: counters). ``kernel=False``: no site goes to the generated kernel
+    (the fallback when inductor cannot compile it)."""
     if config.compile.lower:
-        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse, kernel_device=on_cuda)
+        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse, kernel_device=on_cuda and kernel)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
         counters["specontext"]["kernel_sites_lowered"] += lowered.kernel  # CUDA: the generated kernel (kernel_step)
         _REPORTS[-1].lowered = lowered

@@ -184,6 +184,8 @@ def test_the_default_step_calls_the_generated_kernel_inside_inductor(mode):
         cache = sc.SpeContextCache(model.config, max_cache_len=200)
         out = _decode_without_syncs(forward, ids, tokens, cache)
         runs[kernel] = out, cache.path_counts(), counters["specontext"]["kernel_sites_lowered"]
+        assert counters["specontext"]["kernel_compile_fallbacks"] == 0, (
+            "inductor could not compile the generated kernel and fell back to the torch body (see the warning)")
     assert runs["torch"][2] == 0 and runs["auto"][2] >= 3, (runs["torch"][2], runs["auto"][2])
     counts = runs["auto"][1]
     assert counts["decode_steps"] == 12 and counts["gather_sites"] == counts["page_rescue_sites"] == 3 * 12, counts

@@ -311,3 +311,63 @@ def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeyp
         ttir = source.make_ir(target, options, backend.get_codegen_implementation(options),
                               backend.get_module_map(), context)
         assert kernel.__name__ in str(ttir)
+
+
+def test_a_kernel_inductor_cannot_compile_falls_back_to_the_torch_body(monkeypatch, caplog):
+    """When inductor fails to compile a graph whose sites take the generated kernel (as on an
+    H200 twice, 2026-12-04), the backend lowers the graph again with those sites on the torch
+    body and compiles that, with a warning naming the error and a counter: the model runs,
+    with the logits of a step that never tried the kernel. On CPU: the lowering is made to
+    send every decode site to the kernel, and inductor's compile of a graph holding a kernel
+    site raises the device's error."""
+    import logging
+    import sys
+
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._dynamo.utils import counters
+
+    sys.path.insert(0, "tests")
+    from _tiny import tiny_llama
+
+    import specontext_compile as sc
+    from specontext_compile import backend
+
+    failed, graphs = [], []
+    real_compile = compile_fx_module.compile_fx
+
+    def lowering(graph, *args, **kwargs):
+        return lower_to_aten(graph, *args, **{**kwargs, "kernel_device": not failed})
+
+    def compile_fx(gm, inputs, **kwargs):
+        graphs.append(gm)
+        if any(n.target is kernel_step.kernel_attention for n in gm.graph.nodes):
+            failed.append(gm)
+            raise RuntimeError("CompilationError: at 58:4: Loop-carried variable m_i has initial type fp32 "
+                               "but is re-assigned to fp64")
+        return real_compile(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "lower_to_aten", lowering)
+    monkeypatch.setattr(backend, "_may_take_kernel", lambda on_cuda: True)
+    monkeypatch.setattr(kernel_step, "kernel_reason", lambda *args, **kwargs: None)
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for options in (dict(), dict(kernel="torch")):
+        torch._dynamo.reset()
+        forward = torch.compile(model.forward, backend="specontext",
+                                options=dict(budget=16, sink_tokens=2, recent_window=4, regional=False, **options))
+        cache = sc.SpeContextCache(model.config, max_cache_len=128)
+        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="specontext_compile.backend"):
+            forward(input_ids=ids, cache=cache, use_cache=True)
+            logits.append(forward(input_ids=ids[:, :1], cache=cache, use_cache=True).logits)
+        assert cache.path_counts()["gather_sites"] == 2
+    assert len(failed) == 1  # the decode graph of the default options, once
+    assert counters["specontext"]["kernel_compile_fallbacks"] == 1
+    assert counters["specontext"]["kernel_sites_lowered"] == 0
+    assert "could not compile the generated attention kernel" in caplog.text and "fp64" in caplog.text
+    after = graphs[graphs.index(failed[0]) + 1:]
+    assert after and not any(n.target is kernel_step.kernel_attention for g in after for n in g.graph.nodes)
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=0)
