@@ -67,6 +67,8 @@ def plan_slots(pos_of_slot: torch.Tensor, indices: torch.Tensor, limit: torch.Te
         slots (only possible when ``k > slots``; those positions are then not placed).
     """
     rows, k = indices.shape
+    if k == 0:  # an empty selection moves nothing
+        return pos_of_slot.clone(), torch.zeros_like(pos_of_slot, dtype=torch.bool), torch.zeros((), dtype=torch.bool, device=pos_of_slot.device)
     loaded = find_positions(pos_of_slot, indices, capacity)[0] if loaded is None else loaded
     limit = torch.as_tensor(limit, device=indices.device)
     need = (indices >= 0) & (indices < limit) & ~loaded

@@ -112,3 +112,9 @@ def test_the_row_copy_reads_a_pinned_host_store_from_the_device():
     got = torch.zeros(rows, slots, dim, dtype=torch.bfloat16, device="cuda")
     copy_changed_rows(got, store, new_pos.cuda(), changed.cuda())
     assert torch.equal(got.cpu(), want)
+
+
+def test_an_empty_selection_moves_nothing():
+    pos_of_slot = torch.tensor([[3, -1, 7]])
+    new_pos, changed, overflow = plan_slots(pos_of_slot, torch.zeros((1, 0), dtype=torch.long), 10, 10)
+    assert new_pos.tolist() == [[3, -1, 7]] and not changed.any() and not bool(overflow)
