@@ -68,7 +68,8 @@ def plan_slots(pos_of_slot: torch.Tensor, indices: torch.Tensor, limit: torch.Te
     """
     rows, k = indices.shape
     if k == 0:  # an empty selection moves nothing
-        return pos_of_slot.clone(), torch.zeros_like(pos_of_slot, dtype=torch.bool), torch.zeros((), dtype=torch.bool, device=pos_of_slot.device)
+        none = torch.zeros_like(pos_of_slot, dtype=torch.bool)
+        return pos_of_slot.clone(), none, none.any()
     loaded = find_positions(pos_of_slot, indices, capacity)[0] if loaded is None else loaded
     limit = torch.as_tensor(limit, device=indices.device)
     need = (indices >= 0) & (indices < limit) & ~loaded
