@@ -71,7 +71,9 @@ def plan_slots(pos_of_slot: torch.Tensor, indices: torch.Tensor, limit: torch.Te
         none = torch.zeros_like(pos_of_slot, dtype=torch.bool)
         return pos_of_slot.clone(), none, none.any()
     loaded = find_positions(pos_of_slot, indices, capacity)[0] if loaded is None else loaded
-    limit = torch.as_tensor(limit, device=indices.device)
+    # a tensor limit stays on the device; an int is compared as a Python scalar (making a
+    # device tensor of it would copy from the host, a sync on CUDA)
+    limit = limit.to(indices.device) if isinstance(limit, torch.Tensor) else int(limit)
     need = (indices >= 0) & (indices < limit) & ~loaded
     n_need = need.sum(1, keepdim=True)
     keep = (pos_of_slot >= 0) & find_positions(indices, pos_of_slot, capacity)[0]
@@ -105,11 +107,12 @@ def copy_changed_rows(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.
         buffer: ``[rows, slots, dim]`` device rows (a view of ``LayerBuffer.keys`` or ``values``).
         store: ``[rows, capacity, dim]`` the host tier (on CUDA: pinned host memory or device).
         new_pos, changed: :func:`plan_slots`'s ``[rows, slots]`` results.
-        kernel: use the Triton kernel (default: when ``buffer`` is on CUDA). On CPU tensors it
-            runs under ``TRITON_INTERPRET=1`` only (tests).
+        kernel: use the Triton kernel (default: a CUDA ``buffer`` and a store the GPU can
+            address: on the device, or pinned host memory; an ordinary host store is copied
+            by index). On CPU tensors it runs under ``TRITON_INTERPRET=1`` only (tests).
     """
     if kernel is None:
-        kernel = buffer.device.type == "cuda"
+        kernel = buffer.is_cuda and (store.is_cuda or store.is_pinned())
     if not kernel:
         copy_rows_reference(buffer, store, new_pos, changed)
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -187,14 +188,28 @@ def specontext_backend(
     patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid)}
     try:
         compiled = _inductor(gm, example_inputs, patches, config, on_cuda)
-    except Exception as err:  # noqa: BLE001 - re-raised unless the generated kernel can be left out
-        kernel_sites = _REPORTS[-1].lowered.kernel if _REPORTS[-1].lowered is not None else 0
-        if not kernel_sites or unlowered is None:
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is our kernel's and can be left out
+        first = _REPORTS[-1].lowered
+        if unlowered is None or first is None or not first.kernel or not _names_our_kernel(err):
             raise
-        _warn_kernel_fallback(err, kernel_sites, _graph_label(result))
         _lower(unlowered, config, on_cuda, kernel=False)
         compiled = _inductor(unlowered, example_inputs, patches, config, on_cuda)
+        _warn_kernel_fallback(err, first, _graph_label(result))
     return extra.wrap(_checked_backward(compiled))
+
+
+#: the generated kernels' names (codegen/generator.py), as inductor's compile errors name them
+_OUR_KERNELS = ("sparse_decode_split_kernel", "sparse_decode_merge_kernel")
+
+
+def _names_our_kernel(err: BaseException) -> bool:
+    """Whether a compile error (or one it was raised from) names one of our generated kernels:
+    only then is compiling without them a remedy."""
+    while err is not None:
+        if any(name in str(err) for name in _OUR_KERNELS):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _may_take_kernel(on_cuda: bool) -> bool:
@@ -218,18 +233,24 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], patches: dict
         return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def _warn_kernel_fallback(err: Exception, sites: int, label: str) -> None:
+def _warn_kernel_fallback(err: Exception, first: LowerResult, label: str) -> None:
     """Inductor could not compile the generated attention kernel inside this graph (a
-    torch/triton pair it was not verified with): the graph is lowered again with those sites
-    on the torch body, which inductor compiles with its own kernels (exact, slower on long
-    contexts). Logged with the error and counted (``kernel_compile_fallbacks``)."""
-    first_line = next((line for line in str(err).splitlines() if line.strip()), "")[:300]
+    torch/triton pair it was not verified with), and the graph, lowered again with those
+    sites on the torch body, compiled with inductor's own kernels (exact, slower on long
+    contexts). Logged with the error's cause (the whole error at DEBUG) and counted:
+    ``kernel_compile_fallbacks`` up, the first lowering's sites and ops taken back."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    causes = [line for line in lines if re.search(r"\w+(Error|Exception)\b", line)]
+    cause = " / ".join(dict.fromkeys([lines[0] if lines else "", *(causes[-1:])]))[:400]
     logger.warning("specontext: inductor could not compile the generated attention kernel in the %s "
                    "(%s: %s); its %d kernel sites use inductor's own kernels instead (exact). "
                    "kernel='torch' skips the attempt; please report the error with your torch and "
-                   "triton versions", label, type(err).__name__, first_line, sites)
+                   "triton versions (whole error at DEBUG: TORCH_LOGS=+specontext)", label,
+                   type(err).__name__, cause, first.kernel)
+    logger.debug("specontext: the generated kernel's compile error", exc_info=err)
     counters["specontext"]["kernel_compile_fallbacks"] += 1
-    counters["specontext"]["kernel_sites_lowered"] -= sites
+    counters["specontext"]["kernel_sites_lowered"] -= first.kernel
+    counters["specontext"]["ops_lowered"] -= sum(first.lowered.values())  # the second lowering counted them
 
 
 def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fuse: bool = True,
@@ -241,7 +262,8 @@ def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fu
     (their Python bodies: counters). ``kernel=False``: no site goes to the generated kernel
     (the fallback when inductor cannot compile it)."""
     if config.compile.lower:
-        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse, kernel_device=on_cuda and kernel)
+        lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse,
+                                kernel_device=_may_take_kernel(on_cuda) and kernel)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
         counters["specontext"]["kernel_sites_lowered"] += lowered.kernel  # CUDA: the generated kernel (kernel_step)
         _REPORTS[-1].lowered = lowered

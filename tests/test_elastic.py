@@ -70,8 +70,9 @@ def test_the_plan_reads_nothing_on_the_host():
     is a fixed-size device program, as a captured CUDA step needs."""
     pos_of_slot = torch.full((6, 64), -1, dtype=torch.long, device="meta")
     indices = torch.zeros((6, 48), dtype=torch.long, device="meta")
-    new_pos, changed, overflow = plan_slots(pos_of_slot, indices, torch.zeros((), dtype=torch.long, device="meta"), 4096)
-    assert new_pos.shape == (6, 64) and changed.shape == (6, 64) and overflow.shape == ()
+    for limit in (torch.zeros((), dtype=torch.long, device="meta"), 100):  # a device tensor, a Python int
+        new_pos, changed, overflow = plan_slots(pos_of_slot, indices, limit, 4096)
+        assert new_pos.shape == (6, 64) and changed.shape == (6, 64) and overflow.shape == ()
     with pytest.raises(Exception):
         copy_rows_reference(torch.zeros((6, 64, 8), device="meta"), torch.zeros((6, 4096, 8), device="meta"),
                             new_pos, changed)  # the CPU path's nonzero is a host read: the kernel is not
