@@ -207,6 +207,12 @@ def _kernel_sites() -> int:
     return counters["specontext"]["kernel_sites_lowered"]
 
 
+def _cudagraph_skips() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["inductor"]["cudagraph_skips"]
+
+
 def _kernel_fallbacks() -> int:
     from torch._dynamo.utils import counters
 
@@ -311,9 +317,11 @@ def main(argv=None) -> int:
                         model.set_attn_implementation("flex_attention")
                     else:
                         model.set_attn_implementation("sdpa")
-                    lowered_before = _kernel_sites()
+                    lowered_before, skips_before = _kernel_sites(), _cudagraph_skips()
                     row.update(run_one(name, model, forwards[name], args, batch, context,
                                        device, dtype))
+                    if name.endswith("cudagraphs"):  # 0: CUDA graphs really replayed the step
+                        row["cudagraph_skips"] = _cudagraph_skips() - skips_before
                     if name.startswith("specontext"):
                         row["sites_rewritten"] = _sites_rewritten()
                         row["kernel_sites_lowered"] = _kernel_sites() - lowered_before  # compiled in this row

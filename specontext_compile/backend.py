@@ -186,6 +186,7 @@ def specontext_backend(
     _lower(gm, config, on_cuda)
     example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
     patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid)}
+    _static_added_inputs(gm)
     try:
         compiled = _inductor(gm, example_inputs, patches, config, on_cuda)
     except Exception as err:  # noqa: BLE001 - re-raised unless it is our kernel's and can be left out
@@ -193,6 +194,7 @@ def specontext_backend(
         if unlowered is None or first is None or not first.kernel or not _names_our_kernel(err):
             raise
         _lower(unlowered, config, on_cuda, kernel=False)
+        _static_added_inputs(unlowered)
         compiled = _inductor(unlowered, example_inputs, patches, config, on_cuda)
         _warn_kernel_fallback(err, first, _graph_label(result))
     return extra.wrap(_checked_backward(compiled))
@@ -424,13 +426,35 @@ def _copy_bandwidth(config: SpeContextConfig, example_inputs: list[Any]) -> floa
 
 
 def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-    """A GraphModule over a copy of ``gm``'s graph (nodes and their meta), same submodules."""
+    """A GraphModule over a copy of ``gm``'s graph (nodes and their meta), same submodules,
+    with what AOTAutograd reads from a dynamo graph (``_param_name_to_source``, each
+    placeholder's ``_dynamo_source``): without them it does not see which inputs keep their
+    address, and CUDA graphs skip every graph that writes the KV stores."""
     graph = torch.fx.Graph()
-    out = graph.graph_copy(gm.graph, {})
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, copies)
     graph.output(out)
     copied = torch.fx.GraphModule(gm, graph)
     copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    for node, copy in copies.items():
+        if hasattr(node, "_dynamo_source"):
+            copy._dynamo_source = node._dynamo_source
     return copied
+
+
+def _static_added_inputs(gm: torch.fx.GraphModule) -> None:
+    """Give the inputs our passes added (a model's path counters, an adopted StaticCache's
+    retrieval state, paged state: tensors allocated once and written in place) what dynamo
+    gives its own: no source, and an address that stays (``mark_static_address``), so CUDA
+    graphs read and write them in place instead of skipping the graph."""
+    if not hasattr(gm, "_param_name_to_source"):
+        return
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if not hasattr(node, "_dynamo_source"):
+            node._dynamo_source = None
+            node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
 
 
 class _SourcesKey(CustomGraphPass):

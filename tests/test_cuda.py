@@ -110,8 +110,11 @@ def test_inductor_decode_steps_never_sync_with_the_host(mode):
         extra = {"inner": "eager", "lower": False} if inner == "eager" else {"inner": "auto", "mode": mode}
         forward = torch.compile(model.forward, backend="specontext", options={**opts, **extra})
         cache = sc.SpeContextCache(model.config, max_cache_len=160)
+        counters.clear()
         out = _decode_without_syncs(forward, ids, tokens, cache, checked=inner != "eager")
         runs[inner] = out, cache.path_counts()
+        if inner == "default" and mode == "reduce-overhead":  # CUDA graphs really ran (2026-12-04: skipped)
+            assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs skipped the compiled step"
     assert runs["default"][1]["decode_steps"] == 12 and runs["default"][1]["gather_sites"] == 3 * 12
     for a, b in zip(runs["default"][0], runs["eager"][0]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -184,6 +187,8 @@ def test_the_default_step_calls_the_generated_kernel_inside_inductor(mode):
         cache = sc.SpeContextCache(model.config, max_cache_len=200)
         out = _decode_without_syncs(forward, ids, tokens, cache)
         runs[kernel] = out, cache.path_counts(), counters["specontext"]["kernel_sites_lowered"]
+        if mode == "reduce-overhead":
+            assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs skipped the compiled step"
         assert counters["specontext"]["kernel_compile_fallbacks"] == 0, (
             "inductor could not compile the generated kernel and fell back to the torch body (see the warning)")
     assert runs["torch"][2] == 0 and runs["auto"][2] >= 3, (runs["torch"][2], runs["auto"][2])

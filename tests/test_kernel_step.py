@@ -420,3 +420,56 @@ def test_a_compile_error_that_is_not_our_kernels_is_raised_as_it_is(monkeypatch)
         forward(input_ids=ids, cache=cache, use_cache=True)
         forward(input_ids=ids[:, :1], cache=cache, use_cache=True)
     assert len(calls) == 1 and counters["specontext"]["kernel_compile_fallbacks"] == 0
+
+
+def test_the_compiled_graph_keeps_dynamos_input_metadata_for_cuda_graphs(monkeypatch):
+    """CUDA graphs skip a graph that writes an input unless AOTAutograd knows the input keeps
+    its address; it reads that from dynamo's graph (``_param_name_to_source``, each
+    placeholder's ``_dynamo_source`` and ``tensor_dict``). The H200 runs of 2026-12-04 logged
+    "skipping cudagraphs due to mutated inputs (45 instances)" for every specontext graph: our
+    copy of the graph had dropped that metadata. Here on CPU (where the stores are not marked
+    static by the cache, the test marks them): the graph inductor receives carries the
+    metadata, the stores' inputs and the inputs our passes added (the path counters) are
+    static, as the weights are, and nothing else is."""
+    import sys
+
+    import torch._inductor.compile_fx as compile_fx_module
+    from torch._functorch._aot_autograd.frontend_utils import _try_get_metadata_from_dynamo
+
+    sys.path.insert(0, "tests")
+    from _tiny import tiny_llama
+
+    import specontext_compile as sc
+
+    graphs = []
+    real_compile = compile_fx_module.compile_fx
+
+    def compile_fx(gm, inputs, **kwargs):
+        graphs.append(gm)
+        return real_compile(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    torch._dynamo.reset()
+    model = tiny_llama(layers=2)
+    forward = torch.compile(model.forward, backend="specontext",
+                            options=dict(budget=16, sink_tokens=2, recent_window=4, regional=False))
+    cache = sc.SpeContextCache(model.config, max_cache_len=128)
+    ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)  # eager prefill allocates the stores
+        stores = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        for t in stores:
+            torch._dynamo.mark_static_address(t, guard=False)
+        forward(input_ids=ids[:, :1], cache=cache, use_cache=True)
+    gm = graphs[0]  # the decode step's graph (the eager prefill compiled nothing)
+    assert any(n.target is aten_step.refine_and_attend for n in gm.graph.nodes), len(graphs)
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    sources, static = _try_get_metadata_from_dynamo(gm, {}.keys(), len(placeholders), [])
+    assert sources is not None, "AOTAutograd did not recognise the graph as dynamo's"
+    names = [str(getattr(n, "_dynamo_source", None)) for n in placeholders]
+    stored = [i for i, name in enumerate(names) if name.endswith(("member='keys')", "member='values')"))]
+    added = [i for i, n in enumerate(placeholders) if n._dynamo_source is None]
+    assert len(stored) == len(stores) and added, (names, added)
+    assert set(stored) | set(added) <= set(static), [names[i] for i in static]
+    weights = {i for i, name in enumerate(names) if "'_parameters')" in name or "'_buffers')" in name}
+    assert set(static) == set(stored) | set(added) | weights  # nothing else (a step's token, ...)
