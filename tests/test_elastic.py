@@ -73,9 +73,6 @@ def test_the_plan_reads_nothing_on_the_host():
     for limit in (torch.zeros((), dtype=torch.long, device="meta"), 100):  # a device tensor, a Python int
         new_pos, changed, overflow = plan_slots(pos_of_slot, indices, limit, 4096)
         assert new_pos.shape == (6, 64) and changed.shape == (6, 64) and overflow.shape == ()
-    with pytest.raises(Exception):
-        copy_rows_reference(torch.zeros((6, 64, 8), device="meta"), torch.zeros((6, 4096, 8), device="meta"),
-                            new_pos, changed)  # the CPU path's nonzero is a host read: the kernel is not
 
 
 @pytest.mark.usefixtures("triton_interpreter")

@@ -326,6 +326,40 @@ def _device_error(name: str = "sparse_decode_split_kernel"):
     return InductorError(SubprocException(details).with_name(name), None)
 
 
+def _tiny_llama(layers: int):
+    import sys
+
+    sys.path.insert(0, "tests")
+    from _tiny import tiny_llama
+
+    return tiny_llama(layers=layers)
+
+
+def _kernel_compile_fails(monkeypatch, error: Exception) -> tuple[list, list]:
+    """On CPU: the lowering sends every ``kernel="auto"`` decode site to the generated kernel,
+    and inductor's compile of a graph holding such a site raises ``error``. Returns the lists
+    of every graph given to inductor and of those that raised."""
+    import torch._inductor.compile_fx as compile_fx_module
+
+    from specontext_compile import backend
+
+    graphs, failed = [], []
+    real_compile = compile_fx_module.compile_fx
+
+    def compile_fx(gm, inputs, **kwargs):
+        graphs.append(gm)
+        if any(n.target is kernel_step.kernel_attention for n in gm.graph.nodes):
+            failed.append(gm)
+            raise error
+        return real_compile(gm, inputs, **kwargs)
+
+    monkeypatch.setattr(backend, "_may_take_kernel", lambda on_cuda: True)
+    monkeypatch.setattr(kernel_step, "kernel_reason",
+                        lambda query, key_cache, mask, spec, variant: None if spec.kernel == "auto" else "torch")
+    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    return graphs, failed
+
+
 def test_a_kernel_inductor_cannot_compile_falls_back_to_the_torch_body(monkeypatch, caplog):
     """When inductor fails to compile a graph whose sites take the generated kernel (as on an
     H200 twice, 2026-12-04), the backend lowers the graph again with those sites on the torch
@@ -334,32 +368,13 @@ def test_a_kernel_inductor_cannot_compile_falls_back_to_the_torch_body(monkeypat
     send every decode site to the kernel, and inductor's compile of a graph holding a kernel
     site raises the device's error."""
     import logging
-    import sys
 
-    import torch._inductor.compile_fx as compile_fx_module
     from torch._dynamo.utils import counters
 
-    sys.path.insert(0, "tests")
-    from _tiny import tiny_llama
-
     import specontext_compile as sc
-    from specontext_compile import backend
 
-    failed, graphs = [], []
-    real_compile = compile_fx_module.compile_fx
-
-    def compile_fx(gm, inputs, **kwargs):
-        graphs.append(gm)
-        if any(n.target is kernel_step.kernel_attention for n in gm.graph.nodes):
-            failed.append(gm)
-            raise _device_error()
-        return real_compile(gm, inputs, **kwargs)
-
-    monkeypatch.setattr(backend, "_may_take_kernel", lambda on_cuda: True)
-    monkeypatch.setattr(kernel_step, "kernel_reason",
-                        lambda query, key_cache, mask, spec, variant: None if spec.kernel == "auto" else "torch")
-    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
-    model = tiny_llama(layers=2)
+    graphs, failed = _kernel_compile_fails(monkeypatch, _device_error())
+    model = _tiny_llama(layers=2)
     ids = torch.randint(0, 128, (1, 60), generator=torch.Generator().manual_seed(0))
     logits, ops_lowered, fallbacks = [], [], []
     for options in (dict(kernel="torch"), dict()):
@@ -387,31 +402,14 @@ def test_a_kernel_inductor_cannot_compile_falls_back_to_the_torch_body(monkeypat
 def test_a_compile_error_that_is_not_our_kernels_is_raised_as_it_is(monkeypatch):
     """Only an error that names our generated kernels is remedied by leaving them out; any
     other inductor failure of a graph with kernel sites propagates, without a second compile."""
-    import sys
-
-    import torch._inductor.compile_fx as compile_fx_module
     from torch._dynamo.utils import counters
 
-    sys.path.insert(0, "tests")
-    from _tiny import tiny_llama
-
     import specontext_compile as sc
-    from specontext_compile import backend
 
-    real_compile, calls = compile_fx_module.compile_fx, []
-
-    def compile_fx(gm, inputs, **kwargs):
-        if any(n.target is kernel_step.kernel_attention for n in gm.graph.nodes):
-            calls.append(gm)
-            raise _device_error(name="triton_poi_fused_add_0")  # one of inductor's own kernels
-        return real_compile(gm, inputs, **kwargs)
-
-    monkeypatch.setattr(backend, "_may_take_kernel", lambda on_cuda: True)
-    monkeypatch.setattr(kernel_step, "kernel_reason", lambda *args, **kwargs: None)
-    monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
+    _, calls = _kernel_compile_fails(monkeypatch, _device_error(name="triton_poi_fused_add_0"))  # inductor's own
     torch._dynamo.reset()
     counters.clear()
-    model = tiny_llama(layers=2)
+    model = _tiny_llama(layers=2)
     forward = torch.compile(model.forward, backend="specontext",
                             options=dict(budget=16, sink_tokens=2, recent_window=4, regional=False))
     cache = sc.SpeContextCache(model.config, max_cache_len=128)
