@@ -20,7 +20,8 @@ Invariants:
   so lowering changes a node's target and nothing else.
 - **Only the ops.** The cache's marker ``kv_write`` (as ``aten_step.write_kv`` and, for a store
   with page bounds, ``page_bounds.update_after_write``) and torch-path
-  ``sparse_attention`` and ``mla_sparse_attention`` are lowered. What the pass inserts as
+  ``sparse_attention`` (``aten_step.sparse_attention``, or ``mla.mla_sparse_attention`` at a
+  site whose variant is multi-head latent attention's) are lowered. What the pass inserts as
   direct calls of step functions needs nothing: the selection nodes
   (``aten_step.speculative_select``, ``draft_select``), the per-layer
   ``aten_step.refine_selection``, ``record_query``, ``record_hidden`` and the counters. The
@@ -264,17 +265,18 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
         elif packet in _ANCHORS:
             graph.erase_node(node)
             result.removed[name] += 1
-        elif packet in (_SPARSE, _OPS.mla_sparse_attention) and not _is_triton(node):
-            node.target = aten_step.sparse_attention if packet is _SPARSE else mla.mla_sparse_attention
+        elif packet is _SPARSE and not _is_triton(node):
+            latent = op_arguments(node, _SPARSE)["variant"].nope_dim > 0  # an MLA site
+            node.target = mla.mla_sparse_attention if latent else aten_step.sparse_attention
             result.lowered[name] += 1
-            if packet is _SPARSE and kernel_device:
+            if not latent and kernel_device:
                 reason = _kernel_reason(node)
                 if reason is None:
                     node.target = kernel_step.kernel_attention
                     result.kernel += 1
                 else:
                     result.kernel_refused[reason] += 1
-        elif packet in (_SPARSE, _OPS.mla_sparse_attention):
+        elif packet is _SPARSE:
             result.kept[name] = "kernel='triton': the generated kernel is called as an op"
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"

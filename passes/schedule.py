@@ -119,6 +119,12 @@ def _has_sinks(node: fx.Node) -> bool:
     return is_op(node, aten_step.sinks_attention)
 
 
+def _is_latent(node: fx.Node) -> bool:
+    """Whether a node is the attention op of a multi-head latent attention site (its variant
+    has ``nope_dim > 0``)."""
+    return is_op(node, SPARSE) and op_arguments(node, SPARSE)["variant"].nope_dim > 0
+
+
 def _val(node: fx.Node):
     return node.meta.get("example_value", node.meta.get("val"))
 
@@ -206,11 +212,11 @@ class OffloadSchedulePass:
     def __call__(self, graph: fx.Graph) -> ScheduleResult:
         result = ScheduleResult()
         selects = [n for n in graph.nodes if is_op(n, SELECT)]
-        sparse = [n for n in graph.nodes if is_op(n, SPARSE)]
+        sparse = [n for n in graph.nodes if is_op(n, SPARSE) and not _is_latent(n)]
         if any(_has_sinks(n) for n in graph.nodes):
             logger.warning("specontext: KV offload is not built for attention with learned sink logits "
                            "(GPT-OSS): those layers stay resident on the device (exact)")
-        if any(is_op(n, torch.ops.specontext.mla_sparse_attention) for n in graph.nodes):
+        if any(_is_latent(n) for n in graph.nodes):
             logger.warning("specontext: KV offload is not built for multi-head latent attention (MLA) layers: "
                            "they stay resident on the device (exact); their latent cache is already several "
                            "times smaller than per-head keys and values")

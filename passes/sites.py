@@ -250,6 +250,8 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
         return "the number of query or KV heads is symbolic (dynamic shapes): not rewritten"
     if site.mla is not None and q.shape[-1] != site.mla.nope_dim + site.mla.rope_dim:
         return f"MLA query is {q.shape[-1]} wide, not nope {site.mla.nope_dim} + rope {site.mla.rope_dim}"
+    if site.mla is not None and site.mla.nope_dim < 1:  # the attention op reads an MLA site by nope_dim > 0
+        return "MLA without a no-position query part (qk_nope_head_dim 0) is not built: dense and exact"
     if kg != vg or site.num_kv_heads * groups != site.num_heads:
         return f"head mapping is not GQA: {site.num_heads} query heads, {site.num_kv_heads} KV heads x {kg}"
     site.write, site.layer = write, layer

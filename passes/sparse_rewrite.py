@@ -47,7 +47,6 @@ ANCHOR = torch.ops.specontext.retrieval_anchor
 SPARSE = torch.ops.specontext.sparse_attention.default
 COUNT = aten_step.count_step
 COUNT_FALLBACK = aten_step.count_fallback
-MLA_SPARSE = torch.ops.specontext.mla_sparse_attention.default
 STORE = aten_step.store_selection
 LOAD = aten_step.load_selection
 PAGE_SHIFT = page_bounds.shift_from_mask
@@ -262,7 +261,7 @@ class SparseAttentionPass(CustomGraphPass):
                 s.reason = f"{s.q_len} query tokens do not fit a budget of {self.step.budget}"
             elif s.reason is None and s.mla is not None and (s.soft_cap or s.window or s.position_bias is not None):
                 s.reason = ("MLA with a soft cap, a sliding window or a position bias is not built "
-                            "(mla_sparse_attention has none of them): dense and exact")
+                            "(the latent attention has none of them): dense and exact")
         return [s for s in resolved if s.reason is None]
 
     @staticmethod
@@ -419,7 +418,7 @@ class SparseAttentionPass(CustomGraphPass):
             variant = AttentionVariant(site.scale, nope_dim=site.mla.nope_dim)
             with graph.inserting_before(site.node):
                 if dense is None and site.sinks is None:
-                    latent = graph.call_function(MLA_SPARSE, (
+                    latent = graph.call_function(SPARSE, (
                         query, site.key_cache, site.value_cache, selection, site.length, site.attn_mask, spec, variant))
                 else:  # no kernel serves these: the torch step function, called directly
                     latent = graph.call_function(mla.attend_latent, (

@@ -5,7 +5,7 @@ opaque node, and declares the tensors it mutates so no compiler drops or reorder
 The ops are registered when this module is imported (importing ``specontext_compile`` does),
 which changes no other global state. They live by role, each beside the aten body it calls
 (:mod:`.aten_step`): ``ops_store`` (KV store, anchor, counters), ``ops_attention``,
-``ops_mla``, ``ops_draft``; :mod:`.offload_ops` registers the KV offload's; this module
+``ops_draft``; :mod:`.offload_ops` registers the KV offload's; this module
 gathers the others.
 
 =====================  ====================================================================
@@ -15,8 +15,8 @@ kv_write               append this step's keys/values into a layer's preallocate
                        recompute the per-page key bounds of the pages it touched
 retrieval_anchor       marks, in the traced graph, where the retrieval state enters (layer 0)
 check_capacity         (compiled CPU steps) raises before a write would pass the store's end
-sparse_attention       attention of one layer over the selected tokens only
-mla_sparse_attention   MLA attention over the selected latent rows, then the value up-projection
+sparse_attention       attention of one layer over the selected tokens only (an MLA site:
+                       over the selected latent rows, before the value up-projection)
 draft_anchor           marks where the draft head's key cache enters (layer 0, ``retrieval_head``)
 draft_step             the draft head's Q/K of the step's tokens; K into its own key cache
 =====================  ====================================================================
@@ -38,10 +38,9 @@ listed in :data:`.aten_step.MUTATES`, so dead-code elimination keeps them.
 from __future__ import annotations
 
 from .ops_attention import _mask_allows_selection, _use_triton, sparse_attention  # noqa: F401
-from .ops_mla import mla_sparse_attention
 from .ops_draft import draft_anchor, draft_step
 from .ops_store import CacheCapacityError, check_capacity, kv_write, retrieval_anchor
 from .sparse_attention import sparse_attention_reference  # noqa: F401  (the torch path's reference)
 
-__all__ = ["CacheCapacityError", "check_capacity", "draft_anchor", "draft_step", "kv_write", "mla_sparse_attention",
-           "retrieval_anchor", "sparse_attention"]
+__all__ = ["CacheCapacityError", "check_capacity", "draft_anchor", "draft_step", "kv_write", "retrieval_anchor",
+           "sparse_attention"]

@@ -1,6 +1,8 @@
 """The sparse-attention op (``specontext::sparse_attention``): the dense-store shortcut, the
-generated Triton kernel, and the torch path (:func:`.aten_step.sparse_attention`, beside its
-reference :func:`.sparse_attention.sparse_attention_reference`)."""
+generated Triton kernels, and the torch paths (:func:`.aten_step.sparse_attention` beside its
+reference :func:`.sparse_attention.sparse_attention_reference`; for multi-head latent
+attention :func:`.mla.mla_sparse_attention`). One op serves both layouts: the site's
+:class:`~.spec.AttentionVariant` says which (``nope_dim > 0``: latent)."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ from typing import Optional
 import torch
 from torch._dynamo.utils import counters
 
-from . import aten_step
+from . import aten_step, mla
 from .sparse_attention import mask_is_causal_only
 from .spec import AttentionVariant, StepSpec
 
@@ -34,6 +36,17 @@ def sparse_attention(
     always takes the torch path).
     ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
     ``spec.kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``).
+
+    **Multi-head latent attention** (``variant.nope_dim > 0``): ``query`` is the absorbed
+    query ``[batch, num_heads, q_len, r + p]`` (:func:`~.mla.latent_query`), ``key_cache``
+    and ``value_cache`` are the layer's latent and rotary key stores ``[batch, 1, capacity,
+    r]`` and ``[batch, 1, capacity, p]``, and the result is the attended latent rows
+    ``[batch, num_heads, q_len, r]`` before the up-projection (:func:`~.mla.up_project`, which
+    the pass puts after it); the kernel is the generated MLA kernel
+    (:func:`~specontext_compile.codegen.sparse_mla_decode_attention`); counter
+    ``mla_attention_calls``. No dense shortcut: the torch path is
+    :func:`~.mla.mla_sparse_attention`.
+
     ``spec.dense_shortcut``: the caller promises that a selection with a slot for every store
     position holds every written position (true of the selection nodes' outputs); such a
     step (a static fact: budget >= capacity) then runs dense SDPA over the store instead of
@@ -42,9 +55,12 @@ def sparse_attention(
     A site with the fidelity guard or learned sink logits never takes the kernel: the pass
     calls its torch step function directly instead of this op
     (:func:`~specontext_compile.runtime.aten_step.guarded_attention`,
-    :func:`~specontext_compile.runtime.aten_step.sinks_attention`), so the
-    op carries only what its kernel reads. The torch path is :func:`~specontext_compile.runtime.aten_step.sparse_attention` (no host
-    read); the Triton path on a masked step checks the mask once per step (one host sync)."""
+    :func:`~specontext_compile.runtime.aten_step.sinks_attention`,
+    :func:`~specontext_compile.runtime.mla.attend_latent`), so the op carries only what its
+    kernel reads. The torch paths read nothing on the host; the Triton path on a masked step
+    checks the mask once per step (one host sync)."""
+    if variant.nope_dim:
+        return _latent_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
     counters["specontext"]["sparse_attention_calls"] += 1
     plain = variant.plain
     if plain and spec.dense_shortcut and aten_step.covers_store(indices, key_cache):
@@ -60,6 +76,22 @@ def sparse_attention(
     else:
         counters["specontext"]["gather_attention_calls"] += 1
     return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
+
+
+def _latent_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
+                      indices: torch.Tensor, length: torch.Tensor, attn_mask: Optional[torch.Tensor],
+                      spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
+    """The op at a multi-head latent attention site (arguments as the op's)."""
+    counters["specontext"]["mla_attention_calls"] += 1
+    if _use_triton(spec.kernel, latent_q) and _mask_allows_selection(attn_mask, indices, length, latent_q.shape[2]):
+        from ..codegen import sparse_mla_decode_attention
+
+        counters["specontext"]["triton_attention_calls"] += 1
+        r = latent_cache.shape[-1]
+        return sparse_mla_decode_attention(latent_q[..., :r], latent_q[..., r:], latent_cache, rope_cache,
+                                           indices, length, scale=variant.scale, check_indices=False)
+    counters["specontext"]["gather_attention_calls"] += 1
+    return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, indices, length, attn_mask, spec, variant)
 
 
 class _MaskCheck:
@@ -123,4 +155,5 @@ def _use_triton(kernel: str, query: torch.Tensor) -> bool:
 @sparse_attention.register_fake
 def _(query, key_cache, value_cache, indices, length, attn_mask, spec, variant):
     b, h, q_len, _ = query.shape
-    return query.new_empty((b, h, q_len, value_cache.shape[-1]))
+    width = key_cache.shape[-1] if variant.nope_dim else value_cache.shape[-1]  # latent rows: r wide
+    return query.new_empty((b, h, q_len, width))

@@ -28,7 +28,7 @@ __all__ = ["Explanation", "SiteRow", "explain"]
 
 _SELECTIONS = (aten_step.speculative_select, aten_step.draft_select)  # direct calls of the pass
 _SPARSE = torch.ops.specontext.sparse_attention.default
-_ATTENTION = (_SPARSE, torch.ops.specontext.mla_sparse_attention.default, offload_step.attention,
+_ATTENTION = (_SPARSE, offload_step.attention,
               aten_step.guarded_attention, aten_step.sinks_attention, mla.attend_latent)  # sites no kernel serves
 
 

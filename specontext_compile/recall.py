@@ -27,7 +27,7 @@ import torch
 import torch.fx
 
 from .runtime import aten_step, mla, offload_step
-from .runtime import ops_attention, ops_mla  # noqa: F401  (register the attention ops)
+from .runtime import ops_attention  # noqa: F401  (register the attention op)
 from .runtime.sparse_attention import causal_limit_mask
 from .runtime.spec import AttentionVariant
 
@@ -117,7 +117,10 @@ class _Site:
 
 
 def _latent_keys(a: dict) -> torch.Tensor:
-    latent, rope = a["stores"] if "stores" in a else (a["latent_cache"], a["rope_cache"])
+    if "stores" in a:
+        latent, rope = a["stores"]
+    else:  # mla.mla_sparse_attention names them; the op calls them key_cache, value_cache
+        latent, rope = (a["latent_cache"], a["rope_cache"]) if "latent_cache" in a else (a["key_cache"], a["value_cache"])
     return torch.cat([latent, rope], dim=-1)
 
 
@@ -128,14 +131,14 @@ _LATENT = _Site(query=lambda a: a["latent_q"], keys=_latent_keys, dense=lambda a
 #: every attention a lowered step may call, eager (``fuse=False``) or with ``lower=False``
 _SITES: dict[Any, _Site] = {
     aten_step.sparse_attention: _PLAIN,
-    torch.ops.specontext.sparse_attention.default: _PLAIN,
+    torch.ops.specontext.sparse_attention.default: _PLAIN,  # _LATENT where its variant is MLA's
     aten_step.guarded_attention: _STORE,
     aten_step.sinks_attention: _STORE,
     offload_step.attention: _Site(query=lambda a: a["query"], keys=lambda a: a["rows"][2]),
     mla.mla_sparse_attention: _LATENT,
     mla.attend_latent: _LATENT,
-    torch.ops.specontext.mla_sparse_attention.default: _LATENT,
 }
+_OP = torch.ops.specontext.sparse_attention.default
 
 
 def _arguments(target, args: tuple, kwargs: dict) -> dict:
@@ -154,6 +157,8 @@ def site_recall(target, args: tuple, kwargs: dict) -> float | None:
     if site is None:
         return None
     a = _arguments(target, args, kwargs)
+    if target is _OP and a["variant"].nope_dim:
+        site = _LATENT
     dense = site.dense(a)
     if dense is not None and bool(dense):
         return 1.0

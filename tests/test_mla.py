@@ -21,7 +21,7 @@ from test_backend_e2e import assert_gather_path, decode_logits
 
 import specontext_compile as sc
 
-MLA = torch.ops.specontext.mla_sparse_attention.default
+MLA = torch.ops.specontext.sparse_attention.default  # at an MLA site its variant has nope_dim > 0
 CASES = [(f, a) for f in ("deepseek_v3", "deepseek_v2") for a in ("sdpa", "eager")]
 
 
@@ -96,7 +96,7 @@ def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
                                                       marks=pytest.mark.slow if (f, a) != ("deepseek_v3", "sdpa") else ())
                                          for f, a in CASES])
 def test_mla_family_rewritten_and_exact_at_full_budget_on_the_gather_path(family, attn, monkeypatch):
-    """Both MLA sites of every decode graph become ``mla_sparse_attention``; at a budget
+    """Both MLA sites of every decode graph become the sparse-attention op with an MLA variant; at a budget
     covering the context the logits equal eager dense decoding (gather path, counters)."""
     caches = record_caches(monkeypatch)
     r = run_family(family, attn, dense_shortcut=False)
@@ -104,7 +104,7 @@ def test_mla_family_rewritten_and_exact_at_full_budget_on_the_gather_path(family
     assert r["max_err"] < 1e-4
     assert_gather_path(caches[-1], 2 * DECODE_STEPS)
     sites = [s for rep in r["reports"] for s in rep.result.sites]
-    assert all(s.node.target is MLA for s in sites)
+    assert all(s.node.target is MLA and op_arguments(s.node, MLA.overloadpacket)["variant"].nope_dim > 0 for s in sites)
 
 
 def _decode_graph_nodes(budget: int, attn: str = "sdpa"):
@@ -122,9 +122,11 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
     """Budget 8 of 36 tokens: every decode site runs the MLA op over 8 selected latent rows,
     and nothing in the rewritten graph up-projects the store (``kv_b_proj`` is applied to
     the one attended row per head only, inside the op)."""
-    _, cache, logits, graph = _decode_graph_nodes(8)
+    model, cache, logits, graph = _decode_graph_nodes(8)
     assert cache.path_counts()["gather_sites"] == 2 * 6  # two layers, six decode steps
-    assert sum(n.target is torch.ops.specontext.mla_sparse_attention.default for n in graph.nodes) == 2
+    latent = [n for n in graph.nodes if n.target is MLA]
+    assert len(latent) == 2 and all(
+        op_arguments(n, MLA.overloadpacket)["variant"].nope_dim == model.config.qk_nope_head_dim > 0 for n in latent)
     stores = {n for n in graph.nodes if n.op == "placeholder" and "cache_layers" in n.name
               and not n.name.endswith("cumulative_length")}
     assert len(stores) == 4  # two layers: latent and rotary key stores
@@ -151,9 +153,9 @@ def test_mla_triton_kernel_equals_torch_path(triton_interpreter):
     q = latent_query(query, weight, nope)
     counters.clear()
     variant = AttentionVariant(0.3, nope_dim=nope)
-    got = torch.ops.specontext.mla_sparse_attention(q, latent, rope, indices, torch.tensor(13), None,
-                                                    StepSpec(6, 6, kernel="triton"), variant)
-    assert counters["specontext"]["triton_attention_calls"] == 1
+    got = torch.ops.specontext.sparse_attention(q, latent, rope, indices, torch.tensor(13), None,
+                                                StepSpec(6, 6, kernel="triton"), variant)
+    assert counters["specontext"]["triton_attention_calls"] == counters["specontext"]["mla_attention_calls"] == 1
     want = mla_sparse_attention(q, latent, rope, indices, torch.tensor(13), None, StepSpec(6, 6), variant)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
