@@ -110,6 +110,10 @@ def copy_changed_rows(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.
         kernel: use the Triton kernel (default: a CUDA ``buffer`` and a store the GPU can
             address: on the device, or pinned host memory; an ordinary host store is copied
             by index). On CPU tensors it runs under ``TRITON_INTERPRET=1`` only (tests).
+
+    Raises:
+        ValueError: ``kernel`` with a buffer that is not contiguous or a store whose token
+            rows are not ``dim`` contiguous elements (the indexed copy takes any layout).
     """
     if kernel is None:
         kernel = buffer.is_cuda and (store.is_cuda or store.is_pinned())
@@ -121,15 +125,15 @@ def copy_changed_rows(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.
 
 def _launch_copy(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.Tensor, changed: torch.Tensor) -> None:
     rows, slots, dim = buffer.shape
+    if not buffer.is_contiguous() or store.stride(2) != 1 or store.stride(1) != dim:
+        raise ValueError(f"copy_changed_rows' kernel needs a contiguous buffer and store rows [capacity, dim] "
+                         f"contiguous (buffer strides {tuple(buffer.stride())}, store {tuple(store.stride())}); "
+                         "pass kernel=False to copy by index")
+    load = torch.where(changed, new_pos, -1).contiguous()  # the position each slot loads, -1 = none
     block_s = 16
     block_d = max(16, 1 << (dim - 1).bit_length())
     _copy_kernel()[(rows, (slots + block_s - 1) // block_s)](
-        buffer, store, new_pos, changed,
-        buffer.stride(0), buffer.stride(1), buffer.stride(2),
-        store.stride(0), store.stride(1), store.stride(2),
-        new_pos.stride(0), new_pos.stride(1), changed.stride(0), changed.stride(1),
-        slots, dim, BLOCK_S=block_s, BLOCK_D=block_d,
-    )
+        buffer, store, load, store.stride(0), slots, dim, BLOCK_S=block_s, BLOCK_D=block_d)
 
 
 @functools.cache
@@ -139,22 +143,20 @@ def _copy_kernel():
     import triton.language as tl
 
     @triton.jit
-    def copy_rows_kernel(buf_ptr, store_ptr, pos_ptr, changed_ptr,
-                         b_stride_r, b_stride_s, b_stride_d, s_stride_r, s_stride_c, s_stride_d,
-                         p_stride_r, p_stride_s, c_stride_r, c_stride_s,
-                         slots, dim, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One program per (row, block of slots): for each changed slot, its token's row
-        from the store; unchanged slots read nothing (so only the difference crosses the
-        bus when the store is host memory)."""
+    def copy_rows_kernel(buf_ptr, store_ptr, load_ptr, store_row_stride, slots, dim,
+                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One program per (row, block of slots): each slot with a position to load
+        (``load >= 0``) gets that token's row from the store; the others read nothing (so
+        only the difference crosses the bus when the store is host memory). The buffer
+        ``[rows, slots, dim]`` and the load map ``[rows, slots]`` are contiguous; a store row
+        ``[capacity, dim]`` is contiguous, rows ``store_row_stride`` elements apart."""
         row = tl.program_id(0).to(tl.int64)
         offs_s = tl.program_id(1).to(tl.int64) * BLOCK_S + tl.arange(0, BLOCK_S)
         offs_d = tl.arange(0, BLOCK_D)
-        s_ok = offs_s < slots
-        moved = tl.load(changed_ptr + row * c_stride_r + offs_s * c_stride_s, mask=s_ok, other=0) != 0
-        pos = tl.load(pos_ptr + row * p_stride_r + offs_s * p_stride_s, mask=moved, other=0).to(tl.int64)
-        mask = moved[:, None] & (offs_d < dim)[None, :]
-        src = store_ptr + row * s_stride_r + pos[:, None] * s_stride_c + offs_d[None, :] * s_stride_d
-        dst = buf_ptr + row * b_stride_r + offs_s[:, None] * b_stride_s + offs_d[None, :] * b_stride_d
+        pos = tl.load(load_ptr + row * slots + offs_s, mask=offs_s < slots, other=-1).to(tl.int64)
+        mask = (pos >= 0)[:, None] & (offs_d < dim)[None, :]
+        src = store_ptr + row * store_row_stride + pos[:, None] * dim + offs_d[None, :]
+        dst = buf_ptr + (row * slots + offs_s[:, None]) * dim + offs_d[None, :]
         tl.store(dst, tl.load(src, mask=mask), mask=mask)
 
     return copy_rows_kernel

@@ -78,11 +78,12 @@ def test_the_plan_reads_nothing_on_the_host():
 @pytest.mark.usefixtures("triton_interpreter")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_triton_row_copy_equals_the_indexed_copy(dtype):
-    """The kernel copies exactly the changed slots' rows, from a strided store (a view of
-    ``[batch, kv, capacity, head_dim]``), and leaves the other slots untouched."""
+    """The kernel copies exactly the changed slots' rows, from a store whose (request, KV
+    head) rows lie apart (a view of a larger ``[batch, kv, capacity, head_dim]``), and
+    leaves the other slots untouched."""
     gen = torch.Generator().manual_seed(0)
     rows, slots, capacity, dim = 4, 21, 70, 40
-    store = torch.randn(rows, capacity, dim * 2, generator=gen).to(dtype)[..., ::2]  # non-unit stride
+    store = torch.randn(rows * 2, capacity, dim, generator=gen).to(dtype)[::2]  # row stride 2 * capacity * dim
     buffer = torch.randn(rows, slots, dim, generator=gen).to(dtype)
     new_pos = torch.randint(0, capacity, (rows, slots), generator=gen)
     changed = torch.rand(rows, slots, generator=gen) < 0.4
@@ -94,6 +95,18 @@ def test_the_triton_row_copy_equals_the_indexed_copy(dtype):
     got = got.cpu()
     assert torch.equal(got, want)
     assert torch.equal(got[~changed], buffer[~changed]) and not torch.equal(got, buffer)
+
+
+def test_the_row_copy_kernel_refuses_a_store_whose_token_rows_are_not_contiguous():
+    """The kernel reads a token's row as ``dim`` contiguous elements; a store laid out
+    otherwise is refused with the way out named, before anything is launched."""
+    store = torch.randn(2, 10, 16)[..., ::2]  # last stride 2
+    buffer = torch.zeros(2, 4, 8)
+    new_pos, changed = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="kernel=False"):
+        copy_changed_rows(buffer, store, new_pos, changed, kernel=True)
+    copy_changed_rows(buffer, store, new_pos, changed, kernel=False)  # the indexed copy takes any layout
+    assert torch.equal(buffer, store[:, :1].expand(2, 4, 8))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (pinned host memory read by the GPU)")
