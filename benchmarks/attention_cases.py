@@ -1,4 +1,4 @@
-"""Random inputs for the kernel property tests, the ``errors`` CLI and the GPU benchmark.
+"""Random inputs for the kernel property tests, `benchmarks.kernel_errors` and the GPU benchmark.
 
 Every case follows the kernel contract: selections are unique per row, unsorted, always hold
 the newest token, may be shorter than the budget (``-1`` padding at random slots) and the
@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .reference import reference_sparse_decode_attention
-from .spec import torch_dtype
+from specontext_compile.codegen.reference import reference_sparse_decode_attention
+from specontext_compile.codegen.spec import torch_dtype
 
 __all__ = ["AttentionCase", "make_attention_case", "make_selection", "strided_cache"]
 
@@ -91,7 +91,7 @@ class AttentionCase:
     def run(self, **kwargs) -> torch.Tensor:
         """The generated kernel on this case (the MLA one when there is a rope part);
         ``kwargs`` (``out``, ``num_splits``, ``block_n``, ...) override :attr:`options`."""
-        from .attention import sparse_decode_attention, sparse_mla_decode_attention
+        from specontext_compile.codegen.attention import sparse_decode_attention, sparse_mla_decode_attention
 
         options = {**self.options, **kwargs}
         if self.rope_cache is None:

@@ -223,7 +223,7 @@ def check_correctness(device, dry: bool) -> list[str]:
     """Generated kernels vs float64 reference on ``device``; returns failure messages."""
     import torch
     from specontext_compile.codegen.accuracy import ERROR_BOUND, error_ratio
-    from specontext_compile.codegen.testing import make_attention_case
+    from benchmarks.attention_cases import make_attention_case
 
     from specontext_compile import codegen
 

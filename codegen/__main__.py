@@ -2,13 +2,11 @@
 
     python -m specontext_compile.codegen show --head-dim 128 --group 4 --dtype bf16
     python -m specontext_compile.codegen show --kind retrieval --head-dim 64 --group 4
-    python -m specontext_compile.codegen errors --cases 40     # measured error bounds
     python -m specontext_compile.codegen compile --grid        # build for sm_90, no GPU
 
-``show`` prints the generated Triton source of one spec. ``errors`` runs random cases of every
-spec dimension against the float64 reference (under the Triton interpreter when no CUDA
-device is present; set before triton is imported) and prints the measured error in units of
-``u * (|ref| + max|v|)`` next to the stated bound (see ``codegen/accuracy.py``).
+``show`` prints the generated Triton source of one spec; ``compile`` builds specs for an
+NVIDIA target without a GPU. The kernels' measured errors against float64 are a benchmark:
+``python -m benchmarks.kernel_errors`` (bounds stated in ``codegen/accuracy.py``).
 """
 
 from __future__ import annotations
@@ -16,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 
 def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,73 +59,6 @@ def _cmd_show(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.write(generated_source(spec))
     return 0
-
-
-def _error_grid(cases: int) -> list[dict]:
-    """One row per spec dimension value; each row is measured over ``cases`` seeds."""
-    rows = []
-    for dtype in ("fp32", "bf16", "fp16"):
-        for head_dim in (64, 80, 96, 128, 256):
-            rows.append({"dtype": dtype, "head_dim": head_dim, "group": 4})
-        for group in (1, 2, 3, 6, 7, 8):
-            rows.append({"dtype": dtype, "head_dim": 64, "group": group})
-        for q_len in (2, 16):
-            rows.append({"dtype": dtype, "head_dim": 64, "group": 2, "q_len": q_len})
-        rows.append({"dtype": dtype, "head_dim": 64, "group": 2, "q_len": 3, "soft_cap": 20.0})
-        rows.append({"dtype": dtype, "head_dim": 64, "group": 2, "q_len": 3, "sliding_window": 9})
-        rows.append({"dtype": dtype, "head_dim": 64, "group": 4, "rope_dim": 32})
-    return [dict(row, cases=cases) for row in rows]
-
-
-def _measure(row: dict, seed0: int) -> float:
-    from .accuracy import error_ratio
-    from .testing import make_attention_case
-
-    worst = 0.0
-    params = {k: v for k, v in row.items() if k != "cases"}
-    for seed in range(seed0, seed0 + row["cases"]):
-        case = make_attention_case(
-            seed=seed,
-            batch=2,
-            num_kv=2,
-            lengths=[37, 1 + seed % 29],
-            budget=48,
-            fill=0.8,
-            logit_scale=1.0 + 3 * (seed % 2),
-            **params,
-        )
-        out = case.run(num_splits=1 + seed % 3, block_n=16)
-        worst = max(worst, error_ratio(out, case.reference(), case.value_scale, row["dtype"]))
-    return worst
-
-
-def _cmd_errors(args: argparse.Namespace) -> int:
-    import torch
-
-    if not torch.cuda.is_available():
-        os.environ.setdefault("TRITON_INTERPRET", "1")
-    from .accuracy import ERROR_BOUND, UNIT_ROUNDOFF
-
-    start = time.time()
-    print(
-        f"{'dtype':5} {'spec':48} {'max err [u]':>12} {'bound [u]':>10} {'err/(|ref|+max|v|)':>19}"
-    )
-    per_dtype: dict[str, float] = {}
-    for row in _error_grid(args.cases):
-        ratio = _measure(row, args.seed)
-        dtype = row["dtype"]
-        per_dtype[dtype] = max(per_dtype.get(dtype, 0.0), ratio)
-        label = ", ".join(f"{k}={v}" for k, v in row.items() if k not in ("dtype", "cases"))
-        print(
-            f"{dtype:5} {label:48} {ratio:12.3f} {ERROR_BOUND[dtype]:10.1f} "
-            f"{ratio * UNIT_ROUNDOFF[dtype]:19.3e}"
-        )
-    print(
-        "worst per dtype (units of u*(|ref|+max|v|)):",
-        {k: round(v, 3) for k, v in per_dtype.items()},
-        f"({time.time() - start:.0f} s)",
-    )
-    return 0 if all(per_dtype[d] <= ERROR_BOUND[d] for d in per_dtype) else 1
 
 
 def _compile_grid() -> list:
@@ -180,9 +110,6 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("show", help="print the generated Triton source of one spec")
     _add_spec_arguments(show)
-    errors = sub.add_parser("errors", help="measure kernel errors against float64")
-    errors.add_argument("--cases", type=int, default=8, help="random cases per spec row")
-    errors.add_argument("--seed", type=int, default=0)
     build = sub.add_parser(
         "compile",
         help="compile for an NVIDIA target without a GPU and "
@@ -192,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     build.add_argument("--arch", type=int, default=90, help="compute capability (90: H100)")
     build.add_argument("--grid", action="store_true", help="a representative set of specs")
     args = parser.parse_args(argv)
-    commands = {"show": _cmd_show, "errors": _cmd_errors, "compile": _cmd_compile}
+    commands = {"show": _cmd_show, "compile": _cmd_compile}
     return commands[args.command](args)
 
 

@@ -12,7 +12,7 @@ roundoff of the storage dtype, a first-order bound of the error against the exac
 so we state bounds as ``|out - ref| <= c_dtype * u * (|ref| + max|v|)`` and measure the
 ratio ``max |out - ref| / (u * (|ref| + max|v|))`` ("error in units of u"). For fp32 the
 fp32 terms dominate, so ``c`` is larger there. Bounds are asserted by the property tests and
-the measured ratios are printed by ``python -m specontext_compile.codegen errors``.
+the measured ratios are printed by ``python -m benchmarks.kernel_errors``.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from specontext_compile.codegen.accuracy import assert_within_bound
-from specontext_compile.codegen.testing import make_attention_case
+from benchmarks.attention_cases import make_attention_case
 
 from specontext_compile import codegen
 

@@ -83,7 +83,7 @@ def test_the_temp_dir_fallback_of_another_user_is_refused(tmp_path, monkeypatch,
 
 @pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
 def test_a_module_swapped_between_write_and_import_does_not_run(tmp_path, monkeypatch, fresh_private_dir):
-    from specontext_compile.codegen.testing import make_attention_case
+    from benchmarks.attention_cases import make_attention_case
 
     monkeypatch.setenv(ENV, str(tmp_path / "kernels"))
     marker = tmp_path / "swapped-code-ran"

@@ -14,7 +14,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from specontext_compile.codegen.testing import strided_cache
+from benchmarks.attention_cases import strided_cache
 
 from specontext_compile import codegen
 
