@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 from benchmarks import policies as P
-from specontext_compile.runtime.selection import select_tokens
+from benchmarks.host_selection import select_tokens
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 from benchmarks import policies as P
-from specontext_compile.runtime.selection import select_tokens
+from benchmarks.host_selection import select_tokens
 from tqdm.auto import tqdm
 from transformers import AttentionInterface, DynamicCache
 from transformers.cache_utils import DynamicLayer

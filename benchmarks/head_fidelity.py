@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 from benchmarks import policies as P
-from specontext_compile.runtime.selection import select_tokens
+from benchmarks.host_selection import select_tokens
 from tqdm.auto import tqdm
 
 from benchmarks.fidelity import layer_probs, print_recall_table, recall_of, record

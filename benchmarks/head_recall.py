@@ -17,7 +17,7 @@ import pydoc_data.topics
 
 import torch
 from specontext_compile.runtime.retrieval import group_max_softmax
-from specontext_compile.runtime.selection import select_tokens
+from benchmarks.host_selection import select_tokens
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

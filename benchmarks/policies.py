@@ -2,7 +2,7 @@
 
 Each policy is one small dataclass with ``scores(step, layer) -> [num_kv_heads, n]``
 (higher = keep) over the ``n`` tokens cached before the step; the harness turns scores into
-selections with :func:`~specontext_compile.runtime.selection.select_tokens`, the same sinks
+selections with :func:`~benchmarks.host_selection.select_tokens`, the same sinks
 and recent window inside the same budget for every policy, so all attend to the same number
 of tokens. ``shared`` policies score once per step for every layer (SpeContext's setting);
 the others select per layer from that layer's own state (the "layer-wise retrieval" of the

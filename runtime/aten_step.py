@@ -237,11 +237,11 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
                      window: int, sliding_window: int = 0, visible: torch.Tensor | None = None) -> torch.Tensor:
     """Pick ``slots`` positions per KV head: sinks + recent window + top-k of ``scores``.
 
-    The same selection as :func:`~specontext_compile.runtime.selection.select_tokens`
-    (the set is equal; ties among equal scores may resolve otherwise), computed with static
-    shapes: every slot of the store is ranked, forced positions (the first ``sink`` visible
-    ones, the last ``max(window, q_len)``) rank first (``+inf``), positions no query row of
-    the step may see rank last (``-inf``) and come back as ``-1`` padding.
+    Computed with static shapes (the harness's host-side ``select_tokens``,
+    benchmarks/host_selection.py, wraps it): every slot of the store is ranked, forced
+    positions (the first ``sink`` visible ones, the last ``max(window, q_len)``) rank first
+    (``+inf``), positions no query row of the step may see rank last (``-inf``) and come back
+    as ``-1`` padding.
 
     Args:
         scores: ``[batch, num_kv_heads, capacity]`` float, higher = keep (values at

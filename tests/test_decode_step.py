@@ -15,7 +15,7 @@ from transformers import DynamicCache
 import specontext_compile as sc
 from specontext_compile.passes.gemv import one_row_linear, rewrite_one_row_linears
 from specontext_compile.runtime import aten_step
-from specontext_compile.runtime.selection import select_tokens
+from benchmarks.host_selection import select_tokens
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 

@@ -3,7 +3,7 @@ sparse op, and selection inside a sliding window."""
 
 import pytest
 import torch
-from specontext_compile.runtime.selection import select_tokens, window_start
+from benchmarks.host_selection import select_tokens, window_start
 from specontext_compile.runtime.sparse_attention import sparse_attention_reference
 from specontext_compile.runtime.spec import AttentionVariant
 

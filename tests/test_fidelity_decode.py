@@ -13,7 +13,7 @@ from _tiny import tiny_llama
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
 from benchmarks import fidelity_decode as FD  # noqa: E402
 from benchmarks import policies as P  # noqa: E402
-from specontext_compile.runtime.selection import select_tokens  # noqa: E402
+from benchmarks.host_selection import select_tokens  # noqa: E402
 
 CONTEXT, STEPS = 48, 12
 

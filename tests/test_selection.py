@@ -4,7 +4,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime.selection import select_tokens, selection_size
+from benchmarks.host_selection import select_tokens, selection_size
 
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec

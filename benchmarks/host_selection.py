@@ -1,4 +1,6 @@
-"""Turning retrieval-head scores into a per-KV-head token selection of fixed size.
+"""A host-side wrapper of the selection for the fidelity harness and the tests (Python int
+lengths; it calls ``aten_step.select_positions``, the step's own code): scores in, positions
+out.
 
 SpeContext (arXiv 2512.00722, section 4) selects the top-K tokens per KV head from the
 retrieval head's attention weights (for GQA: the element-wise max over the query heads of
@@ -72,7 +74,7 @@ def select_tokens(
     """
     if slots < q_len:
         raise ValueError(f"a selection of {slots} tokens cannot hold the step's {q_len} tokens")
-    from .aten_step import select_positions
+    from specontext_compile.runtime.aten_step import select_positions
 
     b, h, n = scores.shape
     cached = length - q_len
