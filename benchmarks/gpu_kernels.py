@@ -16,9 +16,9 @@ one H100/H200:
    the measured copy bandwidth, and the speed-up over dense. Targets: >= 60% of copy
    bandwidth (sparse), >= 10x over dense at 128K tokens.
 
-    python benchmarks/gpu_kernels.py                 # on a CUDA machine
-    python benchmarks/gpu_kernels.py --dry-run       # tiny shapes on CPU, Triton interpreter
-    python benchmarks/gpu_kernels.py --output results.json
+    python -m benchmarks.gpu_kernels                 # on a CUDA machine
+    python -m benchmarks.gpu_kernels --dry-run       # tiny shapes on CPU, Triton interpreter
+    python -m benchmarks.gpu_kernels --output results.json
 """
 
 from __future__ import annotations

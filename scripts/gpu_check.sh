@@ -5,7 +5,7 @@
 #      generated kernel inside the compiled step, offload refused with a clear error),
 #      tests/test_elastic.py (the elastic row copy reading pinned host memory from the GPU),
 #      tests/test_kernel_step.py and the codegen tests (which run on CUDA when it is there);
-#   2. benchmarks/gpu_kernels.py (STAGES="kernels", not by default: it does not fit beside
+#   2. python -m benchmarks.gpu_kernels (STAGES="kernels", not by default: it does not fit beside
 #      the others): kernel correctness vs float64 on the device, copy bandwidth, sparse kernel
 #      vs SDPA / FlexAttention at 8K..128K;
 #   3. benchmarks/gpu_end_to_end.py: decode step of a Llama-3-8B-shaped model, dense (eager
@@ -61,7 +61,7 @@ if [[ " $STAGES " == *" kernels "* ]]; then
   echo "== kernels"
   args=(--lengths 8192 32768 131072 --batches 1 8 32 --time-budget 100)
   [ -n "${DRY:-}" ] && args=(--dry-run)
-  timeout ${KERNELS_S:-170} "$PY" benchmarks/gpu_kernels.py "${args[@]}" --output "$OUT/gpu_kernels.json" \
+  timeout ${KERNELS_S:-170} "$PY" -m benchmarks.gpu_kernels "${args[@]}" --output "$OUT/gpu_kernels.json" \
     2>&1 | tee "$OUT/gpu_kernels.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi

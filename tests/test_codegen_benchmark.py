@@ -1,4 +1,4 @@
-"""benchmarks/gpu_kernels.py must at least import, print --help and run --dry-run on CPU."""
+"""python -m benchmarks.gpu_kernels must at least import, print --help and run --dry-run on CPU."""
 
 import json
 import os
@@ -6,14 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_kernels.py"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run(*args: str, tmp_env: dict | None = None) -> subprocess.CompletedProcess:
     env = dict(os.environ, **(tmp_env or {}))
     env.pop("TRITON_INTERPRET", None)  # the script sets it itself for --dry-run
     return subprocess.run(
-        [sys.executable, str(SCRIPT), *args],
+        [sys.executable, "-m", "benchmarks.gpu_kernels", *args],
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
