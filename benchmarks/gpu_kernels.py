@@ -227,7 +227,6 @@ def check_correctness(device, dry: bool) -> list[str]:
 
     from specontext_compile import codegen
 
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
     from benchmarks.retrieval_scorer import retrieval_scores
 
     grid = [

@@ -7,7 +7,7 @@ head_dim, GQA group, query rows, soft cap, sliding window, MLA) against the floa
 reference, under the Triton interpreter when no CUDA device is present (set before triton is
 imported), and prints the measured error in units of ``u * (|ref| + max|v|)`` next to the
 bound the kernels state (``specontext_compile.codegen.accuracy``). Exits 1 when a dtype's
-worst case passes its bound.
+worst case exceeds its bound.
 """
 
 from __future__ import annotations

@@ -108,15 +108,16 @@ def copy_changed_rows(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.
         store: ``[rows, capacity, dim]`` the host tier (on CUDA: pinned host memory or device).
         new_pos, changed: :func:`plan_slots`'s ``[rows, slots]`` results.
         kernel: use the Triton kernel (default: a CUDA ``buffer`` and a store the GPU can
-            address: on the device, or pinned host memory; an ordinary host store is copied
-            by index). On CPU tensors it runs under ``TRITON_INTERPRET=1`` only (tests).
+            address, on the device or pinned host memory, laid out as the kernel reads; any
+            other pair is copied by index). On CPU tensors it runs under
+            ``TRITON_INTERPRET=1`` only (tests).
 
     Raises:
         ValueError: ``kernel`` with a buffer that is not contiguous or a store whose token
             rows are not ``dim`` contiguous elements (the indexed copy takes any layout).
     """
     if kernel is None:
-        kernel = buffer.is_cuda and (store.is_cuda or store.is_pinned())
+        kernel = buffer.is_cuda and (store.is_cuda or store.is_pinned()) and _kernel_layout(buffer, store)
     if not kernel:
         copy_rows_reference(buffer, store, new_pos, changed)
         return
@@ -125,7 +126,7 @@ def copy_changed_rows(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.
 
 def _launch_copy(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.Tensor, changed: torch.Tensor) -> None:
     rows, slots, dim = buffer.shape
-    if not buffer.is_contiguous() or store.stride(2) != 1 or store.stride(1) != dim:
+    if not _kernel_layout(buffer, store):
         raise ValueError(f"copy_changed_rows' kernel needs a contiguous buffer and store rows [capacity, dim] "
                          f"contiguous (buffer strides {tuple(buffer.stride())}, store {tuple(store.stride())}); "
                          "pass kernel=False to copy by index")
@@ -134,6 +135,12 @@ def _launch_copy(buffer: torch.Tensor, store: torch.Tensor, new_pos: torch.Tenso
     block_d = max(16, 1 << (dim - 1).bit_length())
     _copy_kernel()[(rows, (slots + block_s - 1) // block_s)](
         buffer, store, load, store.stride(0), slots, dim, BLOCK_S=block_s, BLOCK_D=block_d)
+
+
+def _kernel_layout(buffer: torch.Tensor, store: torch.Tensor) -> bool:
+    """Whether the kernel can read these tensors: a contiguous buffer, and store token rows of
+    ``dim`` contiguous elements (any distance between the store's rows)."""
+    return buffer.is_contiguous() and store.stride(2) == 1 and store.stride(1) == buffer.shape[2]
 
 
 @functools.cache

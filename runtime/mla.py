@@ -76,8 +76,9 @@ def gather_latent_keys(latent_cache: torch.Tensor, rope_cache: torch.Tensor, ind
 def mla_sparse_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,
                          indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
                          spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
-    """MLA attention of one layer over the selected latent rows (``specontext::mla_sparse_attention``'s
-    torch path), before the up-projection (:func:`up_project`, which the pass puts after it).
+    """MLA attention of one layer over the selected latent rows (the torch path of
+    ``specontext::sparse_attention`` at an MLA site, ``variant.nope_dim > 0``), before the
+    up-projection (:func:`up_project`, which the pass puts after it).
 
     Args:
         latent_q: ``[batch, num_heads, q_len, r + p]`` from :func:`latent_query`.

@@ -126,7 +126,7 @@ def _latent_keys(a: dict) -> torch.Tensor:
 
 _PLAIN = _Site(query=lambda a: a["query"], keys=lambda a: a["key_cache"])
 _STORE = _Site(query=lambda a: a["query"], keys=lambda a: a["store"][0], dense=lambda a: a.get("dense"))
-_LATENT = _Site(query=lambda a: a["latent_q"], keys=_latent_keys, dense=lambda a: a.get("dense"), latent=True)
+_LATENT = _Site(query=lambda a: a["latent_q"] if "latent_q" in a else a["query"], keys=_latent_keys, dense=lambda a: a.get("dense"), latent=True)
 
 #: every attention a lowered step may call, eager (``fuse=False``) or with ``lower=False``
 _SITES: dict[Any, _Site] = {

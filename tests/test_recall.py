@@ -126,16 +126,18 @@ def test_a_node_that_is_not_an_attention_is_not_measured():
     assert site_recall(aten_step.covers_store, (torch.zeros(1, 1, 1), torch.zeros(1, 1, 1, 1)), {}) is None
 
 
-@pytest.mark.parametrize("budget, full", [(8, False), (64, True)])
-def test_mla_sites_are_measured_on_the_latent_keys(budget, full):
+@pytest.mark.parametrize("budget, full, lower", [(8, False, True), (64, True, True), (8, False, False)],
+                         ids=["sparse", "full", "op-chain"])
+def test_mla_sites_are_measured_on_the_latent_keys(budget, full, lower):
     """Tiny DeepSeek-V3 (MLA, two layers): one value per layer per step, 1.0 when the budget
-    holds every token, below 1.0 for 8 of ~31 tokens."""
+    holds every token, below 1.0 for 8 of ~31 tokens; also on the op chain (``lower=False``),
+    where each site is the ``sparse_attention`` op with an MLA variant."""
     from _families import tiny_family
 
     model = tiny_family("deepseek_v3", "sdpa")
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(1))
     probe = RecallProbe()
-    _, records = _decode(_compiled(model, {"budget": budget, "inner": probe.runner}),
+    _, records = _decode(_compiled(model, {"budget": budget, "inner": probe.runner, "lower": lower}),
                          sc.SpeContextCache(model.config, max_cache_len=64), ids, 3, probe)
     values = [v for r in records for v in r]
     assert [len(r) for r in records] == [2] * 3
