@@ -34,7 +34,7 @@ import torch
 from torch import fx
 
 from ..runtime.static_state import StaticCacheState, bind_state, state_for
-from .sites import ANCHOR, KV_WRITE, find_attention_sites, is_op
+from .sites import ANCHOR, KV_WRITE, find_attention_sites, is_op, static_int
 
 logger = logging.getLogger(__name__)
 
@@ -61,18 +61,58 @@ class AdoptedStaticCache:
     reason: str | None = None
     store_input: int | None = None
     store_output: int | None = None
-    shape: tuple | None = None  # (batch, num_heads, head_dim, dtype, device)
+    shape: tuple | None = None  # (num_heads, head_dim, dtype, device): the same for every call
+    batch: BatchReader | None = None  # the call's batch, read from its real inputs
+    example_values: tuple = ()  # the state inputs' fake values (the graph's batch: maybe symbolic)
 
     def state_for_call(self, args) -> StaticCacheState:
-        """The state of the cache this call writes (fresh when the call creates its stores)."""
+        """The state of the cache this call writes (fresh when the call creates its stores),
+        at this call's batch: a graph dynamo made batch-symbolic serves every batch size, so
+        the batch is read from the call's real inputs, never from the traced shape."""
         if self.store_input is not None:
-            return state_for(args[self.store_input], *self.shape)
-        return StaticCacheState.allocate(*self.shape)
+            store = args[self.store_input]
+            return state_for(store, store.shape[0], *self.shape)
+        return StaticCacheState.allocate(self.batch(args), *self.shape)
 
     def bind(self, outputs, state: StaticCacheState) -> None:
         """After a call that created the cache's stores: ``state`` becomes that cache's."""
         if self.store_input is None and self.store_output is not None:
-            bind_state(outputs[self.store_output], state, *self.shape)
+            bind_state(outputs[self.store_output], state, state.query_state.shape[1], *self.shape)
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchReader:
+    """Where a call's batch size is: a constant (a static graph), input ``index`` itself (a
+    size dynamo lifted as an int input) or dimension ``dim`` of tensor input ``index``."""
+
+    constant: int | None = None
+    index: int | None = None
+    dim: int | None = None
+
+    def __call__(self, args) -> int:
+        if self.constant is not None:
+            return self.constant
+        value = args[self.index]
+        return int(value.shape[self.dim] if self.dim is not None else value)
+
+    @classmethod
+    def of(cls, graph: fx.Graph, size) -> BatchReader | None:
+        """The reader of ``size`` (an int, or a ``SymInt`` of the graph's shape environment)
+        from the graph's inputs; None when no input carries it."""
+        if static_int(size) is not None:
+            return cls(constant=static_int(size))
+        expr = size.node.expr
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        values = [p.meta.get("example_value", p.meta.get("val")) for p in placeholders]
+        for i, value in enumerate(values):
+            if isinstance(value, torch.SymInt) and value.node.expr == expr:
+                return cls(index=i)
+        for i, value in enumerate(values):
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                for d, dim in enumerate(value.shape):
+                    if isinstance(dim, torch.SymInt) and dim.node.expr == expr:
+                        return cls(index=i, dim=d)
+        return None
 
 
 def _is_index_copy(node: fx.Node) -> bool:
@@ -168,7 +208,10 @@ def _store_slots(graph: fx.Graph, store: fx.Node) -> tuple[int | None, int | Non
     return None, (outputs.index(store) if store in outputs else None)
 
 
-def _add_state_inputs(graph: fx.Graph, state: StaticCacheState) -> list[fx.Node]:
+def _add_state_inputs(graph: fx.Graph, state: StaticCacheState, batch) -> list[fx.Node]:
+    """The state's placeholders, after dynamo's. Their fake values carry the store's batch as
+    the graph has it (``batch``: a ``SymInt`` when dynamo made it symbolic), so the graph
+    compiles for every batch size its guards admit, as the stores do."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     fake_mode = next((n.meta["example_value"].fake_mode for n in placeholders
                       if hasattr(n.meta.get("example_value"), "fake_mode")), None)
@@ -176,7 +219,14 @@ def _add_state_inputs(graph: fx.Graph, state: StaticCacheState) -> list[fx.Node]
     for name, tensor in zip(STATE_INPUTS, state.tensors()):
         with graph.inserting_after(last):
             last = graph.placeholder(name)
-        last.meta["example_value"] = fake_mode.from_tensor(tensor) if fake_mode is not None else tensor
+        if fake_mode is None:
+            last.meta["example_value"] = tensor
+        else:
+            shape = list(tensor.shape)
+            if tensor is state.query_state:
+                shape[1] = batch
+            with fake_mode:
+                last.meta["example_value"] = torch.empty(shape, dtype=tensor.dtype, device=tensor.device)
         nodes.append(last)
     return nodes
 
@@ -209,10 +259,15 @@ def adopt_static_cache(gm: fx.GraphModule, example_inputs: list) -> AdoptedStati
         result.reason = "the first adopted key store is neither a graph input nor an output (no cache to key on)"
         graph.lint()
         return result
-    result.shape = (store.shape[0], sites[0].num_heads, sites[0].query_width, query.dtype, store.device)
-    result.state = (state_for(example_inputs[result.store_input], *result.shape)
-                    if result.store_input is not None else StaticCacheState.allocate(*result.shape))
-    query_state, query_valid, stats = _add_state_inputs(graph, result.state)
+    result.batch = BatchReader.of(graph, store.shape[0])
+    if result.batch is None:
+        result.reason = "the batch size is symbolic and no graph input carries it (no state to size)"
+        graph.lint()
+        return result
+    result.shape = (sites[0].num_heads, sites[0].query_width, query.dtype, store.device)
+    result.state = result.state_for_call(example_inputs)  # the real inputs: concrete sizes
+    query_state, query_valid, stats = _add_state_inputs(graph, result.state, store.shape[0])
+    result.example_values = tuple(n.meta["example_value"] for n in (query_state, query_valid, stats))
     with graph.inserting_before(writes[0]):
         anchor = graph.call_function(ANCHOR, (query_state, query_valid, stats, None, ""))
     anchor.meta["example_value"] = None

@@ -184,8 +184,9 @@ def specontext_backend(
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
     unlowered = _copy(gm) if _may_take_kernel(on_cuda) else None  # for a lowering without the kernel
     _lower(gm, config, on_cuda)
-    example_inputs = [*example_inputs, *extra.inputs(example_inputs)[0]]
-    patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid)}
+    example_inputs = [*example_inputs, *extra.example_inputs(example_inputs)]
+    patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid),
+               **_cacheable_functions(gm.graph, pass_uuid)}
     _static_added_inputs(gm)
     try:
         compiled = _inductor(gm, example_inputs, patches, config, on_cuda)
@@ -352,6 +353,14 @@ class _ExtraInputs:
             extra = (*extra, model_stats(owner, owner.device))
         return extra, state
 
+    def example_inputs(self, args) -> tuple:
+        """The extra inputs for compiling: an adopted state's fake values (their batch is the
+        graph's, symbolic when dynamo made it so: the compiled graph serves every batch)."""
+        extra = self.inputs(args)[0]
+        if self.adopted is not None and self.adopted.example_values:
+            extra = (*self.adopted.example_values, *extra[len(self.adopted.example_values):])
+        return extra
+
     def wrap(self, fn: Callable) -> Callable:
         if self.adopted is None and self.owner_index is None:
             return fn
@@ -483,6 +492,26 @@ def _cache_key_patch(pass_uuid: str) -> dict[str, Any]:
                     "do not key on this version of specontext's sources")
         return {}
     return {"post_grad_custom_post_pass": _SourcesKey(pass_uuid)}
+
+
+def _cacheable_functions(graph: torch.fx.Graph, pass_uuid: str) -> dict[str, Any]:
+    """``unsafe_marked_cacheable_functions`` naming the package's functions that ``graph`` calls
+    (the lowered step's aten bodies, ``one_row_linear``), each keyed by ``pass_uuid``.
+
+    AOTAutograd's cache refuses a graph calling a plain Python function it does not know, so
+    every region of a new process was traced by AOTAutograd again (about half of a restart's
+    first step). These functions are pure functions of their inputs, traced into aten ops, and
+    ``pass_uuid`` hashes their sources and the options: a change of either changes the key.
+    Functions the caller already marked keep their entries."""
+    from torch._inductor import config as inductor_config
+
+    names = {f"{node.target.__module__}.{node.target.__name__}" for node in graph.nodes
+             if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload)
+             and getattr(node.target, "__module__", "").startswith(f"{__package__}.")}
+    if not names:
+        return {}
+    marked = {name: pass_uuid for name in sorted(names)}
+    return {"unsafe_marked_cacheable_functions": {**marked, **inductor_config.unsafe_marked_cacheable_functions}}
 
 
 def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[Any]) -> dict[str, Any]:

@@ -201,3 +201,53 @@ def test_a_new_prompt_never_selects_with_the_previous_requests_query(model):
     alone = torch.stack(fresh_model.generate(prompt_b, **kw).logits)
     assert path_counts(model)["decode_steps"] == 8 and path_counts(fresh_model)["decode_steps"] == 4
     torch.testing.assert_close(after_a, alone, atol=1e-5, rtol=1e-5)
+
+
+# --- sizes dynamo makes symbolic (issue 52): a second batch size ------------------------
+
+def _generate_logits(model, ids, **kw):
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False, cache_implementation="static",
+                             return_dict_in_generate=True, output_logits=True, **kw)
+    return torch.stack(out.logits, 1)  # [batch, steps, vocab]
+
+
+def _symbolic_batch_decode_graphs() -> int:
+    """Decode graphs adopted with a batch dynamo made symbolic (the state input's batch)."""
+    found = 0
+    for report in backend.compile_reports():
+        state = next((n for n in report.graph_module.graph.nodes if n.name == "specontext_query_state"), None)
+        if report.result.phase == "decode" and state is not None:
+            found += isinstance(state.meta["example_value"].shape[1], torch.SymInt)
+    return found
+
+
+@pytest.mark.parametrize("way", ["forward", "compile_config"])
+def test_a_second_batch_size_runs_sparse_and_each_row_decodes_as_alone(model, way):
+    """The README's first way (and Hugging Face's own compile path) at batch 1, then 2, then
+    3: dynamo makes the batch symbolic at the second size, and the adopted StaticCache's
+    state is sized from each call's real inputs. Every row of every call gives the logits of
+    its prompt run alone at batch 1 (no padding, one selection per row: fp32, 1e-5) at
+    budget 12 of a 40-token prompt, on the gather path (counters), and differs from dense."""
+    prompts = _prompt(batch=3, seed=7)
+    backend.clear_compile_reports()
+    if way == "forward":
+        model.forward = torch.compile(model.forward, backend="specontext", options=SMALL)
+        kw = {}
+    else:
+        config = CompileConfig(backend="specontext", mode=None, options=SMALL)
+        config._compile_all_devices = True
+        kw = {"compile_config": config}
+    alone = torch.cat([_generate_logits(model, prompts[i:i + 1], **kw) for i in range(3)])
+    steps = alone.shape[1]
+    for batch in (2, 3, 1):
+        before = path_counts(model)
+        got = _generate_logits(model, prompts[:batch], **kw)
+        torch.testing.assert_close(got, alone[:batch], atol=1e-5, rtol=1e-5)
+        after = path_counts(model)
+        assert after["decode_steps"] - before["decode_steps"] == steps - 1  # the first token is the prefill's
+        assert after["gather_sites"] - before["gather_sites"] == 2 * (steps - 1)  # 2 layers, every step gathered
+        assert after["dense_store_sites"] == 0
+    assert _symbolic_batch_decode_graphs() >= 1  # the class at stake: a batch-symbolic graph ran
+    dense = torch.cat([_generate_logits(tiny_family("llama", "sdpa"), prompts[i:i + 1]) for i in range(3)])
+    assert (alone - dense).abs().max() > 1e-3  # the budget really sparsified
