@@ -23,7 +23,8 @@ __all__ = ["check_paths", "main", "write_json"]
 
 # Paths each command writes: (argparse dest, option as typed, "file" or "dir", example for the message).
 _OUTPUTS = {
-    "run": (("json", "--json", "file", "out/run.json"),),
+    "run": (("json", "--json", "file", "out/run.json"),
+            ("compile_cache", "--compile-cache", "file", "out/compile_cache.bin")),
     "explain": (("json", "--json", "file", "out/explain.json"),
                 ("dump_dir", "--dump-dir", "dir", "out/dumps")),
     "distill": (("out", "--out", "dir", "out/head"),
@@ -178,6 +179,9 @@ def _add_run(sub) -> None:
                           "--dense-layers 0 -1")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    run.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
+                     help="compiled steps reused across processes and machines: loaded before the run when the "
+                          "file exists, saved after it (torch's cache artifacts; compile_cache.py)")
     run.add_argument("-v", "--verbose", action="store_true")
 
 
@@ -205,6 +209,9 @@ def _print_report(report, retrieval_head: str | None = None) -> None:
         ("layers kept dense (option)", ",".join(map(str, report.dense_layers)) or "-"),
         ("greedy agreement vs dense", f"{report.greedy_agreement:.4f}"),
         ("attention recall", f"{report.attention_recall:.4f}"),
+        ("first token s (prefill call)", f"{report.first_token_s:.1f}"),
+        ("first decode step s (its compile)", f"{report.first_decode_step_s:.1f}"
+                                              + (f" (compile cache {report.compile_cache})" if report.compile_cache else "")),
         ("decode ms/token, specontext", f"{report.decode_ms_sparse:.1f}"),
         ("decode ms/token, dense HF eager", f"{report.decode_ms_dense:.1f}"),
         ("speed-up", f"{report.speedup:.2f}x"),
@@ -235,12 +242,20 @@ def _cmd_run(args) -> int:
     if head:
         options["retrieval_head"] = head
     model, tokenizer = load_model(args.model)
+    cached = None
+    if args.compile_cache is not None:
+        from . import compile_cache
+
+        cached = "loaded" if compile_cache.load(args.compile_cache) else "missing"
     report = run_report(
         model, tokenizer, text, model_name=args.model, budget=args.budget,
         max_new_tokens=args.max_new_tokens, recall_samples=args.recall_samples,
         sink_tokens=args.sink_tokens, recent_window=args.recent_window,
         retrieval_layers=args.retrieval_layers, **options,
     )
+    if cached is not None:
+        report.compile_cache = cached
+        compile_cache.save(args.compile_cache)
     _print_report(report, head)
     if args.json:
         return write_json(args.json, dataclasses.asdict(report), "figures")

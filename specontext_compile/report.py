@@ -62,6 +62,9 @@ class RunReport:
     page_rescue: int = 0
     dense_layers: tuple = ()  # option dense_layers: layers whose decode attention stayed dense
     path_counts: dict = dataclasses.field(default_factory=dict)  # SpeContextCache.path_counts() of the sparse run
+    first_token_s: float = float("nan")  # the prefill call: dynamo's trace of the prefill graph and the prefill
+    first_decode_step_s: float = float("nan")  # the first decode call: its compile (or cache load) and its step
+    compile_cache: str = ""  # --compile-cache: "loaded", "missing" (this run made it) or "" (none given)
 
 
 def build_prompt(tokenizer, text: str) -> torch.Tensor:
@@ -204,4 +207,6 @@ def run_report(model, tokenizer, prompt_text: str, *, model_name: str, budget: i
         candidates=config.selection.candidates, min_coverage=config.selection.min_coverage,
         page_rescue=config.selection.page_rescue, dense_layers=config.selection.dense_layers,
         path_counts=cache.path_counts(),
+        first_token_s=timer.times[0] if timer.times else float("nan"),
+        first_decode_step_s=timer.times[1] if len(timer.times) > 1 else float("nan"),
     )

@@ -16,6 +16,7 @@ RUN_KEYS = {
     "model", "prompt_tokens", "new_tokens", "budget", "sites_total", "sites_rewritten", "retrieval_layers",
     "greedy_agreement", "attention_recall", "decode_ms_sparse", "decode_ms_dense", "speedup", "kv_bytes",
     "text", "candidates", "min_coverage", "page_rescue", "dense_layers", "path_counts",
+    "first_token_s", "first_decode_step_s", "compile_cache",
 }
 PATH_COUNT_KEYS = {"decode_steps", "sparse_sites", "gather_sites", "dense_store_sites", "guard_dense_sites",
                    "page_rescue_sites", "recency_fallback_steps"}
@@ -56,6 +57,9 @@ def test_main_job_command_on_a_tiny_model(tmp_path, monkeypatch, capsys):
     assert report["retrieval_layers"] and all(0 <= layer < 2 for layer in report["retrieval_layers"])
     assert 0.0 <= report["greedy_agreement"] <= 1.0
     assert 0.0 < report["attention_recall"] <= 1.0 + 1e-6
+    assert report["compile_cache"] == ""  # no --compile-cache given
+    # the first decode call compiles: it takes longer than a compiled step
+    assert report["first_decode_step_s"] * 1000 > report["decode_ms_sparse"] and report["first_token_s"] > 0
     for key in ("decode_ms_sparse", "decode_ms_dense", "speedup"):
         assert isinstance(report[key], float) and math.isfinite(report[key]) and report[key] > 0
     assert isinstance(report["kv_bytes"], int) and report["kv_bytes"] > 0
