@@ -8,7 +8,7 @@ from __future__ import annotations
 from torch import fx
 
 from ..config import default_retrieval_layers
-from ..runtime import aten_step
+from ..runtime import aten_step, rollback
 from ..runtime.protocol import RetrievalAnchor
 from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import SelectionHead
@@ -19,6 +19,8 @@ __all__ = ["LaggedQueryHead"]
 
 RECORD = aten_step.record_query
 SELECT = aten_step.speculative_select
+HISTORY = rollback.record_rows
+RESTORE = rollback.restore
 
 
 class LaggedQueryHead(SelectionHead):
@@ -31,6 +33,7 @@ class LaggedQueryHead(SelectionHead):
         self.layers = retrieval_layers
         self.drivers: list[AttentionSite] = []
         self.anchored: RetrievalAnchor | None = None
+        self.restored = False  # the graph's rollback restore (runtime/rollback.py) is inserted
 
     @property
     def retrieval_layers(self) -> tuple[int, ...]:
@@ -50,6 +53,9 @@ class LaggedQueryHead(SelectionHead):
             with graph.inserting_before(driver.node):
                 graph.call_function(RECORD, (anchored.query_state, anchored.query_valid, query, slot,
                                              driver.length))
+                graph.call_function(HISTORY, (anchored.query_state, anchored.query_valid, query, slot,
+                                              driver.length, _store(driver)))
+        self.restored = False
         return None
 
     def serves(self, decode: list[AttentionSite]) -> list[AttentionSite]:
@@ -79,6 +85,11 @@ class LaggedQueryHead(SelectionHead):
         bias = bias_4d(graph, first)
         order = {n: i for i, n in enumerate(graph.nodes)}
         after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
+        if not self.restored:  # a rollback (crop) left the slots stale: the kept token's query back
+            with graph.inserting_after(after):
+                after = graph.call_function(RESTORE, (self.anchored.query_state, self.anchored.query_valid,
+                                                      first.length, [_store(d) for d in self.drivers]))
+            self.restored = True
         with graph.inserting_after(after):
             return graph.call_function(aten_step.speculative_select, (
                 (self.anchored.query_state, self.anchored.query_valid), stores, first.length, first.q_len, spec,
@@ -94,6 +105,11 @@ class LaggedQueryHead(SelectionHead):
         layers = self.layers or default_retrieval_layers(num_layers)
         picked = {min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}
         return sorted(picked)
+
+
+def _store(driver: AttentionSite):
+    """A retrieval layer's key store as the selection reads it (MLA: the store pair)."""
+    return (driver.key_cache, driver.value_cache) if driver.mla is not None else driver.key_cache
 
 
 def _fitting_drivers(picked: list, resolved: list, query_state: fx.Node) -> list:

@@ -35,6 +35,7 @@ from ..runtime import paged, paged_bounds
 from ..runtime.page_bounds import PAGE_TOKENS
 from ..runtime.paged_bounds import PagedLayout
 from ..runtime.spec import StepSpec
+from .sites import static_int
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +148,10 @@ def _site(node: fx.Node) -> tuple[PagedSite | None, str | None]:
 def _layout(sites: list[PagedSite]) -> tuple[PagedLayout | None, str | None]:
     """The cache layout from the views' row counts: layer ``i``'s key view starts ``2 i P``
     rows into the cache, its value view ``(2 i + 1) P``."""
-    rows = [(_val(s.key_view).shape[0], _val(s.value_view).shape[0]) for s in sites]
+    # the layout sizes the backend's host-side state (PagedState): a row count dynamo made
+    # symbolic (a second engine of another size) is guarded to its value (int() of a SymInt),
+    # so this graph serves this cache size only and another size compiles its own
+    rows = [(int(_val(s.key_view).shape[0]), int(_val(s.value_view).shape[0])) for s in sites]
     total, page = rows[0][0], rows[0][0] - rows[0][1]
     if page <= 0:
         return None, "the cache views do not look like Hugging Face's paged layout"
@@ -253,7 +257,10 @@ def rewrite_paged(graph: fx.Graph, config: SpeContextConfig, kind: int, decode_r
         if kind != paged.DENSE:
             mask = sites[0].mask
             if kind == paged.MIXED:  # decode rows only: (index, mask, slot, decode)
-                rows = min(q.shape[2], decode_rows or q.shape[2])
+                tokens = static_int(q.shape[2])  # symbolic without the engine's padding: never a constant
+                rows = decode_rows if tokens is None else min(tokens, decode_rows or tokens)
+                if rows is None:
+                    rows = graph.call_method("size", (mask, 2))
                 found = graph.call_function(paged.decode_subset, (mask, rows, chunk))
                 subset = [graph.call_function(operator.getitem, (found, i)) for i in range(4)]
                 mask = subset[1]

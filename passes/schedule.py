@@ -119,6 +119,12 @@ def _has_sinks(node: fx.Node) -> bool:
     return is_op(node, aten_step.sinks_attention)
 
 
+def _hint(size) -> int:
+    """A size as an int: its value, or a symbolic size's value in the traced example (the cost
+    model's estimate only: no guard, no host state)."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) and size.node.hint is not None else int(size)
+
+
 def _is_latent(node: fx.Node) -> bool:
     """Whether a node is the attention op of a multi-head latent attention site (its variant
     has ``nope_dim > 0``)."""
@@ -204,7 +210,7 @@ class OffloadSchedulePass:
                 param_bytes += v.numel() * v.element_size()
         load = 0.0
         if key is not None:
-            b, h, _, d = key.shape
+            b, h, _, d = (_hint(x) for x in key.shape)  # an estimate: a symbolic size at its traced value
             load = (1 - self.overlap) * self.budget * b * h * 2 * d * key.element_size()
         layer_bytes = param_bytes / len(sparse) if param_bytes else 1e5
         return CostModel(bandwidth=bandwidth, layer_bytes=layer_bytes, load_bytes=load)

@@ -25,7 +25,7 @@ def bias_4d(graph: fx.Graph, site: AttentionSite) -> fx.Node | None:
             return user
     heads = site.num_heads
     with graph.inserting_after(bias):
-        view = graph.call_method("view", (bias, -1, heads, 1, bias.meta.get("example_value", bias.meta.get("val")).shape[-1]))
+        view = graph.call_method("unflatten", (bias, 0, (-1, heads)))  # no traced size as a constant
     view.meta["specontext_bias_4d"] = True
     return view
 

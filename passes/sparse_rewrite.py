@@ -32,12 +32,12 @@ from torch import fx
 from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..runtime import aten_step, mla, page_bounds
+from ..runtime import aten_step, mla, page_bounds, rollback
 from ..runtime.protocol import RetrievalAnchor, op_arguments
 from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import make_head
 from .site_nodes import bias_4d, selection_query, static_capacity
-from .sites import KV_WRITE, AttentionSite, find_attention_sites, is_op
+from .sites import KV_WRITE, AttentionSite, find_attention_sites, is_op, static_int
 
 logger = logging.getLogger(__name__)
 
@@ -104,14 +104,15 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     write each row's pages start at its first real token, read from the mask of a
     full-attention site (a sliding window's mask hides more than the padding), so a
     left-padded row's page bounds and page rescue are those of its prompt alone; with no mask
-    every row's shift becomes 0. Only where the stores keep bounds with a shared shift, some
-    site attends fully and the store's capacity is static; the caller runs it on the graph
+    every row's shift becomes 0. Only where the stores keep bounds with a shared shift and
+    some site attends fully (a capacity dynamo made symbolic is read in the graph: never a
+    decision from a traced size); the caller runs it on the graph
     that holds the step's first store write (prefill graphs included: the bounds are
     written there)."""
     full = [s for s in resolved if s.window == 0]
     bounds = next((b for b in map(_page_bounds_of, resolved) if b is not None), None)
     shift = None if bounds is None else bounds[1]
-    if shift is None or not full or static_capacity(full[0]) is None:
+    if shift is None or not full:
         return
     mask = full[0].attn_mask if isinstance(full[0].attn_mask, fx.Node) else None
     order = {n: i for i, n in enumerate(graph.nodes)}
@@ -119,7 +120,48 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     if order[mask or write] > order[write] or order[shift] > order[write]:
         return  # the mask is built after the first write: leave the shift as it is
     with graph.inserting_before(write):
-        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, static_capacity(full[0]), bounds[2]))
+        capacity = static_capacity(full[0])
+        if capacity is None:  # symbolic (a cache of another length): the store's size, read in the graph
+            capacity = graph.call_method("size", (full[0].key_cache, -2))
+        graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, capacity, bounds[2]))
+
+
+def decide_query_lengths(graph: fx.Graph, longest: int) -> int:
+    """A step's query length that dynamo made symbolic (a step of another length than the
+    previous one, automatic dynamic shapes) is decided here, against the option
+    ``max_sparse_q_len`` (``longest``), by a guard on the graph: a length the user declared
+    sparse (``<= longest``) is guarded equal to its value, so this graph is that step's and is
+    rewritten sparse as with static shapes (another declared length compiles its own graph);
+    a longer one is guarded ``> longest``, so the graph, dense prefill by design, never serves
+    a declared step. Without it one graph served both, dense. With ``longest == 1`` nothing is
+    decided: dynamo never makes a one-token length symbolic.
+
+    Returns how many symbolic lengths were decided; one that cannot be guarded (no hint) is
+    counted (``symbolic_query_len_dense``) and warned, naming ``dynamic=False``."""
+    if longest <= 1:
+        return 0
+    decided, seen = 0, set()
+    for write in (n for n in graph.nodes if is_op(n, KV_WRITE)):
+        key = op_arguments(write, KV_WRITE).get("key")
+        value = key.meta.get("example_value", key.meta.get("val")) if isinstance(key, fx.Node) else None
+        if not isinstance(value, torch.Tensor) or value.dim() != 4 or not isinstance(value.shape[2], torch.SymInt):
+            continue
+        length = value.shape[2]
+        if static_int(length) is not None or length.node.expr in seen:
+            continue
+        seen.add(length.node.expr)
+        try:
+            if length <= longest:  # a guard on the graph: its outcome holds for every call of it
+                int(length)  # guarded equal to its value: static from here on (sites.static_int)
+            decided += 1
+        except Exception:  # noqa: BLE001 - no hint to decide with: dense, counted and said
+            from torch._dynamo.utils import counters
+
+            counters["specontext"]["symbolic_query_len_dense"] += 1
+            logger.warning("specontext: a step's query length is symbolic (dynamo made it so) and could not be "
+                           "decided against max_sparse_q_len=%d: its graph stays dense. Compile with "
+                           "torch.compile(..., dynamic=False) to keep declared multi-token steps sparse", longest)
+    return decided
 
 
 def _sources() -> tuple[str, ...]:
@@ -175,6 +217,7 @@ class SparseAttentionPass(CustomGraphPass):
         return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
     def __call__(self, graph: fx.Graph) -> RewriteResult:
+        decide_query_lengths(graph, self.max_sparse_q_len)
         sites = find_attention_sites(graph)
         result = RewriteResult(sites=sites)
         resolved = sorted((s for s in sites if s.layer is not None), key=lambda s: s.layer)
@@ -293,7 +336,8 @@ class SparseAttentionPass(CustomGraphPass):
             reason = "after a graph break only full-attention models carry the selection over (sliding windows)"
         capacity = static_capacity(decode[0])
         if reason is None and capacity is None:
-            reason = "after a graph break: the store's capacity is symbolic"
+            reason = ("after a graph break: the store's capacity is symbolic (dynamo made it so on a "
+                      "recompile); compile with torch.compile(..., dynamic=False) to keep it sparse")
         if reason is not None:
             for s in decode:
                 s.reason = reason
@@ -437,7 +481,7 @@ class SparseAttentionPass(CustomGraphPass):
         if site.position_bias is not None:  # BLOOM's 3-D layout: the output is [b * h, q_len, d]
             out = site.node.meta.get("example_value", site.node.meta.get("val"))
             with graph.inserting_before(site.node):
-                result = graph.call_method("reshape", (sparse, *out.shape))
+                result = graph.call_method("reshape", (sparse, -1, *out.shape[1:]))  # b * h may be symbolic
         site.node.replace_all_uses_with(result)
         graph.erase_node(site.node)
         site.node = sparse if latent is None else latent  # the attention (MLA: before its up-projection)
@@ -517,7 +561,8 @@ def keeps_side_effects(node: fx.Node) -> bool:
     a functional all-reduce plus ``copy_`` back into the input, whose result is unused. Ops
     with a declared effect (``torch._library.effects``, e.g. every op taking an opaque
     reference object such as the KV-offload manager) are kept as well."""
-    if node.is_impure() or node.op == "call_function" and node.target in aten_step.MUTATES:
+    if node.is_impure() or node.op == "call_function" and (node.target in aten_step.MUTATES
+                                                           or node.target in rollback.MUTATES):
         return True
     target = node.target
     name = target if node.op == "call_method" else getattr(target, "__name__", None)

@@ -31,7 +31,7 @@ from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the
 from .draft_retrieval import DraftKeyCache, head_spec
 from .page_bounds import PAGE_TOKENS, clear_pages_from, page_count, update_page_bounds
 from .protocol import STATS, DraftAnchor, RetrievalAnchor
-from .retrieval import MAX_RETRIEVAL_LAYERS
+from .rollback import QUERY_SLOTS, crop_history
 
 logger = logging.getLogger(__name__)
 
@@ -528,7 +528,7 @@ class SpeContextCache(Cache):
         self.query_state: torch.Tensor | None = None
         self.page_shift: torch.Tensor | None = None  # see _set_page_shift
         self.selection_state: torch.Tensor | None = None  # see _ensure_selection_state
-        self.query_valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long)
+        self.query_valid = torch.zeros((QUERY_SLOTS,), dtype=torch.long)  # current slots + rollback history
         self.stats = torch.zeros((len(STATS),), dtype=torch.long)  # path counters, kept by the step
         self.layer_windows = _layer_windows(config)
         # a str attribute stays a graph constant (list ints become symbols under dynamic=True)
@@ -564,7 +564,7 @@ class SpeContextCache(Cache):
         retrieval layer, per local query head; the head size is the keys' (= the queries')."""
         b = like.shape[0]
         self.query_state = like.new_zeros(
-            (MAX_RETRIEVAL_LAYERS, b, self._retrieval_heads(like), 1, self._query_width(like)))
+            (QUERY_SLOTS, b, self._retrieval_heads(like), 1, self._query_width(like)))
         self.query_valid = self.query_valid.to(like.device)
         self.stats = self.stats.to(like.device)
         _static_address(self.query_state, self.query_valid, self.stats)
@@ -756,12 +756,13 @@ class SpeContextCache(Cache):
         """Drop the last ``-tokens_to_remove`` tokens (HF's convention; 0 is a no-op): every
         layer's length goes back and the dropped slots are zeroed; the draft head's length
         goes back too (``min(length, new length)``) and the offload buffers forget the dropped
-        positions. The recorded query (lagged-query head) and hidden states (fused draft
-        head) belong to the last *dropped* token, whose successor's are not kept: they are
-        marked invalid, so the next step selects by recency (sinks + most recent tokens, as
-        after a prefill run without the backend) and a fused head's next key reads zeros (as
-        the first token of a fresh cache); attention over the selection stays exact, and
-        every later step records them again. Path counters count steps run: unchanged.
+        positions. The recorded query (lagged-query head) belongs to the last *dropped*
+        token: it is marked stale and the history entries of dropped positions are forgotten,
+        so the next step restores the last *kept* token's query from the history
+        (``runtime/rollback.py``; a crop deeper than ``ROLLBACK_TOKENS`` selects by recency)
+        and selects exactly as a fresh cache fed the kept tokens. A fused draft head's
+        recorded hidden states are marked invalid (its next key reads zeros, as the first
+        token of a fresh cache). Path counters count steps run: unchanged.
 
         Raises:
             ValueError: a positive count (pass ``-n``), or more tokens than the cache holds.
@@ -778,12 +779,12 @@ class SpeContextCache(Cache):
             manager.before_cache_op("crop")
         super().crop(tokens_to_remove)
         new = old - remove
-        self.query_valid.zero_()
+        crop_history(self.query_valid, new)  # the next step restores the kept token's query (rollback.py)
         if self.draft is not None:
             self.draft.crop(new)
         if manager is not None:
             manager.crop(new)
-        logger.debug("specontext cache: cropped %d -> %d tokens; the next step selects by recency", old, new)
+        logger.debug("specontext cache: cropped %d -> %d tokens", old, new)
 
     def path_counts(self) -> dict[str, int]:
         """Path counters kept by the compiled decode step itself (names and meanings:

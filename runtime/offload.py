@@ -48,7 +48,7 @@ except ImportError as _err:  # pragma: no cover - older torch
 from . import page_bounds
 from .elastic import copy_changed_rows, find_positions, plan_slots
 from .memory_model import INF, DeviceMemoryError, MemoryModel
-from .retrieval import MAX_RETRIEVAL_LAYERS
+from .rollback import QUERY_SLOTS
 from .sparse_attention import _gather_tokens
 from .streams import CopyStream, CopyTicket
 from .trace import TraceRecorder
@@ -152,7 +152,7 @@ def minimum_device_bytes(model: torch.nn.Module, budget: int, tokens: int = 0, b
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     param = next(model.parameters(), None)
     elem = param.element_size() if param is not None else 4
-    state = MAX_RETRIEVAL_LAYERS * (batch * heads * head_dim * elem + 8)  # query_state + query_valid
+    state = QUERY_SLOTS * (batch * heads * head_dim * elem + 8)  # query_state + query_valid (rollback history)
     mm = MemoryModel(num_layers=config.num_hidden_layers, num_kv_heads=kv_heads, head_dim_k=head_dim,
                      head_dim_v=head_dim, elem_bytes=elem, batch=batch, budget=budget,
                      weight_bytes=model_weight_bytes(model), activation_factor=activation_factor,

@@ -24,7 +24,12 @@ Invariants:
   retrieval layers, stamped with the cache length after its write (``query_valid``); a
   decode step uses the queries only when it starts at that length, else it selects the
   recent window (on the device, no host read). So a prefill Hugging Face ran eagerly (its
-  ``CompileConfig`` path), a crop, or a new prompt never reads another step's query.
+  ``CompileConfig`` path) or a new prompt never reads another step's query; after
+  ``StaticCache.crop`` the step restores the kept token's own query from the rollback
+  history (``runtime/rollback.py``: matched by the store's key row, so never a dropped
+  branch's or an earlier prompt's).
+- **Any batch size.** A graph dynamo made batch-symbolic serves every batch; the state is
+  allocated per cache at the call's real batch (``passes/static_cache.BatchReader``).
 - **Never another cache's.** A state is found from the store tensors the call passes, so
   two caches never share one (nor two models: their stores differ).
 - **Nothing here changes the KV cache.** The K/V stores are Hugging Face's tensors, written
@@ -43,7 +48,7 @@ import weakref
 import torch
 
 from .protocol import STATS
-from .retrieval import MAX_RETRIEVAL_LAYERS
+from .rollback import QUERY_SLOTS
 
 __all__ = ["StaticCacheState", "bind_state", "model_stats", "path_counts", "state_for"]
 
@@ -59,8 +64,9 @@ class StaticCacheState:
     """The retrieval state of one ``StaticCache`` at one batch size, owned by the backend.
 
     Attributes:
-        query_state: ``[slots, batch, num_heads, 1, head_dim]`` last query rows of the
-            retrieval layers (slot ``i`` = the ``i``-th retrieval layer), the model's dtype.
+        query_state: ``[QUERY_SLOTS, batch, num_heads, 1, head_dim]`` last query rows of the
+            retrieval layers (slot ``i`` = the ``i``-th retrieval layer), the model's dtype,
+            then the rollback history (``runtime/rollback.py``).
         query_valid: int64 ``[slots]``, the cache length a slot's query was recorded at
             (0 = never).
         stats: int64 ``[len(STATS)]`` path counters of this cache (names:
@@ -74,8 +80,9 @@ class StaticCacheState:
     @classmethod
     def allocate(cls, batch: int, num_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device) -> StaticCacheState:
-        state = torch.zeros((MAX_RETRIEVAL_LAYERS, batch, num_heads, 1, head_dim), dtype=dtype, device=device)
-        valid = torch.zeros((MAX_RETRIEVAL_LAYERS,), dtype=torch.long, device=device)
+        # the current slots, then the rollback history (runtime/rollback.py)
+        state = torch.zeros((QUERY_SLOTS, batch, num_heads, 1, head_dim), dtype=dtype, device=device)
+        valid = torch.zeros((QUERY_SLOTS,), dtype=torch.long, device=device)
         stats = torch.zeros((len(STATS),), dtype=torch.long, device=device)
         _static_address(state, valid, stats)
         return cls(state, valid, stats)

@@ -31,6 +31,7 @@ from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from .runtime.aten_step import record_query
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
+from .runtime.rollback import record_rows
 from .runtime.sparse_attention import inductor_trace
 from .runtime.static_state import model_stats
 
@@ -274,7 +275,7 @@ def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fu
 
 
 # calls whose int argument differs by layer (the lagged query's slot): a tensor in regional graphs
-_LAYER_SLOTS = {record_query: 3}
+_LAYER_SLOTS = {record_query: 3, record_rows: 3}
 
 
 def _regional(config: SpeContextConfig, on_cuda: bool) -> bool:

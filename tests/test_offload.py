@@ -292,15 +292,15 @@ def test_offload_options_are_validated():
 
 def _tier_offloading_at_66(model):
     """A hand-sized device tier for a 2-layer tiny Llama decoding 20 tokens after a 60-token
-    prompt: weights x1.3 + retrieval state + selection + page bounds (the stores hold 60 + 20
+    prompt: weights x1.3 + retrieval state (with its rollback history) + selection + page bounds (the stores hold 60 + 20
     + 1 = 81 tokens: ceil((81 + 15) / 16) = 6 pages x 2 layers x min and max of 2 KV heads x
     16 fp32) + 65 tokens of KV in both layers (2 layers x 2 KV heads x (16 + 16) x 4 B = 512 B
     per token), so the plan must offload a layer when the cache reaches 66 tokens (ST[0] =
     66)."""
     from specontext_compile.runtime.offload import model_weight_bytes
-    from specontext_compile.runtime.retrieval import MAX_RETRIEVAL_LAYERS
+    from specontext_compile.runtime.rollback import QUERY_SLOTS  # current slots + rollback history
 
-    fixed = MAX_RETRIEVAL_LAYERS * 6 * 16 * 4 + MAX_RETRIEVAL_LAYERS * 8 + 2 * 16 * 8 + 6 * 2 * 2 * 2 * 16 * 4
+    fixed = QUERY_SLOTS * 6 * 16 * 4 + QUERY_SLOTS * 8 + 2 * 16 * 8 + 6 * 2 * 2 * 2 * 16 * 4
     return -(-13 * model_weight_bytes(model) // 10) + fixed + 512 * 65
 
 
