@@ -31,7 +31,9 @@ from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .sparse_attention import (
     _gather_tokens,
+    attend_gathered,
     causal_limit_mask,
+    fused_products,
     query_key_logits,
     selected_logits,
     sparse_attention_reference,
@@ -577,10 +579,24 @@ def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return known(indices.shape[-1] >= key_cache.shape[-2])
 
 
-def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, scale):
-    """SDPA over the whole store with the causal limit ``p <= length - q_len + r`` as a mask
-    (unwritten slots hidden without reading ``length`` on the host)."""
-    q_len, capacity = query.shape[2], key_cache.shape[-2]
+def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant: AttentionVariant):
+    """Exact attention over the whole store of a plain site (``variant.plain``) with the
+    causal limit ``p <= length - q_len + r`` as a mask (unwritten slots hidden without
+    reading ``length`` on the host).
+
+    SDPA, except for a CPU decode step traced for inductor (:func:`fused_products`: a few
+    query rows per KV head): there the gather path's body over every slot, read in place
+    (:func:`attend_gathered` with the positions ``0 .. capacity-1``), which inductor compiles
+    into one pass over the keys (the fused query-key products, softmax) and one ``bmm`` over
+    the values: SDPA's CPU flash kernel at one query row read the store at a fraction of the
+    copy rate (``python -m benchmarks.profile_decode --budget 16384``, docs/benchmarks.md,
+    "Own dense at its floor"). Both compute the same softmax in float32 (rounding apart)."""
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
+    if fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache):
+        every = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
+        return attend_gathered(query, key_cache, value_cache, every, length, attn_mask, variant)
+    scale = variant.scale
     rows = torch.arange(q_len, device=query.device).view(q_len, 1)
     length = length.reshape(-1, 1, 1, 1) if length.dim() else length
     allowed = torch.arange(capacity, device=query.device).view(1, capacity) <= length - q_len + rows
@@ -627,7 +643,7 @@ def guarded_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     def run_dense(q, k, v, idx, n, *rest):
         m, sk = unpack(rest)
         if plain:
-            return _dense_store_attention(q, k, v, n, m, variant.scale)
+            return _dense_store_attention(q, k, v, n, m, variant)
         every = torch.arange(capacity, device=idx.device).expand(idx.shape[0], idx.shape[1], capacity)
         return sparse_attention_reference(q, k, v, every, n, m, variant, sk)
 
@@ -666,7 +682,7 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     learned sink logits is not this function's: the pass calls :func:`guarded_attention` or
     :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it."""
     if spec.dense_shortcut and variant.plain and covers_store(indices, key_cache):
-        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant.scale)
+        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)
 
 

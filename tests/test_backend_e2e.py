@@ -61,7 +61,8 @@ def test_all_sites_of_tiny_llama_rewritten_and_exact_with_full_budget(attn, shor
     """Budget 64 = the store's capacity, 4 layers, prefill + 20 steps: equal to eager dense.
     ``gather``: the dense shortcut off, every site gathers its (full) selection. ``shortcut``
     (the one end-to-end test of the dense shortcut itself): the default, every site attends
-    densely over the store with SDPA, as the counters say."""
+    densely over the store (on CPU under inductor the fused products over every slot, not
+    SDPA: test_sparse_attention), as the counters say."""
     model = tiny_llama(layers=4, attn=attn)
     ids = torch.randint(0, 128, (1, 37), generator=torch.Generator().manual_seed(0))
     eager = decode_logits(model, model.forward, ids, 20, DynamicCache(config=model.config))

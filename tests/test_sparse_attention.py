@@ -179,3 +179,40 @@ def test_selection_covering_the_store_without_shortcut_gathers_and_matches(case)
     ref = dense_reference(query, key_cache, value_cache, indices, length, d**-0.5)
     assert not out.isnan().any()
     torch.testing.assert_close(out.double(), ref, atol=ATOL, rtol=RTOL)
+
+
+@settings(max_examples=30, deadline=None)
+@given(cases())
+def test_dense_store_body_traced_for_inductor_reads_the_store_in_place_and_matches(case):
+    """The dense shortcut's body as the backend traces it for inductor on CPU (a few query rows
+    per KV head): the fused products over every slot, no SDPA call (whose CPU flash kernel
+    read the store far below the copy rate at one query row), equal to the float64 reference
+    and to the SDPA body traced outside it."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from specontext_compile.runtime.aten_step import _dense_store_attention
+    from specontext_compile.runtime.sparse_attention import inductor_trace
+
+    b, hkv, g, d, length, capacity, q_len, _, seed = case
+    gen = torch.Generator().manual_seed(seed)
+    query, key_cache, value_cache = random_inputs(gen, b, hkv, g, d, length, capacity, q_len)
+    key_cache[:, :, length:] = 0.0  # unwritten slots hold zeros, as the cache keeps them
+    value_cache[:, :, length:] = 0.0
+    variant = AttentionVariant(d**-0.5)
+
+    def body(q, k, v, n):
+        return _dense_store_attention(q, k, v, n, None, variant)
+
+    inputs = (query, key_cache, value_cache, torch.tensor(length))
+    with inductor_trace():
+        fused = make_fx(body)(*inputs)
+    sdpa = make_fx(body)(*inputs)
+
+    def calls(gm):
+        return {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+
+    assert not any("scaled_dot_product" in t for t in calls(fused)), calls(fused)
+    assert any("scaled_dot_product" in t for t in calls(sdpa))
+    ref = dense_reference(query, key_cache, value_cache, full_selection(b, hkv, length, capacity), length, d**-0.5)
+    torch.testing.assert_close(fused(*inputs).double(), ref, atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(fused(*inputs), sdpa(*inputs), atol=ATOL, rtol=RTOL)
