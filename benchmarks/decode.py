@@ -21,6 +21,17 @@ step we build: our pass and inductor with every site dense over the store — a 
 every store, static shapes per context, the one-row linear rewrite and freezing included —
 the baseline every speed-up is stated against), ``specontext-<budget>``
 (``torch.compile(model.forward, backend="specontext")`` with a ``SpeContextCache``).
+OpenVINO GenAI runs as a peer (``openvino-fp32``: fp32 weights, compute and KV cache;
+``openvino-default``: its CPU defaults; ``openvino-evict-<budget>``: fp32 with its KV cache
+eviction at our budget): ``benchmarks/openvino_peer.py`` in ``.venv-openvino`` (``bash
+scripts/openvino_venv.sh``), as a subprocess, on the same prompt token ids, real weights and
+batch 1 only. Its prefill is its own: ``prefill_s`` is its first-token time (load excluded).
+
+Greedy agreement, every contender: the share of the first 64 generated tokens equal to a dense
+fp32 reference's (Hugging Face eager fp32 greedy decoding from the same prefill: the prefill's
+token, then 63 decode steps; ``model.generate`` gives the same tokens) and the index of the
+first differing token. Our contenders start from the shared prefill's token, so index 0 agrees
+by construction; OpenVINO's token 0 comes from its own prefill.
 
 Models: ``smollm2-135m`` (real weights, the first tokens of ``pydoc_data.topics``) for
 ``--contexts``; a random-weight model of the same shape with more positions for
@@ -43,11 +54,14 @@ import copy
 import dataclasses
 import gc
 import json
+import logging
 import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -61,7 +75,15 @@ CONTENDERS = ("hf-eager", "hf-static-inductor", "own-dense", "specontext-512", "
 # regional=False: the graph compiled whole and frozen, the faster step (regional compilation
 # costs the step ~11% at 30 layers: docs/benchmarks.md, "Compile time"), the slower compile
 OWN_DENSE = {"options": {"budget": 1 << 30, "page_rescue": 0, "regional": False}, "dynamic": False}
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+# OpenVINO GenAI, the peer run by benchmarks/openvino_peer.py in its own venv
+OPENVINO_VENV = ROOT / ".venv-openvino"
+OPENVINO_MODEL = ROOT / "out" / "openvino" / "smollm2-135m"
+# contender -> the peer's config; and openvino-evict-<budget> -> evict-<budget>
+OPENVINO_CONFIGS = {"openvino-fp32": "fp32-dense", "openvino-default": "default"}
+AGREE_TOKENS = 64  # greedy agreement with the dense fp32 reference over this many generated tokens
+logger = logging.getLogger(__name__)
 # --dtypes: what users load; the weights and the KV cache both take the dtype
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -119,20 +141,28 @@ def rss_bytes() -> int:
     return (_status_kib("VmRSS") or 0) * 1024
 
 
+# what decides bf16/int8 compute paths on a CPU (AMX: Intel's tile units; AMD EPYC has none)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16", "amx_int8")
+
+
 def machine_info() -> dict:
     """CPU, cores, memory and library versions, for the record."""
     import transformers
 
-    cpu = platform.processor() or ""
+    cpu, flags = platform.processor() or "", set()
     try:
         with open("/proc/cpuinfo") as f:
-            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+            lines = f.readlines()
+        names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
         cpu = names[0] if names else cpu
+        flags = next((set(line.split(":", 1)[1].split()) for line in lines
+                      if line.startswith("flags")), set())
     except OSError:
         pass
     mem = _meminfo_total()
     return {
-        "cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "cpu": cpu, "cpu_flags": {f: f in flags for f in CPU_FLAGS},
+        "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "memory_bytes": mem, "python": platform.python_version(), "torch": torch.__version__,
         "transformers": transformers.__version__, "platform": platform.platform(),
         "load_average_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
@@ -306,9 +336,11 @@ def parse_specontext(name: str) -> tuple[int, dict]:
         variant = parts[1] if len(parts) == 3 else ""
         return int(parts[-1]), dict(SPECONTEXT_VARIANTS[variant])
     except (ValueError, KeyError):
-        raise ValueError(f"unknown contender {name!r}: use hf-eager, {', '.join(HF_STATIC)} or "
+        raise ValueError(f"unknown contender {name!r}: use hf-eager, own-dense, "
+                         f"{', '.join(HF_STATIC)}, "
                          f"specontext-[<variant>-]<budget> with variant one of "
-                         f"{[v for v in SPECONTEXT_VARIANTS if v]}") from None
+                         f"{[v for v in SPECONTEXT_VARIANTS if v]}, {', '.join(OPENVINO_CONFIGS)} "
+                         f"or openvino-evict-<budget>") from None
 
 
 def parse_budget(name: str) -> int:
@@ -318,9 +350,53 @@ def parse_budget(name: str) -> int:
 
 def check_contenders(names: list[str]) -> list[str]:
     for name in names:
-        if name not in ("hf-eager", "own-dense") and name not in HF_STATIC:
+        if is_openvino(name):
+            parse_openvino(name)
+        elif name not in ("hf-eager", "own-dense") and name not in HF_STATIC:
             parse_specontext(name)
     return names
+
+
+def is_openvino(name: str) -> bool:
+    return name.startswith("openvino-")
+
+
+def parse_openvino(name: str) -> str:
+    """The peer's config of ``openvino-fp32``, ``openvino-default`` or ``openvino-evict-<budget>``
+    (the budget a multiple of its 32-token KV block, above the 160 tokens it always keeps)."""
+    if name in OPENVINO_CONFIGS:
+        return OPENVINO_CONFIGS[name]
+    budget = name.removeprefix("openvino-evict-")
+    if name.startswith("openvino-evict-") and budget.isdigit() and int(budget) % 32 == 0 \
+            and int(budget) > 160:
+        return f"evict-{budget}"
+    raise ValueError(f"unknown contender {name!r}: use {', '.join(OPENVINO_CONFIGS)} or "
+                     "openvino-evict-<budget> (a multiple of 32 above 160)")
+
+
+def openvino_python(venv: Path | None = None, model: Path | None = None) -> Path:
+    """The OpenVINO venv's interpreter (default :data:`OPENVINO_VENV`, :data:`OPENVINO_MODEL`);
+    raises ``RuntimeError`` naming the setup script when the venv or the exported model is
+    missing."""
+    venv, model = venv or OPENVINO_VENV, model or OPENVINO_MODEL
+    python = venv / "bin" / "python"
+    missing = [str(p) for p in (python, model / "openvino_model.xml") if not p.exists()]
+    if missing:
+        raise RuntimeError(f"the openvino-* contenders need {' and '.join(missing)}: run "
+                           "`bash scripts/openvino_venv.sh` (makes .venv-openvino and exports "
+                           "SmolLM2 to out/openvino/smollm2-135m)")
+    return python
+
+
+def agreement(tokens: list[int], reference: list[int], n: int = AGREE_TOKENS) -> dict:
+    """Greedy agreement of ``tokens`` with ``reference`` over the first ``n``: the share of equal
+    positions, the index of the first differing one (``None``: none differs), positions compared."""
+    pairs = list(zip(tokens[:n], reference[:n]))
+    if not pairs:
+        return {"agree_share": None, "agree_first_diff": None, "agree_tokens": 0}
+    diffs = [i for i, (a, b) in enumerate(pairs) if a != b]
+    return {"agree_share": 1 - len(diffs) / len(pairs),
+            "agree_first_diff": diffs[0] if diffs else None, "agree_tokens": len(pairs)}
 
 
 def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
@@ -377,28 +453,35 @@ def _step(forward, tokens, cache):
 
 def run_contender(name, forwards, config, source, first_token, context, batch, steps, warmup,
                   bar=None) -> dict:
-    """Decode ``warmup + steps`` tokens (after one first call) with one contender."""
+    """Decode ``warmup + steps`` tokens (after one first call) with one contender, then untimed
+    up to :data:`AGREE_TOKENS` generated tokens (``tokens``: row 0's, the first token included)."""
     gc.collect()
     rss0 = rss_bytes()
     exact_peak = reset_peak_rss()
-    capacity = context + 1 + warmup + steps + 1
+    capacity = context + max(warmup + steps + 2, AGREE_TOKENS) + 1
     cache = make_cache(name, config, capacity)
     with torch.no_grad():
         fill_cache(cache, source, batch)
         tok = first_token.expand(batch, 1).contiguous()
+        tokens = [int(tok[0, 0])]
         forward = forwards.get(name)
         t0 = time.perf_counter()
         tok = _step(forward, tok, cache)
         first = time.perf_counter() - t0
+        tokens.append(int(tok[0, 0]))
         times = []
         for i in range(warmup + steps):
             t0 = time.perf_counter()
             tok = _step(forward, tok, cache)
             dt = time.perf_counter() - t0
+            tokens.append(int(tok[0, 0]))
             if i >= warmup:
                 times.append(dt)
             if bar is not None:
                 bar.update(1)
+        while len(tokens) < AGREE_TOKENS:  # untimed: only for the greedy agreement
+            tok = _step(forward, tok, cache)
+            tokens.append(int(tok[0, 0]))
     kv = cache_bytes(cache)
     peak = peak_rss_bytes()
     sites = None
@@ -409,16 +492,90 @@ def run_contender(name, forwards, config, source, first_token, context, batch, s
         sites = f"{decode[-1].sites_rewritten}/{decode[-1].sites_total}" if decode else None
     del cache
     gc.collect()
-    ms = sorted(1000 * t for t in times)
+    return {
+        "first_step_s": first, **step_stats([1000 * t for t in times], warmup, batch),
+        "kv_bytes": kv, "peak_rss_bytes": peak, "rss_before_bytes": rss0,
+        "peak_rss_exact": exact_peak, "sites_rewritten": sites, "tokens": tokens,
+    }
+
+
+def step_stats(ms: list[float], warmup: int, batch: int) -> dict:
+    """Median, p10/p90, min, max of timed step milliseconds, and tokens/s."""
+    ms = sorted(ms)
     q = statistics.quantiles(ms, n=10, method="inclusive") if len(ms) >= 2 else [ms[0]] * 9
     median = statistics.median(ms)
+    return {"steps": len(ms), "warmup": warmup, "ms_median": median, "ms_p10": q[0],
+            "ms_p90": q[-1], "ms_min": ms[0], "ms_max": ms[-1],
+            "tokens_per_s": batch * 1000.0 / median}
+
+
+def reference_tokens(model, source, first_token, n: int = AGREE_TOKENS) -> list[int]:
+    """The dense fp32 reference of the greedy agreement: Hugging Face eager greedy decoding
+    (``DynamicCache``, SDPA) from the prefill's per-layer (K, V) ``source`` and its token
+    ``first_token`` (``[1, 1]``), ``n`` tokens with that one; ``model`` must be the fp32 model.
+    On a prompt, these are ``model.generate(ids, do_sample=False, max_new_tokens=n)``'s tokens."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    fill_cache(cache, source, 1)
+    tok, tokens = first_token, [int(first_token[0, 0])]
+    with torch.no_grad():
+        while len(tokens) < n:
+            tok = _step(model.forward, tok, cache)
+            tokens.append(int(tok[0, 0]))
+    return tokens
+
+
+# --------------------------------------------------------------------------- OpenVINO peer
+
+
+def run_openvino(name: str, ids: torch.Tensor, max_new_tokens: int, warmup: int,
+                 threads: int) -> dict:
+    """Run ``benchmarks/openvino_peer.py`` in ``.venv-openvino`` on the prompt ``ids``
+    (``[1, n]``) for one ``openvino-*`` contender; returns the peer's JSON."""
+    python = openvino_python()
+    with tempfile.TemporaryDirectory(prefix="openvino-peer-") as tmp:
+        ids_file = Path(tmp) / "ids.json"
+        ids_file.write_text(json.dumps(ids[0].tolist()))
+        request = {"ids_file": str(ids_file), "config": parse_openvino(name),
+                   "model": str(OPENVINO_MODEL), "max_new_tokens": max_new_tokens,
+                   "warmup": warmup, "threads": threads}
+        proc = subprocess.run([str(python), "-m", "benchmarks.openvino_peer"], cwd=ROOT,
+                              input=json.dumps(request), capture_output=True, text=True,
+                              timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: benchmarks/openvino_peer.py failed ({proc.returncode}):\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def openvino_result(peer: dict, steps: int, warmup: int) -> dict:
+    """A row's measured fields from the peer's JSON: the same statistics over the same steps
+    (after its first decode step and ``warmup`` more); its first-token time as ``prefill_s``."""
+    ms = peer["step_ms"][1 + warmup:1 + warmup + steps]
     return {
-        "first_step_s": first, "steps": len(ms), "warmup": warmup,
-        "ms_median": median, "ms_p10": q[0], "ms_p90": q[-1], "ms_min": ms[0], "ms_max": ms[-1],
-        "tokens_per_s": batch * 1000.0 / median, "kv_bytes": kv,
-        "peak_rss_bytes": peak, "rss_before_bytes": rss0, "peak_rss_exact": exact_peak,
-        "sites_rewritten": sites,
+        "prefill_s": peer["first_token_s"], "first_step_s": peer["step_ms"][0] / 1000,
+        **step_stats(ms, warmup, 1), "kv_bytes": None, "peak_rss_bytes": peer["peak_rss_bytes"],
+        "rss_before_bytes": None, "peak_rss_exact": False, "sites_rewritten": None,
+        "tokens": peer["tokens"],
+        "openvino": {k: peer[k] for k in ("config", "load_s", "threads", "properties", "applied",
+                                          "scheduler_config", "versions", "step_ms",
+                                          "openvino_step_ms", "openvino_ttft_s",
+                                          "openvino_tpot_ms")},
     }
+
+
+def openvino_floor(name: str, config, weight_bytes: int, context: int,
+                   applied: dict) -> tuple[int, int]:
+    """(weight bytes, KV bytes) an OpenVINO step must read: weights at its inference precision,
+    dense KV at its cache precision over the context (``evict-<b>``: over at most b tokens)."""
+    elem = {"f32": 4, "bf16": 2, "f16": 2, "u8": 1, "i8": 1}
+    weights = weight_bytes * elem.get(applied.get("INFERENCE_PRECISION_HINT"), 4) // 4
+    kv_elem = elem.get(applied.get("key_cache_input_type"), 4)
+    config_name = parse_openvino(name)
+    evict = config_name.startswith("evict-")
+    held = min(context, int(config_name.split("-")[1])) if evict else context
+    return weights, floor_bytes("hf-eager", config, 0, held, 1, elem=kv_elem)[1]
 
 
 # --------------------------------------------------------------------------- runs
@@ -456,15 +613,20 @@ def random_source(config, context: int, seed: int = 0):
 
 
 def run_group(model, tokenizer, group: Group, contenders, steps, warmup, bandwidth, bar,
-              rows: list[dict], on_row=None) -> list[dict]:
+              rows: list[dict], on_row=None, references: dict | None = None,
+              reference_model=None) -> list[dict]:
     """Append every (context, batch, contender) row of one model group to ``rows``;
     ``on_row(rows)`` is called after each (to save partial results). The model's dtype is
-    the run's: prefill, the random KV and every contender's cache take it."""
+    the run's: prefill, the random KV and every contender's cache take it. ``references``
+    keeps the dense fp32 reference tokens per (weights, context) across calls (see
+    :func:`reference_tokens`); ``reference_model``: the fp32 model when ``model`` is not."""
     forwards = Forwards(model)
     dtype = next(model.parameters()).dtype
     dtype_name = next(k for k, v in DTYPES.items() if v == dtype)
     weight_bytes = param_bytes(model)
+    references = {} if references is None else references
     for context in group.contexts:
+        ids = None
         if group.weights == "real" and tokenizer is not None:
             ids = real_text_ids(tokenizer, context)
             prefill_s, source, first = prefill_source(model, ids)
@@ -472,28 +634,79 @@ def run_group(model, tokenizer, group: Group, contenders, steps, warmup, bandwid
             prefill_s, source = None, [(k.to(dtype), v.to(dtype))
                                        for k, v in random_source(model.config, context)]
             first = torch.tensor([[1]])
+        key = f"{group.weights}/ctx={context}"
+        if key not in references:
+            fp32 = dtype == torch.float32
+            references[key] = (_reference(model, ids, source, first, context) if fp32 else
+                               _reference(reference_model, ids, None, None, context))
         for batch in group.batches:
             for name in contenders:
                 if bar is not None:
                     bar.set_postfix_str(f"{group.weights} ctx={context} b={batch} {name}")
-                result = run_contender(name, forwards, model.config, source, first, context,
-                                       batch, steps, warmup, bar)
-                wb, kvb = floor_bytes(name, model.config, weight_bytes, context, batch,
-                                      elem=torch.finfo(dtype).bits // 8)
-                floor_ms = 1000.0 * (wb + kvb) / bandwidth
-                rows.append({
-                    "model": group.label, "weights": group.weights, "dtype": dtype_name,
-                    "context": context, "batch": batch, "contender": name,
-                    "prefill_s": prefill_s if name == "hf-eager" else None,
-                    **result,
-                    "floor_weight_bytes": wb, "floor_kv_bytes": kvb, "floor_ms": floor_ms,
-                    "x_floor": result["ms_median"] / floor_ms,
-                })
+                if is_openvino(name):
+                    if _openvino_skip(name, ids, batch, dtype_name, bar):
+                        continue
+                    result = openvino_result(run_openvino(
+                        name, ids, max(AGREE_TOKENS, warmup + steps + 2), warmup,
+                        torch.get_num_threads()), steps, warmup)
+                    wb, kvb = openvino_floor(name, model.config, weight_bytes, context,
+                                             result["openvino"]["applied"])
+                else:
+                    result = run_contender(name, forwards, model.config, source, first, context,
+                                           batch, steps, warmup, bar)
+                    wb, kvb = floor_bytes(name, model.config, weight_bytes, context, batch,
+                                          elem=torch.finfo(dtype).bits // 8)
+                rows.append(_row(group, dtype_name, context, batch, name, prefill_s, result,
+                                 (wb, kvb), bandwidth, references[key]))
                 if on_row is not None:
                     on_row(rows)
         del source
         gc.collect()
     return rows
+
+
+def _reference(model, ids, source, first, context: int) -> list[int] | None:
+    """Dense fp32 reference tokens at one context (``None`` without an fp32 model): from
+    ``source`` and ``first`` when given (the fp32 run's own prefill), else from a fresh fp32
+    prefill of ``ids`` (no ids: the fp32 random KV and token 1, as :func:`run_group`)."""
+    if model is None:
+        return None
+    if source is None and ids is not None:
+        _, source, first = prefill_source(model, ids)
+    elif source is None:
+        source, first = random_source(model.config, context), torch.tensor([[1]])
+    return reference_tokens(model, source, first)
+
+
+def _row(group, dtype_name, context, batch, name, prefill_s, result, floor, bandwidth,
+         reference) -> dict:
+    wb, kvb = floor
+    floor_ms = 1000.0 * (wb + kvb) / bandwidth
+    tokens = result.pop("tokens")
+    agree = agreement(tokens, reference) if reference is not None else {
+        "agree_share": None, "agree_first_diff": None, "agree_tokens": 0}
+    return {
+        "model": group.label, "weights": group.weights, "dtype": dtype_name,
+        "context": context, "batch": batch, "contender": name,
+        "prefill_s": prefill_s if name == "hf-eager" else None,
+        **result,
+        "floor_weight_bytes": wb, "floor_kv_bytes": kvb, "floor_ms": floor_ms,
+        "x_floor": result["ms_median"] / floor_ms,
+        **agree, "agree_reference": "hf-eager-fp32" if reference is not None else None,
+        "generated_tokens": tokens,
+    }
+
+
+def _openvino_skip(name, ids, batch, dtype_name, bar) -> bool:
+    """True (and says why) where an OpenVINO row cannot be measured: it needs the real prompt's
+    ids, runs batch 1, and runs once, in the fp32 pass (its precisions are its config's)."""
+    why = ("no real prompt (random weights or the tiny model)" if ids is None else
+           f"batch {batch} (it runs batch 1)" if batch != 1 else
+           f"the {dtype_name} pass (it runs in the fp32 pass)" if dtype_name != "fp32" else None)
+    if why is not None:
+        msg = f"{name} skipped: {why}"
+        bar.write(msg) if bar is not None else logger.warning(msg)
+    return why is not None
 
 
 def _ratio_key(row: dict) -> str:
@@ -567,8 +780,8 @@ def format_table(rows: list[dict]) -> str:
     """The results as a Markdown table."""
     head = ("| weights | dtype | ctx | batch | contender | prefill s | first step s | ms/token median "
             "[p10-p90] | tok/s | floor ms | x floor | **vs own dense** | vs eager | vs inductor | KV MB | "
-            "peak RSS MB |")
-    lines = [head, "|" + "---|" * 16]
+            "peak RSS MB | agree 64 [first diff] |")
+    lines = [head, "|" + "---|" * 17]
     for r in rows:
         lines.append(
             f"| {r['weights']} | {r.get('dtype', 'fp32')} | {r['context']} | {r['batch']} | "
@@ -579,8 +792,19 @@ def format_table(rows: list[dict]) -> str:
             f"{_fmt(r.get('speedup_vs_own_dense'), '.2f')} | "
             f"{_fmt(r['speedup_vs_hf_eager'], '.2f')} | "
             f"{_fmt(r['speedup_vs_hf_static_inductor'], '.2f')} | "
-            f"{r['kv_bytes'] / 2**20:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+            f"{_mib(r['kv_bytes'])} | {_mib(r['peak_rss_bytes'])} | {_agree(r)} |")
     return "\n".join(lines)
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:.0f}"
+
+
+def _agree(row: dict) -> str:
+    share = row.get("agree_share")
+    if share is None:
+        return "-"
+    return f"{share:.2f} [{_fmt(row.get('agree_first_diff'), 'd')}]"
 
 
 def format_crossovers(rows: list[dict]) -> str:
@@ -695,7 +919,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--random-batches", type=int, nargs="+", default=None,
                         help="batch sizes for --random-contexts (default 1)")
     parser.add_argument("--contenders", nargs="+", default=None,
-                        help=f"subset of {' '.join(CONTENDERS)} (any specontext-<budget>)")
+                        help=f"subset of {' '.join(CONTENDERS)} (any specontext-<budget>), or "
+                             "the OpenVINO peer: openvino-fp32 openvino-default "
+                             "openvino-evict-<budget> (bash scripts/openvino_venv.sh first)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=tuple(DTYPES),
                         help="weight and KV dtypes, each a run of every group (default fp32)")
     parser.add_argument("--steps", type=int, default=None, help="timed decode steps (default 20)")
@@ -743,6 +969,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.plot_dir is None:
         args.plot_dir = Path("out") if quick else DOCS
     check_contenders(args.contenders)
+    if any(is_openvino(c) for c in args.contenders):
+        try:
+            openvino_python()
+        except RuntimeError as e:
+            parser.error(str(e))
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
     if any(c < 2 for c in args.contexts + args.random_contexts) or any(b < 1 for b in args.batches):
@@ -750,7 +981,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def _result(args, argv, info, bandwidth, started, rows, complete: bool) -> dict:
+def _result(args, argv, info, bandwidth, started, rows, complete: bool,
+            references: dict | None = None) -> dict:
     command = "python -m benchmarks.decode " + " ".join(sys.argv[1:] if argv is None else argv)
     return {
         "command": command.strip(), "complete": complete, "machine": info,
@@ -758,6 +990,7 @@ def _result(args, argv, info, bandwidth, started, rows, complete: bool) -> dict:
         "warmup": args.warmup, "contenders": args.contenders,
         "fresh_inductor_cache": not args.keep_compile_cache,
         "seconds_total": time.time() - started,
+        "load_average_at_save": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "notes": [
             "batch rows share one prompt: prefill runs once per context at batch 1 (hf-eager, "
             "SDPA) and its KV is copied into every contender's cache and row",
@@ -767,7 +1000,18 @@ def _result(args, argv, info, bandwidth, started, rows, complete: bool) -> dict:
             "compile at the first shape and recompile (automatic dynamic shapes) when the "
             "batch or cache length first changes",
             "floor_ms = (weight bytes + KV bytes the step must read) / copy bandwidth",
+            f"agree_*: greedy agreement over the first {AGREE_TOKENS} generated tokens with "
+            "references[weights/ctx] (agree_reference hf-eager-fp32: Hugging Face eager fp32 "
+            "greedy decoding from the same prefill; token 0 is the prefill's, shared by our "
+            "contenders); agree_first_diff: index of the first differing token (null: none)",
+            "openvino-*: OpenVINO GenAI LLMPipeline (benchmarks/openvino_peer.py in "
+            ".venv-openvino), "
+            "same prompt token ids, batch 1, its own prefill: prefill_s = its first-token time "
+            "(load excluded: openvino.load_s), peak_rss_bytes = its process's peak (load "
+            "included), kv_bytes not measured, floor at its applied weight/KV precisions; its "
+            "rows sit in the fp32 group (dtype fp32), its own precisions are openvino.applied",
         ],
+        "references": references or {},
         "rows": rows, "ratios": add_ratios(rows),
         "crossovers": [c for name in args.contenders if name.startswith("specontext")
                        for c in crossovers(rows, name)],
@@ -826,8 +1070,10 @@ def main(argv=None) -> int:
     bar = None if args.no_progress else tqdm(total=total, desc="decode steps", unit="step")
     args.json.parent.mkdir(parents=True, exist_ok=True)
 
+    references: dict[str, list[int] | None] = {}
+
     def save(rows, complete=False):
-        result = _result(args, argv, info, bandwidth, started, rows, complete)
+        result = _result(args, argv, info, bandwidth, started, rows, complete, references)
         args.json.write_text(json.dumps(result, indent=1) + "\n")
         return result
 
@@ -844,7 +1090,8 @@ def main(argv=None) -> int:
             for dtype in args.dtypes:
                 typed = model if DTYPES[dtype] == torch.float32 else copy.deepcopy(model).to(DTYPES[dtype])
                 run_group(typed, tokenizer if group.weights == "real" else None, group,
-                          args.contenders, args.steps, args.warmup, bandwidth, bar, rows, save)
+                          args.contenders, args.steps, args.warmup, bandwidth, bar, rows, save,
+                          references, reference_model=model)
                 del typed
                 gc.collect()
     finally:
