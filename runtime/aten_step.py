@@ -579,7 +579,8 @@ def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
     return known(indices.shape[-1] >= key_cache.shape[-2])
 
 
-def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant: AttentionVariant):
+def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant: AttentionVariant,
+                           fused: bool = True):
     """Exact attention over the whole store of a plain site (``variant.plain``) with the
     causal limit ``p <= length - q_len + r`` as a mask (unwritten slots hidden without
     reading ``length`` on the host).
@@ -590,10 +591,12 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     into one pass over the keys (the fused query-key products, softmax) and one ``bmm`` over
     the values: SDPA's CPU flash kernel at one query row read the store at a fraction of the
     copy rate (``python -m benchmarks.profile_decode --budget 16384``, docs/benchmarks.md,
-    "Own dense at its floor"). Both compute the same softmax in float32 (rounding apart)."""
+    "Own dense at its floor"). Both compute the same softmax in float32 (rounding apart).
+    ``fused=False`` keeps SDPA: inside ``torch.cond``'s branch (the fidelity guard's dense
+    branch) dynamo cannot trace the fused body's casts of functional tensors."""
     b, num_heads, q_len, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
-    if fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache):
+    if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache):
         every = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
         return attend_gathered(query, key_cache, value_cache, every, length, attn_mask, variant)
     scale = variant.scale
@@ -643,7 +646,7 @@ def guarded_attention(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     def run_dense(q, k, v, idx, n, *rest):
         m, sk = unpack(rest)
         if plain:
-            return _dense_store_attention(q, k, v, n, m, variant)
+            return _dense_store_attention(q, k, v, n, m, variant, fused=False)
         every = torch.arange(capacity, device=idx.device).expand(idx.shape[0], idx.shape[1], capacity)
         return sparse_attention_reference(q, k, v, every, n, m, variant, sk)
 

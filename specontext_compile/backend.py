@@ -502,16 +502,22 @@ def _cacheable_functions(graph: torch.fx.Graph, pass_uuid: str) -> dict[str, Any
     AOTAutograd's cache refuses a graph calling a plain Python function it does not know, so
     every region of a new process was traced by AOTAutograd again (about half of a restart's
     first step). These functions are pure functions of their inputs, traced into aten ops, and
-    ``pass_uuid`` hashes their sources and the options: a change of either changes the key.
+    ``pass_uuid`` hashes their sources and the options, and the key also takes the module
+    flags read while they are traced (``sparse_attention.FUSED_PRODUCT_ROWS``,
+    ``REALIZE_ROWS``): a change of any changes the key. A function replaced at run time (a
+    monkeypatch) is not seen: clear torch's caches, or use another ``TORCHINDUCTOR_CACHE_DIR``.
     Functions the caller already marked keep their entries."""
     from torch._inductor import config as inductor_config
+
+    from .runtime import sparse_attention
 
     names = {f"{node.target.__module__}.{node.target.__name__}" for node in graph.nodes
              if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload)
              and getattr(node.target, "__module__", "").startswith(f"{__package__}.")}
     if not names:
         return {}
-    marked = {name: pass_uuid for name in sorted(names)}
+    key = f"{pass_uuid}:{sparse_attention.FUSED_PRODUCT_ROWS}:{sparse_attention.REALIZE_ROWS}"
+    marked = {name: key for name in sorted(names)}
     return {"unsafe_marked_cacheable_functions": {**marked, **inductor_config.unsafe_marked_cacheable_functions}}
 
 
