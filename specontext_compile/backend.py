@@ -10,6 +10,7 @@ import collections
 import dataclasses
 import logging
 import re
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -319,12 +320,26 @@ def _warn_if_dense_cache(result: RewriteResult, adopted, graph: torch.fx.Graph) 
     if any(s.write is not None for s in result.sites) or _writes_store(graph):
         return
     _DENSE_CACHE_WARNED = True
+    if _in_continuous_batching():
+        logger.warning(
+            "specontext: %d attention site(s) read Hugging Face's paged continuous-batching cache, which the "
+            "backend makes sparse only through specontext_compile.continuous_batching_config(model, options, "
+            "...): pass that as continuous_batching_config= instead of a ContinuousBatchingConfig whose "
+            "varlen_compile_config names the specontext backend; these steps run dense (exact).", len(result.sites))
+        return
     logger.warning(
         "specontext: %d attention site(s) read no KV store the backend can make sparse (Hugging Face's "
         "DynamicCache, or no cache), so they run dense. For sparse decoding, either generate with "
         "cache_implementation=\"static\" (Hugging Face's StaticCache) or pass a "
         "specontext_compile.SpeContextCache as past_key_values (specontext_compile.compile(model) does it).",
         len(result.sites))
+
+
+def _in_continuous_batching() -> bool:
+    """Whether this compile runs under Hugging Face's continuous-batching engine (a frame of
+    ``transformers.generation.continuous_batching`` on the stack): its paged cache's update
+    breaks dynamo's graph there, so the attention graph itself carries no sign of it."""
+    return any("continuous_batching" in frame.f_code.co_filename for frame, _ in traceback.walk_stack(None))
 
 
 def _owner(example_inputs: list[Any]) -> int | None:

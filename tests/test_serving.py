@@ -418,3 +418,28 @@ def test_the_recompile_limit_counts_every_padded_query_and_kv_size():
     assert _recompile_limit({**engine, "kv_padding_interval_size": 128}) == 64 * 4 + 2
     assert _recompile_limit({**engine, "kv_padding_interval_size": 100}) == 64 * 6 + 2  # 512 / 100, rounded up
     assert _recompile_limit({"max_batch_tokens": 512}) is None
+
+
+def test_a_plain_engine_config_with_the_backend_runs_dense_and_its_warning_names_the_fix(model, caplog, monkeypatch):
+    """Hugging Face's own ContinuousBatchingConfig with varlen_compile_config naming the backend: its
+    paged cache's update breaks the graph, so every step runs dense (exact: the same tokens as
+    the engine without the backend), and the one WARNING names sc.continuous_batching_config,
+    not Hugging Face's DynamicCache or a static cache, which a paged engine cannot take."""
+    import logging
+
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.configuration_utils import CompileConfig
+
+    import specontext_compile.backend as backend
+
+    monkeypatch.setattr(backend, "_DENSE_CACHE_WARNED", False)
+    compile_config = CompileConfig(backend="specontext", mode=None, options={"budget": 16})
+    compile_config._compile_all_devices = True  # CPU: without it Hugging Face does not compile
+    inputs = prompts(40)
+    with caplog.at_level(logging.WARNING, logger="specontext_compile.backend"):
+        tokens = generate(model, inputs, ContinuousBatchingConfig(varlen_compile_config=compile_config, **ENGINE))
+    dense = generate(model, inputs, ContinuousBatchingConfig(**ENGINE))
+    assert tokens == dense
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "specontext:" in r.getMessage()]
+    assert any("specontext_compile.continuous_batching_config" in w for w in warnings), warnings
+    assert not any("DynamicCache" in w for w in warnings), warnings
