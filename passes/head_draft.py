@@ -143,11 +143,11 @@ class DraftHead(SelectionHead):
             with graph.inserting_after(last):
                 step = graph.call_function(DRAFT_STEP, (*base, [aux_state, aux_valid], False))
             with graph.inserting_after(last_out):
-                graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
+                graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs), length))
             return step, write, None
         with graph.inserting_after(last_out):
             step = graph.call_function(DRAFT_STEP, (*base, [aux_state, aux_valid, *outputs], True))
         with graph.inserting_after(step):
-            graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs)))
+            graph.call_function(DRAFT_RECORD, (aux_state, aux_valid, list(outputs), length))
         return step, write, (f"fused draft head: a step of {q_len} tokens needs its own hidden "
                              "states, known only after the auxiliary layers (too late to select)")

@@ -131,13 +131,23 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     query_valid[slot].copy_(length)
 
 
-def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor]) -> None:
-    """A fused draft head's input for the next step: keep the last row of the concatenated
-    ``hidden`` (the auxiliary layers' outputs ``[batch, q_len, target_hidden]``, in
-    ``aux_layer_ids`` order) in ``aux_state`` ``[batch, 1, aux_width]`` and set ``aux_valid``
-    (int64 ``[1]``)."""
-    aux_state.copy_(torch.cat([h[:, -1:].detach() for h in hidden], -1))
-    aux_valid.fill_(1)
+def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor],
+                  length: torch.Tensor) -> None:
+    """A fused draft head's input for later steps: the concatenated ``hidden`` (the auxiliary
+    layers' outputs ``[batch, q_len, target_hidden]``, in ``aux_layer_ids`` order) of the
+    step's last ``ROLLBACK_TOKENS`` rows, each at the history slot of its position ``p``
+    (``aux_state`` ``[batch, ROLLBACK_TOKENS, aux_width]``, row ``p % ROLLBACK_TOKENS``) and
+    stamped ``p + 1`` in ``aux_valid`` (int64 ``[ROLLBACK_TOKENS]``). ``length``: int64
+    scalar, tokens written *after* this step's (layer 0's, read after its write). The next
+    step, or the step after a rollback to any of these positions, reads the entry of its
+    previous position (:func:`.draft_retrieval.previous_hidden`)."""
+    slots = aux_state.shape[1]
+    rows = torch.cat([h[:, -slots:].detach() for h in hidden], -1)  # [batch, kept, aux_width]
+    kept = rows.shape[1]
+    positions = length - kept + torch.arange(kept, device=length.device)
+    entries = positions % slots
+    aux_state.index_copy_(1, entries, rows.to(aux_state.dtype))
+    aux_valid.index_copy_(0, entries, positions + 1)
 
 
 def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:

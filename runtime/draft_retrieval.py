@@ -57,10 +57,11 @@ import torch
 
 from .eagle3 import AuxLayers, read_aux_layers
 from .retrieval import group_max_softmax
+from .rollback import ROLLBACK_TOKENS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DraftKeyCache", "HeadSpec", "draft_scores", "head_spec", "load_head",
+__all__ = ["DraftKeyCache", "HeadSpec", "draft_scores", "head_spec", "load_head", "previous_hidden",
            "map_to_target_heads", "normalize_head_path"]
 
 _LOADED: dict[tuple, torch.nn.Module] = {}  # filled on use, never at import
@@ -269,6 +270,19 @@ def draft_scores(query: torch.Tensor, keys: torch.Tensor, target_kv_heads: int) 
     return map_to_target_heads(scores, target_kv_heads)
 
 
+def previous_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """A fused head's auxiliary input for the token at position ``start`` (int64 scalar: the
+    tokens cached before the step): the recorded hidden states of position ``start - 1``,
+    ``[batch, 1, aux_width]``, when its history entry is stamped ``start`` (recorded for that
+    very position and not forgotten by a crop); zeros otherwise (the first token, a crop deeper
+    than the history, a step run without the backend). ``aux_state``/``aux_valid`` as in
+    :class:`DraftKeyCache`. No host read."""
+    slots = aux_state.shape[1]
+    entry = ((start - 1) % slots).view(1)
+    recorded = (aux_valid.index_select(0, entry) == start) & (start > 0)
+    return aux_state.index_select(1, entry) * recorded.to(aux_state.dtype)
+
+
 class DraftKeyCache:
     """The draft head's key cache, owned by a ``SpeContextCache`` built with ``retrieval_head``.
 
@@ -279,8 +293,13 @@ class DraftKeyCache:
     backend (eager prefill of Hugging Face's compile path), its tokens get no K: ``length``
     then stays behind the target's and every later selection falls back to the most recent
     tokens (``path_counts()["recency_fallback_steps"]``); it is never scored from unwritten slots.
-    ``aux_state`` ``[batch, 1, aux_width]`` and ``aux_valid`` (int64 scalar, 0 until
-    recorded): the last token's auxiliary hidden states (fused heads; unused otherwise).
+    ``aux_state`` ``[batch, ROLLBACK_TOKENS, aux_width]`` and ``aux_valid`` (int64
+    ``[ROLLBACK_TOKENS]``): the auxiliary hidden states of the last ``ROLLBACK_TOKENS``
+    positions (fused heads; unused otherwise), position ``p`` in row ``p % ROLLBACK_TOKENS``
+    stamped ``p + 1`` (0: empty), written by :func:`.aten_step.record_hidden` and read by
+    :func:`previous_hidden`: after a rollback (:meth:`crop`) of up to ``ROLLBACK_TOKENS``
+    tokens the next step reads the kept token's hidden states, as a fresh cache fed the kept
+    tokens would (issue 52).
 
     Args:
         spec: the head (see :func:`head_spec`).
@@ -292,7 +311,7 @@ class DraftKeyCache:
         self.keys: torch.Tensor | None = None
         self.length = torch.zeros((), dtype=torch.long)
         self.aux_state: torch.Tensor | None = None
-        self.aux_valid = torch.zeros((), dtype=torch.long)
+        self.aux_valid = torch.zeros(ROLLBACK_TOKENS, dtype=torch.long)
 
     def prepare(self, like: torch.Tensor, capacity: int, compiling: bool) -> None:
         """Allocate (first use, or a new batch size) or grow (eager only) the store so it
@@ -301,8 +320,8 @@ class DraftKeyCache:
         if self.keys is None or self.keys.shape[0] != b:
             self.keys = like.new_zeros((b, self.spec.num_kv_heads, capacity, self.spec.head_dim))
             self.length = torch.zeros((), dtype=torch.long, device=like.device)
-            self.aux_state = like.new_zeros((b, 1, max(1, self.spec.aux_width)))
-            self.aux_valid = torch.zeros((), dtype=torch.long, device=like.device)
+            self.aux_state = like.new_zeros((b, ROLLBACK_TOKENS, max(1, self.spec.aux_width)))
+            self.aux_valid = torch.zeros(ROLLBACK_TOKENS, dtype=torch.long, device=like.device)
         elif not compiling and self.keys.shape[2] < capacity:
             new = self.keys.new_zeros((*self.keys.shape[:2], capacity, self.keys.shape[-1]))
             new[:, :, : self.keys.shape[2]].copy_(self.keys)
@@ -339,16 +358,17 @@ class DraftKeyCache:
     def crop(self, new_length: int) -> None:
         """The target cache now holds ``new_length`` tokens: positions ``>= new_length`` are
         forgotten (``length = min(length, new_length)``, their keys zeroed; a length that lags
-        behind the target's stays behind). The recorded hidden states belong to a dropped
-        token and the kept token's are not kept: ``aux_valid`` is cleared, so the next token's
-        key reads zeros, as the first token of a fresh cache does."""
+        behind the target's stays behind), and so are their recorded hidden states; the kept
+        positions' stay, so the next step reads the last kept token's (as a fresh cache fed the
+        kept tokens would), unless the crop went deeper than ``ROLLBACK_TOKENS``: then its
+        head input is zeros, as the first token of a fresh cache's."""
         if self.keys is None:
             return
         old = int(self.length)
         if new_length < old:
             self.keys[:, :, new_length:old].zero_()
             self.length.fill_(new_length)
-        self.aux_valid.zero_()
+        self.aux_valid.masked_fill_(self.aux_valid > new_length, 0)
 
     @property
     def nbytes(self) -> int:

@@ -760,9 +760,10 @@ class SpeContextCache(Cache):
         token: it is marked stale and the history entries of dropped positions are forgotten,
         so the next step restores the last *kept* token's query from the history
         (``runtime/rollback.py``; a crop deeper than ``ROLLBACK_TOKENS`` selects by recency)
-        and selects exactly as a fresh cache fed the kept tokens. A fused draft head's
-        recorded hidden states are marked invalid (its next key reads zeros, as the first
-        token of a fresh cache). Path counters count steps run: unchanged.
+        and selects exactly as a fresh cache fed the kept tokens. A fused draft head keeps
+        the recorded hidden states of its kept positions, so its next key reads the last kept
+        token's, as a fresh cache's would (:meth:`.draft_retrieval.DraftKeyCache.crop`).
+        Path counters count steps run: unchanged.
 
         Raises:
             ValueError: a positive count (pass ``-n``), or more tokens than the cache holds.

@@ -21,8 +21,9 @@ def draft_anchor(draft_keys: torch.Tensor, draft_length: torch.Tensor, aux_state
     """No-op in eager mode. Puts the draft head's state into the traced graph at the start
     of layer 0, right after ``retrieval_anchor``: its key cache (``draft_keys``
     ``[batch, head_kv_heads, capacity, head_dim]``, ``draft_length`` int64 scalar) and the
-    recorded auxiliary hidden states (``aux_state`` ``[batch, 1, aux_width]``, ``aux_valid``
-    int64 scalar). ``head`` is the head's resolved folder (a graph constant the pass checks
+    recorded auxiliary hidden states of the last positions (``aux_state`` ``[batch,
+    ROLLBACK_TOKENS, aux_width]``, ``aux_valid`` int64 ``[ROLLBACK_TOKENS]`` stamps:
+    :meth:`.draft_retrieval.DraftKeyCache.prepare`). ``head`` is the head's resolved folder (a graph constant the pass checks
     against ``retrieval_head``)."""
     return
 
@@ -56,7 +57,8 @@ def draft_step(
 
     Auxiliary hidden states ``aux``: ``[]`` = zeros (embedding-only head). Fused:
     ``[aux_state, aux_valid, *hidden]``; token ``i`` of the step gets the previous token's:
-    ``aux_state`` ``[batch, 1, aux_width]`` for the first (zeros unless ``aux_valid``), and for
+    the entry of position ``start - 1`` in ``aux_state`` for the first
+    (:func:`.draft_retrieval.previous_hidden`: zeros unless recorded for that very position), and for
     the others the concatenation of ``hidden`` (this step's outputs ``[batch, q_len,
     target_hidden]`` of the auxiliary layers) at row ``i - 1``; steps of more than one token
     need ``hidden``.
@@ -80,7 +82,7 @@ def draft_step(
         aux = torch.zeros((b, q_len, width), dtype=dtype, device=device)
     else:
         aux_state, aux_valid, *hidden = aux
-        prev = aux_state.to(dtype) * (aux_valid != 0).to(dtype)
+        prev = draft_retrieval.previous_hidden(aux_state, aux_valid, start).to(dtype)
         if q_len > 1:
             if not hidden:
                 raise ValueError("a fused draft head needs this step's hidden states for a step of "

@@ -113,3 +113,57 @@ def test_reset_static_cache_never_restores_the_previous_prompts_query(model):
         _feed(model.forward, cache, new_prompt, one_by_one=False)  # eager prefill: nothing recorded
     got, want = _feed(forward, reused, steps), _feed(forward, fresh, steps)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+
+
+def test_fused_draft_head_after_a_crop_reads_the_kept_tokens_hidden_states(tmp_path):
+    """A fused draft head (EAGLE-3 layout: its key of token ``t`` reads the auxiliary layers'
+    hidden states of token ``t - 1``): prompt, 6 tokens one by one, ``crop(-3)``, 4 other
+    tokens. The head's keys of every kept and new position equal a fresh cache's fed the kept
+    tokens (before issue 52 the key after the crop read zeros: differs by far more than
+    1e-5), and so do the logits and the selection path."""
+    from _tiny import tiny_llama
+    from test_draft_head_backend import options, write_head
+
+    model = tiny_llama(layers=4)
+    folder = write_head(tmp_path, model, heads=4, kv_heads=2, variant="fused", aux=(0, 1, 2))
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext",
+                            options=options(folder, budget=12, recent_window=3, sink_tokens=2, page_rescue=0))
+    prompt, drafts, others = _tokens(1, 40), _tokens(2, 6), _tokens(3, 4)
+
+    def cache():
+        return sc.SpeContextCache(model.config, max_cache_len=64, retrieval_head=str(folder))
+
+    cropped, fresh = cache(), cache()
+    _feed(forward, cropped, prompt, one_by_one=False)
+    _feed(forward, cropped, drafts)
+    cropped.crop(-3)
+    got = _feed(forward, cropped, others)
+    _feed(forward, fresh, prompt, one_by_one=False)
+    _feed(forward, fresh, drafts[:, :3])
+    want = _feed(forward, fresh, others)
+    assert int(cropped.draft.length) == int(fresh.draft.length) == 47
+    torch.testing.assert_close(cropped.draft.keys[:, :, :47], fresh.draft.keys[:, :, :47], atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
+    assert cropped.path_counts()["recency_fallback_steps"] == fresh.path_counts()["recency_fallback_steps"] == 0
+
+
+def test_previous_hidden_reads_only_the_entry_recorded_for_that_position():
+    """``previous_hidden``: the entry of position ``start - 1`` when stamped ``start``; zeros for
+    the first token, an entry forgotten by a crop, or one overwritten by a later position
+    (a crop deeper than the history)."""
+    from specontext_compile.runtime.aten_step import record_hidden
+    from specontext_compile.runtime.draft_retrieval import previous_hidden
+    from specontext_compile.runtime.rollback import ROLLBACK_TOKENS as R
+
+    state, stamps = torch.zeros(2, R, 3), torch.zeros(R, dtype=torch.long)
+    hidden = [torch.arange(2 * 40 * 2, dtype=torch.float32).view(2, 40, 2), torch.ones(2, 40, 1)]
+    record_hidden(state, stamps, hidden, torch.tensor(40))  # positions 0..39: the last R kept
+    want = torch.cat([h[:, 38:39] for h in hidden], -1)
+    torch.testing.assert_close(previous_hidden(state, stamps, torch.tensor(39)), want)
+    assert not previous_hidden(state, stamps, torch.tensor(0)).any()  # the first token
+    assert not previous_hidden(state, stamps, torch.tensor(40 - R)).any()  # position 39 - R: overwritten
+    assert previous_hidden(state, stamps, torch.tensor(41 - R)).any()  # the oldest kept, 40 - R
+    stamps.masked_fill_(stamps > 30, 0)  # what DraftKeyCache.crop(30) does
+    assert not previous_hidden(state, stamps, torch.tensor(35)).any()
+    torch.testing.assert_close(previous_hidden(state, stamps, torch.tensor(30)), torch.cat([h[:, 29:30] for h in hidden], -1))
