@@ -87,6 +87,28 @@ def sample_per_request(generation_config) -> None:
         setattr(generation_config, name, value)
 
 
+def _exit_cleanly_on_stop() -> None:
+    """In the model's process (its main thread): Ctrl-C is the API server's to handle (a
+    terminal sends it to the whole process group; the server stops this process itself, after
+    draining), and SIGTERM, which Hugging Face's shutdown sends, exits through Python's exit
+    path instead of dying on the signal, so that the process's finalizers run: multiprocessing
+    then unregisters what this process made (inductor's compile pool's semaphores among them),
+    and the resource tracker finds nothing leaked at shutdown."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+    def stop(signum, frame):
+        from multiprocessing import util
+
+        util._exit_function()  # multiprocessing's own exit path: finalizers, child processes
+        os._exit(0)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, stop)
+
+
 class SpeContextLoader(ModelLoader):
     """Hugging Face's model loader that, in the model's process, also makes the
     continuous-batching configuration whose steps compile with the specontext backend.
@@ -108,6 +130,7 @@ class SpeContextLoader(ModelLoader):
     def load_model_and_processor(self, model_id: str, on_progress=None):
         from .serving import continuous_batching_config
 
+        _exit_cleanly_on_stop()
         model, processor = super().load_model_and_processor(model_id, on_progress=on_progress)
         sample_per_request(model.generation_config)
         self.cb_config = continuous_batching_config(model, self.options, **self.engine)

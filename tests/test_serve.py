@@ -40,13 +40,20 @@ def _start():
     srv = build_server("smollm2-135m", OPTIONS, port=port, engine=ENGINE)
     srv.start()
     url = f"http://localhost:{port}"
-    for _ in range(300):
+    _wait_healthy(url, 30.0)
+    return srv, url
+
+
+def _wait_healthy(url: str, seconds: float, alive=lambda: True) -> None:
+    """Until ``/health`` answers (at most ``seconds``); ``alive()`` False fails at once."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
         try:
             urllib.request.urlopen(f"{url}/health", timeout=5)
-            break
+            return
         except OSError:
+            assert alive(), "the server exited before answering /health"
             time.sleep(0.1)
-    return srv, url
 
 
 @pytest.fixture(scope="module")
@@ -437,3 +444,47 @@ def test_the_step_raises_the_recompile_limit_in_the_thread_that_compiles():
     assert limits == {"before": 8, "after": 512 // 8 + 2}
     assert torch.equal(output[0] if isinstance(output, (tuple, list)) else output, torch.ones(2))
     assert torch._dynamo.config.recompile_limit == 8  # this thread's own setting is untouched
+
+
+@pytest.mark.slow
+def test_ctrl_c_on_the_command_line_exits_without_leaks_or_tracebacks(tmp_path):
+    """``specontext serve`` as a user runs it: one request, then Ctrl-C, which a terminal sends
+    to the whole process group (the server, the model's process, multiprocessing's resource
+    tracker). Exit status 0, every process gone, and nothing on stderr but what the server
+    printed: no "leaked semaphore" warning (the model's process used to die on SIGTERM
+    without running its finalizers), no traceback, no nanobind leak report (an interpreter
+    shutdown of the model's process after triton was imported)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    port = _free_port()
+    errors = tmp_path / "stderr.txt"
+    with open(errors, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "specontext_compile", "serve", "--port", str(port),
+                                 "--budget", "512", "--num-blocks", "16", "--page-size", "32",
+                                 "--max-batch-tokens", "128"],
+                                stdout=subprocess.DEVNULL, stderr=err, start_new_session=True)
+    try:
+        url = f"http://localhost:{port}"
+        _wait_healthy(url, 300.0, alive=lambda: proc.poll() is None)
+        status, body = _post(url, {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 2})
+        assert status == 200, body
+        group = os.getpgid(proc.pid)
+        members = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True).stdout.split()
+        assert len(members) >= 2  # the server and the model's process at least
+        os.killpg(group, signal.SIGINT)
+        assert proc.wait(120) == 0
+        for _ in range(100):  # the model's process and the tracker end with the server
+            if not subprocess.run(["pgrep", "-g", str(group)], capture_output=True).stdout:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("processes of the server's group still running after its exit")
+    finally:
+        if proc.poll() is None:
+            os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+    text = errors.read_text()
+    for word in ("leaked semaphore", "Traceback", "nanobind", "leaked"):
+        assert word not in text, text[-3000:]
