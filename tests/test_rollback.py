@@ -167,3 +167,27 @@ def test_previous_hidden_reads_only_the_entry_recorded_for_that_position():
     stamps.masked_fill_(stamps > 30, 0)  # what DraftKeyCache.crop(30) does
     assert not previous_hidden(state, stamps, torch.tensor(35)).any()
     torch.testing.assert_close(previous_hidden(state, stamps, torch.tensor(30)), torch.cat([h[:, 29:30] for h in hidden], -1))
+
+
+def test_prompt_lookup_decoding_selects_from_the_models_own_queries_after_its_crops(model):
+    """The issue's case: ``generate(prompt_lookup_num_tokens=3)`` on a repetitive prompt, budget
+    12, crops every rejected candidate (counted: at least one crop ran); no decode step
+    selected by recency (before issue 52 each step after a crop did)."""
+    torch._dynamo.reset()
+    forward = torch.compile(model.forward, backend="specontext", options=dict(OPTIONS))
+    base = _tokens(0, 10)
+    ids = torch.cat([base, base, base, base[:, :5]], 1)  # the lookup finds candidates in it
+    cache = sc.SpeContextCache(model.config, max_cache_len=128)
+    crops = []
+    crop = cache.crop
+    cache.crop = lambda n: (crops.append(n), crop(n))[1]
+    original = model.forward
+    model.forward = forward
+    try:
+        model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=20, do_sample=False, cache=cache)
+    finally:
+        model.forward = original
+    counts = cache.path_counts()
+    assert any(n < 0 for n in crops), crops
+    assert counts["decode_steps"] > 0 and counts["gather_sites"] == 2 * counts["decode_steps"], counts
+    assert counts["recency_fallback_steps"] == 0, counts
