@@ -250,27 +250,31 @@ class SparseAttentionPass(CustomGraphPass):
                 s.reason = reason
             return result
         selections: dict[int, fx.Node] = {}
-        for window in sorted({s.window or 0 for s in decode}, reverse=True):
-            mask = next(s.attn_mask for s in decode if (s.window or 0) == window)
-            mask = mask if isinstance(mask, fx.Node) else None
-            selections[window] = head.select(graph, anchor, self.step, window, mask, decode)
-        result.selection_inserted = True
-        result.selections = [selections[w] for w in sorted(selections)]
-        ready = head.ready(graph, result.selections[0])
-        if ready is not None:
-            with graph.inserting_after(ready):
-                graph.call_function(COUNT_FALLBACK, (anchored.stats, ready))
-        # the selection is made (and kept for later graphs) even when this graph's sites all
-        # stay dense by option: the graphs after a break read it
+        unused = self._selection_unused(graph, decode, anchored)
+        if not unused:
+            for window in sorted({s.window or 0 for s in decode}, reverse=True):
+                mask = next(s.attn_mask for s in decode if (s.window or 0) == window)
+                mask = mask if isinstance(mask, fx.Node) else None
+                selections[window] = head.select(graph, anchor, self.step, window, mask, decode)
+            result.selection_inserted = True
+            result.selections = [selections[w] for w in sorted(selections)]
+            ready = head.ready(graph, result.selections[0])
+            if ready is not None:
+                with graph.inserting_after(ready):
+                    graph.call_function(COUNT_FALLBACK, (anchored.stats, ready))
+        # otherwise the selection is made (and kept for later graphs) even when this graph's
+        # sites all stay dense by option: the graphs after a break read it
         sparse = self._without_dense_layers(decode, len(anchored.windows() or resolved))
         for s in sparse:
-            selection, dense = selections[s.window or 0], None
+            selection = _every_slot(graph, s) if unused else selections[s.window or 0]
+            dense = None
             if self._refines(s):
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
             self._rewrite_site(graph, s, selection, self._site_spec(s), dense)
         result.rewritten = len(sparse)
         result.rescued = self._log_rescue(sparse)
-        self._store_for_later_graphs(graph, anchored, selections, decode)
+        if not unused:
+            self._store_for_later_graphs(graph, anchored, selections, decode)
         dense = sum(self._dense_store(s) for s in sparse)
         with graph.inserting_after(anchor):
             graph.call_function(COUNT, (anchored.stats, [1, len(sparse), len(sparse) - dense, dense, 0,
@@ -278,6 +282,22 @@ class SparseAttentionPass(CustomGraphPass):
         graph.eliminate_dead_code(is_impure_node=keeps_side_effects)
         graph.lint()
         return result
+
+    def _selection_unused(self, graph: fx.Graph, decode: list[AttentionSite], anchored: RetrievalAnchor) -> bool:
+        """Whether no site would read the step's selection, so the pass leaves it out (issue
+        51: it cost a dense step about 5 ms at 8K, scores over 8 layers' keys and a sort):
+        every decode site takes the dense shortcut over its whole store (a static fact:
+        :meth:`_dense_store`, no refinement), and this graph holds the whole step of a
+        full-attention model (as many KV writes as the cache has layers, no sliding window),
+        so no graph after a break reads it either. Logged at INFO."""
+        windows = anchored.windows()
+        writes = sum(1 for n in graph.nodes if is_op(n, KV_WRITE))
+        unused = (windows is not None and writes >= len(windows) and not any(windows) and bool(decode)
+                  and all(self._dense_store(s) and not self._refines(s) for s in decode))
+        if unused:
+            logger.info("specontext: every decode site attends densely over its whole store (budget %d >= its "
+                        "capacity): no selection in this step", self.step.budget)
+        return unused
 
     def _without_dense_layers(self, decode: list[AttentionSite], num_layers: int | None) -> list[AttentionSite]:
         """The decode sites the option ``dense_layers`` does not keep dense; those it keeps get
@@ -485,6 +505,15 @@ class SparseAttentionPass(CustomGraphPass):
         site.node.replace_all_uses_with(result)
         graph.erase_node(site.node)
         site.node = sparse if latent is None else latent  # the attention (MLA: before its up-projection)
+
+
+def _every_slot(graph: fx.Graph, site: AttentionSite) -> fx.Node:
+    """Before ``site``: int64 ``[batch, num_kv_heads, capacity]`` naming every slot of its store
+    (an expanded ``arange``, nothing read): the selection a dense-shortcut site gets when the
+    step makes none (:meth:`SparseAttentionPass._selection_unused`); the op's static
+    ``covers_store`` test then sends it over the store."""
+    with graph.inserting_before(site.node):
+        return graph.call_function(aten_step.every_slot, (site.key_cache,))
 
 
 def _resolve_layers(option: str, layers: tuple[int, ...] | None, num_layers: int | None) -> frozenset[int] | None:

@@ -583,6 +583,15 @@ def attend_kept(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor,
     return out.view(b, num_kv * groups, q_len, rows.shape[-1]).to(query.dtype)
 
 
+def every_slot(key_cache: torch.Tensor) -> torch.Tensor:
+    """int64 ``[batch, num_kv_heads, capacity]``: every slot of the store ``[batch,
+    num_kv_heads, capacity, head_dim]`` (an expanded ``arange``): the selection of a site
+    whose step makes none because it attends densely over the store (the pass's
+    ``_selection_unused``)."""
+    b, num_kv, capacity = key_cache.shape[:3]
+    return torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
+
+
 def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
     """True when a selection has a slot for every position of the store (decided from
     shapes alone): it then holds every written position and attention is dense."""

@@ -1,0 +1,122 @@
+"""A/B of two bodies of the compiled decode step in one process, steps interleaved.
+
+Profiles of separate processes on a 2-core machine move by 10-20% from run to run, more than
+the changes measured here. This compiles SmolLM2-135M's decode step twice (same options, same
+random KV of ``--context`` tokens, each with its own cache): ``A``, the current code, and
+``B``, the same code with one trace-time name swapped (``--swap``):
+
+* ``sdpa``: the dense shortcut keeps SDPA (``aten_step.fused_products`` returns False);
+* ``selection``: a step whose sites all take the dense shortcut still makes the selection
+  (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
+
+Inductor's and AOTAutograd's caches are off (both compiles have the same sources), each variant
+is compiled from a code object of its own (dynamo's cache is per code object), then the two
+steps alternate ``--steps`` times; medians and the ratio go to stdout and ``--json``.
+
+    python -m benchmarks.ab_step --swap selection --context 8192 --budget 16384 --steps 40 --json docs/ab_dense_step_selection_8k_2026-12-05.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+SWAPS = {  # name: (module or class path, attribute, stand-in)
+    "sdpa": ("specontext_compile.runtime.aten_step", "fused_products", lambda *a, **k: False),
+    "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
+}
+
+
+def _owner(path: str):
+    """The module (``pkg.mod``) or class (``pkg.mod:Class``) a swap changes."""
+    import importlib
+
+    module, _, cls = path.partition(":")
+    owner = importlib.import_module(module)
+    return getattr(owner, cls) if cls else owner
+
+
+def _own_frame(model, name: str):
+    """``model.forward`` behind a function whose code object is this variant's own: dynamo
+    caches compiled code per code object, so two ``torch.compile(model.forward)`` would share
+    (and run) one variant's graphs."""
+    namespace: dict = {}
+    exec(f"def step_{name}(**kwargs):\n    return model(**kwargs)\n", {"model": model}, namespace)
+    return namespace[f"step_{name}"]
+
+
+def _compiled(model, args, swap, name: str):
+    """A compiled forward and a filled cache; ``swap`` (an entry of :data:`SWAPS`) applies
+    while the first steps trace."""
+    import specontext_compile as sc
+    from benchmarks.decode import fill_cache, random_source
+
+    cache = sc.SpeContextCache(model.config, max_cache_len=args.context + 2 * args.steps + 16)
+    forward = torch.compile(_own_frame(model, name), backend="specontext", options={"budget": args.budget})
+    saved = owner = None
+    if swap is not None:
+        owner = _owner(swap[0])
+        saved = getattr(owner, swap[1])
+        setattr(owner, swap[1], swap[2])
+    try:
+        with torch.no_grad():
+            fill_cache(cache, random_source(model.config, args.context, seed=0), 1)
+            token = torch.tensor([[1]])
+            for _ in range(3):  # compile and warm
+                token = forward(input_ids=token, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    finally:
+        if owner is not None:
+            setattr(owner, swap[1], saved)
+    return forward, cache, token
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ab_step", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--swap", choices=sorted(SWAPS), required=True)
+    parser.add_argument("--context", type=int, default=8192)
+    parser.add_argument("--budget", type=int, default=16384)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from specontext_compile.models import load_model
+
+    inductor_config.fx_graph_cache = False
+    functorch_config.enable_autograd_cache = False
+    model, _ = load_model("smollm2-135m")
+    runs = {"A": _compiled(model, args, None, "a")}
+    runs["B"] = _compiled(model, args, SWAPS[args.swap], "b")
+    times = {"A": [], "B": []}
+    with torch.no_grad():
+        for _ in range(args.steps):
+            for name, (forward, cache, token) in runs.items():
+                start = time.perf_counter()
+                token = forward(input_ids=token, cache=cache, use_cache=True,
+                                logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+                times[name].append(1000.0 * (time.perf_counter() - start))
+                runs[name] = (forward, cache, token)
+    result = {"swap": args.swap, "context": args.context, "budget": args.budget, "steps": args.steps,
+              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
+              "command": "python -m benchmarks.ab_step " + " ".join(sys.argv[1:] if argv is None else argv)}
+    result["b_over_a"] = result["ms_per_step"]["B"] / result["ms_per_step"]["A"]
+    print(f"A (current) {result['ms_per_step']['A']:.2f} ms/step, B ({args.swap}) "
+          f"{result['ms_per_step']['B']:.2f} ms/step, B/A {result['b_over_a']:.3f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
