@@ -6,6 +6,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
 ``B``, the same code with one trace-time name swapped (``--swap``):
 
 * ``sdpa``: the dense shortcut keeps SDPA (``aten_step.fused_products`` returns False);
+* ``unsplit``: the dense shortcut keeps the fused products over every slot, not the split
+  store attention (``aten_step.split_chunks`` returns 1);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -30,6 +32,7 @@ import torch
 
 SWAPS = {  # name: (module or class path, attribute, stand-in)
     "sdpa": ("specontext_compile.runtime.aten_step", "fused_products", lambda *a, **k: False),
+    "unsplit": ("specontext_compile.runtime.aten_step", "split_chunks", lambda *a, **k: 1),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
 }
 
@@ -67,7 +70,8 @@ def _compiled(model, args, swap, name: str):
         setattr(owner, swap[1], swap[2])
     try:
         with torch.no_grad():
-            fill_cache(cache, random_source(model.config, args.context, seed=0), 1)
+            source = [(k.to(model.dtype), v.to(model.dtype)) for k, v in random_source(model.config, args.context, seed=0)]
+            fill_cache(cache, source, 1)
             token = torch.tensor([[1]])
             for _ in range(3):  # compile and warm
                 token = forward(input_ids=token, cache=cache, use_cache=True,
@@ -84,6 +88,8 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's and the KV's dtype")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -93,7 +99,7 @@ def main(argv=None) -> int:
 
     inductor_config.fx_graph_cache = False
     functorch_config.enable_autograd_cache = False
-    model, _ = load_model("smollm2-135m")
+    model, _ = load_model("smollm2-135m", getattr(torch, args.dtype))
     runs = {"A": _compiled(model, args, None, "a")}
     runs["B"] = _compiled(model, args, SWAPS[args.swap], "b")
     times = {"A": [], "B": []}
@@ -105,7 +111,7 @@ def main(argv=None) -> int:
                                 logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
                 times[name].append(1000.0 * (time.perf_counter() - start))
                 runs[name] = (forward, cache, token)
-    result = {"swap": args.swap, "context": args.context, "budget": args.budget, "steps": args.steps,
+    result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "steps": args.steps,
               "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
               "ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
               "command": "python -m benchmarks.ab_step " + " ".join(sys.argv[1:] if argv is None else argv)}

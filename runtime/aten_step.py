@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from . import page_bounds
 from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
+from .split_store import split_chunks, split_store_attention
 from .sparse_attention import (
     _gather_tokens,
     attend_gathered,
@@ -605,7 +606,9 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     reading ``length`` on the host).
 
     SDPA, except for a CPU decode step traced for inductor (:func:`fused_products`: a few
-    query rows per KV head): there the gather path's body over every slot, read in place
+    query rows per KV head): there, when the store is worth splitting for the threads
+    (:func:`~.split_store.split_chunks`: a float32 store, few ``batch * num_kv_heads`` rows),
+    :func:`~.split_store.split_store_attention`; else the gather path's body over every slot, read in place
     (:func:`attend_gathered` with the positions ``0 .. capacity-1``), which inductor compiles
     into one pass over the keys (the fused query-key products, softmax) and one ``bmm`` over
     the values: SDPA's CPU flash kernel at one query row read the store at a fraction of the
@@ -616,6 +619,9 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     b, num_heads, q_len, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
     if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache):
+        chunks = split_chunks(b * num_kv, capacity, key_cache.dtype)
+        if chunks > 1:
+            return split_store_attention(query, key_cache, value_cache, length, attn_mask, variant, chunks)
         every = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
         return attend_gathered(query, key_cache, value_cache, every, length, attn_mask, variant)
     scale = variant.scale
