@@ -8,6 +8,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
 * ``sdpa``: the dense shortcut keeps SDPA (``aten_step.fused_products`` returns False);
 * ``unsplit``: the dense shortcut keeps the fused products over every slot, not the split
   store attention (``aten_step.split_chunks`` returns 1);
+* ``unchunked``: fused query-key products (the refinement's, the gather path's) keep one
+  loop over their keys (``sparse_attention.product_chunks`` returns 1);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -33,6 +35,7 @@ import torch
 SWAPS = {  # name: (module or class path, attribute, stand-in)
     "sdpa": ("specontext_compile.runtime.aten_step", "fused_products", lambda *a, **k: False),
     "unsplit": ("specontext_compile.runtime.aten_step", "split_chunks", lambda *a, **k: 1),
+    "unchunked": ("specontext_compile.runtime.sparse_attention", "product_chunks", lambda *a, **k: 1),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
 }
 

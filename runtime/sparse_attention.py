@@ -53,8 +53,35 @@ def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     summation order only; for bfloat16 / float16 inputs the matmul rounds each result to
     that dtype and the fused sum keeps it in float32 (closer to float64's)."""
     if fused_products(rows, keys):
+        chunks = product_chunks(rows, keys)
+        if chunks > 1:  # [..., chunks, r, n / chunks], read back as [..., r, n]
+            *lead, n, d = keys.shape
+            parts = (_realized(rows.float()).unsqueeze(-3).unsqueeze(-2)
+                     * keys.float().reshape(*lead, chunks, 1, n // chunks, d)).sum(-1)
+            return parts.movedim(-3, -2).reshape(*lead, rows.shape[-2], n)
         return (_realized(rows.float()).unsqueeze(-2) * keys.float().unsqueeze(-3)).sum(-1)
     return torch.matmul(rows, keys.transpose(-1, -2)).float()
+
+
+def product_chunks(rows: torch.Tensor, keys: torch.Tensor) -> int:
+    """In how many chunks of its keys a fused :func:`row_products` runs: the loops of a fused
+    product parallelise over its leading dims (``batch * num_kv_heads``), 3 items for SmolLM2
+    at batch 1 on 2 threads; cutting the ``n`` keys into chunks gives the threads more
+    (the split store attention's reason, :mod:`.split_store`). The largest of 16, 8, 4, 2
+    that divides ``n`` into chunks of at least 32 keys with at most 48 (item, chunk) pairs,
+    for float32 keys whose leading dims equal the rows' (no broadcast); else 1. Static
+    shapes only."""
+    *lead, n, _ = keys.shape
+    items = 1
+    for size in lead:
+        items *= size
+    if (keys.dtype != torch.float32 or list(rows.shape[:-2]) != lead or not isinstance(n, int)
+            or not isinstance(items, int) or items >= 24):
+        return 1
+    for chunks in (16, 8, 4, 2):
+        if n % chunks == 0 and n // chunks >= 32 and items * chunks <= 48:
+            return chunks
+    return 1
 
 
 def _realized(rows: torch.Tensor) -> torch.Tensor:

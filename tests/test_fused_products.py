@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from specontext_compile.runtime import aten_step, page_bounds
 from specontext_compile.runtime.sparse_attention import (FUSED_PRODUCT_ROWS, fused_products, inductor_trace,
-                                                          row_products)
+                                                          product_chunks, row_products)
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 _MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default}
@@ -31,7 +31,8 @@ def _reference(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
 
 
 @settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 2**16), r=st.integers(1, FUSED_PRODUCT_ROWS), n=st.integers(1, 40),
+@given(seed=st.integers(0, 2**16), r=st.integers(1, FUSED_PRODUCT_ROWS),
+       n=st.one_of(st.integers(1, 40), st.sampled_from([64, 96, 512])),  # the latter in chunks (product_chunks)
        d=st.sampled_from([1, 8, 64, 72]), batch=st.sampled_from([(), (2,), (2, 3)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_traced_products_are_a_reduction_with_the_matmuls_values(seed, r, n, d, batch, dtype):
@@ -179,3 +180,20 @@ def test_fused_products_read_their_rows_from_a_buffer_of_their_own():
     assert traced.graph.find_nodes(op="call_function", target=force)
     assert not make_fx(rotary_logits)(*args).graph.find_nodes(op="call_function", target=force)
     torch.testing.assert_close(traced(*args), rotary_logits(*args), atol=1e-5, rtol=1e-5)
+
+
+def test_products_of_few_rows_split_their_keys_into_chunks_for_the_threads():
+    """SmolLM2's decode shape (3 KV heads, 3 query rows each, 512 candidates): the fused product
+    runs in 16 chunks of 32 keys (48 parallel items, not 3) and still equals float64's; not for
+    bfloat16 keys, broadcast rows, many leading items, or keys that do not divide."""
+    gen = torch.Generator().manual_seed(0)
+    rows, keys = torch.randn(1, 3, 3, 64, generator=gen), torch.randn(1, 3, 512, 64, generator=gen)
+    assert product_chunks(rows, keys) == 16
+    with inductor_trace():
+        gm = make_fx(row_products)(rows, keys)
+    assert any(node.target == torch.ops.aten.permute.default for node in gm.graph.nodes)  # the chunks read back
+    torch.testing.assert_close(gm(rows, keys).double(), _reference(rows, keys), atol=1e-5, rtol=1e-5)
+    assert product_chunks(rows.bfloat16(), keys.bfloat16()) == 1
+    assert product_chunks(rows[:, :1], keys) == 1  # rows broadcast over the KV heads
+    assert product_chunks(torch.randn(8, 3, 3, 64), torch.randn(8, 3, 512, 64)) == 1  # 24 items already
+    assert product_chunks(rows, keys[:, :, :509]) == 1
