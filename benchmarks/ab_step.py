@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -98,6 +97,7 @@ def main(argv=None) -> int:
 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
+    from benchmarks.decode import machine_info
     from specontext_compile.models import load_model
 
     inductor_config.fx_graph_cache = False
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
                 times[name].append(1000.0 * (time.perf_counter() - start))
                 runs[name] = (forward, cache, token)
     result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "steps": args.steps,
-              "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
+              "threads": torch.get_num_threads(), "machine": machine_info(),
               "ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
               "command": "python -m benchmarks.ab_step " + " ".join(sys.argv[1:] if argv is None else argv)}
     result["b_over_a"] = result["ms_per_step"]["B"] / result["ms_per_step"]["A"]

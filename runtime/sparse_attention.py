@@ -69,13 +69,13 @@ def product_chunks(rows: torch.Tensor, keys: torch.Tensor) -> int:
     at batch 1 on 2 threads; cutting the ``n`` keys into chunks gives the threads more
     (the split store attention's reason, :mod:`.split_store`). The largest of 16, 8, 4, 2
     that divides ``n`` into chunks of at least 32 keys with at most 48 (item, chunk) pairs,
-    for float32 keys whose leading dims equal the rows' (no broadcast); else 1. Static
-    shapes only."""
+    for float32 or bfloat16 keys (measured: the default's step 3% and 2% faster; float16 not
+    measured) whose leading dims equal the rows' (no broadcast); else 1. Static shapes only."""
     *lead, n, _ = keys.shape
     items = 1
     for size in lead:
         items *= size
-    if (keys.dtype != torch.float32 or list(rows.shape[:-2]) != lead or not isinstance(n, int)
+    if (keys.dtype not in (torch.float32, torch.bfloat16) or list(rows.shape[:-2]) != lead or not isinstance(n, int)
             or not isinstance(items, int) or items >= 24):
         return 1
     for chunks in (16, 8, 4, 2):

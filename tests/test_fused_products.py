@@ -184,8 +184,9 @@ def test_fused_products_read_their_rows_from_a_buffer_of_their_own():
 
 def test_products_of_few_rows_split_their_keys_into_chunks_for_the_threads():
     """SmolLM2's decode shape (3 KV heads, 3 query rows each, 512 candidates): the fused product
-    runs in 16 chunks of 32 keys (48 parallel items, not 3) and still equals float64's; not for
-    bfloat16 keys, broadcast rows, many leading items, or keys that do not divide."""
+    runs in 16 chunks of 32 keys (48 parallel items, not 3) and still equals float64's (bfloat16
+    keys too); not for float16 keys (not measured), broadcast rows, many leading items, or keys
+    that do not divide."""
     gen = torch.Generator().manual_seed(0)
     rows, keys = torch.randn(1, 3, 3, 64, generator=gen), torch.randn(1, 3, 512, 64, generator=gen)
     assert product_chunks(rows, keys) == 16
@@ -193,7 +194,8 @@ def test_products_of_few_rows_split_their_keys_into_chunks_for_the_threads():
         gm = make_fx(row_products)(rows, keys)
     assert any(node.target == torch.ops.aten.permute.default for node in gm.graph.nodes)  # the chunks read back
     torch.testing.assert_close(gm(rows, keys).double(), _reference(rows, keys), atol=1e-5, rtol=1e-5)
-    assert product_chunks(rows.bfloat16(), keys.bfloat16()) == 1
+    assert product_chunks(rows.bfloat16(), keys.bfloat16()) == 16
+    assert product_chunks(rows.half(), keys.half()) == 1
     assert product_chunks(rows[:, :1], keys) == 1  # rows broadcast over the KV heads
     assert product_chunks(torch.randn(8, 3, 3, 64), torch.randn(8, 3, 512, 64)) == 1  # 24 items already
     assert product_chunks(rows, keys[:, :, :509]) == 1
