@@ -135,20 +135,22 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
 def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor],
                   length: torch.Tensor) -> None:
     """A fused draft head's input for later steps: the concatenated ``hidden`` (the auxiliary
-    layers' outputs ``[batch, q_len, target_hidden]``, in ``aux_layer_ids`` order) of the
-    step's last ``ROLLBACK_TOKENS`` rows, each at the history slot of its position ``p``
-    (``aux_state`` ``[batch, ROLLBACK_TOKENS, aux_width]``, row ``p % ROLLBACK_TOKENS``) and
-    stamped ``p + 1`` in ``aux_valid`` (int64 ``[ROLLBACK_TOKENS]``). ``length``: int64
-    scalar, tokens written *after* this step's (layer 0's, read after its write). The next
-    step, or the step after a rollback to any of these positions, reads the entry of its
-    previous position (:func:`.draft_retrieval.previous_hidden`)."""
-    slots = aux_state.shape[1]
-    rows = torch.cat([h[:, -slots:].detach() for h in hidden], -1)  # [batch, kept, aux_width]
+    layers' outputs ``[batch, q_len, target_hidden]``, in ``aux_layer_ids`` order). In
+    ``aux_state`` ``[batch, 1 + ROLLBACK_TOKENS, aux_width]``: row 0 the step's last row (what
+    the next step reads), rows ``1 + p % ROLLBACK_TOKENS`` the step's last ``ROLLBACK_TOKENS``
+    rows by position ``p``; ``aux_valid`` (int64 ``[1 + ROLLBACK_TOKENS]``) stamps each row
+    ``p + 1``. ``length``: int64 scalar, tokens written *after* this step's (layer 0's, read
+    after its write). The step after a rollback to any of these positions reads its entry
+    (:func:`.draft_retrieval.previous_hidden`)."""
+    history = aux_state.shape[1] - 1
+    rows = torch.cat([h[:, -history:].detach() for h in hidden], -1).to(aux_state.dtype)  # [batch, kept, aux_width]
     kept = rows.shape[1]
     positions = length - kept + torch.arange(kept, device=length.device)
-    entries = positions % slots
-    aux_state.index_copy_(1, entries, rows.to(aux_state.dtype))
+    entries = 1 + positions % history
+    aux_state.index_copy_(1, entries, rows)
     aux_valid.index_copy_(0, entries, positions + 1)
+    aux_state[:, :1].copy_(rows[:, -1:])
+    aux_valid[:1].copy_(length.view(1))
 
 
 def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:

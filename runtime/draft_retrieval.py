@@ -273,14 +273,15 @@ def draft_scores(query: torch.Tensor, keys: torch.Tensor, target_kv_heads: int) 
 def previous_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
     """A fused head's auxiliary input for the token at position ``start`` (int64 scalar: the
     tokens cached before the step): the recorded hidden states of position ``start - 1``,
-    ``[batch, 1, aux_width]``, when its history entry is stamped ``start`` (recorded for that
+    ``[batch, 1, aux_width]``: row 0 when the last step ended there, else its history row
+    when that is stamped ``start`` (recorded for that
     very position and not forgotten by a crop); zeros otherwise (the first token, a crop deeper
     than the history, a step run without the backend). ``aux_state``/``aux_valid`` as in
     :class:`DraftKeyCache`. No host read."""
-    slots = aux_state.shape[1]
-    entry = ((start - 1) % slots).view(1)
+    entry = (1 + (start - 1) % (aux_state.shape[1] - 1)).view(1)
+    current = (aux_valid[:1] == start) & (start > 0)  # row 0: the last step's last row
     recorded = (aux_valid.index_select(0, entry) == start) & (start > 0)
-    return aux_state.index_select(1, entry) * recorded.to(aux_state.dtype)
+    return torch.where(current, aux_state[:, :1], aux_state.index_select(1, entry) * recorded.to(aux_state.dtype))
 
 
 class DraftKeyCache:
@@ -293,10 +294,11 @@ class DraftKeyCache:
     backend (eager prefill of Hugging Face's compile path), its tokens get no K: ``length``
     then stays behind the target's and every later selection falls back to the most recent
     tokens (``path_counts()["recency_fallback_steps"]``); it is never scored from unwritten slots.
-    ``aux_state`` ``[batch, ROLLBACK_TOKENS, aux_width]`` and ``aux_valid`` (int64
-    ``[ROLLBACK_TOKENS]``): the auxiliary hidden states of the last ``ROLLBACK_TOKENS``
-    positions (fused heads; unused otherwise), position ``p`` in row ``p % ROLLBACK_TOKENS``
-    stamped ``p + 1`` (0: empty), written by :func:`.aten_step.record_hidden` and read by
+    ``aux_state`` ``[batch, 1 + ROLLBACK_TOKENS, aux_width]`` and ``aux_valid`` (int64
+    ``[1 + ROLLBACK_TOKENS]``): the auxiliary hidden states (fused heads; unused otherwise) of
+    the last token in row 0 (what the next step reads) and of the last ``ROLLBACK_TOKENS``
+    positions, position ``p`` in row ``1 + p % ROLLBACK_TOKENS``, each stamped ``p + 1`` (0:
+    empty), written by :func:`.aten_step.record_hidden` and read by
     :func:`previous_hidden`: after a rollback (:meth:`crop`) of up to ``ROLLBACK_TOKENS``
     tokens the next step reads the kept token's hidden states, as a fresh cache fed the kept
     tokens would (issue 52).
@@ -311,7 +313,7 @@ class DraftKeyCache:
         self.keys: torch.Tensor | None = None
         self.length = torch.zeros((), dtype=torch.long)
         self.aux_state: torch.Tensor | None = None
-        self.aux_valid = torch.zeros(ROLLBACK_TOKENS, dtype=torch.long)
+        self.aux_valid = torch.zeros(1 + ROLLBACK_TOKENS, dtype=torch.long)
 
     def prepare(self, like: torch.Tensor, capacity: int, compiling: bool) -> None:
         """Allocate (first use, or a new batch size) or grow (eager only) the store so it
@@ -320,8 +322,8 @@ class DraftKeyCache:
         if self.keys is None or self.keys.shape[0] != b:
             self.keys = like.new_zeros((b, self.spec.num_kv_heads, capacity, self.spec.head_dim))
             self.length = torch.zeros((), dtype=torch.long, device=like.device)
-            self.aux_state = like.new_zeros((b, ROLLBACK_TOKENS, max(1, self.spec.aux_width)))
-            self.aux_valid = torch.zeros(ROLLBACK_TOKENS, dtype=torch.long, device=like.device)
+            self.aux_state = like.new_zeros((b, 1 + ROLLBACK_TOKENS, max(1, self.spec.aux_width)))
+            self.aux_valid = torch.zeros(1 + ROLLBACK_TOKENS, dtype=torch.long, device=like.device)
         elif not compiling and self.keys.shape[2] < capacity:
             new = self.keys.new_zeros((*self.keys.shape[:2], capacity, self.keys.shape[-1]))
             new[:, :, : self.keys.shape[2]].copy_(self.keys)

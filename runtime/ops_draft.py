@@ -22,7 +22,7 @@ def draft_anchor(draft_keys: torch.Tensor, draft_length: torch.Tensor, aux_state
     of layer 0, right after ``retrieval_anchor``: its key cache (``draft_keys``
     ``[batch, head_kv_heads, capacity, head_dim]``, ``draft_length`` int64 scalar) and the
     recorded auxiliary hidden states of the last positions (``aux_state`` ``[batch,
-    ROLLBACK_TOKENS, aux_width]``, ``aux_valid`` int64 ``[ROLLBACK_TOKENS]`` stamps:
+    1 + ROLLBACK_TOKENS, aux_width]``, ``aux_valid`` int64 ``[1 + ROLLBACK_TOKENS]`` stamps:
     :meth:`.draft_retrieval.DraftKeyCache.prepare`). ``head`` is the head's resolved folder (a graph constant the pass checks
     against ``retrieval_head``)."""
     return

@@ -118,8 +118,8 @@ class RetrievalAnchor:
 class DraftAnchor:
     """Arguments of ``specontext::draft_anchor``: the draft head's key cache (``draft_keys``
     ``[batch, head_kv_heads, capacity, head_dim]``, ``draft_length`` int64 scalar), the
-    recorded auxiliary hidden states (``aux_state`` ``[batch, ROLLBACK_TOKENS, aux_width]``,
-    ``aux_valid`` int64 ``[ROLLBACK_TOKENS]``) and ``head``, the head's resolved folder (str)."""
+    recorded auxiliary hidden states (``aux_state`` ``[batch, 1 + ROLLBACK_TOKENS, aux_width]``,
+    ``aux_valid`` int64 ``[1 + ROLLBACK_TOKENS]``) and ``head``, the head's resolved folder (str)."""
 
     draft_keys: Any
     draft_length: Any

@@ -156,9 +156,11 @@ def test_previous_hidden_reads_only_the_entry_recorded_for_that_position():
     from specontext_compile.runtime.draft_retrieval import previous_hidden
     from specontext_compile.runtime.rollback import ROLLBACK_TOKENS as R
 
-    state, stamps = torch.zeros(2, R, 3), torch.zeros(R, dtype=torch.long)
+    state, stamps = torch.zeros(2, 1 + R, 3), torch.zeros(1 + R, dtype=torch.long)
     hidden = [torch.arange(2 * 40 * 2, dtype=torch.float32).view(2, 40, 2), torch.ones(2, 40, 1)]
     record_hidden(state, stamps, hidden, torch.tensor(40))  # positions 0..39: the last R kept
+    torch.testing.assert_close(state[:, :1], torch.cat([h[:, 39:40] for h in hidden], -1))  # row 0: the last token
+    torch.testing.assert_close(previous_hidden(state, stamps, torch.tensor(40)), state[:, :1])
     want = torch.cat([h[:, 38:39] for h in hidden], -1)
     torch.testing.assert_close(previous_hidden(state, stamps, torch.tensor(39)), want)
     assert not previous_hidden(state, stamps, torch.tensor(0)).any()  # the first token
