@@ -262,8 +262,8 @@ class SparseAttentionPass(CustomGraphPass):
             if ready is not None:
                 with graph.inserting_after(ready):
                     graph.call_function(COUNT_FALLBACK, (anchored.stats, ready))
-        # otherwise the selection is made (and kept for later graphs) even when this graph's
-        # sites all stay dense by option: the graphs after a break read it
+        # when made, the selection is kept for later graphs even if this graph's sites all
+        # stay dense by option: the graphs after a break read it
         sparse = self._without_dense_layers(decode, len(anchored.windows() or resolved))
         for s in sparse:
             selection = _every_slot(graph, s) if unused else selections[s.window or 0]
