@@ -187,7 +187,7 @@ def test_refine_with_rescue_keeps_the_layers_top_budget_of_the_union():
     seen = aten_step.seen_positions(length_t, None, cap, 1, 0, keys.device)
     union = page_bounds.rescued_candidates(cand, page_bounds.page_scores(query, lo, hi, seen, scale, page), seen, 2,
                                            page)
-    want, _ = _refine_reference(query, keys, union, length, scale, budget, 1, 2)
+    want, _, _ = _refine_reference(query, keys, union, length, scale, budget, 1, 2)
     assert kept.sort(-1).values.tolist() == want  # a set: the refinement keeps no order
     assert set(target.tolist()) <= set(kept[0, 0].tolist())
 
