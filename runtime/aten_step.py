@@ -624,8 +624,7 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
         chunks = split_chunks(b * num_kv, capacity, key_cache.dtype)
         if chunks > 1:
             return split_store_attention(query, key_cache, value_cache, length, attn_mask, variant, chunks)
-        every = torch.arange(capacity, device=key_cache.device).expand(b, num_kv, capacity)
-        return attend_gathered(query, key_cache, value_cache, every, length, attn_mask, variant)
+        return attend_gathered(query, key_cache, value_cache, every_slot(key_cache), length, attn_mask, variant)
     scale = variant.scale
     rows = torch.arange(q_len, device=query.device).view(q_len, 1)
     length = length.reshape(-1, 1, 1, 1) if length.dim() else length
