@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -156,7 +155,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{json.dumps(options):28s} {run:8s} first step {row['first_step_s']:7.1f} s  "
                       f"step {row['step_ms_median']:7.1f} ms  regions {row['regions']}/{row['regions_compiled']} "
                       f"compiled", flush=True)
-    result = {"command": command, "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+    from benchmarks.decode import machine_info
+
+    result = {"command": command, "machine": machine_info(),
               "model": args.model, "context": args.context, "batch": args.batch, "steps": args.steps,
               "rows": rows}
     if args.json:

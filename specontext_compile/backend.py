@@ -231,8 +231,8 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], patches: dict
     with inductor_trace():  # decode products traced as fused reductions (CPU; sparse_attention.row_products)
         if _regional(config, on_cuda):
             regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
-            compiled = compile_regions(gm, lambda region, inputs: compile_fx(region, inputs, config_patches=regional),
-                                       lift=_LAYER_SLOTS)
+            compiled = compile_regions(gm, lambda graph, inputs: compile_fx(graph, inputs, config_patches=regional),
+                                       example_inputs, lift=_LAYER_SLOTS)
             if compiled is not None:
                 return compiled
         return compile_fx(gm, example_inputs, config_patches=patches)

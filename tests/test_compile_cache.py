@@ -55,10 +55,11 @@ def test_saved_artifacts_load_every_region_in_a_fresh_cache_folder(tmp_path):
     assert regions >= 3  # prologue, layers, epilogue: the regional path ran
     assert first["gather_sites"] > 0  # budget 12 < 41 tokens: the sparse gather ran, not the dense shortcut
     assert first["aot"].get("autograd_cache_bypass", 0) == 0
-    assert first["inductor"].get("fxgraph_cache_miss", 0) == regions
+    graphs = first["inductor"].get("fxgraph_cache_miss", 0)
+    assert graphs == 1  # the stitched decode graph, its regions' subgraphs inside (regional.py)
 
     second = _child("load", artifacts, tmp_path / "cache_b")  # an empty folder: only the file's artifacts
-    assert second["aot"].get("autograd_cache_hit", 0) == regions, second["aot"]
+    assert second["aot"].get("autograd_cache_hit", 0) == graphs, second["aot"]
     assert second["aot"].get("autograd_cache_bypass", 0) == 0
     assert second["inductor"].get("fxgraph_cache_miss", 0) == 0, second["inductor"]
     assert second["logits"] == first["logits"]  # the same compiled code: bit-identical
@@ -88,5 +89,5 @@ def test_no_region_bypasses_aot_autograds_cache():
     aot = counters["aot_autograd"]
     assert cache.path_counts()["gather_sites"] > 0
     assert aot.get("autograd_cache_bypass", 0) == 0, dict(aot)
-    decode_regions = counters["specontext"]["regions_compiled"]
-    assert decode_regions >= 3 and aot.get("autograd_cache_hit", 0) + aot.get("autograd_cache_miss", 0) >= decode_regions
+    assert counters["specontext"]["regions_compiled"] >= 3  # the regional path ran
+    assert aot.get("autograd_cache_hit", 0) + aot.get("autograd_cache_miss", 0) >= 1

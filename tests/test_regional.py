@@ -49,6 +49,28 @@ def test_regional_step_equals_the_eager_op_chain_and_shares_layers():
     assert (regions["regions"], regions["regions_compiled"]) == (6, 4)
 
 
+def test_the_step_is_one_graph_calling_each_distinct_region_as_a_subgraph(monkeypatch):
+    """The graph inductor compiles calls ``invoke_subgraph`` once per region (6) on 4 distinct
+    subgraphs, and nothing else computes outside them (only the op's item reads): one
+    compiled call per step, no Python between regions."""
+    import specontext_compile.regional as regional
+
+    stitched = []
+
+    def spy(gm, labels):
+        stitched.append(real(gm, labels))
+        return stitched[-1]
+
+    real = regional.stitch_subgraphs
+    monkeypatch.setattr(regional, "stitch_subgraphs", spy)
+    compiled_steps(tiny_llama(layers=4), IDS, 1, budget=8)
+    graph = stitched[-1][0].graph
+    calls = [n for n in graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
+    assert (len(calls), len({n.args[0].target for n in calls})) == (6, 4)
+    others = [n for n in graph.nodes if n.op == "call_function" and n not in calls]
+    assert all(n.target.__name__ == "getitem" for n in others), [n.format_node() for n in others]
+
+
 def test_symbolic_recompile_is_regional_and_exact():
     """A second and third prompt with other cache capacities make dynamo recompile the decode
     graph with symbolic sizes; that graph is split and compiled by regions too, and every
@@ -142,7 +164,7 @@ def test_a_graph_without_layers_is_compiled_whole():
     """No decoder layer in the graph: ``compile_regions`` declines (None) without compiling."""
     gm = _tiny_graph(torch.float32, 2.0)
     called = []
-    assert compile_regions(gm, lambda region, inputs: called.append(region)) is None
+    assert compile_regions(gm, lambda graph, inputs: called.append(graph), []) is None
     assert not called
 
 
