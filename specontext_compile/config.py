@@ -291,10 +291,10 @@ class SpeContextConfig:
             then read near the copy rate on CPU); None = on for CPU graphs, off on CUDA.
         regional: regional compilation (``regional.py``): inductor compiles each distinct
             decoder layer once and the graph calls it for every layer of its kind (the first
-            step of 30-layer SmolLM2 compiles several times faster); its graphs are not frozen
-            (weights stay inputs) and the step costs a little more (a compiled call per layer;
-            docs/benchmarks.md, "Compile time"). None = on for CPU graphs unless ``freezing=True``; off on CUDA, where a
-            region's Python call per layer and CUDA graphs per region are not yet measured.
+            step of 30-layer SmolLM2 compiles several times faster); each layer is an
+            ``invoke_subgraph`` call inside one compiled graph; its graphs are not frozen
+            (weights stay inputs; docs/benchmarks.md, "One compiled call per step"). None = on
+            for CPU graphs unless ``freezing=True``; off on CUDA (not yet measured there).
     """
 
     budget: int = 1024
