@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import sys
 import time
 from pathlib import Path
@@ -53,9 +54,19 @@ def _linear_role(event, config) -> str:
     return "weights: Q/K/V/O projections"
 
 
+def _kernel_name(name: str) -> str | None:
+    """An inductor C++ kernel's name without its graph prefix (``graph_<n>_cpp_fused_...``
+    in a graph's own code, ``cpp_fused_...`` in a region's subgraph), or None."""
+    match = _KERNEL.match(name)
+    return name[match.end(1) if match.group(1) else 0:] if match else None
+
+
+_KERNEL = re.compile(r"^(graph_\d+_)?cpp_")
+
+
 def _bucket(event, config) -> str:
     name = event.name
-    if name.startswith("graph_") and "_cpp_" in name:
+    if _kernel_name(name) is not None:
         if any(k in name for k in ("index_select", "gather", "topk", "softmax")):
             return "inductor C++ kernels: selection / attention (fused)"
         return "inductor C++ kernels: weights, norms, rotary (fused)"
@@ -93,8 +104,10 @@ def profile_steps(model, forward, cache, token, steps: int):
 
 def _is_op(event) -> bool:
     """An operator or a kernel: aten/our ops, and inductor's generated C++ kernels (named
-    ``graph_<n>_cpp_fused_...`` with ``cpp.enable_kernel_profile``)."""
-    return event.name.startswith(("aten::", "specontext::", "mkldnn::", "mkl::", "graph_", "aoti_"))
+    ``graph_<n>_cpp_fused_...``, or ``cpp_fused_...`` in a region's subgraph, with
+    ``cpp.enable_kernel_profile``)."""
+    return (event.name.startswith(("aten::", "specontext::", "mkldnn::", "mkl::", "aoti_"))
+            or _kernel_name(event.name) is not None)
 
 
 def _ancestors(event):
@@ -118,7 +131,7 @@ def _top_level(event) -> bool:
 REGION_CALL = "## Call CompiledFxGraph "
 
 
-def regions(prof, steps: int, top_kernels: int = 8) -> dict:
+def regions(prof, steps: int, top_kernels: int = 30) -> dict:
     """Per compiled graph (inductor's ``CompiledFxGraph``, keyed by its FX-graph cache key):
     what one decode step spends in it.
 
@@ -145,8 +158,8 @@ def regions(prof, steps: int, top_kernels: int = 8) -> dict:
         stack = list(event.cpu_children)
         while stack:
             child = stack.pop()
-            if child.name.startswith("graph_"):
-                g["kernels"][child.name.split("_", 2)[-1]] += child.cpu_time_total / 1000.0
+            if _kernel_name(child.name) is not None:
+                g["kernels"][_kernel_name(child.name)] += child.cpu_time_total / 1000.0
             elif _is_op(child):  # an extern call inductor left to aten (bmm, topk, ...)
                 g["kernels"][child.name] += child.cpu_time_total / 1000.0
             else:
@@ -217,6 +230,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 gives steadier "
                              "shares on a loaded machine)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the model's and the KV's dtype")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace")
     parser.add_argument("--options", type=json.loads, default={},
@@ -235,9 +250,10 @@ def main(argv=None) -> int:
     else:
         from specontext_compile.models import load_model
 
-        model, tokenizer = load_model("smollm2-135m")
+        model, tokenizer = load_model("smollm2-135m", getattr(torch, args.dtype))
         if args.random_kv:
             source, first = random_source(model.config, args.context), torch.tensor([[1]])
+            source = [(k.to(model.dtype), v.to(model.dtype)) for k, v in source]
         else:
             _, source, first = prefill_source(model, real_text_ids(tokenizer, args.context))
     capacity = args.context + args.warmup + args.steps + 2
@@ -270,6 +286,7 @@ def main(argv=None) -> int:
         "candidates": None if args.dense else args.candidates,
         "page_rescue": None if args.dense else args.page_rescue,
         "contender": "hf-eager" if args.dense else f"specontext-{args.inner}-{args.budget}",
+        "dtype": args.dtype,
         "threads": torch.get_num_threads(), "wall_ms_per_step": wall_ms,
         "python_framework_ms": wall_ms - result["ms_in_ops"],
         "python_framework_ms_per_layer": (wall_ms - result["ms_in_ops"]) / layers,
