@@ -20,7 +20,8 @@ which head it holds:
 
 Heads: :class:`~.head_lagged.LaggedQueryHead` (training-free, the default) and
 :class:`~.head_draft.DraftHead` (option ``retrieval_head``: embedding-only and fused heads).
-Adding a head is one module with a subclass, one line in :func:`make_head`, and its test.
+Adding a head is one module with a subclass, one line in
+:func:`~.sparse_rewrite.make_head`, and its test.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from ..runtime.protocol import RetrievalAnchor
 from ..runtime.spec import StepSpec
 from .sites import AttentionSite
 
-__all__ = ["SelectionHead", "make_head"]
+__all__ = ["SelectionHead"]
 
 
 class SelectionHead(abc.ABC):
@@ -76,12 +77,3 @@ class SelectionHead(abc.ABC):
         that is True when the head could score this step (False: the selection ranked by
         recency) and return it; None (the default) for a head that never falls back."""
         return None
-
-
-def make_head(retrieval_layers: tuple[int, ...] | None, retrieval_head: str | None) -> SelectionHead:
-    """The head the options name: a draft head for ``retrieval_head`` (a resolved folder),
-    else the lagged queries of ``retrieval_layers``."""
-    from .head_draft import DraftHead
-    from .head_lagged import LaggedQueryHead
-
-    return DraftHead(retrieval_head) if retrieval_head is not None else LaggedQueryHead(retrieval_layers)

@@ -35,7 +35,9 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from ..runtime import aten_step, mla, page_bounds, rollback
 from ..runtime.protocol import RetrievalAnchor, op_arguments
 from ..runtime.spec import AttentionVariant, StepSpec
-from .heads import make_head
+from .head_draft import DraftHead
+from .head_lagged import LaggedQueryHead
+from .heads import SelectionHead
 from .site_nodes import bias_4d, selection_query, static_capacity
 from .sites import KV_WRITE, AttentionSite, find_attention_sites, is_op, static_int
 
@@ -169,6 +171,13 @@ def _sources() -> tuple[str, ...]:
     and the runtime's step functions and ops."""
     root = Path(__file__).resolve().parent
     return tuple(str(p) for p in sorted(root.glob("*.py")) + sorted((root.parent / "runtime").glob("*.py")))
+
+
+
+def make_head(retrieval_layers: tuple[int, ...] | None, retrieval_head: str | None) -> SelectionHead:
+    """The head the options name: a draft head for ``retrieval_head`` (a resolved folder),
+    else the lagged queries of ``retrieval_layers``."""
+    return DraftHead(retrieval_head) if retrieval_head is not None else LaggedQueryHead(retrieval_layers)
 
 
 class SparseAttentionPass(CustomGraphPass):

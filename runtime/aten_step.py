@@ -35,16 +35,17 @@ from .sparse_attention import (
     attend_gathered,
     causal_limit_mask,
     fused_products,
-    query_key_logits,
+    masked_group_max_softmax,
+    row_visibility,
     selected_logits,
     sparse_attention_reference,
 )
 
 __all__ = ["MUTATES", "count_fallback", "count_guard", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
-           "lagged_query_scores", "masked_group_max_softmax",
+           "lagged_query_scores",
            "attend_kept", "record_hidden", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
-           "rescue_pages_into", "row_visibility",
+           "rescue_pages_into",
            "seen_positions", "select_positions",
            "sparse_attention",
            "sinks_attention", "speculative_select", "write_kv"]
@@ -151,54 +152,6 @@ def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list
     aux_valid.index_copy_(0, entries, positions + 1)
     aux_state[:, :1].copy_(rows[:, -1:])
     aux_valid[:1].copy_(length.view(1))
-
-
-def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
-    """Which store positions each batch row may attend to at all, read from a Hugging Face
-    attention mask ``[batch|1, 1|heads, q_len, >= capacity]`` (bool, True = attend, or
-    additive float: hidden where ``-inf`` or below half the dtype's minimum, visible
-    otherwise, a finite bias included): its last query row, first head. Left padding hides a
-    row's pad positions there. Returns bool ``[batch|1, 1, capacity]``, or None for no mask."""
-    if attn_mask is None:
-        return None
-    last = attn_mask[:, :1, -1, :capacity]  # [b, 1, capacity]
-    # additive masks: hidden = -inf or the dtype's minimum; other values (0, or a finite bias
-    # such as Doge's dynamic mask) are visible
-    last = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
-    if last.shape[-1] < capacity:  # a mask narrower than the store hides the rest
-        last = torch.nn.functional.pad(last, (0, capacity - last.shape[-1]), value=False)
-    return last
-
-
-def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
-                             scale: float, rope_keys: torch.Tensor | None = None,
-                             position_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-KV-group attention weights of one query row over the allowed positions.
-
-    Args:
-        query: ``[batch, num_heads, 1, head_dim]``.
-        keys: ``[batch, num_kv_heads, capacity, head_dim]`` (disallowed slots may hold garbage).
-        allowed: bool ``[capacity]`` or ``[batch|1, 1, capacity]``: the positions the softmax
-            runs over (per batch row: padding-aware).
-        scale: softmax scale (applied to the query before the product, see
-            :func:`~specontext_compile.runtime.sparse_attention.query_key_logits`).
-        rope_keys: MLA only (:mod:`.mla`): the rotary key store ``[batch, 1, capacity, p]``;
-            the key is then ``[keys ; rope_keys]`` and ``query`` is the absorbed query
-            ``[batch, num_heads, 1, head_dim + p]`` (no concatenated copy of the stores).
-
-    Returns:
-        float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
-        of ``softmax(q . K * scale)`` (paper section 4, GQA mapping); 0 where not allowed.
-    """
-    b, num_kv, _, d = keys.shape
-    q = query.reshape(b, num_kv, -1, query.shape[-1])
-    logits = query_key_logits(q[..., :d], keys, scale)  # [b, kv, g, cap]
-    if rope_keys is not None:
-        logits = logits + query_key_logits(q[..., d:], rope_keys, scale)
-    if position_bias is not None:
-        logits = logits + position_bias.float().reshape(position_bias.shape[0], num_kv, -1, logits.shape[-1])
-    probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), _NEG), dim=-1).amax(dim=2)
-    return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
 
 
 def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list,

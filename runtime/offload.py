@@ -785,8 +785,6 @@ def enable_offload(cache, model: torch.nn.Module | None, device_memory_bytes: in
             check_device_memory(model, device_memory_bytes, budget,
                                 getattr(first, "page_tokens", page_bounds.PAGE_TOKENS), capacity, len(resident))
     weight_bytes = model_weight_bytes(model) if model is not None else 0
-    from . import offload_ops  # noqa: F401  (registers the ops the cache's anchor calls)
-
     manager = OffloadManager(cache, device_memory_bytes, budget, weight_bytes, **kwargs)
     cache.offload = manager
     return manager

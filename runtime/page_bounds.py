@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_attention import row_products
+from .sparse_attention import row_products, row_visibility
 
 __all__ = ["PAGE_TOKENS", "clear_pages_from", "page_count", "page_positions", "page_scores", "rescued_candidates", "row_shift",
            "shift_from_mask", "update_page_bounds"]
@@ -206,10 +206,9 @@ def shift_from_mask(page_shift: torch.Tensor, length: torch.Tensor, attn_mask: t
                     page_tokens: int) -> None:
     """At a prompt's first write (``length`` == 0, tokens
     written before this step), set each row's page shift from its left padding, read from a
-    full-attention site's Hugging Face mask (:func:`~.aten_step.row_visibility`; None = no
+    full-attention site's Hugging Face mask (:func:`~.sparse_attention.row_visibility`; None = no
     padding: shift 0); later steps keep it. In place, on the device (a ``where``),
     ``page_shift`` int64 ``[batch]``."""
-    from .aten_step import row_visibility
 
     if attn_mask is None:
         shift = torch.zeros_like(page_shift)

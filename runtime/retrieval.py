@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .aten_step import masked_group_max_softmax
+from .sparse_attention import masked_group_max_softmax
 
 __all__ = ["MAX_RETRIEVAL_LAYERS", "group_max_softmax"]
 

@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .spec import AttentionVariant
 
-__all__ = ["attend_gathered", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
+__all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
            "sparse_attention_reference"]
 
 
@@ -327,3 +327,51 @@ def attend_gathered(
         probs = torch.softmax(logits, dim=-1).nan_to_num(0.0).to(values.dtype)
     out = torch.matmul(probs.view(b, num_kv, (num_heads // num_kv) * q_len, -1), values)
     return out.view(b, num_heads, q_len, values.shape[-1]).to(query.dtype)
+
+
+def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tensor | None:
+    """Which store positions each batch row may attend to at all, read from a Hugging Face
+    attention mask ``[batch|1, 1|heads, q_len, >= capacity]`` (bool, True = attend, or
+    additive float: hidden where ``-inf`` or below half the dtype's minimum, visible
+    otherwise, a finite bias included): its last query row, first head. Left padding hides a
+    row's pad positions there. Returns bool ``[batch|1, 1, capacity]``, or None for no mask."""
+    if attn_mask is None:
+        return None
+    last = attn_mask[:, :1, -1, :capacity]  # [b, 1, capacity]
+    # additive masks: hidden = -inf or the dtype's minimum; other values (0, or a finite bias
+    # such as Doge's dynamic mask) are visible
+    last = last if last.dtype == torch.bool else last > torch.finfo(last.dtype).min / 2
+    if last.shape[-1] < capacity:  # a mask narrower than the store hides the rest
+        last = torch.nn.functional.pad(last, (0, capacity - last.shape[-1]), value=False)
+    return last
+
+
+def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
+                             scale: float, rope_keys: torch.Tensor | None = None,
+                             position_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-KV-group attention weights of one query row over the allowed positions.
+
+    Args:
+        query: ``[batch, num_heads, 1, head_dim]``.
+        keys: ``[batch, num_kv_heads, capacity, head_dim]`` (disallowed slots may hold garbage).
+        allowed: bool ``[capacity]`` or ``[batch|1, 1, capacity]``: the positions the softmax
+            runs over (per batch row: padding-aware).
+        scale: softmax scale (applied to the query before the product, see
+            :func:`~specontext_compile.runtime.sparse_attention.query_key_logits`).
+        rope_keys: MLA only (:mod:`.mla`): the rotary key store ``[batch, 1, capacity, p]``;
+            the key is then ``[keys ; rope_keys]`` and ``query`` is the absorbed query
+            ``[batch, num_heads, 1, head_dim + p]`` (no concatenated copy of the stores).
+
+    Returns:
+        float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
+        of ``softmax(q . K * scale)`` (paper section 4, GQA mapping); 0 where not allowed.
+    """
+    b, num_kv, _, d = keys.shape
+    q = query.reshape(b, num_kv, -1, query.shape[-1])
+    logits = query_key_logits(q[..., :d], keys, scale)  # [b, kv, g, cap]
+    if rope_keys is not None:
+        logits = logits + query_key_logits(q[..., d:], rope_keys, scale)
+    if position_bias is not None:
+        logits = logits + position_bias.float().reshape(position_bias.shape[0], num_kv, -1, logits.shape[-1])
+    probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), float("-inf")), dim=-1).amax(dim=2)
+    return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed

@@ -28,7 +28,7 @@ try:  # torch 2.11 asks every opaque type, value types too, to be an OpaqueBase;
 except ImportError:  # torch without the base class
     _Opaque = object
 
-__all__ = ["KERNELS", "AttentionVariant", "StepSpec"]
+__all__ = ["ALL_TOKENS", "KERNELS", "AttentionVariant", "StepSpec", "candidate_slots"]
 
 KERNELS = ("auto", "torch", "triton")  # sparse attention implementations (option ``kernel``)
 
@@ -94,6 +94,17 @@ class AttentionVariant(_Opaque):
         return _fx_repr(self)
 
 
+ALL_TOKENS = 1 << 40  # candidates=inf: more slots than any store; the ops clamp it to the capacity
+
+
+def candidate_slots(budget: int, candidates: float) -> int:
+    """Candidate tokens per KV head the selection node picks: ``ceil(candidates * budget)``,
+    at least ``budget``; :data:`ALL_TOKENS` (every cached token) for ``candidates=inf``."""
+    if candidates == math.inf:
+        return ALL_TOKENS
+    return max(budget, math.ceil(candidates * budget))
+
+
 @dataclasses.dataclass(frozen=True)
 class StepSpec(_Opaque):
     """What a decode step keeps per KV head, and how (SpeContext section 4; the page rescue).
@@ -149,8 +160,6 @@ class StepSpec(_Opaque):
     def from_config(cls, config: Any) -> StepSpec:
         """The spec of a :class:`~specontext_compile.config.SpeContextConfig` (page size unset:
         :meth:`for_store` gives each store's)."""
-        from ..config import candidate_slots
-
         select = config.selection
         return cls(budget=select.budget, candidate_slots=candidate_slots(select.budget, select.candidates),
                    sink_tokens=select.sink_tokens, recent_window=select.recent_window,

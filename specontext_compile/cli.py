@@ -8,15 +8,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
-import math
 import os
 import sys
 import tempfile
 from pathlib import Path
 
 from . import cli_distill, cli_serve
+from .cli_json import write_json
 from .explain_cli import add_explain_parser, cmd_explain
 
 __all__ = ["check_paths", "main", "write_json"]
@@ -102,53 +101,6 @@ def check_paths(args) -> None:
     dumps = args.command in ("run", "explain") and not getattr(args, "dump_dir", None)
     if dumps and os.environ.get(_DUMP_ENV):
         _check_folder(Path(os.environ[_DUMP_ENV]), f"${_DUMP_ENV}", "out/dumps")
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-def _json_safe(data):
-    """``data`` with infinite floats (``candidates=inf``) as the string ``"inf"``: strict JSON
-    has no Infinity."""
-    if isinstance(data, float) and math.isinf(data):
-        return "inf" if data > 0 else "-inf"
-    if isinstance(data, dict):
-        return {k: _json_safe(v) for k, v in data.items()}
-    if isinstance(data, (list, tuple)):
-        return [_json_safe(v) for v in data]
-    return data
-
-
-def write_json(path: Path, data, what: str) -> int:
-    """Write ``data`` as JSON to ``path`` through a temporary file and a rename (a reader never
-    sees half a file; an old file survives a failed write). If that fails after all (the folder
-    vanished, the disk filled up), the figures go to a file in the temp dir instead of being lost.
-    Returns the exit code: 0, or 1 when the fallback was used."""
-    text = json.dumps(_json_safe(data), indent=2) + "\n"
-    path = Path(path)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-            os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a report gets the usual mode
-            os.replace(tmp, path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
-    except OSError as exc:
-        fd, rescue = tempfile.mkstemp(prefix=f"specontext-{path.stem}-", suffix=".json")
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-        print(f"specontext: cannot write {path} ({exc.strerror or exc}); {what} saved to {rescue} instead",
-              file=sys.stderr)
-        return 1
-    print(f"{what} written to {path}")
-    return 0
 
 
 def _add_run(sub) -> None:

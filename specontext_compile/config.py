@@ -14,7 +14,7 @@ __all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "OPTION_GROUPS", "Comp
 _INNER = ("auto", "eager", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
-from .runtime.spec import KERNELS
+from .runtime.spec import ALL_TOKENS, KERNELS, candidate_slots
 
 
 def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
@@ -29,7 +29,6 @@ def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
     return tuple(sorted(picks))
 
 
-ALL_TOKENS = 1 << 40  # candidates=inf: more slots than any store; the ops clamp it to the capacity
 
 
 def _layer_set(name: str, layers: Any, none_ok: bool = True) -> tuple[int, ...] | None:
@@ -48,14 +47,6 @@ def _layer_set(name: str, layers: Any, none_ok: bool = True) -> tuple[int, ...] 
         raise ValueError(f"specontext option {name!r} must be {takes} (decoder layers; negative counts from "
                          f"the end), got {given!r}")
     return tuple(sorted(set(layers)))
-
-
-def candidate_slots(budget: int, candidates: float) -> int:
-    """Candidate tokens per KV head the selection node picks: ``ceil(candidates * budget)``,
-    at least ``budget``; :data:`ALL_TOKENS` (every cached token) for ``candidates=inf``."""
-    if candidates == math.inf:
-        return ALL_TOKENS
-    return max(budget, math.ceil(candidates * budget))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,7 +62,7 @@ def cmd_explain(args) -> int:
     print(f"model: {args.model}  attn: {model.config._attn_implementation}  prompt tokens: {args.prompt_tokens}")
     print(result.table())
     if args.json:  # checked writable before the model loaded (cli.check_paths)
-        from .cli import write_json
+        from .cli_json import write_json
 
         return write_json(args.json, result.to_dict(), "table")
     return 0

@@ -145,7 +145,7 @@ def test_doge_dynamic_mask_is_a_bias_not_padding(monkeypatch):
 def test_row_visibility_reads_hidden_only_from_large_negative_values():
     """An additive mask hides a position with -inf or the dtype's minimum; 0 and any finite
     bias are visible; a bool mask is taken as is."""
-    from specontext_compile.runtime.aten_step import row_visibility
+    from specontext_compile.runtime.sparse_attention import row_visibility
 
     low = torch.finfo(torch.float16).min
     mask = torch.tensor([[[[0.0, 1.5, -2.0, float("-inf"), low]]]], dtype=torch.float16)

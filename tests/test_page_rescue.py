@@ -12,7 +12,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from specontext_compile.runtime import aten_step, page_bounds
+from specontext_compile.runtime import aten_step, page_bounds, sparse_attention
 from specontext_compile.runtime.kv_cache import SpeContextLayer
 from _tiny import compiled_steps, decode_graph_ops
 from specontext_compile.backend import clear_compile_reports
@@ -373,7 +373,7 @@ def test_refine_and_attend_equals_refine_then_attend(seed, groups, q_len, budget
     mask = torch.ones(b, 1, q_len, cap, dtype=torch.bool)
     mask[1, ..., :pads] = False  # row 1 left-padded
     scores = torch.rand(b, kv, cap, generator=g)
-    visible = aten_step.row_visibility(mask, cap)
+    visible = sparse_attention.row_visibility(mask, cap)
     cand = aten_step.select_positions(scores, length_t - q_len, q_len, budget + 4, 1, 2, window, visible)
     spec = StepSpec(budget, budget, sink_tokens=1, recent_window=2, rescue_tokens=rescue_pages * page,
                     page_tokens=page)

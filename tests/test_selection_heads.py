@@ -13,7 +13,8 @@ from specontext_compile.backend import clear_compile_reports
 from specontext_compile.passes import sparse_rewrite
 from specontext_compile.passes.head_draft import DraftHead
 from specontext_compile.passes.head_lagged import LaggedQueryHead
-from specontext_compile.passes.heads import SelectionHead, make_head
+from specontext_compile.passes.heads import SelectionHead
+from specontext_compile.passes.sparse_rewrite import make_head
 from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.spec import StepSpec
 
