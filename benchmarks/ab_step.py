@@ -17,7 +17,7 @@ Inductor's and AOTAutograd's caches are off (both compiles have the same sources
 is compiled from a code object of its own (dynamo's cache is per code object), then the two
 steps alternate ``--steps`` times; medians and the ratio go to stdout and ``--json``.
 
-    python -m benchmarks.ab_step --swap selection --context 8192 --budget 16384 --steps 40 --json docs/ab_dense_step_selection_8k_2026-12-05.json
+    python -m benchmarks.ab_step --swap selection --context 8192 --budget 16384 --steps 40 --json docs/results/ab_dense_step_selection_8k_2026-12-05.json
 """
 
 from __future__ import annotations

@@ -10,14 +10,14 @@ Each variant runs twice on one inductor cache folder: ``cold`` (a new, empty fol
 ``restart`` (a new process on the folder the cold run filled: what a user's second launch
 costs).
 
-    python -m benchmarks.compile_time --variants '{}' '{"regional": false}' --json docs/compile_time.json
+    python -m benchmarks.compile_time --variants '{}' '{"regional": false}' --json docs/results/compile_time.json
     python -m benchmarks.compile_time --model tiny --context 64 --steps 3     # smoke test
 
 ``--interleaved`` instead compiles every variant in one process and times their steps in
 turn (step 1 of each, then step 2 of each, ...): the fair comparison of step times, since two
 processes minutes apart on this machine differ by more than the variants do.
 
-    python -m benchmarks.compile_time --interleaved --steps 60 --json docs/compile_time_steps.json
+    python -m benchmarks.compile_time --interleaved --steps 60 --json docs/results/compile_time_steps.json
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ CONTENDERS = ("hf-eager", "hf-static-inductor", "own-dense", "specontext-512", "
 # costs the step ~11% at 30 layers: docs/benchmarks.md, "Compile time"), the slower compile
 OWN_DENSE = {"options": {"budget": 1 << 30, "page_rescue": 0, "regional": False}, "dynamic": False}
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs"
+DOCS = ROOT / "docs" / "results"  # raw figures; the pages that cite them are in docs/
 # OpenVINO GenAI, the peer run by benchmarks/openvino_peer.py in its own venv
 OPENVINO_VENV = ROOT / ".venv-openvino"
 OPENVINO_MODEL = ROOT / "out" / "openvino" / "smollm2-135m"
@@ -929,7 +929,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true",
                         help="smoke test: small contexts, batch 1 and 2, 4 steps")
     parser.add_argument("--json", type=Path, default=None,
-                        help="results file (default docs/benchmarks_decode.json; "
+                        help="results file (default docs/results/benchmarks_decode.json; "
                              "quick: out/benchmarks_decode_quick.json)")
     parser.add_argument("--plot-dir", type=Path, default=None,
                         help="where plots go, named as the JSON file (default docs/; quick: out/)")

@@ -18,14 +18,14 @@ setting and configuration (budget x candidates), against one dense run (Hugging 
 * **path counts** (``SpeContextCache.path_counts()``): which path produced the numbers.
 
 The JSON keeps per task the token hashes of :meth:`FarContextTask.describe` and dense's
-argmax, so the kvpress JSON (``docs/fidelity_kvpress_8k.json``) can be checked for the same
+argmax, so the kvpress JSON (``docs/results/fidelity_kvpress_8k.json``) can be checked for the same
 tokens: ``same_dense_argmax`` counts the positions where our dense argmax equals the one the
 kvpress run recorded (transformers 5.24 here, 5.2 there).
 
 Run (about 1 minute per task and configuration at 8K on 2 CPU cores, plus compilation)::
 
     .venv/bin/python -m benchmarks.far_context_backend --context 8192 --steps 128 \\
-        --budgets 1024 --candidates 1 4 --out docs/fidelity_far_context_backend_8k.json
+        --budgets 1024 --candidates 1 4 --out docs/results/fidelity_far_context_backend_8k.json
 
 An existing ``--out`` of the same context and steps is resumed: its configurations are kept
 (a run of the same configuration replaces them) and ``commands`` lists every run.
@@ -125,7 +125,7 @@ def main() -> None:
     parser.add_argument("--page-rescue", type=int, default=None,
                         help="option page_rescue for every configuration (default: the backend's, 2 x budget)")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=SETTINGS)
-    parser.add_argument("--kvpress-json", type=Path, default=Path("docs/fidelity_kvpress_8k.json"),
+    parser.add_argument("--kvpress-json", type=Path, default=Path("docs/results/fidelity_kvpress_8k.json"),
                         help="the kvpress peer's JSON, to check that both ran the same tokens")
     parser.add_argument("--render", type=int, default=None, metavar="BUDGET",
                         help="only print the side-by-side table of --out and --kvpress-json at BUDGET")

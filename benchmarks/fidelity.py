@@ -219,7 +219,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.plots_from:
         for context, res in json.loads(args.plots_from.read_text()).items():
-            plot_decode(res, int(context), args.plots or Path("docs"))
+            plot_decode(res, int(context), args.plots or Path("docs/results"))
         return
     model, tok = load_model("smollm2-135m")
     policies = {SHORT[k]: POLICIES[SHORT[k]] for k in args.policies}

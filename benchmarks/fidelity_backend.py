@@ -16,7 +16,7 @@ the first ``context`` tokens of ``pydoc_data.topics`` as the prompt (dense prefi
 Run (about 2 minutes per configuration at 8K on 2 CPU cores, most of it compiling)::
 
     .venv/bin/python -m benchmarks.fidelity_backend --context 8192 --steps 256 \\
-        --budgets 256 512 1024 2048 --candidates 1 2 4 --out docs/fidelity_backend_8k.json
+        --budgets 256 512 1024 2048 --candidates 1 2 4 --out docs/results/fidelity_backend_8k.json
 """
 
 from __future__ import annotations

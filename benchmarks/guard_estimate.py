@@ -28,7 +28,7 @@ guard would run dense at a few thresholds and the true recall of those it would 
 Run (about 5 minutes at 8K on 2 idle CPU cores)::
 
     .venv/bin/python -m benchmarks.guard_estimate --context 8192 --steps 9 --budget 1024 \\
-        --candidates 1 2 4 8 --out docs/guard_estimate_8k.json
+        --candidates 1 2 4 8 --out docs/results/guard_estimate_8k.json
 """
 
 from __future__ import annotations

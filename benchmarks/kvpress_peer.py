@@ -3,7 +3,7 @@
 Runs in ``.venv-kvpress`` (``bash scripts/kvpress_venv.sh``; kvpress pins transformers<5.3):
 
     .venv-kvpress/bin/python -m benchmarks.kvpress_peer --context 8192 --steps 128 \\
-        --budgets 256 512 1024 2048 --out docs/fidelity_kvpress_8k.json
+        --budgets 256 512 1024 2048 --out docs/results/fidelity_kvpress_8k.json
 
 Tasks (:mod:`benchmarks.far_context`): on the first ``N = context - 64`` tokens of
 ``pydoc_data.topics``, a *copy* task per depth (0.1, 0.5, 0.9: the question gives the first 12

@@ -26,7 +26,7 @@ per window** (decode steps timed one by one, ``perf_counter`` around each call),
 path counters of the cache (how many sites ran sparse). The generated text's repetition
 (distinct 4-gram share) is reported too: a looping output is an easy case for any selection.
 
-    python -m benchmarks.long_generation --prompt 2048 --generate 4096 --temperature 1.0 --top-k 50 --json docs/long_generation.json
+    python -m benchmarks.long_generation --prompt 2048 --generate 4096 --temperature 1.0 --top-k 50 --json docs/results/long_generation.json
     python -m benchmarks.long_generation --model tiny --prompt 96 --generate 64 --window 16 --json /tmp/lg.json
 """
 
@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-DOCS = Path(__file__).resolve().parent.parent / "docs"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "results"
 INSTRUCTION = ("Explain the documentation above step by step, in detail, with an example "
                "for every part, then summarise it.")
 NEAR_TIE_NATS = (0.1, 0.5, 1.0)

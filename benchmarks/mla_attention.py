@@ -9,7 +9,7 @@ inputs, plus the per-head keys/values it materialises); the floor is those bytes
 machine's measured copy rate. Every contender's output is checked against the dense one
 (the sparse ones at a selection holding every position).
 
-    python -m benchmarks.mla_attention --json docs/mla_attention.json
+    python -m benchmarks.mla_attention --json docs/results/mla_attention.json
 """
 
 from __future__ import annotations

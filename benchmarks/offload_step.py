@@ -12,16 +12,16 @@ include the compile), the compile time, and the offload manager's summary (rows 
 On CPU the device tier is emulated: an "offloaded" layer reads a separate buffer through its
 slot map, so the time difference is the cost of the row moves and the map, not of a bus.
 
-    python -m benchmarks.offload_step --context 4096 --steps 20 --json docs/offload_step_smollm2.json
+    python -m benchmarks.offload_step --context 4096 --steps 20 --json docs/results/offload_step_smollm2.json
 
 ``--profile N`` then runs N more steps of each under ``torch.profiler`` and reports the ops
 with the most self CPU time per step; ``--inline-copies`` runs the offload copies on the
 calling thread instead of the CPU worker (:class:`~specontext_compile.runtime.streams.CopyStream`
 ``inline``), to see what the worker costs on a machine without a spare core:
 
-    python -m benchmarks.offload_step --context 4096 --steps 12 --profile 3 --json docs/offload_step_profile.json
+    python -m benchmarks.offload_step --context 4096 --steps 12 --profile 3 --json docs/results/offload_step_profile.json
     python -m benchmarks.offload_step --context 4096 --steps 12 --profile 3 --inline-copies \
-        --json docs/offload_step_profile_inline.json
+        --json docs/results/offload_step_profile_inline.json
 """
 
 from __future__ import annotations

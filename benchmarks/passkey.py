@@ -8,7 +8,7 @@ answer (:func:`is_solved`). Each case runs once dense (plain eager ``model.gener
 per ``(budget, candidates)`` through ``specontext_compile.compile``.
 
 Prompt (phrasing ``intro_prefix``, the default; see :data:`PHRASINGS` and
-docs/passkey_sweep.json)::
+docs/results/passkey_sweep.json)::
 
     <|im_start|>system
     You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>
@@ -45,7 +45,7 @@ length; ``torch._dynamo.reset()`` runs between configurations. Results are writt
 every run; an existing ``--out`` is resumed (runs already in it are skipped).
 
     .venv/bin/python -m benchmarks.passkey --lengths 2048 4096 8000 --depths 0.1 0.5 0.9 \\
-        --budgets 256 512 1024 --candidates 1 2 --out docs/passkey_sweep.json
+        --budgets 256 512 1024 --candidates 1 2 --out docs/results/passkey_sweep.json
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="run ours only on cases dense solves (dense runs first); a later run "
                              "without it fills in the rest")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
-    parser.add_argument("--out", type=Path, default=Path("docs/passkey_sweep.json"))
+    parser.add_argument("--out", type=Path, default=Path("docs/results/passkey_sweep.json"))
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.threads:

@@ -20,7 +20,7 @@ lowered functions, run by the graph module's Python) and replaces
 tokens and the length they were kept at. Eager only: the kept state lives in Python, so the
 numbers say nothing about speed.
 
-    python -m benchmarks.selection_reuse --mode reuse --every 2 --out docs/selection_reuse_8k.json \\
+    python -m benchmarks.selection_reuse --mode reuse --every 2 --out docs/results/selection_reuse_8k.json \\
         --context 8192 --steps 128 --budgets 1024 --candidates 1 --page-rescue default --inner eager \\
         --dense-cache out/dense_8k_128.pt
 

@@ -7,8 +7,8 @@ one-request step, ``SpeContextCache``) with the options the batched engine ran; 
 request's greedy tokens with the tokens the batched specontext engine gave it, and counts the
 gather path of the solo run (every decode step of every layer must have gathered).
 
-    python -m benchmarks.serving_solo --run docs/serving_8x4096_3072.json --check 2 --json docs/serving_8x4096_3072_solo.json
-    python -m benchmarks.serving_solo --run docs/serving_8x4096_3072.json --start 2 --check 6 --json docs/serving_8x4096_3072_solo.json
+    python -m benchmarks.serving_solo --run docs/results/serving_8x4096_3072.json --check 2 --json docs/results/serving_8x4096_3072_solo.json
+    python -m benchmarks.serving_solo --run docs/results/serving_8x4096_3072.json --start 2 --check 6 --json docs/results/serving_8x4096_3072_solo.json
 
 The second command adds requests 2-7 to the report the first wrote (one run of each request
 takes 6-8 minutes on this quiet 2-core CPU at [4K in, 3K out]: docs/serving.md).
