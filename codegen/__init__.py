@@ -1,9 +1,9 @@
 """Generated Triton kernels for SpeContext (arXiv 2512.00722): sparse decode attention over the
-selected tokens (section 4) and retrieval-head scoring (section 3.2).
+selected tokens (section 4).
 
 Public API:
 
-* ``KernelSpec`` / ``RetrievalSpec``: frozen dataclasses, the cache key of a kernel.
+* ``KernelSpec``: a frozen dataclass, the cache key of a kernel.
 * ``generated_source(spec) -> str``: the Triton source generated for a spec
   (CLI: ``python -m specontext_compile.codegen show --head-dim 128 --group 4 --dtype bf16``).
 * ``load_kernels(spec)``: compile once and cache by spec.
@@ -30,13 +30,12 @@ from .compiler import (
     triton_available,
 )
 from .generator import generated_source
-from .reference import reference_retrieval_scores, reference_sparse_decode_attention
-from .spec import KernelSpec, RetrievalSpec
+from .reference import reference_sparse_decode_attention
+from .spec import KernelSpec
 
 __all__ = [
     "CompiledKernels",
     "KernelSpec",
-    "RetrievalSpec",
     "cache_dir",
     "check_selection",
     "choose_splits",
@@ -44,7 +43,6 @@ __all__ = [
     "generated_source",
     "interpreter_enabled",
     "load_kernels",
-    "reference_retrieval_scores",
     "reference_sparse_decode_attention",
     "sparse_decode_attention",
     "sparse_mla_decode_attention",

@@ -1,7 +1,6 @@
 """Command line of the kernel generator.
 
     python -m specontext_compile.codegen show --head-dim 128 --group 4 --dtype bf16
-    python -m specontext_compile.codegen show --kind retrieval --head-dim 64 --group 4
     python -m specontext_compile.codegen compile --grid        # build for sm_90, no GPU
 
 ``show`` prints the generated Triton source of one spec; ``compile`` builds specs for an
@@ -17,7 +16,6 @@ import sys
 
 
 def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--kind", choices=("attention", "retrieval"), default="attention")
     parser.add_argument("--head-dim", type=int, default=128, help="key width (MLA: latent)")
     parser.add_argument("--head-dim-v", type=int, default=0, help="value width (0: head-dim)")
     parser.add_argument("--rope-dim", type=int, default=0, help="MLA RoPE width (0: no MLA)")
@@ -30,12 +28,8 @@ def _add_spec_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _spec_from_args(args: argparse.Namespace):
-    from .spec import KernelSpec, RetrievalSpec
+    from .spec import KernelSpec
 
-    if args.kind == "retrieval":
-        return RetrievalSpec(
-            head_dim=args.head_dim, group=args.group, dtype=args.dtype, block_n=args.block_n
-        )
     return KernelSpec(
         head_dim=args.head_dim,
         head_dim_v=args.head_dim_v,
@@ -62,7 +56,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _compile_grid() -> list:
-    from .spec import KernelSpec, RetrievalSpec
+    from .spec import KernelSpec
 
     specs = [KernelSpec(head_dim=128, group=g, dtype="bf16") for g in (4, 8)]
     specs += [KernelSpec(head_dim=d, group=4, dtype="bf16") for d in (64, 80, 96, 256)]
@@ -74,7 +68,6 @@ def _compile_grid() -> list:
             head_dim=128, group=2, dtype="bf16", q_len=4, soft_cap=True, sliding_window=True
         ),
         KernelSpec(head_dim=512, rope_dim=64, group=16, dtype="bf16"),
-        RetrievalSpec(head_dim=128, group=4, dtype="bf16"),
     ]
     return specs
 

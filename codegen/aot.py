@@ -26,7 +26,7 @@ import torch
 
 from .compiler import _import_file, _write_source, interpreter_enabled
 from .generator import generated_source
-from .spec import KernelSpec, RetrievalSpec
+from .spec import KernelSpec
 
 __all__ = ["KernelBuild", "compile_for_target"]
 
@@ -76,27 +76,12 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def _fake_launch_args(
-    spec: KernelSpec | RetrievalSpec, batch: int, num_kv: int, capacity: int, num_splits: int
+    spec: KernelSpec, batch: int, num_kv: int, capacity: int, num_splits: int
 ) -> tuple[tuple, dict]:
     """Meta tensors shaped like a real decode step of ``spec``."""
     dt = spec.torch_dtype
     heads = num_kv * spec.group
     vlen = _meta((batch,), torch.int64)
-    if isinstance(spec, RetrievalSpec):
-        args = (
-            _meta((batch, heads, spec.head_dim), dt),
-            _meta((batch, num_kv, capacity, spec.head_dim), dt),
-            vlen,
-            _meta((batch, heads, capacity), torch.float32),
-            _meta((batch, heads, num_splits), torch.float32),
-            _meta((batch, num_kv, capacity), torch.float32),
-        )
-        return args, {
-            "length": capacity,
-            "scale": 0.1,
-            "split_size": capacity // num_splits,
-            "num_splits": num_splits,
-        }
     q_len, budget = spec.q_len, 2048
     tensors = [_meta((batch, heads, q_len, spec.head_dim), dt)]
     if spec.is_mla:
@@ -189,7 +174,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 
 
 def compile_for_target(
-    spec: KernelSpec | RetrievalSpec,
+    spec: KernelSpec,
     arch: int = 90,
     *,
     batch: int = 4,

@@ -39,7 +39,7 @@ from pathlib import Path
 from types import ModuleType
 
 from .generator import generated_source
-from .spec import KernelSpec, RetrievalSpec
+from .spec import KernelSpec
 
 __all__ = [
     "CompiledKernels",
@@ -172,7 +172,7 @@ class CompiledKernels:
         interpreted: whether its kernels were created under ``TRITON_INTERPRET=1``.
     """
 
-    spec: KernelSpec | RetrievalSpec
+    spec: KernelSpec
     source: str
     path: Path
     module: ModuleType
@@ -256,7 +256,7 @@ def _import_file(path: Path, source: str | None = None) -> ModuleType:
 
 
 @functools.cache
-def _load(spec: KernelSpec | RetrievalSpec, interpreted: bool) -> CompiledKernels:
+def _load(spec: KernelSpec, interpreted: bool) -> CompiledKernels:
     source = generated_source(spec)
     path = _write_source(source, spec.name)
     module = _import_file(path, source)  # the text generated above, not what is on disk now
@@ -266,15 +266,15 @@ def _load(spec: KernelSpec | RetrievalSpec, interpreted: bool) -> CompiledKernel
     )
 
 
-def load_kernels(spec: KernelSpec | RetrievalSpec) -> CompiledKernels:
+def load_kernels(spec: KernelSpec) -> CompiledKernels:
     """Generated kernels for ``spec``, compiled once per spec and interpreter mode.
 
     Raises:
         ImportError: when triton is not installed.
-        TypeError: when ``spec`` is neither a ``KernelSpec`` nor a ``RetrievalSpec``.
+        TypeError: when ``spec`` is not a ``KernelSpec``.
     """
-    if not isinstance(spec, (KernelSpec, RetrievalSpec)):
-        raise TypeError(f"expected a KernelSpec or RetrievalSpec, got {type(spec).__name__}")
+    if not isinstance(spec, KernelSpec):
+        raise TypeError(f"expected a KernelSpec, got {type(spec).__name__}")
     if not _triton_importable():
         raise ImportError(
             "the generated kernels need triton: pip install 'specontext-compile"

@@ -24,20 +24,15 @@ import dataclasses
 import textwrap
 from string import Template
 
-from .spec import KernelSpec, RetrievalSpec
+from .spec import KernelSpec
 
-__all__ = ["attention_source", "cli_arguments", "generated_source", "retrieval_source"]
+__all__ = ["attention_source", "cli_arguments", "generated_source"]
 
 _TL_DTYPE = {"fp32": "tl.float32", "bf16": "tl.bfloat16", "fp16": "tl.float16"}
 
 
-def cli_arguments(spec: KernelSpec | RetrievalSpec) -> str:
+def cli_arguments(spec: KernelSpec) -> str:
     """Arguments of ``python -m specontext_compile.codegen show`` that regenerate ``spec``."""
-    if isinstance(spec, RetrievalSpec):
-        return (
-            f"--kind retrieval --head-dim {spec.head_dim} --group {spec.group} "
-            f"--dtype {spec.dtype} --block-n {spec.block_n}"
-        )
     args = [
         f"--head-dim {spec.head_dim}",
         f"--group {spec.group}",
@@ -56,7 +51,7 @@ def cli_arguments(spec: KernelSpec | RetrievalSpec) -> str:
     return " ".join(args)
 
 
-def _dot(spec: KernelSpec | RetrievalSpec, a: str, b: str) -> str:
+def _dot(spec: KernelSpec, a: str, b: str) -> str:
     """``tl.dot`` text for the spec's dtype: exact fp32 ("ieee", no TF32) for fp32 storage,
     interpreter-safe operands for bf16, native operands otherwise.
 
@@ -71,13 +66,13 @@ def _dot(spec: KernelSpec | RetrievalSpec, a: str, b: str) -> str:
     return f"tl.dot({a}, {b})"
 
 
-def _header(spec: KernelSpec | RetrievalSpec, what: str) -> str:
+def _header(spec: KernelSpec, what: str) -> str:
     imports = "import os\n\n"
     helpers = _BF16_DOT_HELPER if spec.dtype == "bf16" else ""
     return _header_text(spec, what, imports) + helpers
 
 
-def _header_text(spec: KernelSpec | RetrievalSpec, what: str, imports: str) -> str:
+def _header_text(spec: KernelSpec, what: str, imports: str) -> str:
     doc = textwrap.fill(
         f"Generated kernels for {spec!r}.",
         width=96,
@@ -504,174 +499,12 @@ def attention_source(spec: KernelSpec) -> str:
     return _header(spec, what) + _HELPERS + _split_kernel(spec) + merge + _launch(spec)
 
 
-_RETRIEVAL = Template('''
-@triton.jit
-def retrieval_logits_kernel(
-    q_ptr, k_ptr, vlen_ptr, logits_ptr, part_lse_ptr,
-    q_stride_b, q_stride_h, q_stride_d,
-    k_stride_b, k_stride_h, k_stride_c, k_stride_d,
-    vlen_stride_b,
-    lg_stride_b, lg_stride_h, lg_stride_n,
-    pl_stride_b, pl_stride_h, pl_stride_s,
-    length, split_size, scale,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """Logits q.k*scale of one KV group's query heads over one split of positions.
-
-    Writes the logits (fp32, -inf at positions >= valid_length) and, per head, the split's
-    log-sum-exp (-inf when the split holds no valid position).
-    """
-    scale = tl.cast(scale, tl.float32)  # fp64 when inductor launches it (see the split kernel)
-    pid_b = tl.program_id(0).to(tl.int64)
-    pid_kvh = tl.program_id(1).to(tl.int64)
-    pid_s = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP
-    heads = pid_kvh * GROUP + rows
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + pid_b * q_stride_b + heads[:, None] * q_stride_h
-                + offs_d[None, :] * q_stride_d, mask=row_ok[:, None] & d_ok[None, :], other=0.0)
-    valid_length = tl.minimum(tl.load(vlen_ptr + pid_b * vlen_stride_b), length)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-    k_base = k_ptr + pid_b * k_stride_b + pid_kvh * k_stride_h
-    lg_rows = logits_ptr + pid_b * lg_stride_b + heads[:, None] * lg_stride_h
-    start = pid_s * split_size
-    end = tl.minimum(start + split_size, length)
-    for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N).to(tl.int64)
-        pos_ok = pos < valid_length
-        k = tl.load(k_base + gather_offsets(pos, offs_d, k_stride_c, k_stride_d),
-                    mask=pos_ok[:, None] & d_ok[None, :], other=0.0)
-        s = ${qk_dot} * scale
-        s = tl.where(pos_ok[None, :], s, float("-inf"))
-        tl.store(lg_rows + pos[None, :] * lg_stride_n, s,
-                 mask=row_ok[:, None] & (pos < end)[None, :])
-        m_new = tl.maximum(m_i, max_along(s, axis=1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - m_ref) + sum_along(tl.exp(s - m_ref[:, None]), axis=1)
-        m_i = m_new
-    has_any = l_i > 0.0
-    lse = tl.where(has_any, m_i + tl.log(tl.where(has_any, l_i, 1.0)), float("-inf"))
-    tl.store(part_lse_ptr + pid_b * pl_stride_b + heads * pl_stride_h + pid_s * pl_stride_s,
-             lse, mask=row_ok)
-
-
-@triton.jit
-def retrieval_reduce_kernel(
-    logits_ptr, part_lse_ptr, vlen_ptr, scores_ptr,
-    lg_stride_b, lg_stride_h, lg_stride_n,
-    pl_stride_b, pl_stride_h, pl_stride_s,
-    vlen_stride_b,
-    sc_stride_b, sc_stride_h, sc_stride_n,
-    length, num_splits,
-    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr,
-):
-    """scores[b, kv, n] = max over the group's heads of softmax weight; -inf past valid_length."""
-    pid_b = tl.program_id(0).to(tl.int64)
-    pid_kvh = tl.program_id(1).to(tl.int64)
-    pid_n = tl.program_id(2).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)
-    row_ok = rows < GROUP
-    heads = pid_kvh * GROUP + rows
-    offs_s = tl.arange(0, BLOCK_S)
-    part = tl.load(part_lse_ptr + pid_b * pl_stride_b + heads[:, None] * pl_stride_h
-                   + offs_s[None, :] * pl_stride_s,
-                   mask=row_ok[:, None] & (offs_s < num_splits)[None, :], other=float("-inf"))
-    m = max_along(part, axis=1)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    total = sum_along(tl.exp(part - m_ref[:, None]), axis=1)
-    # A head with no valid position gets lse=+inf, hence weights exp(-inf) = 0, not NaN.
-    lse = tl.where(total > 0.0, m_ref + tl.log(tl.where(total > 0.0, total, 1.0)), float("inf"))
-
-    pos = pid_n * BLOCK_N + tl.arange(0, BLOCK_N).to(tl.int64)
-    pos_in = pos < length
-    logits = tl.load(logits_ptr + pid_b * lg_stride_b + heads[:, None] * lg_stride_h
-                     + pos[None, :] * lg_stride_n,
-                     mask=row_ok[:, None] & pos_in[None, :], other=float("-inf"))
-    weights = tl.exp(logits - lse[:, None])
-    score = max_along(tl.where(row_ok[:, None], weights, 0.0), axis=0)
-    valid_length = tl.minimum(tl.load(vlen_ptr + pid_b * vlen_stride_b), length)
-    score = tl.where(pos < valid_length, score, float("-inf"))
-    tl.store(scores_ptr + pid_b * sc_stride_b + pid_kvh * sc_stride_h + pos * sc_stride_n,
-             score, mask=pos_in)
-
-
-def launch(query, key_cache, valid_length, logits, part_lse, scores, *,
-           length, scale, split_size, num_splits):
-    """Run both retrieval phases. Inputs are validated by benchmarks/retrieval_scorer.py.
-
-    Shapes: query [batch, heads, ${head_dim}] (${dtype}, token axis dropped), key_cache
-    [batch, kv_heads, capacity, ${head_dim}], valid_length int64 [batch] (stride 0 allowed),
-    logits [batch, heads, length] and part_lse [batch, heads, num_splits] fp32 scratch,
-    scores [batch, kv_heads, length] fp32.
-    """
-    batch, num_kv_heads = key_cache.shape[0], key_cache.shape[1]
-    retrieval_logits_kernel[(batch, num_kv_heads, num_splits)](
-        q_ptr=query, k_ptr=key_cache, vlen_ptr=valid_length, logits_ptr=logits,
-        part_lse_ptr=part_lse,
-        q_stride_b=query.stride(0), q_stride_h=query.stride(1), q_stride_d=query.stride(2),
-        k_stride_b=key_cache.stride(0), k_stride_h=key_cache.stride(1),
-        k_stride_c=key_cache.stride(2), k_stride_d=key_cache.stride(3),
-        vlen_stride_b=valid_length.stride(0),
-        lg_stride_b=logits.stride(0), lg_stride_h=logits.stride(1),
-        lg_stride_n=logits.stride(2),
-        pl_stride_b=part_lse.stride(0), pl_stride_h=part_lse.stride(1),
-        pl_stride_s=part_lse.stride(2),
-        length=length, split_size=split_size, scale=scale,
-        HEAD_DIM=${head_dim}, BLOCK_D=${block_d}, GROUP=${group},
-        BLOCK_M=${block_m}, BLOCK_N=${block_n},
-        num_warps=${num_warps},
-    )
-    retrieval_reduce_kernel[(batch, num_kv_heads, triton.cdiv(length, ${block_n}))](
-        logits_ptr=logits, part_lse_ptr=part_lse, vlen_ptr=valid_length, scores_ptr=scores,
-        lg_stride_b=logits.stride(0), lg_stride_h=logits.stride(1),
-        lg_stride_n=logits.stride(2),
-        pl_stride_b=part_lse.stride(0), pl_stride_h=part_lse.stride(1),
-        pl_stride_s=part_lse.stride(2),
-        vlen_stride_b=valid_length.stride(0),
-        sc_stride_b=scores.stride(0), sc_stride_h=scores.stride(1),
-        sc_stride_n=scores.stride(2),
-        length=length, num_splits=num_splits,
-        GROUP=${group}, BLOCK_M=${block_m}, BLOCK_N=${block_n},
-        BLOCK_S=triton.next_power_of_2(num_splits),
-        num_warps=${num_warps},
-    )
-    return scores
-''')
-
-
-def retrieval_source(spec: RetrievalSpec) -> str:
-    """Source text of the retrieval scoring module for ``spec`` (section 3.2).
-
-    Defines ``retrieval_logits_kernel`` (logits + per-split log-sum-exp),
-    ``retrieval_reduce_kernel`` (softmax weight, max over the group) and ``launch(...)``.
-    """
-    body = _RETRIEVAL.substitute(
-        qk_dot=_dot(spec, "q", "tl.trans(k)"),
-        head_dim=spec.head_dim,
-        block_d=spec.block_d,
-        group=spec.group,
-        block_m=spec.block_m,
-        block_n=spec.block_n,
-        num_warps=spec.num_warps,
-        dtype=spec.dtype,
-    )
-    what = "Retrieval-head scoring: softmax(q.k*scale), max over each KV group (section 3.2)"
-    return _header(spec, what) + _HELPERS + body
-
-
-def generated_source(spec: KernelSpec | RetrievalSpec) -> str:
-    """Source text generated for ``spec`` (a ``KernelSpec`` or a ``RetrievalSpec``).
+def generated_source(spec: KernelSpec) -> str:
+    """Source text generated for ``spec``.
 
     Raises:
-        TypeError: for any other object.
+        TypeError: for anything but a ``KernelSpec``.
     """
     if isinstance(spec, KernelSpec):
         return attention_source(spec)
-    if isinstance(spec, RetrievalSpec):
-        return retrieval_source(spec)
-    raise TypeError(f"expected a KernelSpec or RetrievalSpec, got {type(spec).__name__}")
+    raise TypeError(f"expected a KernelSpec, got {type(spec).__name__}")

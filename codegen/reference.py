@@ -11,7 +11,6 @@ import torch
 
 __all__ = [
     "expand_valid_length",
-    "reference_retrieval_scores",
     "reference_sparse_decode_attention",
 ]
 
@@ -87,41 +86,3 @@ def reference_sparse_decode_attention(
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # all-masked rows -> zeros
     out = torch.einsum("bkgtn,bknd->bkgtd", probs, values)
     return out.reshape(batch, num_heads, q_len, values.shape[-1])
-
-
-def reference_retrieval_scores(
-    query_state: torch.Tensor,
-    key_cache: torch.Tensor,
-    length: int,
-    *,
-    scale: float,
-    valid_length: torch.Tensor | int | None = None,
-    compute_dtype: torch.dtype = torch.float64,
-) -> torch.Tensor:
-    """Retrieval-head scores (SpeContext section 3.2) in ``compute_dtype``.
-
-    Args:
-        query_state: ``[batch, num_heads, 1, head_dim]``.
-        key_cache: ``[batch, num_kv_heads, capacity, head_dim]``.
-        length: positions scored (``<= capacity``).
-        valid_length: optional per-request written length (``[]``/``[batch]``); default
-            ``length``.
-
-    Returns:
-        ``[batch, num_kv_heads, length]``: per KV group, the max over its query heads of the
-        softmax weight over positions ``< min(valid_length, length)``; ``-inf`` beyond.
-    """
-    batch, num_heads, _, head_dim = query_state.shape
-    num_kv = key_cache.shape[1]
-    group = num_heads // num_kv
-    vlen = expand_valid_length(
-        length if valid_length is None else valid_length, batch, query_state.device
-    ).clamp(max=length)
-    keys = key_cache[:, :, :length].to(compute_dtype)
-    q = (query_state[:, :, 0].to(compute_dtype) * scale).reshape(batch, num_kv, group, head_dim)
-    logits = torch.einsum("bkgd,bknd->bkgn", q, keys)  # query scaled first (see above)
-    valid = torch.arange(length, device=keys.device).view(1, -1) < vlen.view(-1, 1)  # [b, n]
-    logits = logits.masked_fill(~valid.view(batch, 1, 1, length), float("-inf"))
-    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)
-    scores = weights.amax(dim=2)
-    return scores.masked_fill(~valid.view(batch, 1, length), float("-inf"))

@@ -1,8 +1,7 @@
 """Kernel specifications: the key under which a generated kernel is compiled and cached.
 
 A spec is taken from one attention site matched by the backend (SpeContext, arXiv 2512.00722,
-section 4: the LLM's attention over the tokens the retrieval head selected) or from the
-retrieval head itself (section 3.2: its query against its own key cache). Two equal specs
+section 4: the LLM's attention over the tokens the retrieval head selected). Two equal specs
 always map to the same generated source and to the same compiled kernel.
 
 Block sizes are resolved in ``__post_init__`` (``0`` means "pick for me", with
@@ -31,7 +30,6 @@ def next_power_of_2(n: int) -> int:
 __all__ = [
     "DTYPE_NAMES",
     "KernelSpec",
-    "RetrievalSpec",
     "canonical_dtype",
     "next_power_of_2",
     "torch_dtype",
@@ -243,66 +241,3 @@ def _replace_spec(spec, derived: tuple[str, ...], changes: dict):
         if name not in changes and getattr(spec, name) == getattr(auto, name):
             changes[name] = 0
     return dataclasses.replace(spec, **changes)
-
-
-@dataclass(frozen=True)
-class RetrievalSpec:
-    """Specification of the retrieval scoring kernels (SpeContext section 3.2).
-
-    The retrieval head's single query per head is scored against its own key cache; the
-    softmax weights are reduced by max over the query heads of each KV group (GQA mapping,
-    section 3.2) before top-k.
-
-    Attributes:
-        head_dim: key/query width (elements), padded to a power of two with masks.
-        group: query heads per KV head.
-        dtype: storage dtype (``"fp32"``, ``"bf16"``, ``"fp16"``); fp32 accumulation.
-        block_n: positions per tile (power of two >= 16; 0 = auto).
-        num_warps: GPU warps per program (0 = auto).
-
-    Raises:
-        ValueError: in ``__post_init__`` for any value out of range.
-    """
-
-    head_dim: int = 128
-    group: int = 1
-    dtype: str = "bf16"
-    block_n: int = 0
-    num_warps: int = 0
-
-    def __post_init__(self) -> None:
-        set_ = lambda k, v: object.__setattr__(self, k, v)
-        set_("dtype", canonical_dtype(self.dtype))
-        _check_range("head_dim", self.head_dim, 1, 1024)
-        _check_range("group", self.group, 1, 256)
-        if self.block_n == 0:
-            set_("block_n", 2 * _default_block_n(self.block_d * self.torch_dtype.itemsize))
-        _check_block("block_n", self.block_n)
-        if self.num_warps == 0:
-            set_("num_warps", 4)
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"num_warps={self.num_warps} must be one of 1, 2, 4, 8, 16")
-
-    @property
-    def block_m(self) -> int:
-        """Query heads per tile, padded to a power of two >= 16."""
-        return max(MIN_DOT_BLOCK, next_power_of_2(self.group))
-
-    @property
-    def block_d(self) -> int:
-        """Padded key width."""
-        return max(MIN_DOT_BLOCK, next_power_of_2(self.head_dim))
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """Storage dtype as a torch dtype."""
-        return DTYPE_NAMES[self.dtype]
-
-    @property
-    def name(self) -> str:
-        """Short stable identifier, used in generated file names and logs."""
-        return f"retrieval_d{self.head_dim}_g{self.group}_{self.dtype}_n{self.block_n}"
-
-    def replace(self, **changes) -> RetrievalSpec:
-        """Copy with fields changed (re-validated); see ``_replace_spec``."""
-        return _replace_spec(self, ("block_n", "num_warps"), changes)

@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from specontext_compile.codegen import KernelSpec, RetrievalSpec, generated_source
+from specontext_compile.codegen import KernelSpec, generated_source
 from specontext_compile.codegen.__main__ import main as cli_main
 
 from specontext_compile import codegen
@@ -96,7 +96,7 @@ def test_source_follows_kernel_conventions():
             (128, 8, "fp32", 16, True, True),
         ]
     ]
-    + [KernelSpec(head_dim=512, rope_dim=64, group=16), RetrievalSpec(head_dim=80, group=7)],
+    + [KernelSpec(head_dim=512, rope_dim=64, group=16)],
 )
 def test_generated_source_parses(spec):
     tree = ast.parse(generated_source(spec))
@@ -134,8 +134,6 @@ def test_spec_validation():
 def test_cli_show_prints_the_source(capsys):
     assert cli_main(["show", "--head-dim", "128", "--group", "4", "--dtype", "bf16"]) == 0
     assert capsys.readouterr().out == generated_source(BASE)
-    assert cli_main(["show", "--kind", "retrieval", "--head-dim", "64", "--group", "3"]) == 0
-    assert "retrieval_logits_kernel" in capsys.readouterr().out
     assert cli_main(["show", "--q-len", "40"]) == 2
 
 
