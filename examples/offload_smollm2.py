@@ -3,7 +3,7 @@ loading, the memory model's thresholds, a Chrome trace, and agreement with offlo
 
     .venv/bin/python examples/offload_smollm2.py --prompt-file examples/pydoc_prompt.txt \\
         --budget 1024 --new-tokens 48 --json out/offload_smollm2.json \\
-        --trace docs/offload_trace_smollm2.json
+        --trace docs/results/offload_trace_smollm2.json
 
 CPU heavy (three prefills of the prompt): run it once. The device tier is emulated
 (``device_memory_bytes``) and sized so that ``--offload-at-start`` layers must leave it at

@@ -3,9 +3,9 @@ its config (``tests/_family_matrix.py``), decoded eagerly (dense) and through th
 specontext backend (prompt 30 tokens + 20 decode steps, budget 128 >= context,
 ``dense_shortcut=False``: the gather path), each case in its own subprocess with a timeout.
 
-    .venv/bin/python scripts/family_table.py --json docs/families.json --markdown docs/families_table.md
+    .venv/bin/python scripts/family_table.py --json docs/results/families.json --markdown docs/families_table.md
     .venv/bin/python scripts/family_table.py --families llama,olmo2 --both
-    .venv/bin/python scripts/family_table.py --families doge --update --json docs/families.json --markdown ...
+    .venv/bin/python scripts/family_table.py --families doge --update --json docs/results/families.json --markdown ...
 
 Per family the attention implementation is sdpa where transformers accepts it, else eager
 (``--both``: eager as well where both exist). Status per case: ``rewritten`` (every decode

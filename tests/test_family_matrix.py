@@ -9,7 +9,7 @@ import pytest
 
 from specontext_compile.tiny_models import FAMILIES as HAND_TUNED
 
-# picked from docs/families.json: quick, and each with something of its own
+# picked from docs/results/families.json: quick, and each with something of its own
 QUICK = {
     "bert-generation": "an encoder family run as a causal decoder (is_decoder=True)",
     "codegen": "partial rotary (rotary_dim), fused qkv",

@@ -314,7 +314,7 @@ def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeyp
 
 
 def _device_error(name: str = "sparse_decode_split_kernel"):
-    """The error inductor raised on the H200 (docs/gpu_pytest_h200_2026-12-04_run5.log), shortened:
+    """The error inductor raised on the H200 (docs/results/gpu_pytest_h200_2026-12-04_run5.log), shortened:
     the kernel's name and the cause come lines after the first."""
     from torch._inductor.compile_worker.subproc_pool import SubprocException
     from torch._inductor.exc import InductorError
