@@ -13,6 +13,9 @@ the first ``context`` tokens of ``pydoc_data.topics`` as the prompt (dense prefi
 * **path counts**: ``SpeContextCache.path_counts()`` after the run (steps, sparse/gather
   sites, guard fallbacks) — which path produced the numbers.
 
+``--dtype bfloat16`` runs the model, its KV and the dense reference in bf16 (the agreement is
+then against bf16 dense decoding).
+
 Run (about 2 minutes per configuration at 8K on 2 CPU cores, most of it compiling)::
 
     .venv/bin/python -m benchmarks.fidelity_backend --context 8192 --steps 256 \\
@@ -104,10 +107,10 @@ def _lost_steps(argmax: torch.Tensor, dense_argmax: torch.Tensor, dense_margin: 
 
 def _dense(model, ids: torch.Tensor, context: int, steps: int, cache: Path | None):
     """:func:`dense_run`, or its saved result from ``cache`` when it was made for the same
-    tokens (``ids[:, :context + steps + 1]``) and model (parameter count); else the dense run
+    tokens (``ids[:, :context + steps + 1]``) and model (parameter count, dtype); else the dense run
     is made again and the file rewritten (logged)."""
     key = {"context": context, "steps": steps, "ids": ids[:, : context + steps + 1].clone(),
-           "parameters": sum(p.numel() for p in model.parameters())}
+           "parameters": sum(p.numel() for p in model.parameters()), "dtype": str(model.dtype)}
     if cache is not None and cache.exists():
         saved = torch.load(cache, weights_only=True)
         if all(k in saved and (torch.equal(saved[k], v) if isinstance(v, torch.Tensor) else saved[k] == v)
@@ -176,19 +179,21 @@ def main() -> None:
                         help="option retrieval_layers, one run per value: 'default' (the backend's eight layers) or "
                              "layers and ranges, e.g. 4,16")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's and the KV's dtype; the dense reference runs in the same dtype")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dense-cache", type=Path,
                         help="keep the dense reference run here (torch.save) and reuse it when it exists for the "
                              "same context and steps (saves the dense run: minutes at 8K)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    model, tok = load_model("smollm2-135m")
+    model, tok = load_model("smollm2-135m", getattr(torch, args.dtype))
     ids = harness_ids(tok)
     if ids.shape[1] <= args.context + args.steps:
         raise SystemExit(f"the text has {ids.shape[1]} tokens; need more than context + steps")
     out = json.loads(args.out.read_text()) if args.out.exists() else {}
-    key = f"{args.context}x{args.steps}"
-    res = out.setdefault(key, {"context": args.context, "steps": args.steps, "runs": {}})
+    key = f"{args.context}x{args.steps}" + ("" if args.dtype == "float32" else f"_{args.dtype}")
+    res = out.setdefault(key, {"context": args.context, "steps": args.steps, "dtype": args.dtype, "runs": {}})
     dense_argmax, dense_nll, dense_margin = _dense(model, ids, args.context, args.steps, args.dense_cache)
     res["dense_nll"] = float(dense_nll.mean())
     res["dense_near_ties"] = {f"margin<{t:g}": int((dense_margin < t).sum()) for t in NEAR_TIE_NATS}
