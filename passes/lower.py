@@ -226,8 +226,8 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
     and each site's attention stays one Python call a caller can observe (a wrapper of
     ``aten_step.sparse_attention`` set before the graph is compiled).
 
-    ``kernel_device`` (CUDA graphs): each plain sparse attention site the generated Triton
-    kernel serves exactly (:func:`~..runtime.kernel_step.kernel_reason`, read from the nodes'
+    ``kernel_device`` (CUDA graphs): each sparse attention site (soft cap and sliding window
+    included) the generated Triton kernel serves exactly (:func:`~..runtime.kernel_step.kernel_reason`, read from the nodes'
     example values) calls :func:`~..runtime.kernel_step.kernel_attention` instead of the torch
     body (``LowerResult.kernel``; the others' reasons in ``LowerResult.kernel_refused``).
 

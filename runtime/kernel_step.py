@@ -1,7 +1,7 @@
 """The generated Triton kernel inside the compiled decode step (issue 27, item 6).
 
 SpeContext (arXiv 2512.00722), section 4: every layer attends only to the selected tokens.
-On CUDA the lowered step (``passes/lower.py``) calls :func:`kernel_attention` at each plain
+On CUDA the lowered step (``passes/lower.py``) calls :func:`kernel_attention` at each
 sparse-attention site the kernel can serve exactly (:func:`kernel_reason` says which);
 it calls the op ``specontext::generated_attention``, a ``torch.library.triton_op`` whose
 body launches our generated split-K kernel (``codegen``) through ``wrap_triton``. Inductor
@@ -22,6 +22,8 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from torch.library import triton_op, wrap_triton
@@ -34,9 +36,9 @@ from .spec import AttentionVariant, StepSpec
 __all__ = ["generated_attention", "kernel_attention", "kernel_reason", "launch_generated"]
 
 
-
 def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                        indices: torch.Tensor, length: torch.Tensor, scale: float) -> torch.Tensor:
+                     indices: torch.Tensor, length: torch.Tensor, scale: float, soft_cap: Optional[float],
+                     sliding_window: int) -> torch.Tensor:
     """Attention of ``query`` over the selected positions only, through the generated
     Triton kernel (:func:`~specontext_compile.codegen.sparse_decode_attention`, launched with
     ``wrap_triton``); on CPU the torch reference.
@@ -49,6 +51,9 @@ def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         length: int64 ``[]`` or ``[batch]``: tokens written, this step's included (row ``r``
             sees ``p <= length - q_len + r``).
         scale: softmax scale.
+        soft_cap: Gemma-2's logit soft cap (``c * tanh(logits / c)``), or None.
+        sliding_window: 0, or the window ``W``: row ``r`` sees only ``p > length - q_len + r - W``
+            (:class:`~.spec.AttentionVariant`).
 
     Returns:
         ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``; a row with nothing
@@ -57,6 +62,7 @@ def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     from ..codegen import sparse_decode_attention
 
     return sparse_decode_attention(query, key_cache, value_cache, indices, length, scale=scale,
+                                   soft_cap=soft_cap, sliding_window=sliding_window or None,
                                    check_indices=False, wrap=wrap_triton)
 
 
@@ -65,9 +71,9 @@ generated_attention = triton_op("specontext::generated_attention", mutates_args=
 
 
 @generated_attention.register_kernel("cpu")
-def _reference(query, key_cache, value_cache, indices, length, scale):
+def _reference(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window):
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, None,
-                                      AttentionVariant(scale))
+                                      AttentionVariant(scale, soft_cap, sliding_window))
 
 
 def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor | None, spec: StepSpec,
@@ -75,15 +81,15 @@ def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch
     """Why a sparse-attention site cannot take the generated kernel, or None when it can.
 
     Reads static facts only (devices, dtypes, shapes of example or fake tensors): a site
-    takes it on CUDA with ``spec.kernel == "auto"``, plain attention (``variant.plain``: no
-    soft cap, sliding window or learned sinks), a budget below the store's capacity when
+    takes it on CUDA with ``spec.kernel == "auto"`` (a soft cap and a sliding window are the
+    kernel's own ``tl.constexpr`` flags; sites with learned sinks or a position bias never
+    reach this op), a budget below the store's capacity when
     the dense shortcut is on, ``q_len``, ``head_dim`` and the GQA group within the kernel's
     limits (``codegen.spec``), fp32/bf16/fp16 tensors of one dtype, and no mask or a bool
     mask of one head and one query row (folded into the selection)."""
     checks = (
         (query.device.type == "cuda", "not a CUDA tensor"),
         (spec.kernel == "auto", f"kernel={spec.kernel!r}"),
-        (variant.plain, "soft cap, sliding window or learned sinks"),
         (not (spec.dense_shortcut and known(spec.budget >= key_cache.shape[-2])), "dense shortcut over the store"),
         (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
         (query.dtype in DTYPE_NAMES.values() and key_cache.dtype == query.dtype,
@@ -115,4 +121,5 @@ def kernel_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         visible = attn_mask[:, 0, 0, :].expand(b, attn_mask.shape[-1]).gather(
             1, indices.clamp(min=0).view(b, num_kv * budget)).view(b, num_kv, budget)
         indices = torch.where(visible, indices, -1)
-    return generated_attention(query, key_cache, value_cache, indices, length, variant.scale)
+    return generated_attention(query, key_cache, value_cache, indices, length, variant.scale, variant.soft_cap,
+                               variant.sliding_window)

@@ -32,8 +32,8 @@ def sparse_attention(
 ) -> torch.Tensor:
     """Attention over the selected tokens; see
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` for shapes
-    and :class:`~.spec.AttentionVariant` for ``variant`` (a soft cap or a sliding window
-    always takes the torch path).
+    and :class:`~.spec.AttentionVariant` for ``variant`` (a soft cap and a sliding window are
+    the generated kernel's own flags; the dense shortcut is for plain sites only).
     ``length`` counts this step's tokens (the op runs after the layer's ``kv_write``).
     ``spec.kernel``: ``"torch"``, ``"triton"`` or ``"auto"`` (see ``SpeContextConfig.kernel``).
 
@@ -65,13 +65,13 @@ def sparse_attention(
     plain = variant.plain
     if plain and spec.dense_shortcut and aten_step.covers_store(indices, key_cache):
         counters["specontext"]["dense_prefix_calls"] += 1
-    elif plain and _use_triton(spec.kernel, query) and _mask_allows_selection(attn_mask, indices, length,
-                                                                              query.shape[2]):
+    elif _use_triton(spec.kernel, query) and _mask_allows_selection(attn_mask, indices, length, query.shape[2]):
         from ..codegen import sparse_decode_attention
 
         counters["specontext"]["triton_attention_calls"] += 1
         return sparse_decode_attention(
-            query, key_cache, value_cache, indices, length, scale=variant.scale, check_indices=False
+            query, key_cache, value_cache, indices, length, scale=variant.scale, soft_cap=variant.soft_cap,
+            sliding_window=variant.sliding_window or None, check_indices=False
         )
     else:
         counters["specontext"]["gather_attention_calls"] += 1

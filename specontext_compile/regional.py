@@ -23,7 +23,8 @@ Invariants:
 - **Reuse only for the same program.** Equal keys mean the same ops and constants on inputs
   of the same shapes, strides and dtypes; inductor's size/stride asserts check every call.
 - **Whole otherwise.** A graph with ``get_attr`` constants, a node whose fake value cannot be
-  derived, or fewer than two decoder layers is compiled whole, with the reason at DEBUG; the
+  derived, an op writing a list or optional argument (``lower=False``), or fewer than two
+  decoder layers is compiled whole, with the reason at DEBUG; the
   caller decides freezing (weights must stay inputs for a region to be shared, so regional
   graphs are not frozen).
 - **Symbolic shapes** (a graph dynamo recompiled with dynamic sizes) are split the same way;
@@ -191,9 +192,26 @@ def _symbols_bound(graph: fx.Graph) -> bool:
     return used <= bound
 
 
+def _mutates_a_non_tensor(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op whose schema writes an argument that is not a plain tensor
+    (a list of tensors, an optional tensor: ``kv_write``'s page bounds when our ops are kept,
+    ``lower=False``). torch 2.13's ``invoke_subgraph`` builds its schema from the tensors an
+    op writes and asserts each is one tensor, so such a graph is compiled whole."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        schemas = [getattr(target, name)._schema for name in target.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        schemas = [target._schema]
+    else:
+        return False
+    return any(a.is_write and str(a.type) != "Tensor" for schema in schemas for a in schema.arguments)
+
+
 def _whole_reason(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> str | None:
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return "the graph holds get_attr constants"
+    if any(n.op == "call_function" and _mutates_a_non_tensor(n) for n in gm.graph.nodes):
+        return "an op writes a list or optional tensor argument (invoke_subgraph takes tensors only)"
     if not _fill_values(gm.graph):
         return "a node's value cannot be derived from fake inputs"
     if not _symbols_bound(gm.graph):

@@ -193,6 +193,35 @@ def test_triton_kernels_run_end_to_end_under_the_interpreter(monkeypatch):
     assert counters["specontext"]["triton_attention_calls"] == 2 * 4
 
 
+def test_soft_capped_and_windowed_sites_take_the_kernel_under_the_interpreter(monkeypatch):
+    """Gemma-2 (a logit soft cap at every layer, a sliding window at every other one): the
+    generated kernel serves both variants through its own flags (issue 53, item 3: they were
+    unreachable) and gives the torch body's logits. The cap is lowered to 0.05 so that it
+    shapes every softmax: a kernel that ignored it fails here (checked). The window's
+    positions are already the window sites' selection, so the kernel's window flag is checked
+    against float64 by tests/test_codegen_attention.py, not here."""
+    from specontext_compile.tiny_models import tiny_family
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_family("gemma2", "eager")
+    for layer in model.model.layers:
+        layer.self_attn.attn_logit_softcapping = 0.05  # moves the logits by 6e-3 (1.0: 3e-5)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(5))
+    options = {"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager"}
+    runs, calls = {}, {}
+    for kernel in ("torch", "triton"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model.forward, backend="specontext", options=dict(options, kernel=kernel))
+        runs[kernel] = decode_logits(model, compiled, ids, 3, sc.SpeContextCache(model.config, max_cache_len=48))
+        calls[kernel] = dict(counters["specontext"])
+    for a, b in zip(runs["triton"], runs["torch"]):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+    layers = model.config.num_hidden_layers
+    assert calls["torch"].get("triton_attention_calls", 0) == 0
+    assert calls["triton"]["triton_attention_calls"] == layers * 3, calls["triton"]
+
+
 def test_padding_mask_is_checked_once_per_decode_step_and_never_reused_across_steps(monkeypatch):
     """The Triton path needs the mask to hide nothing at the selected positions; the check
     (a device sync on GPUs) runs for the first layer of a step and is reused by the others,

@@ -36,30 +36,33 @@ def _case(batch, heads, kv_heads, capacity, budget, length, dtype=torch.float32,
     return query, key, value, indices, torch.tensor(length)
 
 
-def _float64(query, key, value, indices, length, mask=None):
+def _float64(query, key, value, indices, length, mask=None, soft_cap=None, window=0):
     return sparse_attention_reference(query.double(), key.double(), value.double(), indices, length, mask,
-                                      AttentionVariant(64 ** -0.5))
+                                      AttentionVariant(64 ** -0.5, soft_cap, window))
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(batch=st.integers(1, 2), groups=st.sampled_from([1, 3]), kv_heads=st.integers(1, 2),
-       budget=st.integers(1, 40), seed=st.integers(0, 100))
+       budget=st.integers(1, 40), seed=st.integers(0, 100), soft_cap=st.sampled_from([None, 0.5]),
+       window=st.sampled_from([0, 12]))
 def test_the_ops_cuda_body_launched_through_wrap_triton_equals_float64_attention(batch, groups, kv_heads,
-                                                                                   budget, seed):
+                                                                                   budget, seed, soft_cap, window):
     """The body the op runs on CUDA (the generated split and merge kernels, each launched
-    through ``wrap_triton``), here under the interpreter: within 1e-5 of float64."""
+    through ``wrap_triton``), here under the interpreter: within 1e-5 of float64, for every
+    variant the lowering sends it (plain, a soft cap, a sliding window, both)."""
     query, key, value, indices, length = _case(batch, groups * kv_heads, kv_heads, 64, budget, 50, seed=seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fixture sets the interpreter on CPU
     out = kernel_step.launch_generated(*(t.to(device) for t in (query, key, value, indices, length)),
-                                       64 ** -0.5).cpu()
-    torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length), atol=1e-5, rtol=1e-5)
+                                       64 ** -0.5, soft_cap, window).cpu()
+    torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length, None, soft_cap, window),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_the_ops_cpu_body_is_the_torch_reference():
     """On CPU tensors the op runs the torch reference (its oracle), not the interpreter."""
     query, key, value, indices, length = _case(2, 6, 2, 64, 24, 50)
-    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5)
-    expected = sparse_attention_reference(query, key, value, indices, length, None, AttentionVariant(64 ** -0.5))
+    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12)
+    expected = sparse_attention_reference(query, key, value, indices, length, None, AttentionVariant(64 ** -0.5, 0.5, 12))
     assert torch.equal(out, expected)
 
 
@@ -160,15 +163,13 @@ def test_the_backend_lowering_reads_the_example_values_of_dynamos_graph(monkeypa
 
 
 @pytest.mark.parametrize("change,reason", [
-    (dict(variant=AttentionVariant(0.125, soft_cap=50.0)), "soft cap"),
-    (dict(variant=AttentionVariant(0.125, sliding_window=64)), "sliding window"),
     (dict(spec=StepSpec(32, 32, kernel="torch")), "kernel='torch'"),
     (dict(spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto")), "dense shortcut"),
     (dict(mask=((1, 1, 1, 256), torch.bfloat16)), "mask"),
     (dict(mask=((1, 1, 4, 256), torch.bool), query=(1, 9, 4, 64)), "mask"),
     (dict(query=(1, 9, 20, 64)), "query rows"),
     (dict(query=(1, 9, 1, 2048), key=(1, 3, 256, 2048)), "head_dim"),
-], ids=["soft-cap", "sliding-window", "kernel-torch", "dense-shortcut", "float-mask", "mask-rows", "q-len", "head-dim"])
+], ids=["kernel-torch", "dense-shortcut", "float-mask", "mask-rows", "q-len", "head-dim"])
 def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(change, reason):
     """Negative cases: each site the kernel cannot serve exactly stays on the torch body, with
     the reason counted."""
@@ -185,6 +186,16 @@ def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(c
     result = lower_to_aten(graph, kernel_device=True)
     assert node.target is aten_step.sparse_attention and result.kernel == 0
     assert [r for r in result.kernel_refused if reason in r], result.kernel_refused
+
+
+@pytest.mark.parametrize("variant", [AttentionVariant(0.125, soft_cap=50.0), AttentionVariant(0.125, sliding_window=64),
+                                     AttentionVariant(0.125, soft_cap=50.0, sliding_window=64)],
+                         ids=["soft-cap", "sliding-window", "both"])
+def test_soft_capped_and_windowed_sites_go_with_the_kernel(variant):
+    """The kernel applies a soft cap and a sliding window itself (``tl.constexpr`` flags), so
+    the lowering sends such sites to it (issue 53, item 3: they were refused before)."""
+    graph, node = _site_graph(_fake(*_SITE), None, None, variant)
+    assert lower_to_aten(graph, kernel_device=True).kernel == 1 and node.target is kernel_step.kernel_attention
 
 
 def test_a_bool_decode_mask_of_one_head_goes_with_the_kernel():
