@@ -9,9 +9,11 @@ C++ kernels of identical layers are already shared by their source (docs/benchma
 nodes' ops, targets and constants; its inputs' shapes, strides and dtypes), and replaces
 each region by a call of torch's ``invoke_subgraph`` higher-order op on its key's subgraph.
 Inductor compiles the stitched graph once: each distinct subgraph once, as a function its
-generated code calls for every layer of the key, so a step is one compiled call (the first
-version compiled each region separately and ran them from a Python stitching module: about
-180 us a region call outside compiled code, docs/benchmarks.md).
+generated code calls for every layer of the key, so a step is one compiled call. Where
+``invoke_subgraph`` cannot take the graph (:func:`subgraph_reason`: gradients enabled, an
+opaque op of ours that writes an argument), each distinct region is compiled on its own and
+a Python stitching module calls them (about 180 us a region call outside compiled code,
+docs/benchmarks.md).
 
 Invariants:
 
@@ -23,8 +25,7 @@ Invariants:
 - **Reuse only for the same program.** Equal keys mean the same ops and constants on inputs
   of the same shapes, strides and dtypes; inductor's size/stride asserts check every call.
 - **Whole otherwise.** A graph with ``get_attr`` constants, a node whose fake value cannot be
-  derived, an op writing a list or optional argument (``lower=False``), or fewer than two
-  decoder layers is compiled whole, with the reason at DEBUG; the
+  derived, or fewer than two decoder layers is compiled whole, with the reason at DEBUG; the
   caller decides freezing (weights must stay inputs for a region to be shared, so regional
   graphs are not frozen).
 - **Symbolic shapes** (a graph dynamo recompiled with dynamic sizes) are split the same way;
@@ -50,7 +51,8 @@ from torch._dynamo.utils import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["compile_regions", "lift_layer_constants", "region_labels", "stitch_subgraphs", "structure_key"]
+__all__ = ["compile_regions", "lift_layer_constants", "region_labels", "stitch_subgraphs", "structure_key",
+           "subgraph_reason"]
 
 _ROOT = re.compile(r"^L\['[^']*'\](?:\[\d+\])*")  # dynamo's source of the root, e.g. L['args'][0]
 _INDEXED = re.compile(r"(?:\[(\d+)\]|\.(\d+))(?=$|[.\[])")  # "[3]" or ".3", a whole index
@@ -192,26 +194,9 @@ def _symbols_bound(graph: fx.Graph) -> bool:
     return used <= bound
 
 
-def _mutates_a_non_tensor(node: fx.Node) -> bool:
-    """Whether ``node`` calls an op whose schema writes an argument that is not a plain tensor
-    (a list of tensors, an optional tensor: ``kv_write``'s page bounds when our ops are kept,
-    ``lower=False``). torch 2.13's ``invoke_subgraph`` builds its schema from the tensors an
-    op writes and asserts each is one tensor, so such a graph is compiled whole."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        schemas = [getattr(target, name)._schema for name in target.overloads()]
-    elif isinstance(target, torch._ops.OpOverload):
-        schemas = [target._schema]
-    else:
-        return False
-    return any(a.is_write and str(a.type) != "Tensor" for schema in schemas for a in schema.arguments)
-
-
 def _whole_reason(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> str | None:
     if any(n.op == "get_attr" for n in gm.graph.nodes):
         return "the graph holds get_attr constants"
-    if any(n.op == "call_function" and _mutates_a_non_tensor(n) for n in gm.graph.nodes):
-        return "an op writes a list or optional tensor argument (invoke_subgraph takes tensors only)"
     if not _fill_values(gm.graph):
         return "a node's value cannot be derived from fake inputs"
     if not _symbols_bound(gm.graph):
@@ -224,15 +209,19 @@ def _whole_reason(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> str | None:
 
 def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule, list[Any]], Callable],
                     example_inputs: list[Any], lift: dict[Callable, int] | None = None) -> Callable | None:
-    """Compile ``gm`` with each distinct region compiled once: the graph is split into regions
-    (:func:`region_labels`), each region becomes a call of torch's ``invoke_subgraph``
+    """Compile ``gm`` with each distinct region compiled once.
+
+    The graph is split into regions (:func:`region_labels`). Where torch's ``invoke_subgraph``
+    can take the graph (:func:`subgraph_reason`), each region becomes a call of that
     higher-order op on the subgraph of its :func:`structure_key`, and ``compile_graph`` (e.g.
-    inductor's ``compile_fx`` with the caller's settings) compiles that stitched graph once.
-    Inductor compiles each distinct subgraph once, as a function its generated code calls per
-    layer: one compiled call per step, no Python hop per region (issue 51, item 3), and a
-    region's input mutations (KV store, page bounds, lagged queries) are kept by
-    AOTAutograd's functionalization of the op (``auto_functionalized_v2``), reinplaced by
-    inductor (no copy of a store).
+    inductor's ``compile_fx`` with the caller's settings) compiles that stitched graph once:
+    inductor compiles each distinct subgraph once, as a function its generated code calls per
+    layer, so a step is one compiled call with no Python hop per region (issue 51, item 3);
+    region inputs' mutations (KV store, page bounds, lagged queries) are kept by AOTAutograd's
+    functionalization of the op (``auto_functionalized_v2``) and reinplaced by inductor (no
+    copy of a store). Elsewhere each distinct region is compiled by ``compile_graph`` on its
+    own and a Python stitching module (``split_module``'s) calls them in order (about 180 us
+    a region call outside compiled code), with the reason at INFO.
 
     Args:
         gm: a graph dynamo traced (node metadata ``nn_module_stack`` and ``example_value``),
@@ -249,7 +238,8 @@ def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule,
         None when the graph should be compiled whole (reason logged at DEBUG).
 
     Counters: ``counters["specontext"]["regions"]`` (regions run per call of the new graph),
-    ``["regions_compiled"]`` (distinct regions: subgraphs inductor compiles).
+    ``["regions_compiled"]`` (distinct regions compiled), ``["regions_as_subgraphs"]``
+    (graphs stitched with ``invoke_subgraph``).
     """
     labels = region_labels(gm.graph)
     layers = {label for label in labels.values() if label not in (PROLOGUE, EPILOGUE)}
@@ -261,18 +251,50 @@ def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule,
     if reason is not None:
         logger.debug("specontext: compiling the graph whole (%s)", reason)
         return None
-    stitched, calls, distinct = stitch_subgraphs(gm, labels)
-    counters["specontext"]["regions"] += calls
-    counters["specontext"]["regions_compiled"] += distinct
-    logger.info("specontext: regional compile: %d regions, %d distinct subgraphs", calls, distinct)
-    return compile_graph(stitched, example_inputs)
+    split = _split(gm, labels)
+    calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    keys = {node: structure_key(getattr(split, node.target)) for node in calls}
+    counters["specontext"]["regions"] += len(calls)
+    counters["specontext"]["regions_compiled"] += len(set(keys.values()))
+    reason = subgraph_reason(gm)
+    if reason is None:
+        stitch_subgraphs(split, keys)
+        counters["specontext"]["regions_as_subgraphs"] += 1
+        logger.info("specontext: regional compile: %d regions as calls of %d subgraphs in one graph",
+                    len(calls), len(set(keys.values())))
+        return compile_graph(split, example_inputs)
+    logger.info("specontext: regional compile: %d regions, %d compiled one by one (%s)", len(calls),
+                len(set(keys.values())), reason)
+    return _compile_each(split, keys, compile_graph)
 
 
-def stitch_subgraphs(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> tuple[fx.GraphModule, int, int]:
-    """``gm`` split at its labels' runs (``torch.fx.passes.split_module``, original order),
-    every region's call replaced by ``invoke_subgraph(subgraph, key, *inputs)`` on one
-    subgraph per :func:`structure_key` (its outputs made a tuple, as the op requires).
-    Returns the stitched module, the number of region calls and of distinct subgraphs."""
+def subgraph_reason(gm: fx.GraphModule) -> str | None:
+    """Why torch's ``invoke_subgraph`` (torch 2.13) cannot stitch ``gm``'s regions, or None:
+    gradients are enabled (it refuses in-place input mutations under autograd), or an op
+    outside aten writes an argument (ours kept opaque: the draft head's ops, KV offload's,
+    every op under ``lower=False``; its functionalization refuses such ops or lists)."""
+    if torch.is_grad_enabled():
+        return "gradients are enabled"
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and _opaque_write(node):
+            return f"{node.target} writes an argument"
+    return None
+
+
+def _opaque_write(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op outside aten whose schema writes an argument."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        overloads = [getattr(target, name) for name in target.overloads()]
+    elif isinstance(target, torch._ops.OpOverload):
+        overloads = [target]
+    else:
+        return False
+    return any(op.namespace != "aten" and any(a.is_write for a in op._schema.arguments) for op in overloads)
+
+
+def _split(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> fx.GraphModule:
+    """``gm`` split at its labels' runs (``torch.fx.passes.split_module``, original order)."""
     from torch.fx.passes.split_module import split_module
 
     runs: dict[fx.Node, int] = {}  # a new partition at every change of label: contiguous runs
@@ -281,14 +303,17 @@ def stitch_subgraphs(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> tuple[fx
         if label != previous:
             run, previous = run + 1, label
         runs[node] = run
-    split = split_module(gm, None, lambda n: runs[n], keep_original_order=True,
-                         keep_original_input_name=True)
+    return split_module(gm, None, lambda n: runs[n], keep_original_order=True, keep_original_input_name=True)
+
+
+def stitch_subgraphs(split: fx.GraphModule, keys: dict[fx.Node, str]) -> fx.GraphModule:
+    """``split``'s region calls (``keys``: each call's :func:`structure_key`) replaced in place
+    by ``invoke_subgraph(subgraph, name, *inputs)`` on one subgraph per key (its outputs made a
+    tuple, as the op requires); returns ``split``."""
     names: dict[str, str] = {}
-    calls = [n for n in split.graph.nodes if n.op == "call_module"]
-    for node in calls:
+    for node, key in keys.items():
         region = getattr(split, node.target)
         single = _outputs_as_tuple(region)
-        key = structure_key(region)
         if key not in names:
             names[key] = f"region_{len(names)}"
             setattr(split, names[key], region)
@@ -304,7 +329,38 @@ def stitch_subgraphs(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> tuple[fx
         split.graph.erase_node(node)
     split.graph.lint()
     split.recompile()
-    return split, len(calls), len(names)
+    return split
+
+
+def _compile_each(split: fx.GraphModule, keys: dict[fx.Node, str],
+                  compile_graph: Callable[[fx.GraphModule, list[Any]], Callable]) -> Callable:
+    """Each distinct region of ``split`` compiled on its own (fresh fake inputs), every call
+    of its key pointed at the compiled region; ``split``'s Python calls them in order."""
+    compiled: dict[str, Callable] = {}
+    for node, key in keys.items():
+        region = getattr(split, node.target)
+        if key not in compiled:
+            inputs = _fresh_inputs([_val(p) for p in region.graph.nodes if p.op == "placeholder"])
+            compiled[key] = compile_graph(region, inputs)
+        delattr(split, node.target)
+        setattr(split, node.target, compiled[key])
+    split.recompile()
+    return split.forward
+
+
+def _fresh_inputs(values: list[Any]) -> list[Any]:
+    """A region's example inputs with repeated objects replaced by fresh fakes of the same
+    metadata: two inputs that are one tensor at compile time would be compiled as aliases."""
+    seen: set[int] = set()
+    out = []
+    for value in values:
+        if isinstance(value, torch.Tensor) and id(value) in seen:
+            with value.fake_mode:
+                value = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                            device=value.device)
+        seen.add(id(value))
+        out.append(value)
+    return out
 
 
 def _outputs_as_tuple(region: fx.GraphModule) -> bool:

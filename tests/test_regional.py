@@ -46,7 +46,7 @@ def test_regional_step_equals_the_eager_op_chain_and_shares_layers():
     torch.testing.assert_close(regional, eager, atol=1e-5, rtol=0)
     assert cache.path_counts() == eager_cache.path_counts()
     assert cache.path_counts()["gather_sites"] == 16  # 4 steps x 4 layers, the sparse path
-    assert (regions["regions"], regions["regions_compiled"]) == (6, 4)
+    assert (regions["regions"], regions["regions_compiled"], regions["regions_as_subgraphs"]) == (6, 4, 1)
 
 
 def test_the_step_is_one_graph_calling_each_distinct_region_as_a_subgraph(monkeypatch):
@@ -57,18 +57,40 @@ def test_the_step_is_one_graph_calling_each_distinct_region_as_a_subgraph(monkey
 
     stitched = []
 
-    def spy(gm, labels):
-        stitched.append(real(gm, labels))
+    def spy(split, keys):
+        stitched.append(real(split, keys))
         return stitched[-1]
 
     real = regional.stitch_subgraphs
     monkeypatch.setattr(regional, "stitch_subgraphs", spy)
     compiled_steps(tiny_llama(layers=4), IDS, 1, budget=8)
-    graph = stitched[-1][0].graph
+    graph = stitched[-1].graph
     calls = [n for n in graph.nodes if n.target is torch.ops.higher_order.invoke_subgraph]
     assert (len(calls), len({n.args[0].target for n in calls})) == (6, 4)
     others = [n for n in graph.nodes if n.op == "call_function" and n not in calls]
     assert all(n.target.__name__ == "getitem" for n in others), [n.format_node() for n in others]
+
+
+def test_where_invoke_subgraph_cannot_stitch_the_regions_are_compiled_one_by_one(monkeypatch):
+    """torch 2.13's ``invoke_subgraph`` refuses in-place input writes under autograd and
+    opaque ops that write an argument: the default decode graph stitches without grad, not
+    with it, and a graph keeping our ops (``lower=False``) names its writing op; such graphs
+    take the per-region compile (counted: no ``regions_as_subgraphs``) and stay exact."""
+    from specontext_compile.regional import subgraph_reason
+
+    gm = _decode_graph(3, monkeypatch)
+    with torch.no_grad():
+        assert subgraph_reason(gm) is None
+    with torch.enable_grad():
+        assert subgraph_reason(gm) == "gradients are enabled"
+    model = tiny_llama(layers=3)
+    counters.clear()
+    kept, cache = compiled_steps(model, IDS, 3, budget=8, lower=False)
+    assert counters["specontext"]["regions"] > counters["specontext"]["regions_compiled"] > 0
+    assert counters["specontext"]["regions_as_subgraphs"] == 0
+    eager, eager_cache = compiled_steps(model, IDS, 3, budget=8, inner="eager")
+    torch.testing.assert_close(kept, eager, atol=1e-5, rtol=0)
+    assert cache.path_counts() == eager_cache.path_counts()
 
 
 def test_symbolic_recompile_is_regional_and_exact():
