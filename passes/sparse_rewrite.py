@@ -33,7 +33,7 @@ from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..runtime import aten_step, mla, page_bounds, rollback
-from ..runtime.protocol import RetrievalAnchor, op_arguments
+from ..runtime.protocol import RetrievalAnchor, op_arguments, overloads
 from ..runtime.spec import AttentionVariant, StepSpec
 from .head_draft import DraftHead
 from .head_lagged import LaggedQueryHead
@@ -607,10 +607,4 @@ def keeps_side_effects(node: fx.Node) -> bool:
     if (node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_")
             and not name.endswith("__") and hasattr(torch.Tensor, name)):
         return True
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        overloads = [getattr(target, name) for name in target.overloads()]
-    elif isinstance(target, torch._ops.OpOverload):
-        overloads = [target]
-    else:
-        return False
-    return any(op._schema.is_mutable or _get_effect(op) is not None for op in overloads)
+    return any(op._schema.is_mutable or _get_effect(op) is not None for op in overloads(target))

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["FALLBACK_STAT", "GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments"]
+__all__ = ["FALLBACK_STAT", "GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments", "overloads"]
 
 # Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
 # step by ``aten_step.count_step`` (a direct call) with constants the pass computed from static shapes:
@@ -53,6 +53,14 @@ def is_op(node: fx.Node, target) -> bool:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return node.target is target or getattr(node.target, "overloadpacket", None) is target
     return node.target is target or inspect.unwrap(node.target) is target
+
+
+def overloads(target) -> list[torch._ops.OpOverload]:
+    """The op overloads a call target may run: an overload itself, every overload of a packet
+    (dynamo records packets), none for anything else (a function, a method name)."""
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, name) for name in target.overloads()]
+    return [target] if isinstance(target, torch._ops.OpOverload) else []
 
 
 def op_arguments(node: fx.Node, target) -> dict[str, Any]:

@@ -49,6 +49,8 @@ import torch
 from torch import fx
 from torch._dynamo.utils import counters
 
+from .runtime.protocol import overloads
+
 logger = logging.getLogger(__name__)
 
 __all__ = ["compile_regions", "lift_layer_constants", "region_labels", "stitch_subgraphs", "structure_key",
@@ -283,14 +285,8 @@ def subgraph_reason(gm: fx.GraphModule) -> str | None:
 
 def _opaque_write(node: fx.Node) -> bool:
     """Whether ``node`` calls an op outside aten whose schema writes an argument."""
-    target = node.target
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        overloads = [getattr(target, name) for name in target.overloads()]
-    elif isinstance(target, torch._ops.OpOverload):
-        overloads = [target]
-    else:
-        return False
-    return any(op.namespace != "aten" and any(a.is_write for a in op._schema.arguments) for op in overloads)
+    return any(op.namespace != "aten" and any(a.is_write for a in op._schema.arguments)
+               for op in overloads(node.target))
 
 
 def _split(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> fx.GraphModule:
