@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     text = render(cited)
     if "--check" in args:
         issues = problems(cited)
-        if INDEX.read_text() != text if INDEX.exists() else True:
+        if not INDEX.exists() or INDEX.read_text() != text:
             issues.append("docs/results/README.md is stale: run python scripts/results_index.py")
         for line in issues:
             print(line, file=sys.stderr)
