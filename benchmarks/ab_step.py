@@ -10,6 +10,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   store attention (``aten_step.split_chunks`` returns 1);
 * ``unchunked``: fused query-key products (the refinement's, the gather path's) keep one
   loop over their keys (``sparse_attention.product_chunks`` returns 1);
+* ``unrealized``: a fused product's logits are not written to a buffer before the softmax
+  and the ranking read them (``sparse_attention.logits_once`` returns them as they are);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -35,6 +37,7 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "sdpa": ("specontext_compile.runtime.aten_step", "fused_products", lambda *a, **k: False),
     "unsplit": ("specontext_compile.runtime.aten_step", "split_chunks", lambda *a, **k: 1),
     "unchunked": ("specontext_compile.runtime.sparse_attention", "product_chunks", lambda *a, **k: 1),
+    "unrealized": ("specontext_compile.runtime.sparse_attention", "logits_once", lambda logits, rows, keys: logits),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
 }
 
@@ -64,7 +67,7 @@ def _compiled(model, args, swap, name: str):
     from benchmarks.decode import fill_cache, random_source
 
     cache = sc.SpeContextCache(model.config, max_cache_len=args.context + 2 * args.steps + 16)
-    forward = torch.compile(_own_frame(model, name), backend="specontext", options={"budget": args.budget})
+    forward = torch.compile(_own_frame(model, name), backend="specontext", options={"budget": args.budget, **args.options})
     saved = owner = None
     if swap is not None:
         owner = _owner(swap[0])
@@ -92,6 +95,8 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                         help="the model's and the KV's dtype")
+    parser.add_argument("--options", type=json.loads, default={},
+                        help='more backend options for both variants, as JSON (e.g. \'{"page_rescue": 0}\')')
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
 
@@ -114,7 +119,7 @@ def main(argv=None) -> int:
                                 logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
                 times[name].append(1000.0 * (time.perf_counter() - start))
                 runs[name] = (forward, cache, token)
-    result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "steps": args.steps,
+    result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "options": args.options, "steps": args.steps,
               "threads": torch.get_num_threads(), "machine": machine_info(),
               "ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
               "command": "python -m benchmarks.ab_step " + " ".join(sys.argv[1:] if argv is None else argv)}

@@ -16,7 +16,8 @@ it measures, on the same prompt and the same machine:
   measured at the start of the same run (a large ``copy_``, bytes read + written).
 
 Contenders: ``hf-eager`` (``DynamicCache``, dense SDPA), ``hf-static-inductor`` (``StaticCache``
-+ ``torch.compile(model.forward)`` with inductor, dense), ``own-dense`` (the strongest dense
++ ``torch.compile(model.forward)`` with inductor, dense; ``hf-static-openvino``: the same with
+OpenVINO's ``torch.compile`` backend, ``openvino.torch``), ``own-dense`` (the strongest dense
 step we build: our pass and inductor with every site dense over the store — a budget above
 every store, static shapes per context, the one-row linear rewrite and freezing included —
 the baseline every speed-up is stated against), ``specontext-<budget>``
@@ -283,6 +284,8 @@ class Forwards:
         if name not in self._fns:
             if name == "hf-eager":
                 self._fns[name] = self.model.forward
+            elif name == "hf-static-openvino":
+                self._fns[name] = openvino_torch_forward(self.model)
             elif name.startswith("hf-static-"):
                 self._fns[name] = torch.compile(self.model.forward, **HF_STATIC[name])
             elif name == "own-dense":
@@ -301,7 +304,23 @@ HF_STATIC = {
     "hf-static-inductor": {"backend": "inductor"},
     "hf-static-frozen": {"backend": "inductor", "options": {"freezing": True}},
     "hf-static-cudagraphs": {"backend": "inductor", "mode": "reduce-overhead"},
+    # OpenVINO's torch.compile backend (``openvino.torch``, the ``openvino`` wheel in this venv:
+    # ``pip install openvino``) as the compiler of the same dense step: issue 51's candidate
+    # inner compiler; options are its documented ones, through AOTAutograd (its direct path
+    # fails on torch 2.13: a shape guard without a source)
+    "hf-static-openvino": {"backend": "openvino", "options": {"aot_autograd": True}},
 }
+
+
+def openvino_torch_forward(model):
+    """``torch.compile(model.forward, backend="openvino")``: imports ``openvino.torch`` (which
+    registers the backend) only here; a clear error when the wheel is missing."""
+    try:
+        import openvino.torch  # noqa: F401  (registers the "openvino" backend)
+    except ImportError as err:
+        raise SystemExit("contender hf-static-openvino needs OpenVINO's wheel in this venv: "
+                         ".venv/bin/pip install openvino==2026.4.1") from err
+    return torch.compile(model.forward, **HF_STATIC["hf-static-openvino"])
 # specontext-[<variant>-]<budget>; no variant = the backend's defaults
 SPECONTEXT_VARIANTS = {
     "": {},

@@ -297,7 +297,18 @@ def selected_logits(
             allowed = allowed & gathered
         else:
             logits = logits + gathered.float()
-    return logits.masked_fill(~allowed, float("-inf"))
+    return logits_once(logits.masked_fill(~allowed, float("-inf")), q, keys)
+
+
+def logits_once(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``logits`` written to a buffer of its own when they come from a fused product of ``rows``
+    and ``keys`` (:func:`fused_products`): their consumers (a softmax's max, sum and scaling
+    passes, the refinement's ranking) read them several times, and inductor would otherwise
+    fuse the product, the mask's gather and the chunk layout's index arithmetic into each of
+    those passes (a few hundred KB written once against that work repeated: at 8K the
+    default's step 5% faster, own dense in bfloat16 7%; ``python -m benchmarks.ab_step --swap
+    unrealized``, docs/benchmarks.md)."""
+    return _realized(logits) if fused_products(rows, keys) else logits
 
 
 def attend_gathered(

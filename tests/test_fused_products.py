@@ -182,6 +182,33 @@ def test_fused_products_read_their_rows_from_a_buffer_of_their_own():
     torch.testing.assert_close(traced(*args), rotary_logits(*args), atol=1e-5, rtol=1e-5)
 
 
+def test_the_refined_site_writes_its_masked_logits_once():
+    """Traced for inductor, the refined site's masked logits (the product, the causal limit and
+    the mask's gather: ``masked_fill``) go through force_stride_order before the softmax and the
+    ranking read them (sparse_attention.logits_once), so inductor computes each logit once
+    instead of once per reading pass; an eager trace has no such node; both traces give the
+    eager body's output."""
+    from torch._inductor import inductor_prims
+
+    inputs, spec, variant = _refined_site()
+    capacity = inputs[1].shape[2]
+    mask = torch.ones(1, 1, 1, capacity, dtype=torch.bool)
+
+    def site(query, keys, values, length, lo, hi, candidates, attn_mask):
+        return aten_step.refine_and_attend(query, (keys, values), candidates, length, attn_mask, spec, variant,
+                                           (lo, hi, None))
+
+    def realized_logits(graph):
+        force = graph.find_nodes(op="call_function", target=inductor_prims.force_stride_order)
+        return [node for node in force if node.args[0].target == torch.ops.aten.masked_fill.Scalar]
+
+    with inductor_trace():
+        traced = make_fx(site)(*inputs, mask)
+    assert len(realized_logits(traced.graph)) == 1
+    assert not realized_logits(make_fx(site)(*inputs, mask).graph)
+    torch.testing.assert_close(traced(*inputs, mask), site(*inputs, mask), atol=1e-5, rtol=1e-5)
+
+
 def test_products_of_few_rows_split_their_keys_into_chunks_for_the_threads():
     """SmolLM2's decode shape (3 KV heads, 3 query rows each, 512 candidates): the fused product
     runs in 16 chunks of 32 keys (48 parallel items, not 3) and still equals float64's (bfloat16

@@ -6,7 +6,6 @@ import pydoc_data.topics
 import pytest
 import torch
 from test_backend_e2e import assert_gather_path, assert_same_greedy_tokens, decode_logits
-from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import specontext_compile as sc
