@@ -12,6 +12,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   loop over their keys (``sparse_attention.product_chunks`` returns 1);
 * ``unrealized``: a fused product's logits are not written to a buffer before the softmax
   and the ranking read them (``sparse_attention.logits_once`` returns them as they are);
+* ``cpp-wrapper``: inductor's C++ wrapper instead of its Python one (with ``--options
+  '{"regional": false}'``: torch 2.13 cannot compile ``invoke_subgraph`` with it);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -38,6 +40,7 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "unsplit": ("specontext_compile.runtime.aten_step", "split_chunks", lambda *a, **k: 1),
     "unchunked": ("specontext_compile.runtime.sparse_attention", "product_chunks", lambda *a, **k: 1),
     "unrealized": ("specontext_compile.runtime.sparse_attention", "logits_once", lambda logits, rows, keys: logits),
+    "cpp-wrapper": ("torch._inductor.config", "cpp_wrapper", True),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
 }
 
