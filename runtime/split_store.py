@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from . import sparse_attention
 from .sparse_attention import _realized, causal_limit_mask
 from .spec import AttentionVariant
 
@@ -126,6 +127,7 @@ def split_store_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     logits = (q.view(b, num_kv, 1, rows, 1, head_dim) * keys.float()).sum(-1)
     logits = _masked(logits.view(b, num_kv, chunks, groups, q_len, slots), allowed[..., :main],
                      None if additive is None else additive[..., :main], num_kv, groups, chunks)
+    logits = sparse_attention.logits_once(logits, q, keys)  # read by the maximum, the sum and the values
     # two-stage reductions (within a chunk, then over chunks): inductor keeps the chunk axis
     # among its parallel loops
     top = logits.amax(dim=5).amax(dim=2)  # [b, kv, g, q]
