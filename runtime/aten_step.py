@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 
-from . import page_bounds
+from . import cpu_kernels, page_bounds
 from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .split_store import split_chunks, split_store_attention
@@ -561,7 +561,9 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     reading ``length`` on the host).
 
     SDPA, except for a CPU decode step traced for inductor (:func:`fused_products`: a few
-    query rows per KV head): there, when the store is worth splitting for the threads
+    query rows per KV head): there, for one float32 query row per head, our CPU kernel
+    (:func:`~.cpu_kernels.cpu_decode_attention`: each key and value loaded once for the
+    group's rows) where it builds and the mask is boolean or absent; else, when the store is worth splitting for the threads
     (:func:`~.split_store.split_chunks`: a float32 store, few ``batch * num_kv_heads`` rows),
     :func:`~.split_store.split_store_attention`; else the gather path's body over every slot, read in place
     (:func:`attend_gathered` with the positions ``0 .. capacity-1``), which inductor compiles
@@ -574,6 +576,10 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     b, num_heads, q_len, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
     if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache):
+        if cpu_kernels.applies(query, key_cache, value_cache, attn_mask):
+            visible = row_visibility(attn_mask, capacity)
+            return torch.ops.specontext.cpu_decode_attention(
+                query * variant.scale, key_cache, value_cache, length, None if visible is None else visible[:, 0])
         chunks = split_chunks(b * num_kv, capacity, key_cache.dtype)
         if chunks > 1:
             return split_store_attention(query, key_cache, value_cache, length, attn_mask, variant, chunks)

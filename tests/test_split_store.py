@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from test_sparse_attention import cases as attention_cases
 
 import specontext_compile  # noqa: F401
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import aten_step, cpu_kernels
 from specontext_compile.runtime.sparse_attention import inductor_trace
 from specontext_compile.runtime.spec import AttentionVariant
 from specontext_compile.runtime.split_store import UNROLL, split_chunks, split_store_attention
@@ -133,6 +133,9 @@ def _traced(capacity, monkeypatch, dtype=torch.float32):
         return real(*args)
 
     monkeypatch.setattr(aten_step, "split_store_attention", spy)
+    # the split's own routing: our CPU kernel, which serves float32 decode rows first where it
+    # builds, is left out here (tests/test_cpu_kernels.py routes to it)
+    monkeypatch.setattr(cpu_kernels, "applies", lambda *args: False)
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(1, 6, 1, 16, generator=gen).to(dtype)
     key_cache, value_cache = (torch.randn(1, 2, capacity, 16, generator=gen).to(dtype) for _ in range(2))

@@ -1,0 +1,192 @@
+"""Our CPU kernels (C++ sources in ``runtime/csrc``), built on first use and called as ops.
+
+``specontext::cpu_decode_attention``: dense decode attention over a contiguous float32 KV
+store, one query row per head (``csrc/decode_attention.cpp``): each KV head's keys and values
+are loaded once for all the query heads of its group, with an online softmax, and the slots
+are split between the threads. Inductor's fused code for the same attention
+(:mod:`.split_store`) loads each key once per query row and ends each dot product with a
+horizontal sum; this kernel is what the backend's CPU dense step calls where it applies
+(:func:`applies`).
+
+Build: ``g++ -O3 -march=native -fopenmp -shared -fPIC`` (the compiler inductor uses: ``CXX``,
+else ``g++``) into ``$SPECONTEXT_KERNEL_CACHE`` (default ``~/.cache/specontext/kernels``), one
+shared library per source, flags and compiler (their hash in the file name), loaded with
+``ctypes``. Built once per machine (about 2 s; the CPU's flags are part of the key); a failed build raises :class:`KernelBuildError`
+naming the compiler and the fix, and :func:`available` reports it so the caller keeps the
+inductor path (logged once).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch._dynamo.utils import counters
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KernelBuildError", "applies", "available", "cpu_decode_attention", "decode_splits"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
+          "-std=c++17")
+_MAX_GROUP, _MAX_DIM = 16, 256  # the kernel's stack arrays (csrc/decode_attention.cpp)
+_LOCK = threading.Lock()
+
+
+class KernelBuildError(RuntimeError):
+    """A CPU kernel could not be built (no C++ compiler, or it failed)."""
+
+
+def _compiler() -> str:
+    return os.environ.get("CXX") or "g++"
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECONTEXT_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "specontext" / "kernels"
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (``-march=native`` builds for them: a cache folder shared by
+    machines with other CPUs gets a library per CPU), or the machine name off Linux."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.machine() + platform.processor()
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per source, flags and compiler) and load the kernel library.
+
+    Raises:
+        KernelBuildError: no compiler on the PATH, or the build failed (its stderr included).
+    """
+    compiler = _compiler()
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"no C++ compiler {compiler!r} on the PATH: install g++ (Debian: apt install g++) "
+                               "or set CXX; until then the CPU step uses inductor's kernels")
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"decode_attention_{key}.so"
+    with _LOCK:
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+                built = Path(tmp) / target.name
+                cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built)]
+                result = subprocess.run(cmd, capture_output=True, text=True)
+                if result.returncode != 0:
+                    raise KernelBuildError(f"building {_SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+                os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
+            logger.info("specontext: built the CPU decode attention kernel: %s", target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.specontext_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                   + [ctypes.c_int64] * 6)
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the CPU kernel library builds and loads here (the reason logged once if not)."""
+    try:
+        _library()
+        return True
+    except (KernelBuildError, OSError) as err:
+        logger.warning("specontext: the CPU decode attention kernel is not available (%s); "
+                       "the CPU dense step keeps inductor's kernels", err)
+        return False
+
+
+def decode_splits(rows: int, capacity: int) -> int:
+    """Work items per ``batch * num_kv_heads`` row: the slots are split so that there are at
+    least 32 items for the threads (16 splits for SmolLM2's 3 KV heads at batch 1), each of
+    at least 256 slots."""
+    splits = max(1, min(-(-32 // max(rows, 1)), capacity // 256))
+    return splits
+
+
+def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+            attn_mask: torch.Tensor | None) -> bool:
+    """Whether :func:`cpu_decode_attention` serves a dense decode site (a static fact): CPU
+    float32 query and contiguous stores, one query row, the group and head sizes the kernel
+    holds, no mask or a boolean one (an additive mask may carry a bias the kernel does not
+    add), and the library available."""
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv = key_cache.shape[1]
+    return (query.device.type == "cpu" and q_len == 1 and num_heads % num_kv == 0
+            and num_heads // num_kv <= _MAX_GROUP and head_dim <= _MAX_DIM
+            and value_cache.shape[-1] == head_dim
+            and all(t.dtype == torch.float32 for t in (query, key_cache, value_cache))
+            and (attn_mask is None or attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1)
+            and available())
+
+
+@torch.library.custom_op("specontext::cpu_decode_attention", mutates_args=())
+def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                         length: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
+    """Exact attention of one query row per head over slots ``0 .. length-1`` of the stores.
+
+    Args:
+        query: float32 ``[batch, num_heads, 1, head_dim]``, already multiplied by the softmax
+            scale (paper-independent: the site's own ``scale``).
+        key_cache, value_cache: float32 ``[batch, num_kv_heads, capacity, head_dim]``
+            (``num_heads`` a multiple of ``num_kv_heads``: grouped-query attention).
+        length: int64 ``[]`` or ``[batch]``: tokens written, this step's included.
+        visible: None or bool ``[batch|1, capacity]``: False hides a slot (left padding).
+
+    Returns:
+        float32 ``[batch, num_heads, 1, head_dim]``: softmax-weighted values, float32
+        accumulation; a row that sees no slot is zeros (as SDPA's ``nan_to_num(0)`` path).
+
+    Raises:
+        KernelBuildError: the kernel library cannot be built here (see :func:`available`).
+        ValueError: shapes or dtypes the kernel does not take (see :func:`applies`).
+    """
+    counters["specontext"]["cpu_kernel_attention_calls"] += 1
+    b, num_heads, q_len, head_dim = query.shape
+    num_kv, capacity = key_cache.shape[1], key_cache.shape[2]
+    groups = num_heads // num_kv
+    if q_len != 1 or groups > _MAX_GROUP or head_dim > _MAX_DIM or num_heads % num_kv:
+        raise ValueError(f"cpu_decode_attention takes one query row, at most {_MAX_GROUP} query heads per KV "
+                         f"head and head_dim <= {_MAX_DIM}; got query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
+    q, k, v = query.contiguous(), key_cache.contiguous(), value_cache.contiguous()
+    if length.numel() not in (1, b) or length.dtype != torch.int64:
+        raise ValueError(f"length must be int64 with 1 or {b} entries, got {length.dtype} {tuple(length.shape)}")
+    length = length.contiguous()
+    if visible is not None:
+        visible = visible.reshape(-1, capacity)
+        if visible.dtype != torch.bool or visible.shape[0] not in (1, b):
+            raise ValueError(f"visible must be bool [1 or {b}, {capacity}], got {visible.dtype} {tuple(visible.shape)}")
+        visible = visible.contiguous()
+    out = torch.empty(b, num_heads, 1, head_dim, dtype=torch.float32)
+    status = _library().specontext_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), length.data_ptr(), 1 if length.numel() > 1 else 0,
+        visible.data_ptr() if visible is not None else None,
+        capacity if visible is not None and visible.shape[0] > 1 else 0,
+        out.data_ptr(), b, num_kv, groups, capacity, head_dim, decode_splits(b * num_kv, capacity))
+    if status != 0:
+        raise ValueError(f"cpu_decode_attention rejected query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
+    return out
+
+
+@cpu_decode_attention.register_fake
+def _(query, key_cache, value_cache, length, visible):
+    return query.new_empty(query.shape)

@@ -1,0 +1,180 @@
+// Dense decode attention over a contiguous KV store on the CPU: one query row per head.
+//
+// For each (batch row, KV head) the group's query heads share every key and value load: a
+// block of slots is scored against all of the group's rows while the keys are in L1, then
+// the block's values are added with the rows' weights (online softmax, one rescale per
+// block). The slots of a KV head are split between work items so that both threads of a
+// 2-core machine stay busy when batch * kv_heads is small; a second pass merges the splits.
+// float32 in, float32 accumulation, float32 out. Written for specontext (issue 51: the step
+// at its floor); built and loaded by runtime/cpu_kernels.py.
+#include <cmath>
+#include <cstdint>
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int BLOCK = 32;       // slots scored before their values are added
+constexpr int MAX_GROUP = 16;   // query heads per KV head
+constexpr int MAX_DIM = 256;    // head_dim
+
+// exp(x) for x <= 0 (logits minus their running maximum), branch-free so that the compiler
+// vectorises the loops that call it: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the
+// degree-6 Taylor polynomial (relative error under 3e-7); x below -87 (and -inf) gives 0.
+inline float exp_nonpositive(float x) {
+  const float clamped = x < -87.0f ? -87.0f : x;
+  // round to nearest by the 1.5 * 2^23 trick (vectorises; |clamped * log2(e)| < 2^22)
+  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+  float p = 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.0f ? 0.0f : p * scale;
+}
+
+}  // namespace
+
+// One work item: the slots [lo, hi) of one (batch row, KV head), all G query rows.
+template <int G_, int D_>
+void attend_item(int64_t item, const float* query, const float* keys, const float* values, const int64_t* limits,
+                 const uint8_t* visible, int64_t visible_stride, float* partial_acc, float* partial_stats, int64_t G_rt, int64_t C,
+                 int64_t D_rt, int64_t S, int64_t KV) {
+  const int64_t G = G_ > 0 ? G_ : G_rt;
+  const int64_t D = D_ > 0 ? D_ : D_rt;
+  const float NEG = -std::numeric_limits<float>::infinity();
+  const int64_t s = item % S;
+  const int64_t bh = item / S;
+  const int64_t b = bh / KV;
+  const int64_t limit = std::min<int64_t>(std::max<int64_t>(limits[b], 0), C);
+  const int64_t per = (C + S - 1) / S;
+  const int64_t lo = std::min<int64_t>(s * per, limit);
+  const int64_t hi = std::min<int64_t>(lo + per, limit);
+  const float* q = query + bh * G * D;
+  const float* k = keys + bh * C * D;
+  const float* v = values + bh * C * D;
+  const uint8_t* vis = visible ? visible + b * visible_stride : nullptr;
+  alignas(64) float acc[MAX_GROUP][MAX_DIM];
+  float m[MAX_GROUP], l[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    m[g] = NEG;
+    l[g] = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+  }
+  alignas(64) float logit[MAX_GROUP][BLOCK];
+  for (int64_t start = lo; start < hi; start += BLOCK) {
+    const int64_t n = std::min<int64_t>(BLOCK, hi - start);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* kr = k + (start + j) * D;
+      const bool hidden = vis && !vis[start + j];
+      for (int64_t g = 0; g < G; ++g) {
+        const float* qg = q + g * D;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+        logit[g][j] = hidden ? NEG : dot;
+      }
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      float block_max = NEG;
+      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, logit[g][j]);
+      const float new_max = std::max(m[g], block_max);
+      if (new_max == NEG) continue;  // nothing visible yet
+      const float rescale = m[g] == NEG ? 0.f : exp_nonpositive(m[g] - new_max);
+      if (rescale != 1.f) {
+        l[g] *= rescale;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[g][d] *= rescale;
+      }
+      m[g] = new_max;
+      float block_sum = 0.f;
+#pragma omp simd reduction(+ : block_sum)
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = exp_nonpositive(logit[g][j] - new_max);  // -inf - finite = -inf: 0
+        logit[g][j] = p;
+        block_sum += p;
+      }
+      l[g] += block_sum;
+    }
+    for (int64_t j = 0; j < n; ++j) {
+      const float* vr = v + (start + j) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        if (m[g] == NEG) continue;
+        const float p = logit[g][j];
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[g][d] += p * vr[d];
+      }
+    }
+  }
+  float* pa = partial_acc + item * G * D;
+  float* ps = partial_stats + item * G * 2;
+  for (int64_t g = 0; g < G; ++g) {
+    ps[2 * g] = m[g];
+    ps[2 * g + 1] = l[g];
+    for (int64_t d = 0; d < D; ++d) pa[g * D + d] = acc[g][d];
+  }
+}
+
+extern "C" int specontext_decode_attention(
+    const float* query,      // [B, KV, G, D], already multiplied by the softmax scale
+    const float* keys,       // [B, KV, C, D]
+    const float* values,     // [B, KV, C, D]
+    const int64_t* lengths,  // [B] (or [1] with length_stride 0): slots 0 .. length-1 are attended
+    int64_t length_stride,
+    const uint8_t* visible,  // bool [B, C] (or [1, C] with visible_stride 0), or nullptr: 0 hides a slot
+    int64_t visible_stride,
+    float* out,              // [B, KV, G, D]
+    int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {
+  if (G > MAX_GROUP || D > MAX_DIM || S < 1) return 1;
+  std::vector<float> partial_acc(B * KV * S * G * D);  // [B, KV, S, G, D]
+  std::vector<float> partial_stats(B * KV * S * G * 2);  // [B, KV, S, G, 2]: max, sum
+  std::vector<int64_t> limits(B);
+  for (int64_t b = 0; b < B; ++b) limits[b] = lengths[b * length_stride];
+  const float NEG = -std::numeric_limits<float>::infinity();
+  const int64_t items = B * KV * S;
+#pragma omp parallel for schedule(static)
+  for (int64_t item = 0; item < items; ++item) {
+    // compile-time group and head sizes for the common shapes (unrolled, vectorised loops)
+    if (G == 3 && D == 64) {
+      attend_item<3, 64>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+    } else if (G == 4 && D == 64) {
+      attend_item<4, 64>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+    } else if (G == 4 && D == 128) {
+      attend_item<4, 128>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+    } else if (G == 8 && D == 128) {
+      attend_item<8, 128>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+    } else {
+      attend_item<0, 0>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+    }
+  }
+  // merge the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
+#pragma omp parallel for schedule(static)
+  for (int64_t bhg = 0; bhg < B * KV * G; ++bhg) {
+    const int64_t bh = bhg / G, g = bhg % G;
+    float top = NEG;
+    for (int64_t s = 0; s < S; ++s) top = std::max(top, partial_stats.data()[((bh * S + s) * G + g) * 2]);
+    float* o = out + bhg * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    if (top == NEG) continue;  // a row that sees no slot: zeros
+    float total = 0.f;
+    for (int64_t s = 0; s < S; ++s) {
+      const float* st = partial_stats.data() + ((bh * S + s) * G + g) * 2;
+      if (st[0] == NEG) continue;
+      const float w = exp_nonpositive(st[0] - top);
+      total += w * st[1];
+      const float* pa = partial_acc.data() + ((bh * S + s) * G + g) * D;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) o[d] += w * pa[d];
+    }
+    const float inv = 1.f / total;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+  return 0;
+}

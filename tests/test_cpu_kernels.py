@@ -1,0 +1,116 @@
+"""Our CPU decode attention kernel (runtime/cpu_kernels.py, csrc/decode_attention.cpp): values
+against float64 attention, which sites it serves, and the compiled dense step that calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_backend_e2e import decode_logits
+from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import specontext_compile as sc
+from specontext_compile.runtime import aten_step, cpu_kernels
+from specontext_compile.runtime.sparse_attention import inductor_trace
+from specontext_compile.runtime.spec import AttentionVariant
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernel")
+
+
+def _reference(query, keys, values, length, visible, scale):
+    """float64 attention of one row per head over slots < length (and visible)."""
+    b, num_heads, _, d = query.shape
+    num_kv, capacity = keys.shape[1], keys.shape[2]
+    q = query.double().view(b, num_kv, num_heads // num_kv, d) * scale
+    logits = q @ keys.double().transpose(-1, -2)  # [b, kv, g, capacity]
+    allowed = (torch.arange(capacity) < length.reshape(-1, 1, 1, 1))
+    if visible is not None:
+        allowed = allowed & visible.reshape(-1, 1, 1, capacity)
+    probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), -1).nan_to_num(0.0)
+    return (probs @ values.double()).view(b, num_heads, 1, d)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 3), num_kv=st.integers(1, 4), groups=st.integers(1, 8),
+       capacity=st.one_of(st.integers(1, 70), st.sampled_from([255, 256, 257, 1000])),
+       d=st.sampled_from([8, 16, 64, 72]), per_row=st.booleans(), hide=st.floats(0.0, 1.0), data=st.data())
+def test_kernel_equals_float64_attention(seed, b, num_kv, groups, capacity, d, per_row, hide, data):
+    """Any group size, head_dim, store size, per-row lengths (0: the row sees nothing and gets
+    zeros), hidden slots: within 2e-5 of float64 (float32 accumulation over <= 1000 slots)."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, num_kv * groups, 1, d, generator=gen)
+    keys, values = (torch.randn(b, num_kv, capacity, d, generator=gen) for _ in range(2))
+    if per_row:
+        length = torch.tensor(data.draw(st.lists(st.integers(0, capacity), min_size=b, max_size=b)))
+    else:
+        length = torch.tensor(data.draw(st.integers(0, capacity)))
+    visible = (torch.rand(b, capacity, generator=gen) >= hide) if hide > 0.5 else None
+    got = cpu_kernels.cpu_decode_attention(query * 0.3, keys, values, length, visible)
+    torch.testing.assert_close(got.double(), _reference(query, keys, values, length, visible, 0.3),
+                               atol=2e-5, rtol=2e-5)
+
+
+def test_kernel_rejects_what_it_does_not_take():
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 2, 10, 8)
+    with pytest.raises(ValueError, match="one query row"):
+        cpu_kernels.cpu_decode_attention(q, k, k, torch.tensor(5), None)
+    assert not cpu_kernels.applies(q, k, k, None)  # two query rows
+    q1 = q[:, :, :1]
+    assert cpu_kernels.applies(q1, k, k, None)
+    assert not cpu_kernels.applies(q1.bfloat16(), k.bfloat16(), k.bfloat16(), None)
+    assert not cpu_kernels.applies(q1, k, k, torch.zeros(1, 1, 1, 10))  # additive mask: may carry a bias
+    assert not cpu_kernels.applies(q1, k, k, torch.ones(1, 4, 1, 10, dtype=torch.bool))  # a mask per head
+    assert cpu_kernels.applies(q1, k, k, torch.ones(1, 1, 1, 10, dtype=torch.bool))
+
+
+def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    monkeypatch.setenv("SPECONTEXT_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(cpu_kernels.KernelBuildError, match="install g\\+\\+"):
+        cpu_kernels._library.__wrapped__()
+
+
+def _traced_dense(query, keys, values, length, attn_mask):
+    variant = AttentionVariant(0.25)
+    with inductor_trace():
+        return make_fx(lambda q, k, v, n, m: aten_step._dense_store_attention(q, k, v, n, m, variant))(
+            query, keys, values, length, attn_mask)
+
+
+def _calls_kernel(gm) -> bool:
+    return any(n.target is torch.ops.specontext.cpu_decode_attention.default for n in gm.graph.nodes)
+
+
+def test_the_traced_dense_decode_body_calls_the_kernel_only_where_it_applies(monkeypatch):
+    """A float32 decode row with a boolean (or no) mask: the kernel, equal to float64; two rows,
+    bfloat16, an additive mask, or the library unavailable: inductor's body, no kernel call."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(1, 6, 1, 16, generator=gen), *(torch.randn(1, 2, 300, 16, generator=gen) for _ in range(2))
+    n = torch.tensor(290)
+    mask = torch.arange(300).view(1, 1, 1, 300) >= 7  # left padding: 7 hidden slots
+    gm = _traced_dense(q, k, v, n, mask)
+    assert _calls_kernel(gm)
+    torch.testing.assert_close(gm(q, k, v, n, mask).double(), _reference(q, k, v, n, mask[0, 0], 0.25),
+                               atol=2e-5, rtol=2e-5)
+    assert not _calls_kernel(_traced_dense(torch.randn(1, 6, 2, 16), k, v, n, None))
+    assert not _calls_kernel(_traced_dense(q.bfloat16(), k.bfloat16(), v.bfloat16(), n, None))
+    assert not _calls_kernel(_traced_dense(q, k, v, n, torch.zeros(1, 1, 1, 300)))
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    assert not _calls_kernel(_traced_dense(q, k, v, n, mask))
+
+
+def test_the_compiled_dense_step_runs_the_kernel_with_eager_logits():
+    """A budget above the store (every site dense over it), compiled by inductor on CPU: each
+    decode step's sites run our kernel (its counter), and the logits equal Hugging Face eager's."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
+    eager = decode_logits(model, model.forward, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
+    before = counters["specontext"]["cpu_kernel_attention_calls"]
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 4096})
+    got = decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
+    assert counters["specontext"]["cpu_kernel_attention_calls"] - before == 4 * model.config.num_hidden_layers
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
