@@ -161,21 +161,14 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         ValueError: shapes or dtypes the kernel does not take (see :func:`applies`).
     """
     counters["specontext"]["cpu_kernel_attention_calls"] += 1
-    b, num_heads, q_len, head_dim = query.shape
+    _check_inputs(query, key_cache, value_cache, length, visible)
+    b, num_heads, _, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[2]
     groups = num_heads // num_kv
-    if q_len != 1 or groups > _MAX_GROUP or head_dim > _MAX_DIM or num_heads % num_kv:
-        raise ValueError(f"cpu_decode_attention takes one query row, at most {_MAX_GROUP} query heads per KV "
-                         f"head and head_dim <= {_MAX_DIM}; got query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
     q, k, v = query.contiguous(), key_cache.contiguous(), value_cache.contiguous()
-    if length.numel() not in (1, b) or length.dtype != torch.int64:
-        raise ValueError(f"length must be int64 with 1 or {b} entries, got {length.dtype} {tuple(length.shape)}")
     length = length.contiguous()
     if visible is not None:
-        visible = visible.reshape(-1, capacity)
-        if visible.dtype != torch.bool or visible.shape[0] not in (1, b):
-            raise ValueError(f"visible must be bool [1 or {b}, {capacity}], got {visible.dtype} {tuple(visible.shape)}")
-        visible = visible.contiguous()
+        visible = visible.reshape(-1, capacity).contiguous()
     out = torch.empty(b, num_heads, 1, head_dim, dtype=torch.float32)
     status = _library().specontext_decode_attention(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), length.data_ptr(), 1 if length.numel() > 1 else 0,
@@ -185,6 +178,34 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if status != 0:
         raise ValueError(f"cpu_decode_attention rejected query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
     return out
+
+
+def _check_inputs(query, key_cache, value_cache, length, visible) -> None:
+    """What :func:`cpu_decode_attention` reads, checked before the C++ kernel reads raw memory:
+    a ValueError naming the argument, never a read out of bounds or bytes of another dtype."""
+    tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
+    for name, t in tensors.items():
+        if t.dim() != 4 or t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"cpu_decode_attention: {name} must be a 4-d float32 CPU tensor, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    b, num_heads, q_len, head_dim = query.shape
+    kb, num_kv, capacity, kd = key_cache.shape
+    if tuple(value_cache.shape) != tuple(key_cache.shape):
+        raise ValueError(f"cpu_decode_attention: value_cache {tuple(value_cache.shape)} must have the key "
+                         f"store's shape {tuple(key_cache.shape)}")
+    if kb != b or kd != head_dim or num_kv == 0 or num_heads % num_kv:
+        raise ValueError(f"cpu_decode_attention: keys {tuple(key_cache.shape)} must have the query's batch "
+                         f"({b}) and head_dim ({head_dim}), and a number of KV heads dividing its {num_heads} heads")
+    if q_len != 1 or num_heads // num_kv > _MAX_GROUP or head_dim > _MAX_DIM:
+        raise ValueError(f"cpu_decode_attention takes one query row, at most {_MAX_GROUP} query heads per KV "
+                         f"head and head_dim <= {_MAX_DIM}; got query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
+    if length.dtype != torch.int64 or length.numel() not in (1, b):
+        raise ValueError(f"cpu_decode_attention: length must be int64 with 1 or {b} entries, got "
+                         f"{length.dtype} {tuple(length.shape)}")
+    if visible is not None and (visible.dtype != torch.bool or visible.shape[-1] != capacity
+                                or visible.numel() not in (capacity, b * capacity)):
+        raise ValueError(f"cpu_decode_attention: visible must be bool [1 or {b}, {capacity}] (leading dims "
+                         f"of size 1 allowed), got {visible.dtype} {tuple(visible.shape)}")
 
 
 @cpu_decode_attention.register_fake

@@ -66,6 +66,47 @@ def test_kernel_rejects_what_it_does_not_take():
     assert cpu_kernels.applies(q1, k, k, torch.ones(1, 1, 1, 10, dtype=torch.bool))
 
 
+def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
+    """Inputs that do not agree (batch, head_dim, value shape, dtype, mask width, KV heads) are
+    ValueErrors naming the argument before the kernel reads memory (found by a review: a store
+    with a smaller batch than the query read past its end)."""
+    q, k = torch.randn(2, 4, 1, 16), torch.randn(2, 2, 40, 16)
+    n = torch.tensor(30)
+    bad = [
+        ((torch.randn(256, 1, 1, 16), torch.randn(1, 1, 70, 16), torch.randn(1, 1, 70, 16), n, None), "batch"),
+        ((q, k[..., :8], k, n, None), "value_cache"),
+        ((q, k, k[:, :, :10], n, None), "value_cache"),
+        ((q.double(), k, k, n, None), "float32"),
+        ((q.bfloat16(), k.bfloat16(), k.bfloat16(), n, None), "float32"),
+        ((q, k, k, n.int(), None), "int64"),
+        ((q, k, k, n, torch.rand(1, 80) > 0.5), "visible"),
+        ((q, k, k, n, torch.ones(2, 39, dtype=torch.bool)), "visible"),
+        ((q, k, k, n, torch.ones(2, 40)), "visible"),
+        ((torch.randn(1, 2, 1, 8), torch.randn(1, 0, 10, 8), torch.randn(1, 0, 10, 8), n, None), "KV heads"),
+    ]
+    for args, word in bad:
+        with pytest.raises(ValueError, match=word):
+            cpu_kernels.cpu_decode_attention(*args)
+
+
+def test_a_hidden_slots_garbage_never_reaches_the_output():
+    """A hidden slot's value is never read: NaN there leaves the output finite and equal to
+    float64's over the visible slots."""
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 4, 1, 16, generator=gen), *(torch.randn(2, 2, 40, 16, generator=gen) for _ in range(2))
+    visible = torch.ones(2, 40, dtype=torch.bool)
+    visible[:, 5] = False
+    v[0, 0, 5, 2] = float("nan")
+    k[1, 1, 5, 0] = float("inf")
+    n = torch.tensor(33)
+    got = cpu_kernels.cpu_decode_attention(q, k, v, n, visible)
+    v_ref = v.clone()
+    v_ref[:, :, 5] = 0.0
+    k_ref = k.clone()
+    k_ref[:, :, 5] = 0.0
+    torch.testing.assert_close(got.double(), _reference(q, k_ref, v_ref, n, visible, 1.0), atol=2e-5, rtol=2e-5)
+
+
 def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
     monkeypatch.setenv("CXX", "no-such-compiler-xyz")
     monkeypatch.setenv("SPECONTEXT_KERNEL_CACHE", str(tmp_path))

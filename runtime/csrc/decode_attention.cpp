@@ -106,8 +106,8 @@ void attend_item(int64_t item, const float* query, const float* keys, const floa
     for (int64_t j = 0; j < n; ++j) {
       const float* vr = v + (start + j) * D;
       for (int64_t g = 0; g < G; ++g) {
-        if (m[g] == NEG) continue;
         const float p = logit[g][j];
+        if (m[g] == NEG || p == 0.f) continue;  // nothing seen yet, or a hidden slot: its value is never read
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[g][d] += p * vr[d];
       }
