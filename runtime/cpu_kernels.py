@@ -11,7 +11,7 @@ horizontal sum; this kernel is what the backend's CPU dense step calls where it 
 Build: ``g++ -O3 -march=native -fopenmp -shared -fPIC`` (the compiler inductor uses: ``CXX``,
 else ``g++``) into ``$SPECONTEXT_KERNEL_CACHE`` (default ``~/.cache/specontext/kernels``), one
 shared library per source, flags and compiler (their hash in the file name), loaded with
-``ctypes``. Built once per machine (about 2 s; the CPU's flags are part of the key); a failed build raises :class:`KernelBuildError`
+``ctypes``. Built once per machine (a few seconds; the CPU's flags are part of the key); a failed build raises :class:`KernelBuildError`
 naming the compiler and the fix, and :func:`available` reports it so the caller keeps the
 inductor path (logged once).
 """
@@ -117,16 +117,16 @@ def available() -> bool:
 
 def decode_splits(rows: int, capacity: int) -> int:
     """Work items per ``batch * num_kv_heads`` row: the slots are split so that there are at
-    least 32 items for the threads (16 splits for SmolLM2's 3 KV heads at batch 1), each of
-    at least 256 slots."""
-    splits = max(1, min(-(-32 // max(rows, 1)), capacity // 256))
-    return splits
+    least 32 items for the threads (11 splits for SmolLM2's 3 KV heads at batch 1), each of
+    at least 256 slots (fewer splits for a short store)."""
+    return max(1, min(-(-32 // max(rows, 1)), capacity // 256))
 
 
 def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             attn_mask: torch.Tensor | None) -> bool:
     """Whether :func:`cpu_decode_attention` serves a dense decode site (a static fact): CPU
-    float32 query and contiguous stores, one query row, the group and head sizes the kernel
+    float32 query and stores (the KV caches' stores are contiguous; another layout would be
+    copied per call), one query row, the group and head sizes the kernel
     holds, no mask or a boolean one (an additive mask may carry a bias the kernel does not
     add), and the library available."""
     b, num_heads, q_len, head_dim = query.shape

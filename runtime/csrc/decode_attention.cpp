@@ -7,7 +7,6 @@
 // 2-core machine stay busy when batch * kv_heads is small; a second pass merges the splits.
 // float32 in, float32 accumulation, float32 out. Written for specontext (issue 51: the step
 // at its floor); built and loaded by runtime/cpu_kernels.py.
-#include <cmath>
 #include <cstdint>
 #include <algorithm>
 #include <limits>
