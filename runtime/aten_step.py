@@ -486,33 +486,22 @@ def ranked(query, keys, candidates, length, attn_mask, spec: StepSpec, variant: 
     """The refinement's ranking: ``(logits, probs, values, top)``, the candidates' logits and
     softmax ``[b, kv, g, q, slots]`` and the top-``budget`` rank values and slots ``[b, kv,
     budget]`` (a rank of ``_NEG``: no usable candidate in that slot)."""
-    budget, sinks, recent = kept_counts(query.shape[2], candidates.shape[-1], spec, variant)
+    q_len = query.shape[2]
+    budget = torch.sym_min(spec.budget, candidates.shape[-1])  # a budget above the candidates keeps them all
+    if known(budget < q_len):
+        raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
     logits = selected_logits(query, keys, candidates, length, attn_mask, variant)
     probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
     score = probs.amax(dim=(2, 3))  # [b, kv, slots]
     valid = candidates >= 0
+    recent = torch.sym_min(max(spec.recent_window, q_len), budget)
+    sinks = 0 if variant.sliding_window > 0 else torch.sym_min(spec.sink_tokens, budget - recent)
     length = length.reshape(-1, 1, 1) if length.dim() else length
     forced = valid & ((valid.cumsum(-1) <= sinks) | (candidates >= length - recent))
     rank = torch.where(valid, score, _NEG)
     rank = torch.where(forced, float("inf"), rank)
     values, top = rank.topk(budget, dim=-1, sorted=False)
     return logits, probs, values, top
-
-
-def kept_counts(q_len: int, slots: int, spec: StepSpec, variant: AttentionVariant):
-    """``(budget, sinks, recent)`` of a refinement over ``slots`` candidates: tokens kept (a
-    budget above the candidates keeps them all), and of them the forced ones, the first
-    ``sinks`` valid candidates (none with a sliding window) and the positions ``>= length -
-    recent`` (at least the step's ``q_len``).
-
-    Raises:
-        ValueError: when the budget cannot hold the step's ``q_len`` tokens."""
-    budget = torch.sym_min(spec.budget, slots)
-    if known(budget < q_len):
-        raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's {q_len} tokens")
-    recent = torch.sym_min(max(spec.recent_window, q_len), budget)
-    sinks = 0 if variant.sliding_window > 0 else torch.sym_min(spec.sink_tokens, budget - recent)
-    return budget, sinks, recent
 
 
 def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candidates: torch.Tensor,
@@ -528,38 +517,10 @@ def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
     bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
     key_cache, value_cache = store
-    if _refine_kernel_applies(query, key_cache, value_cache, attn_mask, variant):
-        candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
-        return _cpu_refine_attention(query, store, candidates, length, attn_mask, spec, variant)
     candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]
     return attend_kept(query, logits, values, top, rows)
-
-
-def _refine_kernel_applies(query, key_cache, value_cache, attn_mask, variant: AttentionVariant) -> bool:
-    """Whether a refined site's decode step runs our CPU kernel
-    (:func:`~.cpu_kernels.cpu_refine_attention`): a plain site (scale only) traced for inductor
-    on the CPU (:func:`fused_products`, as the dense shortcut's kernel) whose query, stores and
-    mask the kernel takes (:func:`~.cpu_kernels.refine_applies`); MLA's latent stores never."""
-    if isinstance(key_cache, tuple) or not variant.plain:
-        return False
-    b, num_heads, _, head_dim = query.shape
-    num_kv = key_cache.shape[1]
-    return (fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache)
-            and cpu_kernels.refine_applies(query, key_cache, value_cache, attn_mask))
-
-
-def _cpu_refine_attention(query, store, candidates, length, attn_mask, spec: StepSpec, variant: AttentionVariant):
-    """:func:`refine_and_attend`'s ranking and attention as one call of our CPU kernel over the
-    positions ``candidates`` (after the page rescue): the same forced sinks and recent window
-    as :func:`ranked`, the same budget."""
-    key_cache, value_cache = store
-    budget, sinks, recent = kept_counts(query.shape[2], candidates.shape[-1], spec, variant)
-    visible = row_visibility(attn_mask, key_cache.shape[-2])
-    return torch.ops.specontext.cpu_refine_attention(
-        query * variant.scale, key_cache, value_cache, candidates, length,
-        None if visible is None else visible[:, 0], budget, sinks, recent).to(query.dtype)
 
 
 def attend_kept(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, top: torch.Tensor,
