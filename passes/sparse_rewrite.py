@@ -32,7 +32,7 @@ from torch import fx
 from torch._higher_order_ops.effects import _get_effect
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-from ..runtime import aten_step, mla, page_bounds, rollback
+from ..runtime import aten_step, mla, page_bounds
 from ..runtime.protocol import RetrievalAnchor, op_arguments, overloads
 from ..runtime.spec import AttentionVariant, StepSpec
 from .head_draft import DraftHead
@@ -590,17 +590,22 @@ def _drop_later_anchors(graph: fx.Graph, first: fx.Node | None) -> None:
 
 
 def keeps_side_effects(node: fx.Node) -> bool:
-    """Dead-code test for :meth:`torch.fx.Graph.eliminate_dead_code`: FX's own purity test,
-    plus any op whose schema mutates an argument. torch 2.11 treats a call through an
-    ``OpOverloadPacket`` (``torch.ops.specontext.kv_write(...)``, as dynamo records it) as
-    pure, so without this the decode graph lost every KV-store write (seen on CUDA). In-place
-    tensor methods (``x.copy_(y)``, ``torch.relu_``) count too: dynamo records an in-place
-    collective (Hugging Face tensor parallelism's ``all_reduce`` of the row-parallel output) as
-    a functional all-reduce plus ``copy_`` back into the input, whose result is unused. Ops
-    with a declared effect (``torch._library.effects``, e.g. every op taking an opaque
-    reference object such as the KV-offload manager) are kept as well."""
-    if node.is_impure() or node.op == "call_function" and (node.target in aten_step.MUTATES
-                                                           or node.target in rollback.MUTATES):
+    """Dead-code test for :meth:`torch.fx.Graph.eliminate_dead_code`: FX's own purity test
+    (:meth:`torch.fx.Node.is_impure`), which keeps our step functions that change tensors in
+    place (each registered with :func:`torch.fx.node.has_side_effect` where it is defined),
+    plus two cases FX has left out:
+
+    * an op whose schema mutates an argument, or that declares an effect
+      (``torch._library.effects``, e.g. every op taking an opaque reference object such as
+      the KV-offload manager), called through its ``OpOverloadPacket``
+      (``torch.ops.specontext.kv_write(...)``, as dynamo records it): torch 2.11 called that
+      pure and the decode graph lost every KV-store write (seen on CUDA); torch 2.13's test
+      covers it, older ones (we take torch >= 2.6) do not;
+    * an in-place tensor method (``x.copy_(y)``, ``torch.relu_``): dynamo records an in-place
+      collective (Hugging Face tensor parallelism's ``all_reduce`` of the row-parallel output)
+      as a functional all-reduce plus ``copy_`` back into the input, whose result is unused;
+      FX calls that pure (torch 2.13 too)."""
+    if node.is_impure():
         return True
     target = node.target
     name = target if node.op == "call_method" else getattr(target, "__name__", None)

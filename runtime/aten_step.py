@@ -25,6 +25,7 @@ from collections.abc import Sequence
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+from torch.fx.node import has_side_effect
 
 from . import cpu_kernels, page_bounds
 from .protocol import FALLBACK_STAT, GUARD_STAT
@@ -41,7 +42,7 @@ from .sparse_attention import (
     sparse_attention_reference,
 )
 
-__all__ = ["MUTATES", "count_fallback", "count_guard", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
+__all__ = ["count_fallback", "count_guard", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
            "lagged_query_scores",
            "attend_kept", "record_hidden", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
@@ -73,6 +74,7 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, length: torch.T
     length.add_(q_len)
 
 
+@has_side_effect
 def count_step(stats: torch.Tensor, increments: list[int]) -> None:
     """``stats += increments`` (int64 path counters, see
     :data:`~specontext_compile.runtime.protocol.STATS`), on the device."""
@@ -81,6 +83,7 @@ def count_step(stats: torch.Tensor, increments: list[int]) -> None:
             stats[i].add_(step)
 
 
+@has_side_effect
 def count_fallback(stats: torch.Tensor, ready: torch.Tensor) -> None:
     """Count a decode step whose selection head was not ready (``ready``: bool scalar tensor,
     :func:`lagged_ready` or :func:`draft_ready`), so its selection ranked by recency:
@@ -102,6 +105,7 @@ def draft_ready(draft_length: torch.Tensor, length: torch.Tensor, q_len: int) ->
     return draft_length >= length + q_len
 
 
+@has_side_effect
 def store_selection(selection_state: torch.Tensor, indices: torch.Tensor) -> None:
     """``selection_state[..., :slots] = indices`` (the step's selection, kept for the graphs
     after a graph break; ``[batch, kv, capacity]`` int64)."""
@@ -113,6 +117,7 @@ def load_selection(selection_state: torch.Tensor, slots: int) -> torch.Tensor:
     return selection_state[..., :slots].clone()
 
 
+@has_side_effect
 def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor,
                  slot: int | torch.Tensor, length: torch.Tensor) -> None:
     """Keep the last query row of ``query`` ``[batch, num_heads, q_len, head_dim]`` in slot
@@ -133,6 +138,7 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     query_valid[slot].copy_(length)
 
 
+@has_side_effect
 def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list[torch.Tensor],
                   length: torch.Tensor) -> None:
     """A fused draft head's input for later steps: the concatenated ``hidden`` (the auxiliary
@@ -365,6 +371,7 @@ def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: t
     return indices, (coverage < spec.min_coverage).any()
 
 
+@has_side_effect
 def count_guard(stats: torch.Tensor, dense: torch.Tensor) -> None:
     """Count a site the fidelity guard sent dense (``dense``: :func:`refine_selection`'s bool
     scalar): ``stats[GUARD_STAT] += 1`` on the device (``guard_dense_sites`` in
@@ -672,18 +679,3 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     if spec.dense_shortcut and variant.plain and covers_store(indices, key_cache):
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)
-
-
-#: Step functions the pass calls directly (no op) that change tensors in place, with the
-#: names of the arguments they change: dead-code elimination must keep them
-#: (:func:`~specontext_compile.passes.sparse_rewrite.keeps_side_effects`).
-MUTATES = {
-    record_query: ("query_state", "query_valid"),
-    record_hidden: ("aux_state", "aux_valid"),
-    count_guard: ("stats",),
-    count_step: ("stats",),
-    count_fallback: ("stats",),
-    store_selection: ("selection_state",),
-    page_bounds.shift_from_mask: ("page_shift",),
-    page_bounds.update_after_write: ("page_bounds",),
-}

@@ -32,7 +32,7 @@ head's auxiliary hidden states), ``aten_step.count_step`` (the path counters),
 ``aten_step.store_selection`` / ``load_selection`` (a selection across a graph break),
 ``page_bounds.shift_from_mask`` (pages aligned to a padded row's first token) and
 ``mla.latent_query`` (an MLA layer's absorbed query). Those that change state in place are
-listed in :data:`.aten_step.MUTATES`, so dead-code elimination keeps them.
+registered with :func:`torch.fx.node.has_side_effect`, so dead-code elimination keeps them.
 """
 
 from __future__ import annotations

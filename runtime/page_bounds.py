@@ -20,6 +20,7 @@ Everything here has static shapes and reads no tensor on the host, like :mod:`.a
 from __future__ import annotations
 
 import torch
+from torch.fx.node import has_side_effect
 
 from .sparse_attention import row_products, row_visibility
 
@@ -53,6 +54,7 @@ def _shift(shift: torch.Tensor | None, batch: int, device) -> torch.Tensor:
     return shift.view(-1, 1, 1).expand(batch, 1, 1)
 
 
+@has_side_effect
 def update_after_write(key_cache: torch.Tensor, page_bounds: list[torch.Tensor], length: torch.Tensor,
                        key: torch.Tensor, page_tokens: int, page_shift: torch.Tensor | None = None) -> None:
     """The page-bounds half of ``specontext::kv_write``: after ``key`` ``[batch, num_kv_heads,
@@ -202,6 +204,7 @@ def rescued_candidates(candidates: torch.Tensor, scores: torch.Tensor, seen: tor
     return torch.cat([candidates, torch.where(usable, tokens, -1)], dim=-1)
 
 
+@has_side_effect
 def shift_from_mask(page_shift: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None, capacity: int,
                     page_tokens: int) -> None:
     """At a prompt's first write (``length`` == 0, tokens

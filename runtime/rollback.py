@@ -29,10 +29,11 @@ by recency as before (counted: ``recency_fallback_steps``). Sync-free: ``where``
 from __future__ import annotations
 
 import torch
+from torch.fx.node import has_side_effect
 
 from .retrieval import MAX_RETRIEVAL_LAYERS
 
-__all__ = ["MUTATES", "QUERY_SLOTS", "ROLLBACK_TOKENS", "crop_history", "record_rows", "restore"]
+__all__ = ["QUERY_SLOTS", "ROLLBACK_TOKENS", "crop_history", "record_rows", "restore"]
 
 ROLLBACK_TOKENS = 32  # the deepest rollback that restores the lagged query (deeper: recency)
 HISTORY = MAX_RETRIEVAL_LAYERS
@@ -54,6 +55,7 @@ def _key_rows(key_cache, positions: torch.Tensor, width: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, width - rows.shape[-1]))
 
 
+@has_side_effect
 def record_rows(query_state: torch.Tensor, query_valid: torch.Tensor, query: torch.Tensor,
                 slot: int | torch.Tensor, length: torch.Tensor, key_cache) -> None:
     """Keep every row of this step's ``query`` ``[batch, heads, q_len, width]`` (the last
@@ -77,6 +79,7 @@ def record_rows(query_state: torch.Tensor, query_valid: torch.Tensor, query: tor
     query_valid.index_copy_(0, entries, stamps)
 
 
+@has_side_effect
 def restore(query_state: torch.Tensor, query_valid: torch.Tensor, cached: torch.Tensor, key_caches: list) -> None:
     """Before a decode step's selection: each of the first ``len(key_caches)`` slots not
     stamped ``cached`` (tokens written before this step) takes its history entry of position
@@ -107,7 +110,3 @@ def crop_history(query_valid: torch.Tensor, length: int) -> None:
     restores a dropped token's query."""
     query_valid[:HISTORY].zero_()
     query_valid[HISTORY:].masked_fill_(query_valid[HISTORY:] > length, 0)
-
-
-#: functions here that change their arguments in place (the pass's dead-code test keeps them)
-MUTATES = {record_rows: ("query_state", "query_valid"), restore: ("query_state", "query_valid")}

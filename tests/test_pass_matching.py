@@ -164,3 +164,26 @@ def test_dead_code_elimination_keeps_store_writes_even_where_fx_calls_them_pure(
     assert write in nodes and unused not in nodes
     graph.eliminate_dead_code()  # FX alone (as on torch 2.11) would drop the write
     assert write not in list(graph.nodes)
+
+
+def test_step_functions_that_change_state_are_impure_to_fx_itself():
+    """The step functions the pass calls directly and that change tensors in place are
+    registered with ``torch.fx.node.has_side_effect``: FX's own dead-code elimination (no
+    predicate of ours) keeps a call whose result is unused, and still removes an unused
+    pure step function (``load_selection``)."""
+    from torch import fx
+
+    from specontext_compile.runtime import aten_step, page_bounds, rollback
+
+    mutating = (aten_step.record_query, aten_step.record_hidden, aten_step.count_step, aten_step.count_fallback,
+                aten_step.count_guard, aten_step.store_selection, page_bounds.shift_from_mask,
+                page_bounds.update_after_write, rollback.record_rows, rollback.restore)
+    graph = fx.Graph()
+    state = graph.placeholder("state")
+    calls = [graph.call_function(fn, (state,)) for fn in mutating]
+    pure = graph.call_function(aten_step.load_selection, (state, 4))
+    graph.output(None)
+    graph.eliminate_dead_code()
+    nodes = list(graph.nodes)
+    assert all(call in nodes for call in calls), [c.target.__name__ for c in calls if c not in nodes]
+    assert pure not in nodes
