@@ -2,16 +2,17 @@
 arXiv 2512.00722). ``torch.compile(model.forward, backend="specontext", options={...})``.
 
 Importing this package registers the ``specontext::`` custom ops; it changes no other global
-state.
+state, and it loads the compiler only: the serving helpers (``continuous_batching_config``) and
+the explain tool (``explain``) load on first use (``tests/test_layers.py``).
 """
 
 from .api import compile, restore
 from .backend import CompileReport, compile_reports, specontext_backend
 from .config import SpeContextConfig
-from .explain import explain
 from .runtime.kv_cache import SpeContextCache
 from .runtime.static_state import path_counts
-from .serving import continuous_batching_config
+
+_LAZY = {"explain": ("explain", "explain"), "continuous_batching_config": ("serving", "continuous_batching_config")}
 
 __all__ = [
            "CompileReport",
@@ -26,3 +27,15 @@ __all__ = [
            "specontext_backend",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """The tools' entry points, imported on first use (PEP 562)."""
+    if name in _LAZY:
+        import importlib
+
+        module, attribute = _LAZY[name]
+        value = getattr(importlib.import_module(f".{module}", __name__), attribute)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

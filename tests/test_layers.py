@@ -1,86 +1,64 @@
-"""The package's layering (issue 53, item 5): no import cycles among its modules, the core
-(passes, runtime, codegen) imports nothing but itself and the options, and ``import
-specontext_compile`` loads no server.
-
-Imports are read from the sources (``ast``), function-local ones included: a lazy import
-that closes a cycle is still a cycle a reader has to hold in their head. ``from . import x``
-of a submodule ``x`` is an import of ``x`` (not of the package's ``__init__``)."""
+"""The package's layers (issue 53, item 5): no import cycle, a core (passes, runtime, codegen)
+that imports no tool, and ``import specontext_compile`` that loads the compiler only. The
+graph is read from the sources by ``scripts/import_graph.py`` (no import)."""
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
-import networkx as nx
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CORE = ("specontext_compile.runtime", "specontext_compile.passes", "specontext_compile.codegen")
-#: what the core may import outside itself: the validated options
-CORE_MAY_IMPORT = {"specontext_compile.config"}
 
 
-def _modules() -> dict[str, Path]:
-    """Every module of the installed packages, by dotted name (pyproject's ``package-dir``)."""
-    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    modules = {}
-    for package, folder in setup["package-dir"].items():
-        for path in (ROOT / folder).glob("*.py"):
-            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
-    return modules
+@pytest.fixture(scope="module")
+def import_graph():
+    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` (file ``path``) imports, anywhere in the file."""
-    package = name if path.stem == "__init__" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")
-            base = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            submodules = {f"{module}.{alias.name}" for alias in node.names} & modules.keys()
-            found |= submodules
-            if len(submodules) < len(node.names):  # a name from the module itself
-                found.add(module)
-    return {m for m in found if m in modules and m != name}
+@pytest.mark.parametrize("lazy", [False, True], ids=["at-import", "with-imports-inside-functions"])
+def test_the_package_has_no_import_cycle(import_graph, lazy):
+    g = import_graph.graph(lazy=lazy)
+    assert g.number_of_nodes() > 50  # the whole package was read (passes, runtime, codegen, tools)
+    assert import_graph.cycles(g) == []
 
 
-def _graph() -> nx.DiGraph:
-    modules = _modules()
-    graph = nx.DiGraph()
-    for name, path in modules.items():
-        graph.add_node(name)
-        graph.add_edges_from((name, target) for target in _imported(name, path, modules))
-    return graph
+def test_the_core_imports_no_tool(import_graph):
+    g = import_graph.graph(lazy=True)
+    assert import_graph.core_imports_of_tools(g) == []
 
 
-def test_the_graph_reader_sees_the_package():
-    graph = _graph()
-    assert graph.number_of_nodes() > 60
-    assert graph.has_edge("specontext_compile.backend", "specontext_compile.passes.sparse_rewrite")
-    assert graph.has_edge("specontext_compile.backend", "specontext_compile.fallbacks")  # from . import fallbacks
+def test_the_graph_finds_a_cycle_and_a_core_import_of_a_tool(import_graph, tmp_path, monkeypatch):
+    """The checks above can fail: two modules importing each other are a cycle, and a runtime
+    module importing the server is a core import of a tool."""
+    top, runtime = tmp_path / "top", tmp_path / "runtime"
+    top.mkdir(), runtime.mkdir()
+    (top / "__init__.py").write_text("")
+    (top / "serve.py").write_text("from .runtime import step\n")
+    (runtime / "__init__.py").write_text("")
+    (runtime / "step.py").write_text("import logging\n\ndef run():\n    from ..serve import x\n")
+    monkeypatch.setattr(import_graph, "PACKAGE_DIRS", {"specontext_compile": top,
+                                                      "specontext_compile.runtime": runtime})
+    assert import_graph.cycles(import_graph.graph()) == []  # the runtime's import is inside a function
+    lazy = import_graph.graph(lazy=True)
+    assert import_graph.cycles(lazy) == [["specontext_compile.runtime.step", "specontext_compile.serve"]]
+    assert import_graph.core_imports_of_tools(lazy) == [("specontext_compile.runtime.step", "specontext_compile.serve")]
 
 
-def test_no_import_cycles():
-    cycles = [sorted(c) for c in nx.strongly_connected_components(_graph()) if len(c) > 1]
-    assert not cycles, f"import cycles: {cycles}"
-
-
-def test_the_core_imports_only_itself_and_the_options():
-    outside = sorted((a, b) for a, b in _graph().edges
-                     if a.startswith(CORE) and not b.startswith(CORE) and b not in CORE_MAY_IMPORT)
-    assert not outside, outside
-
-
-def test_importing_the_package_loads_no_server():
-    code = ("import sys, specontext_compile; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'starlette', 'openai')"
-            " or m.startswith('specontext_compile.serve') or m.startswith('specontext_compile.cli')))")
-    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          check=True)
-    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+def test_importing_the_package_loads_no_server_and_no_tool():
+    """A fresh interpreter: ``import specontext_compile`` loads the compiler, not the serving
+    helpers, the server, the CLI or the explain tool; those load on first use."""
+    code = ("import sys, specontext_compile as s\n"
+            "tools = sorted(m for m in sys.modules if m.startswith('specontext_compile.') and\n"
+            "               m.rsplit('.', 1)[-1].startswith(('serv', 'explain', 'cli')))\n"
+            "print(tools)\n"
+            "print(callable(s.explain), callable(s.continuous_batching_config))\n"
+            "print('specontext_compile.serving' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split("\n")[:3] == ["[]", "True True", "True"], out.stdout + out.stderr
