@@ -25,9 +25,11 @@ import math
 import torch
 from torch import fx
 
+from ..runtime.torch_private import C_LINEAR
+
 __all__ = ["one_row_linear", "rewrite_one_row_linears"]
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_LINEAR = (C_LINEAR, torch.nn.functional.linear)
 
 
 def one_row_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 (linear's names)

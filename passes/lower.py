@@ -52,6 +52,7 @@ from torch import fx
 from ..runtime import aten_step, kernel_step, mla, offload_step, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import is_op, op_arguments
+from ..runtime.torch_private import OpOverload, OpOverloadPacket
 
 logger = logging.getLogger(__name__)
 
@@ -75,9 +76,9 @@ class LowerResult:
 
 
 def _packet(target):
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         return target.overloadpacket
-    return target if isinstance(target, torch._ops.OpOverloadPacket) else None
+    return target if isinstance(target, OpOverloadPacket) else None
 
 
 def _is_triton(node: fx.Node) -> bool:

@@ -49,12 +49,14 @@ from pathlib import Path
 import networkx as nx
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import get_hash_for_files
 
-from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
 from ..runtime import aten_step, offload_step
+from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
 from ..runtime.protocol import op_arguments
+from ..runtime.torch_private import custom_graph_pass
 from .sites import is_op
+
+_, get_hash_for_files = custom_graph_pass()
 
 logger = logging.getLogger(__name__)
 

@@ -26,11 +26,12 @@ from torch import fx
 
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops used below)
 from ..runtime.protocol import RetrievalAnchor, is_op
+from ..runtime.torch_private import C_LINEAR, C_SDPA
 
 __all__ = ["SDPA_TARGETS", "AttentionSite", "static_int", "decoder_layer_outputs", "find_attention_sites",
            "find_token_embedding", "is_op", "layer_windows"]
 
-SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
+SDPA_TARGETS = (torch.nn.functional.scaled_dot_product_attention, C_SDPA)
 KV_WRITE = torch.ops.specontext.kv_write
 ANCHOR = torch.ops.specontext.retrieval_anchor
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
@@ -312,7 +313,7 @@ def _match_mla_expansion(key: fx.Node, value: fx.Node, readers: set, by_key: dic
     if not (_is_call(view, method="view") or _is_call(view, method="reshape")):
         return None
     linear = view.args[0]
-    if not (_is_call(linear, (torch._C._nn.linear, torch.nn.functional.linear)) and len(linear.args) >= 2
+    if not (_is_call(linear, (C_LINEAR, torch.nn.functional.linear)) and len(linear.args) >= 2
             and _arg(linear, 2, "bias") is None):
         return None
     latent, weight = linear.args[0], linear.args[1]

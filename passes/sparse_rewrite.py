@@ -29,12 +29,11 @@ from pathlib import Path
 
 import torch
 from torch import fx
-from torch._higher_order_ops.effects import _get_effect
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 from ..runtime import aten_step, mla, page_bounds
 from ..runtime.protocol import RetrievalAnchor, op_arguments, overloads
 from ..runtime.spec import AttentionVariant, StepSpec
+from ..runtime.torch_private import custom_graph_pass, effect_of
 from .head_draft import DraftHead
 from .head_lagged import LaggedQueryHead
 from .heads import SelectionHead
@@ -42,6 +41,7 @@ from .site_nodes import bias_4d, selection_query, static_capacity
 from .sites import KV_WRITE, AttentionSite, find_attention_sites, is_op, static_int
 
 logger = logging.getLogger(__name__)
+CustomGraphPass, get_hash_for_files = custom_graph_pass()
 
 __all__ = ["RewriteResult", "SparseAttentionPass"]
 
@@ -157,7 +157,7 @@ def decide_query_lengths(graph: fx.Graph, longest: int) -> int:
                 int(length)  # guarded equal to its value: static from here on (sites.static_int)
             decided += 1
         except Exception:  # noqa: BLE001 - no hint to decide with: dense, counted and said
-            from torch._dynamo.utils import counters
+            from ..runtime.torch_private import counters
 
             counters["specontext"]["symbolic_query_len_dense"] += 1
             logger.warning("specontext: a step's query length is symbolic (dynamo made it so) and could not be "
@@ -219,7 +219,7 @@ class SparseAttentionPass(CustomGraphPass):
                    select.retrieval_head, select.dense_layers, select.rescue_layers)
 
     def uuid(self) -> str:
-        """torch's hash of the sources (:func:`~torch._inductor.custom_graph_pass.get_hash_for_files`)
+        """torch's hash of the sources (inductor's ``get_hash_for_files``: :func:`~..runtime.torch_private.custom_graph_pass`)
         and of the options: the same inputs rewrite to the same graph."""
         options = repr((self.step, self.retrieval_layers, self.max_sparse_q_len, self.retrieval_head,
                         self.dense_layers, self.rescue_layers))
@@ -612,4 +612,4 @@ def keeps_side_effects(node: fx.Node) -> bool:
     if (node.op in ("call_method", "call_function") and isinstance(name, str) and name.endswith("_")
             and not name.endswith("__") and hasattr(torch.Tensor, name)):
         return True
-    return any(op._schema.is_mutable or _get_effect(op) is not None for op in overloads(target))
+    return any(op._schema.is_mutable or effect_of(op) is not None for op in overloads(target))

@@ -30,7 +30,8 @@ import threading
 from pathlib import Path
 
 import torch
-from torch._dynamo.utils import counters
+
+from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 

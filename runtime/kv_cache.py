@@ -32,6 +32,7 @@ from .draft_retrieval import DraftKeyCache, head_spec
 from .page_bounds import PAGE_TOKENS, clear_pages_from, page_count, update_page_bounds
 from .protocol import STATS, DraftAnchor, RetrievalAnchor
 from .rollback import QUERY_SLOTS, crop_history
+from .torch_private import mark_static_address
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def _static_address(*tensors: torch.Tensor) -> None:
         return
     for t in tensors:
         if t.is_cuda:
-            torch._dynamo.mark_static_address(t, guard=False)
+            mark_static_address(t)
 
 
 def _round_up(n: int, chunk: int) -> int:

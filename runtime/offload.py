@@ -36,14 +36,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from torch._dynamo.utils import counters
-try:  # opaque custom-op arguments: the manager is a graph input (torch 2.13 is tested)
-    from torch._library.opaque_object import register_opaque_type
-    from torch._opaque_base import OpaqueBase
-except ImportError as _err:  # pragma: no cover - older torch
-    raise ImportError("specontext KV offload needs a torch with opaque custom-op arguments "
-                      "(torch._opaque_base; torch 2.13 is tested): upgrade torch, or leave "
-                      "device_memory_bytes unset") from _err
 
 from . import page_bounds
 from .elastic import copy_changed_rows, find_positions, plan_slots
@@ -51,6 +43,7 @@ from .memory_model import INF, DeviceMemoryError, MemoryModel
 from .rollback import QUERY_SLOTS
 from .sparse_attention import _gather_tokens
 from .streams import CopyStream, CopyTicket
+from .torch_private import counters, opaque_base, register_opaque_type
 from .trace import TraceRecorder
 
 logger = logging.getLogger(__name__)
@@ -331,7 +324,7 @@ class StepStats:
     per_layer_rows: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
-class OffloadManager(OpaqueBase):
+class OffloadManager(opaque_base()):
     """Owns the host tier, device buffers, the copy stream and the adaptive plan of one cache.
 
     A torch opaque *reference* object (``torch._library.opaque_object``): the cache passes

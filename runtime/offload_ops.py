@@ -43,6 +43,7 @@ import logging
 import torch
 
 from .offload import OffloadManager
+from .torch_private import ordered_effect
 
 logger = logging.getLogger(__name__)
 
@@ -146,10 +147,8 @@ def _(manager, key_cache, value_cache, positions, length, ticket, values):
 def _declare_effects() -> None:
     """Ordered effects for every op that takes the manager (torch does not infer them for
     opaque arguments): compilers thread effect tokens through them, never reorder or drop."""
-    from torch._library.effects import EffectType
-
     for op in (offload_plan, offload_prefetch, offload_rows):
-        torch.library._register_effectful_op(op._opoverload, EffectType.ORDERED)
+        ordered_effect(op._opoverload)
 
 
 _declare_effects()

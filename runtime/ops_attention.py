@@ -10,11 +10,11 @@ import weakref
 from typing import Optional
 
 import torch
-from torch._dynamo.utils import counters
 
 from . import aten_step, mla
 from .sparse_attention import mask_is_causal_only
 from .spec import AttentionVariant, StepSpec
+from .torch_private import counters
 
 __all__ = ["sparse_attention"]
 

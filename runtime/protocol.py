@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from .torch_private import OpOverload, OpOverloadPacket
+
 __all__ = ["FALLBACK_STAT", "GUARD_STAT", "STATS", "DraftAnchor", "RetrievalAnchor", "is_op", "op_arguments", "overloads"]
 
 # Counters a SpeContextCache keeps in ``stats`` (index = position), advanced once per decode
@@ -50,23 +52,23 @@ def is_op(node: fx.Node, target) -> bool:
     ``functools.wraps``, e.g. a test's spy set before compiling, counts as the function)."""
     if node.op != "call_function":
         return False
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return node.target is target or getattr(node.target, "overloadpacket", None) is target
     return node.target is target or inspect.unwrap(node.target) is target
 
 
-def overloads(target) -> list[torch._ops.OpOverload]:
+def overloads(target) -> list[OpOverload]:
     """The op overloads a call target may run: an overload itself, every overload of a packet
     (dynamo records packets), none for anything else (a function, a method name)."""
-    if isinstance(target, torch._ops.OpOverloadPacket):
+    if isinstance(target, OpOverloadPacket):
         return [getattr(target, name) for name in target.overloads()]
-    return [target] if isinstance(target, torch._ops.OpOverload) else []
+    return [target] if isinstance(target, OpOverload) else []
 
 
 def op_arguments(node: fx.Node, target) -> dict[str, Any]:
     """The arguments of a call of ``target`` in ``node`` by name, defaults filled: an op packet
     (its schema's names) or a step function the pass calls directly (its parameters')."""
-    if not isinstance(target, torch._ops.OpOverloadPacket):
+    if not isinstance(target, OpOverloadPacket):
         params = inspect.signature(target).parameters
         bound = dict(zip(params, node.args))
         bound.update(node.kwargs)

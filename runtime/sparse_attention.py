@@ -15,6 +15,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .spec import AttentionVariant
+from .torch_private import force_stride_order
 
 __all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
            "sparse_attention_reference"]
@@ -92,10 +93,8 @@ def _realized(rows: torch.Tensor) -> torch.Tensor:
     (``python -m benchmarks.layer_step --realized``). Only inside :func:`inductor_trace`."""
     if not REALIZE_ROWS or rows.requires_grad:  # the prim has no autograd formula (a step traced with grad)
         return rows
-    from torch._inductor import inductor_prims
-
     rows = rows.contiguous()
-    return inductor_prims.force_stride_order(rows, rows.stride())
+    return force_stride_order(rows, rows.stride())
 
 
 # query rows up to which a traced CPU product is a fused reduction instead of a matmul

@@ -21,12 +21,9 @@ import dataclasses
 import math
 from typing import Any
 
-from torch._library.opaque_object import register_opaque_type
+from .torch_private import opaque_base, register_opaque_type
 
-try:  # torch 2.11 asks every opaque type, value types too, to be an OpaqueBase; later ones accept it
-    from torch._opaque_base import OpaqueBase as _Opaque
-except ImportError:  # torch without the base class
-    _Opaque = object
+_Opaque = opaque_base()  # torch 2.11 asks every opaque type, value types too, to be an OpaqueBase
 
 __all__ = ["ALL_TOKENS", "KERNELS", "AttentionVariant", "StepSpec", "candidate_slots"]
 

@@ -49,6 +49,7 @@ import torch
 
 from .protocol import STATS
 from .rollback import QUERY_SLOTS
+from .torch_private import mark_static_address
 
 __all__ = ["StaticCacheState", "bind_state", "model_stats", "path_counts", "state_for"]
 
@@ -95,7 +96,7 @@ class StaticCacheState:
 def _static_address(*tensors: torch.Tensor) -> None:
     if tensors and tensors[0].device.type == "cuda":  # keep their address for CUDA graphs, like the stores
         for t in tensors:
-            torch._dynamo.mark_static_address(t, guard=False)
+            mark_static_address(t)
 
 
 def _shape_key(batch: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> tuple:

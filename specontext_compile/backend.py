@@ -15,8 +15,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import fallbacks
 from . import logs as _logs
@@ -29,12 +27,14 @@ from .passes.model_counts import add_model_counts
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .regional import compile_regions
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
+from .runtime import torch_private
 from .runtime.aten_step import record_query
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
 from .runtime.rollback import record_rows
 from .runtime.sparse_attention import inductor_trace
 from .runtime.static_state import model_stats
+from .runtime.torch_private import counters
 
 logger = logging.getLogger(__name__)
 _graphs_log = _logs.artifact_logger(__name__, _logs.GRAPHS)  # TORCH_LOGS=specontext_graphs
@@ -226,7 +226,7 @@ def _inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], patches: dict
               on_cuda: bool):
     """Inductor's compile of the lowered graph: by regions (each distinct decoder layer once)
     when option ``regional`` says so, else whole."""
-    from torch._inductor.compile_fx import compile_fx
+    compile_fx = torch_private.compile_fx
 
     with inductor_trace():  # decode products traced as fused reductions (CPU; sparse_attention.row_products)
         if _regional(config, on_cuda):
@@ -482,7 +482,7 @@ def _static_added_inputs(gm: torch.fx.GraphModule) -> None:
             node.meta.setdefault("tensor_dict", {})["_dynamo_static_input_type"] = "unguarded"
 
 
-class _SourcesKey(CustomGraphPass):
+class _SourcesKey(torch_private.custom_graph_pass()[0]):
     """A post-grad pass that changes nothing and carries our pass's ``uuid`` (a hash of the
     passes' and runtime's sources and of the options) into inductor's cache keys: an FX graph
     or AOTAutograd cache entry compiled by another version of our code is never reused. Seen
@@ -501,8 +501,7 @@ class _SourcesKey(CustomGraphPass):
 def _cache_key_patch(pass_uuid: str) -> dict[str, Any]:
     """``post_grad_custom_post_pass`` = :class:`_SourcesKey` unless the caller set one (then
     theirs stays, logged: our sources' hash is then not in inductor's keys)."""
-    from torch._inductor import config as inductor_config
-
+    inductor_config = torch_private.inductor_config()
     if inductor_config.post_grad_custom_post_pass is not None:
         logger.info("specontext: inductor's post_grad_custom_post_pass is set by the caller; inductor's caches "
                     "do not key on this version of specontext's sources")
@@ -522,12 +521,12 @@ def _cacheable_functions(graph: torch.fx.Graph, pass_uuid: str) -> dict[str, Any
     ``REALIZE_ROWS``): a change of any changes the key. A function replaced at run time (a
     monkeypatch) is not seen: clear torch's caches, or use another ``TORCHINDUCTOR_CACHE_DIR``.
     Functions the caller already marked keep their entries."""
-    from torch._inductor import config as inductor_config
-
     from .runtime import sparse_attention
 
+    inductor_config = torch_private.inductor_config()
+
     names = {f"{node.target.__module__}.{node.target.__name__}" for node in graph.nodes
-             if node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload)
+             if node.op == "call_function" and not isinstance(node.target, torch_private.OpOverload)
              and getattr(node.target, "__module__", "").startswith(f"{__package__}.")}
     if not names:
         return {}
@@ -544,9 +543,7 @@ def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[A
     ``generate`` runs)."""
     patches: dict[str, Any] = {}
     if mode != "default":
-        from torch._inductor import list_mode_options
-
-        patches.update(list_mode_options(mode))
+        patches.update(torch_private.mode_options(mode))
     on_cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
     freezing = config.compile.freezing if config.compile.freezing is not None else not on_cuda
     if freezing:

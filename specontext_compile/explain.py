@@ -15,7 +15,6 @@ import inspect
 from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
 from .backend import CompileReport, compile_reports
 from .config import SpeContextConfig
@@ -23,6 +22,7 @@ from .passes.sites import ANCHOR, KV_WRITE, is_op
 from .runtime import aten_step, mla, offload_step
 from .runtime.kv_cache import SpeContextCache
 from .runtime.protocol import op_arguments
+from .runtime.torch_private import counters
 
 __all__ = ["Explanation", "SiteRow", "explain"]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from torch._dynamo.utils import counters
+from .runtime.torch_private import compile_id, counters
 
 __all__ = ["note_frame", "warn_dense_decode", "watch_recompile_limit"]
 
@@ -41,14 +41,12 @@ RECOMPILE_FIX = (
     "calls that match none of its compiled graphs now run uncompiled: dense, without the "
     "specontext step. Fix: compile with specontext_compile.compile(model, ...) (each call "
     "keeps its own graphs: isolate_recompiles), pass torch.compile(..., recompile_limit=N), or "
-    "raise torch._dynamo.config.recompile_limit; torch._dynamo.reset() drops graphs of earlier "
+    "raise torch._dynamo.config.recompile_limit; torch.compiler.reset() drops graphs of earlier "
     "settings")
 
 
 def _compile_id():
-    from torch._guards import CompileContext
-
-    return CompileContext.current_compile_id()
+    return compile_id()
 
 
 def _frame_id() -> int | None:

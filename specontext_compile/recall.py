@@ -26,10 +26,15 @@ from typing import Any
 import torch
 import torch.fx
 
-from .runtime import aten_step, mla, offload_step
-from .runtime import ops_attention  # noqa: F401  (register the attention op)
+from .runtime import (
+    aten_step,
+    mla,
+    offload_step,
+    ops_attention,  # noqa: F401  (register the attention op)
+)
 from .runtime.sparse_attention import causal_limit_mask
 from .runtime.spec import AttentionVariant
+from .runtime.torch_private import OpOverload
 
 __all__ = ["RecallProbe", "RecallRecord", "selection_recall"]
 
@@ -143,7 +148,7 @@ _OP = torch.ops.specontext.sparse_attention.default
 
 def _arguments(target, args: tuple, kwargs: dict) -> dict:
     """A node's arguments by parameter name (an op's from its schema)."""
-    if isinstance(target, torch._ops.OpOverload):
+    if isinstance(target, OpOverload):
         names = [a.name for a in target._schema.arguments]
         return {**dict(zip(names, args)), **kwargs}
     bound = inspect.signature(target).bind(*args, **kwargs)

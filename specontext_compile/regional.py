@@ -47,9 +47,9 @@ from typing import Any
 
 import torch
 from torch import fx
-from torch._dynamo.utils import counters
 
 from .runtime.protocol import overloads
+from .runtime.torch_private import counters
 
 logger = logging.getLogger(__name__)
 

@@ -45,8 +45,18 @@ from .backend import _copy
 from .config import SpeContextConfig
 from .passes.paged import PagedRewrite, rewrite_paged
 from .runtime.page_bounds import PAGE_TOKENS
-from .runtime.paged import (DENSE, MIXED, PAGED_STATS, SPARSE, PagedState, classify_step, decoding_rows,
-                            mask_rows, record_generated)
+from .runtime.paged import (
+    DENSE,
+    MIXED,
+    PAGED_STATS,
+    SPARSE,
+    PagedState,
+    classify_step,
+    decoding_rows,
+    mask_rows,
+    record_generated,
+)
+from .runtime.torch_private import recompile_limit, set_recompile_limit
 
 logger = logging.getLogger(__name__)
 
@@ -166,7 +176,7 @@ class PagedBackend:
         inner = self.config.compile.inner
         if inner != "inductor":
             return inner(gm) if callable(inner) else gm.forward
-        from torch._inductor.compile_fx import compile_fx
+        from .runtime.torch_private import compile_fx
 
         return compile_fx(gm, inputs)
 
@@ -200,12 +210,10 @@ def raise_recompile_limit(limit: int | None) -> None:
     thread*: torch's config overrides are thread-local, and Hugging Face's engine compiles its
     step in a thread of its own, so the backend calls this as it compiles. Past the limit
     torch would run a new shape of the step eagerly, without the backend (dense)."""
-    import torch
-
-    if limit is not None and torch._dynamo.config.recompile_limit < limit:
+    if limit is not None and recompile_limit() < limit:
         logger.info("specontext: torch._dynamo.config.recompile_limit %d -> %d in this thread (one compile per "
-                    "padded query size of the engine's step)", torch._dynamo.config.recompile_limit, limit)
-        torch._dynamo.config.recompile_limit = limit
+                    "padded query size of the engine's step)", recompile_limit(), limit)
+        set_recompile_limit(limit)
 
 
 def check_options(options: dict[str, Any] | None) -> None:

@@ -62,3 +62,31 @@ def test_importing_the_package_loads_no_server_and_no_tool():
             "print('specontext_compile.serving' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     assert out.stdout.split("\n")[:3] == ["[]", "True True", "True"], out.stdout + out.stderr
+
+
+def _private_torch_uses(path: Path) -> list[str]:
+    """``torch._*`` names a module's code touches (imports and attribute chains; strings and
+    comments do not count)."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
+            found.append(node.module)
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("torch._")]
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
+              and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"torch.{node.attr}")
+    return found
+
+
+def test_private_torch_apis_are_wrapped_in_one_module(import_graph):
+    """Only ``runtime/torch_private.py`` (every private torch API, with its reason and the torch
+    version checked) and ``logs.py`` (torch's logging registry) touch ``torch._*`` in code
+    (issue 53, item 2)."""
+    allowed = {"specontext_compile.runtime.torch_private", "specontext_compile.logs"}
+    touching = {module: uses for module, path in import_graph.modules().items()
+                if (uses := _private_torch_uses(path)) and module not in allowed}
+    assert touching == {}
+    assert _private_torch_uses(ROOT / "runtime" / "torch_private.py")  # the scan sees what is there
