@@ -568,7 +568,7 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     reading ``length`` on the host).
 
     SDPA, except for a CPU decode step traced for inductor (:func:`fused_products`: a few
-    query rows per KV head): there, for one float32 query row per head, our CPU kernel
+    query rows per KV head): there, for one float32 or bfloat16 query row per head, our CPU kernel
     (:func:`~.cpu_kernels.cpu_decode_attention`: each key and value loaded once for the
     group's rows) where it builds and the mask is boolean or absent; else, when the store is worth splitting for the threads
     (:func:`~.split_store.split_chunks`: a float32 store, few ``batch * num_kv_heads`` rows),
@@ -586,7 +586,8 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
         if cpu_kernels.applies(query, key_cache, value_cache, attn_mask):
             visible = row_visibility(attn_mask, capacity)
             return torch.ops.specontext.cpu_decode_attention(
-                query * variant.scale, key_cache, value_cache, length, None if visible is None else visible[:, 0])
+                query.float() * variant.scale, key_cache, value_cache, length,
+                None if visible is None else visible[:, 0]).to(query.dtype)
         chunks = split_chunks(b * num_kv, capacity, key_cache.dtype)
         if chunks > 1:
             return split_store_attention(query, key_cache, value_cache, length, attn_mask, variant, chunks)

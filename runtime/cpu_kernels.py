@@ -1,7 +1,7 @@
 """Our CPU kernels (C++ sources in ``runtime/csrc``), built on first use and called as ops.
 
-``specontext::cpu_decode_attention``: dense decode attention over a contiguous float32 KV
-store, one query row per head (``csrc/decode_attention.cpp``): each KV head's keys and values
+``specontext::cpu_decode_attention``: dense decode attention over a contiguous float32 or
+bfloat16 KV store (bfloat16 widened to float32 as it is loaded), one query row per head (``csrc/decode_attention.cpp``): each KV head's keys and values
 are loaded once for all the query heads of its group, with an online softmax, and the slots
 are split between the threads. Inductor's fused code for the same attention
 (:mod:`.split_store`) loads each key once per query row and ends each dot product with a
@@ -41,6 +41,7 @@ _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
           "-std=c++17")
 _MAX_GROUP, _MAX_DIM = 16, 256  # the kernel's stack arrays (csrc/decode_attention.cpp)
+_STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads (float32 accumulation)
 _LOCK = threading.Lock()
 
 
@@ -97,10 +98,10 @@ def _library() -> ctypes.CDLL:
                 os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
             logger.info("specontext: built the CPU decode attention kernel: %s", target)
     lib = ctypes.CDLL(str(target))
-    fn = lib.specontext_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                   + [ctypes.c_int64] * 6)
+    for fn in (lib.specontext_decode_attention, lib.specontext_decode_attention_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                       + [ctypes.c_int64] * 6)
     return lib
 
 
@@ -126,8 +127,8 @@ def decode_splits(rows: int, capacity: int) -> int:
 def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             attn_mask: torch.Tensor | None) -> bool:
     """Whether :func:`cpu_decode_attention` serves a dense decode site (a static fact): CPU
-    float32 query and stores (the KV caches' stores are contiguous; another layout would be
-    copied per call), one query row, the group and head sizes the kernel
+    query and stores of one dtype, float32 or bfloat16 (the KV caches' stores are contiguous;
+    another layout would be copied per call), one query row, the group and head sizes the kernel
     holds, no mask or a boolean one (an additive mask may carry a bias the kernel does not
     add), and the library available."""
     b, num_heads, q_len, head_dim = query.shape
@@ -135,7 +136,7 @@ def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
     return (query.device.type == "cpu" and q_len == 1 and num_heads % num_kv == 0
             and num_heads // num_kv <= _MAX_GROUP and head_dim <= _MAX_DIM
             and value_cache.shape[-1] == head_dim
-            and all(t.dtype == torch.float32 for t in (query, key_cache, value_cache))
+            and query.dtype in _STORE_DTYPES and key_cache.dtype == value_cache.dtype == query.dtype
             and (attn_mask is None or attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1)
             and available())
 
@@ -148,14 +149,15 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     Args:
         query: float32 ``[batch, num_heads, 1, head_dim]``, already multiplied by the softmax
             scale (paper-independent: the site's own ``scale``).
-        key_cache, value_cache: float32 ``[batch, num_kv_heads, capacity, head_dim]``
+        key_cache, value_cache: float32 or bfloat16 (both the same) ``[batch, num_kv_heads,
+            capacity, head_dim]``
             (``num_heads`` a multiple of ``num_kv_heads``: grouped-query attention).
         length: int64 ``[]`` or ``[batch]``: tokens written, this step's included.
         visible: None or bool ``[batch|1, capacity]``: False hides a slot (left padding).
 
     Returns:
         float32 ``[batch, num_heads, 1, head_dim]``: softmax-weighted values, float32
-        accumulation; a row that sees no slot is zeros (as SDPA's ``nan_to_num(0)`` path).
+        accumulation (bfloat16 stores: each element widened exactly to float32); a row that sees no slot is zeros (as SDPA's ``nan_to_num(0)`` path).
 
     Raises:
         KernelBuildError: the kernel library cannot be built here (see :func:`available`).
@@ -171,7 +173,9 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if visible is not None:
         visible = visible.reshape(-1, capacity).contiguous()
     out = torch.empty(b, num_heads, 1, head_dim, dtype=torch.float32)
-    status = _library().specontext_decode_attention(
+    kernel = _library().specontext_decode_attention_bf16 if k.dtype == torch.bfloat16 else \
+        _library().specontext_decode_attention
+    status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), length.data_ptr(), 1 if length.numel() > 1 else 0,
         visible.data_ptr() if visible is not None else None,
         capacity if visible is not None and visible.shape[0] > 1 else 0,
@@ -186,9 +190,14 @@ def _check_inputs(query, key_cache, value_cache, length, visible) -> None:
     a ValueError naming the argument, never a read out of bounds or bytes of another dtype."""
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
     for name, t in tensors.items():
-        if t.dim() != 4 or t.dtype != torch.float32 or t.device.type != "cpu":
-            raise ValueError(f"cpu_decode_attention: {name} must be a 4-d float32 CPU tensor, got "
+        dtypes = (torch.float32,) if name == "query" else _STORE_DTYPES
+        if t.dim() != 4 or t.dtype not in dtypes or t.device.type != "cpu":
+            kind = "float32" if name == "query" else "float32 or bfloat16"
+            raise ValueError(f"cpu_decode_attention: {name} must be a 4-d {kind} CPU tensor, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
+    if key_cache.dtype != value_cache.dtype:
+        raise ValueError(f"cpu_decode_attention: key_cache ({key_cache.dtype}) and value_cache "
+                         f"({value_cache.dtype}) must have one dtype")
     b, num_heads, q_len, head_dim = query.shape
     kb, num_kv, capacity, kd = key_cache.shape
     if tuple(value_cache.shape) != tuple(key_cache.shape):

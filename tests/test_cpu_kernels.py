@@ -36,13 +36,15 @@ def _reference(query, keys, values, length, visible, scale):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), b=st.integers(1, 3), num_kv=st.integers(1, 4), groups=st.integers(1, 8),
        capacity=st.one_of(st.integers(1, 70), st.sampled_from([255, 256, 257, 1000])),
-       d=st.sampled_from([8, 16, 64, 72]), per_row=st.booleans(), hide=st.floats(0.0, 1.0), data=st.data())
-def test_kernel_equals_float64_attention(seed, b, num_kv, groups, capacity, d, per_row, hide, data):
+       d=st.sampled_from([8, 16, 64, 72]), per_row=st.booleans(), hide=st.floats(0.0, 1.0),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_kernel_equals_float64_attention(seed, b, num_kv, groups, capacity, d, per_row, hide, dtype, data):
     """Any group size, head_dim, store size, per-row lengths (0: the row sees nothing and gets
-    zeros), hidden slots: within 2e-5 of float64 (float32 accumulation over <= 1000 slots)."""
+    zeros), hidden slots, float32 or bfloat16 stores: within 2e-5 of float64 over the stores'
+    own values (float32 accumulation over <= 1000 slots; a bfloat16 element widens exactly)."""
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(b, num_kv * groups, 1, d, generator=gen)
-    keys, values = (torch.randn(b, num_kv, capacity, d, generator=gen) for _ in range(2))
+    keys, values = (torch.randn(b, num_kv, capacity, d, generator=gen).to(dtype) for _ in range(2))
     if per_row:
         length = torch.tensor(data.draw(st.lists(st.integers(0, capacity), min_size=b, max_size=b)))
     else:
@@ -60,7 +62,9 @@ def test_kernel_rejects_what_it_does_not_take():
     assert not cpu_kernels.applies(q, k, k, None)  # two query rows
     q1 = q[:, :, :1]
     assert cpu_kernels.applies(q1, k, k, None)
-    assert not cpu_kernels.applies(q1.bfloat16(), k.bfloat16(), k.bfloat16(), None)
+    assert cpu_kernels.applies(q1.bfloat16(), k.bfloat16(), k.bfloat16(), None)
+    assert not cpu_kernels.applies(q1.half(), k.half(), k.half(), None)
+    assert not cpu_kernels.applies(q1, k.bfloat16(), k.bfloat16(), None)  # the query in another dtype
     assert not cpu_kernels.applies(q1, k, k, torch.zeros(1, 1, 1, 10))  # additive mask: may carry a bias
     assert not cpu_kernels.applies(q1, k, k, torch.ones(1, 4, 1, 10, dtype=torch.bool))  # a mask per head
     assert cpu_kernels.applies(q1, k, k, torch.ones(1, 1, 1, 10, dtype=torch.bool))
@@ -77,7 +81,9 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
         ((q, k[..., :8], k, n, None), "value_cache"),
         ((q, k, k[:, :, :10], n, None), "value_cache"),
         ((q.double(), k, k, n, None), "float32"),
-        ((q.bfloat16(), k.bfloat16(), k.bfloat16(), n, None), "float32"),
+        ((q.bfloat16(), k.bfloat16(), k.bfloat16(), n, None), "float32"),  # the query: scaled in float32
+        ((q, k.half(), k.half(), n, None), "bfloat16"),
+        ((q, k, k.bfloat16(), n, None), "one dtype"),
         ((q, k, k, n.int(), None), "int64"),
         ((q, k, k, n, torch.rand(1, 80) > 0.5), "visible"),
         ((q, k, k, n, torch.ones(2, 39, dtype=torch.bool)), "visible"),
@@ -126,8 +132,9 @@ def _calls_kernel(gm) -> bool:
 
 
 def test_the_traced_dense_decode_body_calls_the_kernel_only_where_it_applies(monkeypatch):
-    """A float32 decode row with a boolean (or no) mask: the kernel, equal to float64; two rows,
-    bfloat16, an additive mask, or the library unavailable: inductor's body, no kernel call."""
+    """A float32 or bfloat16 decode row with a boolean (or no) mask: the kernel, equal to
+    float64; two rows, float16, an additive mask, or the library unavailable: inductor's body,
+    no kernel call."""
     gen = torch.Generator().manual_seed(0)
     q, k, v = torch.randn(1, 6, 1, 16, generator=gen), *(torch.randn(1, 2, 300, 16, generator=gen) for _ in range(2))
     n = torch.tensor(290)
@@ -137,7 +144,13 @@ def test_the_traced_dense_decode_body_calls_the_kernel_only_where_it_applies(mon
     torch.testing.assert_close(gm(q, k, v, n, mask).double(), _reference(q, k, v, n, mask[0, 0], 0.25),
                                atol=2e-5, rtol=2e-5)
     assert not _calls_kernel(_traced_dense(torch.randn(1, 6, 2, 16), k, v, n, None))
-    assert not _calls_kernel(_traced_dense(q.bfloat16(), k.bfloat16(), v.bfloat16(), n, None))
+    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    gm = _traced_dense(qb, kb, vb, n, None)
+    assert _calls_kernel(gm)
+    out = gm(qb, kb, vb, n, None)
+    assert out.dtype == torch.bfloat16  # float32 inside, rounded once to the query's dtype
+    torch.testing.assert_close(out.double(), _reference(qb, kb, vb, n, None, 0.25), atol=4e-3, rtol=8e-3)
+    assert not _calls_kernel(_traced_dense(q.half(), k.half(), v.half(), n, None))
     assert not _calls_kernel(_traced_dense(q, k, v, n, torch.zeros(1, 1, 1, 300)))
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert not _calls_kernel(_traced_dense(q, k, v, n, mask))

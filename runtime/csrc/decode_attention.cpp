@@ -5,12 +5,18 @@
 // the block's values are added with the rows' weights (online softmax, one rescale per
 // block). The slots of a KV head are split between work items so that both threads of a
 // 2-core machine stay busy when batch * kv_heads is small; a second pass merges the splits.
-// float32 in, float32 accumulation, float32 out. Written for specontext (issue 51: the step
+// float32 or bfloat16 stores (a bfloat16 element widened to float32 as it is loaded), float32
+// query, accumulation and output. Written for specontext (issue 51: the step
 // at its floor); built and loaded by runtime/cpu_kernels.py.
 #include <cstdint>
 #include <algorithm>
 #include <limits>
+#include <type_traits>
 #include <vector>
+
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -41,9 +47,46 @@ inline float exp_nonpositive(float x) {
 
 }  // namespace
 
+// A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t).
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
+#ifdef __AVX512F__
+// 16 store elements as float32 (a bfloat16 element is the high half of a float32).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// out[j] = the sum of acc[j]'s 16 lanes, for 16 vectors at once: a transposing tree of 15
+// adds and 31 shuffles, where 16 horizontal sums take 16 x 8 dependent operations.
+inline __m512 sum_lanes16(const __m512* acc) {
+  __m512 c[8], e[4];
+  for (int i = 0; i < 8; ++i)  // 128-bit lanes: [a0+a2, a1+a3, b0+b2, b1+b3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+  for (int i = 0; i < 4; ++i)  // lane l of e[i]: vector 4i + l, four partial sums
+    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
+  const __m512 f0 = _mm512_add_ps(_mm512_unpacklo_ps(e[0], e[1]), _mm512_unpackhi_ps(e[0], e[1]));
+  const __m512 f1 = _mm512_add_ps(_mm512_unpacklo_ps(e[2], e[3]), _mm512_unpackhi_ps(e[2], e[3]));
+  const __m512d f0d = _mm512_castps_pd(f0), f1d = _mm512_castps_pd(f1);
+  const __m512 h = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(f0d, f1d)),
+                                 _mm512_castpd_ps(_mm512_unpackhi_pd(f0d, f1d)));  // h[4l + m] = vector 4m + l
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, h);
+}
+#endif
+
 // One work item: the slots [lo, hi) of one (batch row, KV head), all G query rows.
-template <int G_, int D_>
-void attend_item(int64_t item, const float* query, const float* keys, const float* values, const int64_t* limits,
+template <typename T, int G_, int D_>
+void attend_item(int64_t item, const float* query, const T* keys, const T* values, const int64_t* limits,
                  const uint8_t* visible, int64_t visible_stride, float* partial_acc, float* partial_stats, int64_t G_rt, int64_t C,
                  int64_t D_rt, int64_t S, int64_t KV) {
   const int64_t G = G_ > 0 ? G_ : G_rt;
@@ -57,8 +100,8 @@ void attend_item(int64_t item, const float* query, const float* keys, const floa
   const int64_t lo = std::min<int64_t>(s * per, limit);
   const int64_t hi = std::min<int64_t>(lo + per, limit);
   const float* q = query + bh * G * D;
-  const float* k = keys + bh * C * D;
-  const float* v = values + bh * C * D;
+  const T* k = keys + bh * C * D;
+  const T* v = values + bh * C * D;
   const uint8_t* vis = visible ? visible + b * visible_stride : nullptr;
   alignas(64) float acc[MAX_GROUP][MAX_DIM];
   float m[MAX_GROUP], l[MAX_GROUP];
@@ -70,14 +113,37 @@ void attend_item(int64_t item, const float* query, const float* keys, const floa
   alignas(64) float logit[MAX_GROUP][BLOCK];
   for (int64_t start = lo; start < hi; start += BLOCK) {
     const int64_t n = std::min<int64_t>(BLOCK, hi - start);
-    for (int64_t j = 0; j < n; ++j) {
-      const float* kr = k + (start + j) * D;
+    int64_t j = 0;
+#ifdef __AVX512F__
+    // bfloat16: 16 slots at a time, widened in registers, no horizontal sum per slot (2.3x the
+    // per-slot loop); float32 keeps the per-slot loop below, which measured faster there
+    if constexpr (std::is_same_v<T, uint16_t> && G_ > 0 && D_ > 0 && D_ % 16 == 0) {
+      for (; j + 16 <= n; j += 16) {
+        for (int g = 0; g < G_; ++g) {
+          __m512 sums[16];
+          for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_setzero_ps();
+          for (int d = 0; d < D_; d += 16) {
+            const __m512 qv = _mm512_loadu_ps(q + g * D_ + d);
+            for (int jj = 0; jj < 16; ++jj)
+              sums[jj] = _mm512_fmadd_ps(qv, load16(k + (start + j + jj) * D_ + d), sums[jj]);
+          }
+          _mm512_storeu_ps(&logit[g][j], sum_lanes16(sums));
+        }
+        if (vis)
+          for (int jj = 0; jj < 16; ++jj)
+            if (!vis[start + j + jj])
+              for (int g = 0; g < G_; ++g) logit[g][j + jj] = NEG;
+      }
+    }
+#endif
+    for (; j < n; ++j) {
+      const T* kr = k + (start + j) * D;
       const bool hidden = vis && !vis[start + j];
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
         float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * kr[d];
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
         logit[g][j] = hidden ? NEG : dot;
       }
     }
@@ -103,12 +169,12 @@ void attend_item(int64_t item, const float* query, const float* keys, const floa
       l[g] += block_sum;
     }
     for (int64_t j = 0; j < n; ++j) {
-      const float* vr = v + (start + j) * D;
+      const T* vr = v + (start + j) * D;
       for (int64_t g = 0; g < G; ++g) {
         const float p = logit[g][j];
         if (m[g] == NEG || p == 0.f) continue;  // nothing seen yet, or a hidden slot: its value is never read
 #pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[g][d] += p * vr[d];
+        for (int64_t d = 0; d < D; ++d) acc[g][d] += p * widen(vr[d]);
       }
     }
   }
@@ -121,10 +187,11 @@ void attend_item(int64_t item, const float* query, const float* keys, const floa
   }
 }
 
-extern "C" int specontext_decode_attention(
+template <typename T>
+int decode_attention(
     const float* query,      // [B, KV, G, D], already multiplied by the softmax scale
-    const float* keys,       // [B, KV, C, D]
-    const float* values,     // [B, KV, C, D]
+    const T* keys,           // [B, KV, C, D]
+    const T* values,         // [B, KV, C, D]
     const int64_t* lengths,  // [B] (or [1] with length_stride 0): slots 0 .. length-1 are attended
     int64_t length_stride,
     const uint8_t* visible,  // bool [B, C] (or [1, C] with visible_stride 0), or nullptr: 0 hides a slot
@@ -142,15 +209,15 @@ extern "C" int specontext_decode_attention(
   for (int64_t item = 0; item < items; ++item) {
     // compile-time group and head sizes for the common shapes (unrolled, vectorised loops)
     if (G == 3 && D == 64) {
-      attend_item<3, 64>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+      attend_item<T, 3, 64>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
     } else if (G == 4 && D == 64) {
-      attend_item<4, 64>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+      attend_item<T, 4, 64>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
     } else if (G == 4 && D == 128) {
-      attend_item<4, 128>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+      attend_item<T, 4, 128>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
     } else if (G == 8 && D == 128) {
-      attend_item<8, 128>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+      attend_item<T, 8, 128>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
     } else {
-      attend_item<0, 0>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
+      attend_item<T, 0, 0>(item, query, keys, values, limits.data(), visible, visible_stride, partial_acc.data(), partial_stats.data(), G, C, D, S, KV);
     }
   }
   // merge the splits: out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s
@@ -176,4 +243,21 @@ extern "C" int specontext_decode_attention(
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }
   return 0;
+}
+
+extern "C" int specontext_decode_attention(const float* query, const float* keys, const float* values,
+                                           const int64_t* lengths, int64_t length_stride, const uint8_t* visible,
+                                           int64_t visible_stride, float* out, int64_t B, int64_t KV, int64_t G,
+                                           int64_t C, int64_t D, int64_t S) {
+  return decode_attention<float>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV, G,
+                                 C, D, S);
+}
+
+// bfloat16 stores (their raw 16-bit patterns), float32 query and output.
+extern "C" int specontext_decode_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,
+                                                const int64_t* lengths, int64_t length_stride,
+                                                const uint8_t* visible, int64_t visible_stride, float* out,
+                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {
+  return decode_attention<uint16_t>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV,
+                                    G, C, D, S);
 }
