@@ -168,6 +168,33 @@ void attend_item(int64_t item, const float* query, const T* keys, const T* value
       }
       l[g] += block_sum;
     }
+#ifdef __AVX512F__
+    // the group's sums in registers for the block, each value row widened once for all rows
+    if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0 && G_ * D_ / 16 <= 24) {
+      constexpr int C_ = D_ / 16;
+      __m512 sum[G_][C_];
+      for (int g = 0; g < G_; ++g)
+        for (int c = 0; c < C_; ++c) sum[g][c] = _mm512_load_ps(&acc[g][16 * c]);
+      for (int64_t j = 0; j < n; ++j) {
+        bool any = false;
+        float p[G_];
+        for (int g = 0; g < G_; ++g) {
+          p[g] = m[g] == NEG ? 0.f : logit[g][j];
+          any = any || p[g] != 0.f;
+        }
+        if (!any) continue;  // a hidden slot (or no weight): its value is never read
+        __m512 row[C_];
+        for (int c = 0; c < C_; ++c) row[c] = load16(v + (start + j) * D_ + 16 * c);
+        for (int g = 0; g < G_; ++g) {
+          const __m512 pg = _mm512_set1_ps(p[g]);
+          for (int c = 0; c < C_; ++c) sum[g][c] = _mm512_fmadd_ps(pg, row[c], sum[g][c]);
+        }
+      }
+      for (int g = 0; g < G_; ++g)
+        for (int c = 0; c < C_; ++c) _mm512_store_ps(&acc[g][16 * c], sum[g][c]);
+      continue;
+    }
+#endif
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = v + (start + j) * D;
       for (int64_t g = 0; g < G; ++g) {
