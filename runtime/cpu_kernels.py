@@ -168,6 +168,8 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     b, num_heads, _, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[2]
     groups = num_heads // num_kv
+    if capacity == 0:  # nothing to attend to: zeros, as for a row that sees no slot
+        return torch.zeros(b, num_heads, 1, head_dim, dtype=torch.float32)
     q, k, v = query.contiguous(), key_cache.contiguous(), value_cache.contiguous()
     length = length.contiguous()
     if visible is not None:
@@ -209,6 +211,9 @@ def _check_inputs(query, key_cache, value_cache, length, visible) -> None:
     if q_len != 1 or num_heads // num_kv > _MAX_GROUP or head_dim > _MAX_DIM:
         raise ValueError(f"cpu_decode_attention takes one query row, at most {_MAX_GROUP} query heads per KV "
                          f"head and head_dim <= {_MAX_DIM}; got query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
+    for name, t in (("length", length), ("visible", visible)):
+        if t is not None and t.device.type != "cpu":
+            raise ValueError(f"cpu_decode_attention: {name} must be a CPU tensor, got one on {t.device}")
     if length.dtype != torch.int64 or length.numel() not in (1, b):
         raise ValueError(f"cpu_decode_attention: length must be int64 with 1 or {b} entries, got "
                          f"{length.dtype} {tuple(length.shape)}")

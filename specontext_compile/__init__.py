@@ -12,7 +12,7 @@ from .config import SpeContextConfig
 from .runtime.kv_cache import SpeContextCache
 from .runtime.static_state import path_counts
 
-_LAZY = {"explain": ("explain", "explain"), "continuous_batching_config": ("serving", "continuous_batching_config")}
+_LAZY = {"explain": ("explain_report", "explain"), "continuous_batching_config": ("serving", "continuous_batching_config")}
 
 __all__ = [
            "CompileReport",

@@ -35,7 +35,7 @@ def add_explain_parser(sub) -> None:
 def cmd_explain(args) -> int:
     import torch
 
-    from .explain import explain
+    from .explain_report import explain
 
     if args.model.startswith("tiny:"):
         from .tiny_models import tiny_family

@@ -267,7 +267,7 @@ def test_no_token_embedding_in_the_graph_keeps_attention_dense(tmp_path):
 
 @pytest.mark.slow
 def test_compile_helper_and_explain_use_the_draft_head(tmp_path):
-    from specontext_compile.explain import explain
+    from specontext_compile.explain_report import explain
 
     model = tiny_llama(layers=2)
     folder = write_head(tmp_path, model)

@@ -90,3 +90,16 @@ def test_private_torch_apis_are_wrapped_in_one_module(import_graph):
                 if (uses := _private_torch_uses(path)) and module not in allowed}
     assert touching == {}
     assert _private_torch_uses(ROOT / "runtime" / "torch_private.py")  # the scan sees what is there
+
+
+def test_the_lazy_names_stay_functions_after_their_modules_load():
+    """Importing a tool's module directly (as the CLI does) must not replace the package's
+    function of the same purpose by the module (the explain tool's module is ``explain_report``:
+    a module named ``explain`` would shadow the function ``explain``; found by a review)."""
+    import specontext_compile as sc
+    import specontext_compile.explain_report
+    import specontext_compile.serving
+    from specontext_compile import continuous_batching_config, explain
+
+    assert explain is specontext_compile.explain_report.explain and callable(sc.explain)
+    assert continuous_batching_config is specontext_compile.serving.continuous_batching_config
