@@ -1,74 +1,109 @@
-"""The package's layers (issue 53, item 5): no import cycle, a core (passes, runtime, codegen)
-that imports no tool, and ``import specontext_compile`` that loads the compiler only. The
-graph is read from the sources by ``scripts/import_graph.py`` (no import)."""
+"""The package's layering (issue 53, item 5): no import cycles among its modules, the core
+(passes, runtime, codegen) imports nothing but itself and the options, and ``import
+specontext_compile`` loads no server.
+
+Imports are read from the sources (``ast``), function-local ones included: a lazy import
+that closes a cycle is still a cycle a reader has to hold in their head. ``from . import x``
+of a submodule ``x`` is an import of ``x`` (not of the package's ``__init__``)."""
 
 from __future__ import annotations
 
-import importlib.util
+import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
-import pytest
+import networkx as nx
 
 ROOT = Path(__file__).resolve().parent.parent
+CORE = ("specontext_compile.runtime", "specontext_compile.passes", "specontext_compile.codegen")
+#: what the core may import outside itself: the validated options
+CORE_MAY_IMPORT = {"specontext_compile.config"}
 
 
-@pytest.fixture(scope="module")
-def import_graph():
-    spec = importlib.util.spec_from_file_location("import_graph", ROOT / "scripts" / "import_graph.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def _modules() -> dict[str, Path]:
+    """Every module of the installed packages, by dotted name (pyproject's ``package-dir``)."""
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    modules = {}
+    for package, folder in setup["package-dir"].items():
+        for path in (ROOT / folder).glob("*.py"):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["at-import", "with-imports-inside-functions"])
-def test_the_package_has_no_import_cycle(import_graph, lazy):
-    g = import_graph.graph(lazy=lazy)
-    assert g.number_of_nodes() > 50  # the whole package was read (passes, runtime, codegen, tools)
-    assert import_graph.cycles(g) == []
+def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` (file ``path``) imports, anywhere in the file."""
+    package = name if path.stem == "__init__" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
+            module = ".".join(p for p in (base, node.module or "") if p)
+            submodules = {f"{module}.{alias.name}" for alias in node.names} & modules.keys()
+            found |= submodules
+            if len(submodules) < len(node.names):  # a name from the module itself
+                found.add(module)
+    return {m for m in found if m in modules and m != name}
 
 
-def test_the_core_imports_no_tool(import_graph):
-    g = import_graph.graph(lazy=True)
-    assert import_graph.core_imports_of_tools(g) == []
+def _graph() -> nx.DiGraph:
+    modules = _modules()
+    graph = nx.DiGraph()
+    for name, path in modules.items():
+        graph.add_node(name)
+        graph.add_edges_from((name, target) for target in _imported(name, path, modules))
+    return graph
 
 
-def test_the_graph_finds_a_cycle_and_a_core_import_of_a_tool(import_graph, tmp_path, monkeypatch):
-    """The checks above can fail: two modules importing each other are a cycle, and a runtime
-    module importing the server is a core import of a tool."""
-    top, runtime = tmp_path / "top", tmp_path / "runtime"
-    top.mkdir(), runtime.mkdir()
-    (top / "__init__.py").write_text("")
-    (top / "serve.py").write_text("from .runtime import step\n")
-    (runtime / "__init__.py").write_text("")
-    (runtime / "step.py").write_text("import logging\n\ndef run():\n    from ..serve import x\n")
-    monkeypatch.setattr(import_graph, "PACKAGE_DIRS", {"specontext_compile": top,
-                                                      "specontext_compile.runtime": runtime})
-    assert import_graph.cycles(import_graph.graph()) == []  # the runtime's import is inside a function
-    lazy = import_graph.graph(lazy=True)
-    assert import_graph.cycles(lazy) == [["specontext_compile.runtime.step", "specontext_compile.serve"]]
-    assert import_graph.core_imports_of_tools(lazy) == [("specontext_compile.runtime.step", "specontext_compile.serve")]
+def test_the_graph_reader_sees_the_package():
+    graph = _graph()
+    assert graph.number_of_nodes() > 60
+    assert graph.has_edge("specontext_compile.backend", "specontext_compile.passes.sparse_rewrite")
+    assert graph.has_edge("specontext_compile.backend", "specontext_compile.fallbacks")  # from . import fallbacks
 
 
-def test_importing_the_package_loads_no_server_and_no_tool():
-    """A fresh interpreter: ``import specontext_compile`` loads the compiler, not the serving
-    helpers, the server, the CLI or the explain tool; those load on first use."""
-    code = ("import sys, specontext_compile as s\n"
-            "tools = sorted(m for m in sys.modules if m.startswith('specontext_compile.') and\n"
-            "               m.rsplit('.', 1)[-1].startswith(('serv', 'explain', 'cli')))\n"
-            "print(tools)\n"
-            "print(callable(s.explain), callable(s.continuous_batching_config))\n"
-            "print('specontext_compile.serving' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    assert out.stdout.split("\n")[:3] == ["[]", "True True", "True"], out.stdout + out.stderr
+def test_no_import_cycles():
+    cycles = [sorted(c) for c in nx.strongly_connected_components(_graph()) if len(c) > 1]
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_the_core_imports_only_itself_and_the_options():
+    outside = sorted((a, b) for a, b in _graph().edges
+                     if a.startswith(CORE) and not b.startswith(CORE) and b not in CORE_MAY_IMPORT)
+    assert not outside, outside
+
+
+def test_importing_the_package_loads_no_server():
+    """``import specontext_compile`` loads the compiler: not the server, the serving helpers,
+    the CLI or the explain tool (those load on first use of their names: PEP 562)."""
+    code = ("import sys, specontext_compile; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('fastapi', 'uvicorn', 'starlette', 'openai')"
+            " or m.startswith(('specontext_compile.serve', 'specontext_compile.cli', 'specontext_compile.explain'))))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=True)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout
+
+
+def test_the_lazy_names_stay_functions_after_their_modules_load():
+    """The package's lazy names resolve to their functions, also after their modules were
+    imported directly (as the CLI does): the explain tool's module is ``explain_report``, since
+    a submodule named ``explain`` would replace the function ``explain`` (found by a review)."""
+    import specontext_compile as sc
+    import specontext_compile.explain_report
+    import specontext_compile.serving
+    from specontext_compile import continuous_batching_config, explain
+
+    assert explain is specontext_compile.explain_report.explain and callable(sc.explain)
+    assert continuous_batching_config is specontext_compile.serving.continuous_batching_config
 
 
 def _private_torch_uses(path: Path) -> list[str]:
     """``torch._*`` names a module's code touches (imports and attribute chains; strings and
     comments do not count)."""
-    import ast
-
     found = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
@@ -81,25 +116,12 @@ def _private_torch_uses(path: Path) -> list[str]:
     return found
 
 
-def test_private_torch_apis_are_wrapped_in_one_module(import_graph):
+def test_private_torch_apis_are_wrapped_in_one_module():
     """Only ``runtime/torch_private.py`` (every private torch API, with its reason and the torch
     version checked) and ``logs.py`` (torch's logging registry) touch ``torch._*`` in code
     (issue 53, item 2)."""
     allowed = {"specontext_compile.runtime.torch_private", "specontext_compile.logs"}
-    touching = {module: uses for module, path in import_graph.modules().items()
-                if (uses := _private_torch_uses(path)) and module not in allowed}
+    touching = {name: uses for name, path in _modules().items()
+                if (uses := _private_torch_uses(path)) and name not in allowed}
     assert touching == {}
     assert _private_torch_uses(ROOT / "runtime" / "torch_private.py")  # the scan sees what is there
-
-
-def test_the_lazy_names_stay_functions_after_their_modules_load():
-    """Importing a tool's module directly (as the CLI does) must not replace the package's
-    function of the same purpose by the module (the explain tool's module is ``explain_report``:
-    a module named ``explain`` would shadow the function ``explain``; found by a review)."""
-    import specontext_compile as sc
-    import specontext_compile.explain_report
-    import specontext_compile.serving
-    from specontext_compile import continuous_batching_config, explain
-
-    assert explain is specontext_compile.explain_report.explain and callable(sc.explain)
-    assert continuous_batching_config is specontext_compile.serving.continuous_batching_config
