@@ -1,8 +1,9 @@
 """specontext: a ``torch.compile`` backend for speculative context sparsity (SpeContext,
 arXiv 2512.00722). ``torch.compile(model.forward, backend="specontext", options={...})``.
 
-Importing this package registers the ``specontext::`` custom ops; it changes no other global
-state, and it loads the compiler only: the serving helpers (``continuous_batching_config``) and
+Importing this package registers the ``specontext::`` custom ops and, with torch's
+``torch.fx.node.has_side_effect``, the step functions that change tensors in place (so FX's
+dead-code elimination keeps them); it changes no other global state, and it loads the compiler only: the serving helpers (``continuous_batching_config``) and
 the explain tool (``explain``) load on first use (``tests/test_layers.py``).
 """
 

@@ -45,25 +45,21 @@ RECOMPILE_FIX = (
     "settings")
 
 
-def _compile_id():
-    return compile_id()
-
-
 def _frame_id() -> int | None:
-    compile_id = _compile_id()
-    return None if compile_id is None else compile_id.frame_id
+    current = compile_id()
+    return None if current is None else current.frame_id
 
 
 def note_frame() -> None:
     """Record that the frame dynamo is compiling now went through the backend (its first
     compile — a new frame, or one after ``torch._dynamo.reset()`` — may be warned again)."""
-    compile_id = _compile_id()
-    if compile_id is None or compile_id.frame_id is None:
+    current = compile_id()
+    if current is None or current.frame_id is None:
         return
     with _LOCK:
-        _FRAMES.add(compile_id.frame_id)
-        if compile_id.frame_compile_id == 0:
-            _WARNED_FRAMES.discard(compile_id.frame_id)
+        _FRAMES.add(current.frame_id)
+        if current.frame_compile_id == 0:
+            _WARNED_FRAMES.discard(current.frame_id)
 
 
 class _RecompileLimitFilter(logging.Filter):
