@@ -89,7 +89,7 @@ def variants(budget: int, rescue_tokens: int, scale: float):
 
     def dense(query, key, value, length, page_min, page_max, candidates):
         return aten_step.sparse_attention(query, key, value, torch.arange(key.shape[2]).expand(1, key.shape[1], -1),
-                                          length, None, dataclasses.replace(spec, dense_shortcut=True), variant)
+                                          length, None, dataclasses.replace(spec, dense_shortcut=True, route="dense"), variant)
 
     return {"attend": attend, "refine+attend": refine_attend, "refine_and_attend": fused, "dense": dense}
 

@@ -20,15 +20,16 @@ Invariants:
   so lowering changes a node's target and nothing else.
 - **Only the ops.** The cache's marker ``kv_write`` (as ``aten_step.write_kv`` and, for a store
   with page bounds, ``page_bounds.update_after_write``) and torch-path
-  ``sparse_attention`` (``aten_step.sparse_attention``, or ``mla.mla_sparse_attention`` at a
-  site whose variant is multi-head latent attention's) are lowered. What the pass inserts as
+  ``sparse_attention`` (the body its spec's route names, decided by the rewrite pass and never
+  here: ``aten_step.sparse_attention``, ``mla.mla_sparse_attention`` at a site whose variant
+  is multi-head latent attention's, or on CUDA graphs ``kernel_step.kernel_attention``) are lowered. What the pass inserts as
   direct calls of step functions needs nothing: the selection nodes
   (``aten_step.speculative_select``, ``draft_select``), the per-layer
   ``aten_step.refine_selection``, ``record_query``, ``record_hidden`` and the counters. The
   draft head's step (``draft_step``: a loaded module), offload ops (they move rows and run the
   plan: runtime state outside the graph, ordered by their declared effects) and
-  ``sparse_attention`` with an explicit ``kernel="triton"`` (our generated kernel;
-  ``"auto"`` is lowered) stay ops. An offloaded site's arithmetic is already ordinary step
+  ``sparse_attention`` routed to the generated kernel off CUDA (Triton's interpreter) or at an
+  MLA site stay ops. An offloaded site's arithmetic is already ordinary step
   code (:mod:`..runtime.offload_step`), so a graph with offload is lowered like any other.
 - **Order is kept.** Nodes are replaced in place; mutations stay where the ops were.
 - **One body per refined site.** A refinement whose kept tokens only one plain sparse
@@ -81,10 +82,9 @@ def _packet(target):
     return target if isinstance(target, OpOverloadPacket) else None
 
 
-def _is_triton(node: fx.Node) -> bool:
-    """Only an explicit ``kernel="triton"`` keeps our generated kernel as an op; ``"auto"`` is
-    lowered (inductor generates the gather and attention kernels, sync-free)."""
-    return op_arguments(node, _packet(node.target))["spec"].kernel == "triton"
+def _route(node: fx.Node) -> str:
+    """The route the rewrite pass decided for a ``sparse_attention`` node (``StepSpec.route``)."""
+    return op_arguments(node, _SPARSE)["spec"].route
 
 
 _REFINE = aten_step.refine_selection
@@ -126,7 +126,7 @@ def _fusable(sparse: fx.Node) -> fx.Node | None:
     ``sparse`` reads, when the pair can be one :func:`aten_step.refine_and_attend` (guard off,
     no learned sinks, no dense shortcut, no MLA); else None."""
     args = _bound(sparse, _SPARSE_PARAMS)
-    if args["spec"].dense_shortcut:  # (guarded and learned-sink sites are not sparse_attention nodes)
+    if args["spec"].route != "gather":  # (guarded and learned-sink sites are not sparse_attention nodes)
         return None
     refine = _sole_refinement(args["indices"], _REFINE, sparse)
     if refine is None:
@@ -198,6 +198,40 @@ def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
                 args["page_shift"]))
 
 
+def _gather_spec(node: fx.Node) -> None:
+    """Send a ``sparse_attention`` node the pass routed to the kernel to the gather path
+    instead (its spec's route set to ``"gather"``): the lowering's only change of a route,
+    when the caller asks for no kernel (inductor could not compile it: the backend's
+    fallback)."""
+    args = op_arguments(node, _SPARSE)
+    spec = dataclasses.replace(args["spec"], route="gather")
+    node.args = tuple(spec if a is args["spec"] else a for a in node.args)
+    node.kwargs = {k: spec if v is args["spec"] else v for k, v in node.kwargs.items()}
+
+
+def _lower_attention(node: fx.Node, name: str, kernel_device: bool, no_kernel: bool, result: LowerResult) -> None:
+    """A ``sparse_attention`` node to the body its route names (``StepSpec.route``):
+    ``"dense"`` and ``"gather"`` to their aten body; ``"kernel"`` on a kernel device (CUDA
+    graphs) to :func:`~..runtime.kernel_step.kernel_attention`, elsewhere and at MLA sites (the
+    generated MLA kernel) it stays the op, and with ``no_kernel`` (the backend's fallback when
+    inductor could not compile the kernel) it goes to the gather path, its route with it."""
+    args = op_arguments(node, _SPARSE)
+    latent = args["variant"].nope_dim > 0  # an MLA site
+    if args["spec"].route == "kernel" and no_kernel:
+        _gather_spec(node)
+        result.kernel_refused["no kernel in this lowering (inductor could not compile it)"] += 1
+    elif args["spec"].route == "kernel" and kernel_device and not latent:
+        node.target = kernel_step.kernel_attention
+        result.lowered[name] += 1
+        result.kernel += 1
+        return
+    elif args["spec"].route == "kernel":
+        result.kept[name] = "the generated kernel (MLA, or off CUDA in Triton's interpreter) is called as an op"
+        return
+    node.target = mla.mla_sparse_attention if latent else aten_step.sparse_attention
+    result.lowered[name] += 1
+
+
 def _value(arg):
     """A node's example value (dynamo's graphs keep it as ``example_value``, AOT's as ``val``),
     or the argument itself when it is a constant."""
@@ -206,19 +240,8 @@ def _value(arg):
     return arg.meta.get("val", arg.meta.get("example_value"))
 
 
-def _kernel_reason(node: fx.Node) -> str | None:
-    """:func:`kernel_step.kernel_reason` of a ``sparse_attention`` node, read from its
-    arguments' example values (:func:`_value`)."""
-    nodes = op_arguments(node, _SPARSE)
-    args = {name: _value(arg) for name, arg in nodes.items()}
-    needed = [args["query"], args["key_cache"]] + ([args["attn_mask"]] if nodes["attn_mask"] is not None else [])
-    if not all(isinstance(t, torch.Tensor) for t in needed):
-        return "no example values to decide from"
-    return kernel_step.kernel_reason(args["query"], args["key_cache"], args["attn_mask"], args["spec"], args["variant"])
-
-
 def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True,
-                  kernel_device: bool = False) -> LowerResult:
+                  kernel_device: bool = False, no_kernel: bool = False) -> LowerResult:
     """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
 
     ``fuse``: lower each fusable (refinement, attention) pair as one body (the default, for
@@ -227,10 +250,12 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
     and each site's attention stays one Python call a caller can observe (a wrapper of
     ``aten_step.sparse_attention`` set before the graph is compiled).
 
-    ``kernel_device`` (CUDA graphs): each sparse attention site (soft cap and sliding window
-    included) the generated Triton kernel serves exactly (:func:`~..runtime.kernel_step.kernel_reason`, read from the nodes'
-    example values) calls :func:`~..runtime.kernel_step.kernel_attention` instead of the torch
-    body (``LowerResult.kernel``; the others' reasons in ``LowerResult.kernel_refused``).
+    ``kernel_device`` (CUDA graphs): each sparse attention site the pass routed to the
+    generated Triton kernel (``StepSpec.route == "kernel"``; why others were not: the pass's
+    ``RewriteResult.route_reasons``) calls :func:`~..runtime.kernel_step.kernel_attention`
+    (``LowerResult.kernel``); off a kernel device they stay the op. ``no_kernel`` (the
+    backend's fallback when inductor could not compile the kernel) sends them to the gather
+    path instead (``LowerResult.kernel_refused``).
 
     ``check_capacity`` (CPU graphs): ``specontext::check_capacity`` (an op: it reads the
     length on the host) goes before the first ``kv_write`` (layer 0) and its zero result is
@@ -266,19 +291,8 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
         elif packet in _ANCHORS:
             graph.erase_node(node)
             result.removed[name] += 1
-        elif packet is _SPARSE and not _is_triton(node):
-            latent = op_arguments(node, _SPARSE)["variant"].nope_dim > 0  # an MLA site
-            node.target = mla.mla_sparse_attention if latent else aten_step.sparse_attention
-            result.lowered[name] += 1
-            if not latent and kernel_device:
-                reason = _kernel_reason(node)
-                if reason is None:
-                    node.target = kernel_step.kernel_attention
-                    result.kernel += 1
-                else:
-                    result.kernel_refused[reason] += 1
         elif packet is _SPARSE:
-            result.kept[name] = "kernel='triton': the generated kernel is called as an op"
+            _lower_attention(node, name, kernel_device, no_kernel, result)
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"
     result.fused = _fuse_refine_attend(graph) + _fuse_offloaded(graph) if fuse else 0

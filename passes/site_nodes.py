@@ -4,12 +4,15 @@ store's static capacity."""
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from ..runtime import mla
-from .sites import AttentionSite, static_int
+from .sites import AttentionSite, example_value, static_int
 
-__all__ = ["bias_4d", "selection_query", "static_capacity"]
+__all__ = ["bias_4d", "boolean_source", "selection_query", "static_capacity"]
+
+HIDDEN_BELOW = -1e30  # an additive mask value at or below this hides its position (exp underflows to 0)
 
 MLA_QUERY = mla.latent_query
 
@@ -46,3 +49,27 @@ def static_capacity(site: AttentionSite) -> int | None:
     unknown): the pass's per-site decisions (dense shortcut, refinement) need static shapes."""
     key = site.key_cache.meta.get("example_value", site.key_cache.meta.get("val"))
     return static_int(key.shape[-2]) if key is not None else None
+
+
+def boolean_source(mask) -> fx.Node | None:
+    """The bool mask an additive float mask was made from, when the graph shows it:
+    ``torch.where(visible, 0, m)`` with ``visible`` a bool node, ``0`` a zero scalar or
+    ``torch.zeros(())`` and ``m <= -1e30`` (Hugging Face's eager masks: ``m`` is the dtype's
+    minimum), so every logit gets ``+0`` or a weight that underflows to exactly 0: the same
+    attention as the bool mask on a row that sees any position (a decode row sees itself).
+    None for anything else (a mask with other values: a bias, a learned mask)."""
+    if not (isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target is torch.where
+            and len(mask.args) == 3 and not mask.kwargs):
+        return None
+    visible, zero, hidden = mask.args
+    cond = example_value(visible)
+    if not (isinstance(cond, torch.Tensor) and cond.dtype == torch.bool):
+        return None
+    return visible if _is_zero(zero) and isinstance(hidden, float) and hidden <= HIDDEN_BELOW else None
+
+
+def _is_zero(value) -> bool:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value == 0
+    return (isinstance(value, fx.Node) and value.op == "call_function" and value.target is torch.zeros
+            and value.args in (((),), ()) and not value.kwargs.get("requires_grad", False))

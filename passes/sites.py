@@ -88,7 +88,7 @@ class AttentionSite:
         MLA site the absorbed query's (``kv_lora_rank + rope``, :mod:`..runtime.mla`)."""
         if self.mla is None:
             return self.head_dim
-        weight = _val(self.mla.weight)
+        weight = example_value(self.mla.weight)
         return None if weight is None else weight.shape[-1] + self.mla.rope_dim
 
     @property
@@ -108,7 +108,9 @@ WEIGHTS_USED = ("the attention weights leave the attention (output_attentions=Tr
                 "reads its scores elsewhere): dense and exact, so the returned weights are the model's")
 
 
-def _val(node) -> torch.Tensor | None:
+def example_value(node) -> torch.Tensor | None:
+    """A node's example value (dynamo keeps it as ``example_value``, AOTAutograd as ``val``),
+    or None for a constant or a node without one."""
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
@@ -143,8 +145,8 @@ def _strip_repeat_kv(node: fx.Node) -> tuple[fx.Node, int]:
         return node, 1
     if index.args[1] != (_FULL, _FULL, None, _FULL, _FULL):
         return node, 1
-    src, out, exp = index.args[0], _val(node), _val(expand)
-    src_val = _val(src)
+    src, out, exp = index.args[0], example_value(node), example_value(expand)
+    src_val = example_value(src)
     if src_val is None or out is None or exp is None or src_val.dim() != 4:
         return node, 1
     b, h, s, d = src_val.shape
@@ -227,7 +229,7 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
     if isinstance(mla, tuple):
         key_src, value_src, site.mla = mla
         site.pattern += "+mla"
-        kg = vg = static_int(_val(site.query).shape[1]) if _val(site.query) is not None else None
+        kg = vg = static_int(example_value(site.query).shape[1]) if example_value(site.query) is not None else None
     if key_src not in by_key or value_src not in by_value:
         stores = set(by_key) | set(by_value)
         if stores and (_reads_store(args["key"], stores) or _reads_store(args["value"], stores)):
@@ -239,8 +241,8 @@ def _resolve_store(site: AttentionSite, args: dict, by_key: dict, by_value: dict
         return "key and value come from different KV writes"
     if order[write] > order[site.node]:
         return "KV write happens after the attention"
-    site.num_kv_heads = static_int(_val(key_src).shape[1])
-    q = _val(site.query)
+    site.num_kv_heads = static_int(example_value(key_src).shape[1])
+    q = example_value(site.query)
     site.num_heads = static_int(q.shape[1]) if q is not None and q.dim() == 4 else None
     groups = kg
     if args.get("enable_gqa", False) and site.num_heads and site.num_kv_heads:
@@ -323,7 +325,7 @@ def _match_mla_expansion(key: fx.Node, value: fx.Node, readers: set, by_key: dic
     rope = expand.args[0]
     if latent not in by_key or rope not in by_value or by_key[latent][1] is not by_value[rope][1]:
         return None
-    lat, rp, w, up_val, key_val = _val(latent), _val(rope), _val(weight), _val(up), _val(key)
+    lat, rp, w, up_val, key_val = example_value(latent), example_value(rope), example_value(weight), example_value(up), example_value(key)
     if any(x is None for x in (lat, rp, w, up_val, key_val)) or lat.dim() != 4 or rp.dim() != 4:
         return None
     b, one, cap, r = lat.shape
@@ -332,7 +334,7 @@ def _match_mla_expansion(key: fx.Node, value: fx.Node, readers: set, by_key: dic
     if not (one == 1 and rp.shape[:3] == lat.shape[:3] and tuple(w.shape) == (heads * (nope + v_dim), r)
             and tuple(up_val.shape) == (b, heads, cap, nope + v_dim)
             and tuple(key_val.shape) == (b, heads, cap, nope + rope_dim)
-            and tuple(_val(expand).shape) == (b, heads, cap, rope_dim)):
+            and tuple(example_value(expand).shape) == (b, heads, cap, rope_dim)):
         return None
     scratch = [nope_copy[0], rope_copy[0]]
     return latent, rope, MLAExpansion(weight, nope, v_dim, rope_dim, scratch)
@@ -340,7 +342,7 @@ def _match_mla_expansion(key: fx.Node, value: fx.Node, readers: set, by_key: dic
 
 def _check_constants(site: AttentionSite, args: dict) -> str | None:
     """Reasons the site cannot become sparse attention (the store is already resolved)."""
-    q = _val(site.query)
+    q = example_value(site.query)
     if args.get("dropout_p", 0.0) != 0.0:
         return f"dropout_p={args['dropout_p']} (sparse attention has no dropout)"
     site.q_len, site.head_dim = static_int(q.shape[2]), static_int(q.shape[3])
@@ -352,12 +354,12 @@ def _check_constants(site: AttentionSite, args: dict) -> str | None:
         return "key is a cropped prefix of the store (prefill-style call)"
     scale = args.get("scale")
     if scale is not None:
-        scale = _const_float(_val(scale) if isinstance(scale, fx.Node) else scale)
+        scale = _const_float(example_value(scale) if isinstance(scale, fx.Node) else scale)
         if scale is None:
             return "scale is not a constant"
     site.scale = scale if scale is not None else site.head_dim**-0.5
     mask = site.attn_mask
-    if mask is not None and (_val(mask) is None or _val(mask).dim() != 4):
+    if mask is not None and (example_value(mask) is None or example_value(mask).dim() != 4):
         return "attention mask is not 4-D"
     return None
 
@@ -365,7 +367,7 @@ def _check_constants(site: AttentionSite, args: dict) -> str | None:
 def _match_sdpa(site: AttentionSite, by_key: dict, by_value: dict, order: dict, windows: dict) -> None:
     args = _sdpa_args(site.node)
     site.query, site.attn_mask = args.get("query"), args.get("attn_mask")
-    q = _val(site.query)
+    q = example_value(site.query)
     if q is None or q.dim() != 4:
         site.reason = "query has no 4-D example value"
         return
@@ -435,7 +437,7 @@ def _sink_logits(softmax_input: fx.Node, chain: list) -> tuple[fx.Node | None, f
     if not ((_is_call(view, method="reshape") or _is_call(view, method="view"))
             and tuple(view.args[1:]) == (1, -1, 1, 1)):
         return None, None, "the sink column is not one learned logit per head (reshape(1, -1, 1, 1))"
-    sinks, sinks_val = view.args[0], _val(view.args[0])
+    sinks, sinks_val = view.args[0], example_value(view.args[0])
     if sinks_val is None or sinks_val.dim() != 1:
         return None, None, "the sink logits are not a 1-D per-head tensor"
     chain.append(node)
@@ -486,7 +488,7 @@ def _added_mask(node: fx.Node) -> tuple[fx.Node, fx.Node | None, str | None]:
     if not (_is_call(node, (operator.add, torch.add)) and len(node.args) == 2 and not node.kwargs):
         return node, None, None
     scores, mask = node.args
-    mask_val = _val(mask) if isinstance(mask, fx.Node) else None
+    mask_val = example_value(mask) if isinstance(mask, fx.Node) else None
     if mask_val is None or mask_val.dim() != 4:
         return node, None, "the added mask is not a 4-D tensor"
     if not mask_val.dtype.is_floating_point:
@@ -566,8 +568,8 @@ def _merged_heads(node) -> fx.Node | None:
     (BLOOM's 3-D attention layout)."""
     if not (_is_call(node, method="reshape") or _is_call(node, method="view")):
         return None
-    src, out = node.args[0], _val(node)
-    src_val = _val(src)
+    src, out = node.args[0], example_value(node)
+    src_val = example_value(src)
     if src_val is None or out is None or src_val.dim() != 4 or out.dim() != 3:
         return None
     b, h, n, d = src_val.shape
@@ -608,11 +610,11 @@ def _match_baddbmm(site: AttentionSite, by_key: dict, by_value: dict, order: dic
         {d % 3 for d in kt.args[1:] if isinstance(d, int)} == {1, 2} else None
     query, key = _merged_heads(q3), _merged_heads(key3) if key3 is not None else None
     value4 = _merged_heads(value)
-    bias_val = _val(bias) if isinstance(bias, fx.Node) else None
+    bias_val = example_value(bias) if isinstance(bias, fx.Node) else None
     if beta != 1.0 or alpha is None or query is None or key is None or value4 is None:
         site.reason = "ALiBi scores: beta != 1, a non-constant scale, or q/k/v not reshaped from 4-D [b, h, n, d]"
         return
-    q_val = _val(query)
+    q_val = example_value(query)
     b, h = q_val.shape[:2]
     if bias_val is None or bias_val.dim() != 3 or bias_val.shape[0] != b * h or bias_val.shape[1] != 1:
         site.reason = "the ALiBi bias is not one [batch * heads, 1, keys] row per head"
@@ -626,7 +628,7 @@ def _match_baddbmm(site: AttentionSite, by_key: dict, by_value: dict, order: dic
     if site.reason is None:
         site.reason = _check_constants(site, args)
         site.scale = alpha
-    if site.reason is None and bias_val.shape[-1] != _val(site.key_cache).shape[-2]:
+    if site.reason is None and bias_val.shape[-1] != example_value(site.key_cache).shape[-2]:
         site.reason = "the ALiBi bias does not span the KV store"
 
 
@@ -671,7 +673,7 @@ def _other_value_products(graph: fx.Graph, by_value: dict, seen: set) -> list[At
             continue
         site = AttentionSite(node=node, pattern="other")
         site.layer, site.write = by_value[value]
-        weights = _val(node.args[0])
+        weights = example_value(node.args[0])
         site.q_len = static_int(weights.shape[-2]) if weights is not None and weights.dim() >= 2 else None
         site.reason = ("attention weights over the KV store are not a recognised softmax (e.g. weights "
                        "rescaled or sliced after the softmax): dense and exact")
@@ -702,7 +704,7 @@ def _split_score_products(graph: fx.Graph, by_key: dict) -> list[AttentionSite]:
             continue
         site = AttentionSite(node=node, query=node.args[0], pattern="split")
         site.layer, site.write = by_key[key]
-        q = _val(site.query)
+        q = example_value(site.query)
         site.q_len = static_int(q.shape[-2]) if q is not None else None
         site.reason = ("the attention's scores over the KV store leave this graph before the softmax: a graph "
                        "break inside the attention (e.g. the model reads cache.get_seq_length() on the host); "
@@ -752,7 +754,7 @@ def find_token_embedding(graph: fx.Graph, first_write: fx.Node, vocab_size: int 
     matches = []
     for n in found:
         ids, weight = _embedding_args(n)
-        ids_val, w_val = _val(ids), _val(weight)
+        ids_val, w_val = example_value(ids), example_value(weight)
         if ids_val is None or w_val is None or ids_val.dim() != 2 or ids_val.dtype.is_floating_point:
             continue
         if w_val.dim() != 2 or (vocab_size is not None and w_val.shape[0] != vocab_size):
@@ -800,9 +802,9 @@ def decoder_layer_outputs(graph: fx.Graph, layers: tuple[int, ...]) -> tuple[lis
             return key in (n.meta.get("nn_module_stack") or {})
 
         found = [n for n in graph.nodes
-                 if n.op != "placeholder" and inside(n) and getattr(_val(n), "dim", lambda: 0)() == 3
+                 if n.op != "placeholder" and inside(n) and getattr(example_value(n), "dim", lambda: 0)() == 3
                  and any(u.op != "output" and not inside(u) for u in n.users)]
-        val = _val(found[0]) if len(found) == 1 else None
+        val = example_value(found[0]) if len(found) == 1 else None
         if val is None or val.dim() != 3:
             return None, (f"found no single [batch, q_len, hidden] output of decoder layer {j} "
                           f"({len(found)} candidates)")

@@ -22,6 +22,7 @@ Sites that do not match stay dense; their reasons are returned and logged.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import operator
@@ -30,15 +31,15 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from ..runtime import aten_step, mla, page_bounds
+from ..runtime import aten_step, mla, page_bounds, routes
 from ..runtime.protocol import RetrievalAnchor, op_arguments, overloads
 from ..runtime.spec import AttentionVariant, StepSpec
 from ..runtime.torch_private import custom_graph_pass, effect_of
 from .head_draft import DraftHead
 from .head_lagged import LaggedQueryHead
 from .heads import SelectionHead
-from .site_nodes import bias_4d, selection_query, static_capacity
-from .sites import KV_WRITE, AttentionSite, find_attention_sites, is_op, static_int
+from .site_nodes import bias_4d, boolean_source, selection_query, static_capacity
+from .sites import KV_WRITE, AttentionSite, example_value, find_attention_sites, is_op, static_int
 
 logger = logging.getLogger(__name__)
 CustomGraphPass, get_hash_for_files = custom_graph_pass()
@@ -66,6 +67,10 @@ class RewriteResult:
     selections: list[fx.Node] = dataclasses.field(default_factory=list)
     selection_head: str = "lagged-query"  # or "draft:<folder>" (option retrieval_head)
     rescued: int = 0  # decode sites refining with the page rescue (option page_rescue)
+    # what each rewritten site runs, decided once here (runtime/routes.py): route -> sites,
+    # and why sites were passed over for a faster route: reason -> sites
+    routes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    route_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     @property
     def total(self) -> int:
@@ -279,7 +284,7 @@ class SparseAttentionPass(CustomGraphPass):
             dense = None
             if self._refines(s):
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
-            self._rewrite_site(graph, s, selection, self._site_spec(s), dense)
+            self._rewrite_site(graph, s, selection, dense, result)
         result.rewritten = len(sparse)
         result.rescued = self._log_rescue(sparse)
         if not unused:
@@ -384,7 +389,7 @@ class SparseAttentionPass(CustomGraphPass):
             chosen, dense = selection, None
             if self._refines(s):
                 chosen, dense = self._insert_refine(graph, s, selection, anchored.stats)
-            self._rewrite_site(graph, s, chosen, self._site_spec(s), dense)
+            self._rewrite_site(graph, s, chosen, dense, result)
         result.rewritten = len(decode)
         result.rescued = self._log_rescue(decode)
         dense = sum(self._dense_store(s) for s in decode)
@@ -482,18 +487,59 @@ class SparseAttentionPass(CustomGraphPass):
                 graph.call_function(aten_step.count_guard, (stats, dense))
         return kept, dense
 
-    @staticmethod
-    def _rewrite_site(graph: fx.Graph, site: AttentionSite, selection: fx.Node, spec: StepSpec,
-                      dense: fx.Node | None = None) -> None:
+    def _attention_call(self, site: AttentionSite, selection: fx.Node, mask, dense: fx.Node | None,
+                        result: RewriteResult):
+        """``(target, args)`` of a (non-MLA) site's attention over ``selection``: the
+        ``specontext::sparse_attention`` op with the site's route on its spec (dense over the
+        store, generated kernel, gather: :meth:`_route`), or for a site the op does not serve,
+        its torch step function called directly: with the fidelity guard's decision ``dense``,
+        :func:`~..runtime.aten_step.guarded_attention`; with learned sink logits,
+        :func:`~..runtime.aten_step.sinks_attention`."""
+        variant = _variant(site)
+        store = (site.key_cache, site.value_cache)
+        if dense is not None:
+            result.routes["guarded"] += 1
+            return aten_step.guarded_attention, (site.query, store, selection, site.length, mask, variant, dense,
+                                                 site.sinks)
+        if site.sinks is not None:
+            result.routes["sinks"] += 1
+            return aten_step.sinks_attention, (site.query, store, selection, site.length, mask, variant, site.sinks)
+        spec, mask = self._route(site, mask, result)
+        return SPARSE, (site.query, site.key_cache, site.value_cache, selection, site.length, mask, spec, variant)
+
+    def _route(self, site: AttentionSite, mask, result: RewriteResult) -> tuple[StepSpec, fx.Node | None]:
+        """The site's spec with its route (:func:`~..runtime.routes.decide`, from the site's
+        example values), counted in ``result`` with the reason a faster route was passed over,
+        and the mask the site's attention reads: on the kernel route a float mask made from a
+        bool one (:func:`~.site_nodes.boolean_source`, Hugging Face's eager masks) is replaced
+        by that bool mask, which the kernel folds into the selection; elsewhere ``mask``."""
+        spec = self._site_spec(site)  # its dense_shortcut: the option is on and the selection covers the store
+        original, mask = mask, (boolean_source(mask) or mask) if self.step.kernel != "torch" else mask
+        query, key_cache = example_value(site.query), example_value(site.key_cache)
+        attn_mask = example_value(mask) if mask is not None else None
+        if query is None or key_cache is None or (mask is not None and attn_mask is None):
+            decision = routes.Decision("dense" if spec.dense_shortcut else "gather", "no example values to decide from")
+        else:
+            decision = routes.decide(query, key_cache, attn_mask, spec.dense_shortcut, spec,
+                                     _variant(site, latent=site.mla is not None))
+        result.routes[decision.route] += 1
+        if decision.reason is not None:
+            result.route_reasons[decision.reason] += 1
+        return dataclasses.replace(spec, route=decision.route), (mask if decision.route == "kernel" else original)
+
+    def _rewrite_site(self, graph: fx.Graph, site: AttentionSite, selection: fx.Node, dense: fx.Node | None,
+                      result: RewriteResult) -> None:
         latent = None
         if site.mla is not None:
             query = selection_query(graph, site)
-            variant = AttentionVariant(site.scale, nope_dim=site.mla.nope_dim)
+            variant = _variant(site, latent=True)
             with graph.inserting_before(site.node):
                 if dense is None and site.sinks is None:
+                    spec, mask = self._route(site, site.attn_mask, result)
                     latent = graph.call_function(SPARSE, (
-                        query, site.key_cache, site.value_cache, selection, site.length, site.attn_mask, spec, variant))
+                        query, site.key_cache, site.value_cache, selection, site.length, mask, spec, variant))
                 else:  # no kernel serves these: the torch step function, called directly
+                    result.routes["guarded" if dense is not None else "sinks"] += 1
                     latent = graph.call_function(mla.attend_latent, (
                         query, (site.key_cache, site.value_cache), selection, site.length, site.attn_mask, variant,
                         dense, site.sinks))
@@ -503,7 +549,7 @@ class SparseAttentionPass(CustomGraphPass):
         else:
             mask = _biased_mask(graph, site)
             with graph.inserting_before(site.node):
-                sparse = graph.call_function(*_attention_call(site, selection, mask, spec, dense))
+                sparse = graph.call_function(*self._attention_call(site, selection, mask, dense, result))
         keep = ("stack_trace", "nn_module_stack") + (() if site.position_bias is not None else ("example_value", "val"))
         sparse.meta.update({k: v for k, v in site.node.meta.items() if k in keep})
         result = sparse
@@ -541,24 +587,11 @@ def _resolve_layers(option: str, layers: tuple[int, ...] | None, num_layers: int
     return frozenset(j + num_layers if j < 0 and num_layers is not None else j for j in layers)
 
 
-def _attention_call(site: AttentionSite, selection: fx.Node, mask, spec: StepSpec, dense: fx.Node | None):
-    """``(target, args)`` of a (non-MLA) site's attention over ``selection``: the
-    ``specontext::sparse_attention`` op (dense-store shortcut, generated kernel, torch path),
-    or for a site no kernel serves, its torch step function called directly: with the
-    fidelity guard's decision ``dense``, :func:`~..runtime.aten_step.guarded_attention`; with
-    learned sink logits, :func:`~..runtime.aten_step.sinks_attention`."""
-    variant = _variant(site)
-    if dense is not None:
-        return aten_step.guarded_attention, (site.query, (site.key_cache, site.value_cache), selection, site.length,
-                                             mask, variant, dense, site.sinks)
-    if site.sinks is not None:
-        return aten_step.sinks_attention, (site.query, (site.key_cache, site.value_cache), selection, site.length,
-                                           mask, variant, site.sinks)
-    return SPARSE, (site.query, site.key_cache, site.value_cache, selection, site.length, mask, spec, variant)
-
-
-def _variant(site: AttentionSite) -> AttentionVariant:
-    """The site's attention variant from its matched constants (scale, soft cap, window)."""
+def _variant(site: AttentionSite, latent: bool = False) -> AttentionVariant:
+    """The site's attention variant from its matched constants (scale, soft cap, window);
+    ``latent``: an MLA site's attention in the latent space (its ``nope_dim``)."""
+    if latent:
+        return AttentionVariant(site.scale, nope_dim=site.mla.nope_dim)
     return AttentionVariant(site.scale, site.soft_cap, site.window or 0)
 
 

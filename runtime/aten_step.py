@@ -665,18 +665,23 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
                      spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
     """Attention of one layer over the selected tokens (``specontext::sparse_attention``,
-    torch path: ``spec.kernel`` is the op's business).
-
-    With ``spec.dense_shortcut`` (the caller's promise that a selection with a slot for every
-    store position holds every written one, as the selection nodes' do) and such a
-    selection (:func:`covers_store`, a static fact), plain sites (``variant.plain``, no
-    learned sinks) run SDPA over the store with the causal limit as a mask (contiguous
-    reads, exact); otherwise the gather path of
+    torch path), on the route the pass decided (``spec.route``, :func:`~.routes.decide`):
+    ``"dense"``, exact attention over the whole store with the causal limit as a mask
+    (contiguous reads; the selection has a slot for every store position, so it holds every
+    written one); otherwise the gather path of
     :func:`~specontext_compile.runtime.sparse_attention.sparse_attention_reference` (shapes,
     mask and ``-1`` padding semantics there; scale, soft cap and sliding window from
     ``variant``). ``length`` counts this step's tokens. A site with the fidelity guard or
     learned sink logits is not this function's: the pass calls :func:`guarded_attention` or
-    :func:`~.sparse_attention.sparse_attention_reference` (with ``sinks``) for it."""
-    if spec.dense_shortcut and variant.plain and covers_store(indices, key_cache):
+    :func:`sinks_attention` for it.
+
+    Raises:
+        ValueError: ``spec.route == "dense"`` with a selection that does not cover the store
+            or a site that is not plain (a spec built by hand: the pass never makes one).
+    """
+    if spec.route == "dense":
+        if not (variant.plain and covers_store(indices, key_cache)):
+            raise ValueError("StepSpec.route='dense' needs a plain site (no soft cap, no sliding window) whose "
+                             "selection has a slot for every store position; use route='gather'")
         return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)

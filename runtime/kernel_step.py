@@ -1,14 +1,16 @@
 """The generated Triton kernel inside the compiled decode step (issue 27, item 6).
 
 SpeContext (arXiv 2512.00722), section 4: every layer attends only to the selected tokens.
-On CUDA the lowered step (``passes/lower.py``) calls :func:`kernel_attention` at each
-sparse-attention site the kernel can serve exactly (:func:`kernel_reason` says which);
-it calls the op ``specontext::generated_attention``, a ``torch.library.triton_op`` whose
-body launches our generated split-K kernel (``codegen``) through ``wrap_triton``. Inductor
-therefore sees the kernel itself, not an opaque op: it schedules it inside the compiled
-step, with no Python dispatch and no host read, and CUDA graphs capture it like its own
-kernels. Elsewhere (CPU) the op runs the torch reference
-(:func:`~.sparse_attention.sparse_attention_reference`), which is also the tests' oracle.
+:func:`kernel_attention` is the one route to the generated kernel, taken by every site whose
+``StepSpec.route`` is ``"kernel"`` (:func:`~.routes.decide`, with :func:`kernel_reason` saying
+which sites the kernel serves exactly): the op's body calls it on the eager op chain, and on
+CUDA graphs the lowered step (``passes/lower.py``) calls it in the op's place. It calls the op
+``specontext::generated_attention``, a ``torch.library.triton_op`` whose body launches our
+generated split-K kernel (``codegen``) through ``wrap_triton``. Inductor therefore sees the
+kernel itself, not an opaque op: it schedules it inside the compiled step, with no Python
+dispatch and no host read, and CUDA graphs capture it like its own kernels. On CPU tensors
+the op runs the kernel in Triton's interpreter (``TRITON_INTERPRET=1``, tests) or else the
+torch reference (:func:`~.sparse_attention.sparse_attention_reference`), the tests' oracle.
 
 Invariants:
 
@@ -16,7 +18,7 @@ Invariants:
   hide more is served only when the mask can be folded into the selection exactly (a bool
   mask, one query row, one mask head: a hidden position becomes a ``-1`` padding slot, which
   the kernel skips); any other site keeps the torch body, decided from static facts (shapes,
-  dtypes), with the reason in :class:`~..passes.lower.LowerResult`.
+  dtypes), with the reason in the pass's result (``RewriteResult.routes``).
 - **No host read.** Nothing here reads a device value on the host.
 """
 
@@ -29,11 +31,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from torch.library import triton_op, wrap_triton
 
 from ..codegen.spec import DTYPE_NAMES, MAX_GROUP, MAX_HEAD_DIM, MAX_Q_LEN
-from .aten_step import covers_store, sparse_attention
 from .sparse_attention import sparse_attention_reference
 from .spec import AttentionVariant, StepSpec
 
-__all__ = ["generated_attention", "kernel_attention", "kernel_reason", "launch_generated"]
+__all__ = ["fold_mask", "generated_attention", "kernel_attention", "kernel_reason", "latent_kernel_reason",
+           "launch_generated"]
 
 
 def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
@@ -71,26 +73,29 @@ generated_attention = triton_op("specontext::generated_attention", mutates_args=
 
 
 @generated_attention.register_kernel("cpu")
-def _reference(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window):
+def _on_cpu(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window):
+    """On CPU tensors: the kernel in Triton's interpreter (``TRITON_INTERPRET=1``: option
+    ``kernel="triton"``, for tests), else the torch reference."""
+    from ..codegen import interpreter_enabled, sparse_decode_attention
+
+    if interpreter_enabled():
+        return sparse_decode_attention(query, key_cache, value_cache, indices, length, scale=scale,
+                                       soft_cap=soft_cap, sliding_window=sliding_window or None,
+                                       check_indices=False)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, None,
                                       AttentionVariant(scale, soft_cap, sliding_window))
 
 
-def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor | None, spec: StepSpec,
-                  variant: AttentionVariant) -> str | None:
-    """Why a sparse-attention site cannot take the generated kernel, or None when it can.
+def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor | None) -> str | None:
+    """Why the generated kernel cannot serve a sparse-attention site exactly, or None when it
+    can (:func:`~.routes.decide` asks, once per site, after option ``kernel`` allowed it).
 
-    Reads static facts only (devices, dtypes, shapes of example or fake tensors): a site
-    takes it on CUDA with ``spec.kernel == "auto"`` (a soft cap and a sliding window are the
-    kernel's own ``tl.constexpr`` flags; sites with learned sinks or a position bias never
-    reach this op), a budget below the store's capacity when
-    the dense shortcut is on, ``q_len``, ``head_dim`` and the GQA group within the kernel's
-    limits (``codegen.spec``), fp32/bf16/fp16 tensors of one dtype, and no mask or a bool
-    mask of one head and one query row (folded into the selection)."""
+    Reads static facts only (dtypes and shapes of example or fake tensors): ``q_len``,
+    ``head_dim`` and the GQA group within the kernel's limits (``codegen.spec``), fp32/bf16/fp16
+    tensors of one dtype, and no mask or a bool mask of one head and one query row (folded
+    into the selection). A soft cap and a sliding window are the kernel's own
+    ``tl.constexpr`` flags; sites with learned sinks or a position bias never reach the op."""
     checks = (
-        (query.device.type == "cuda", "not a CUDA tensor"),
-        (spec.kernel == "auto", f"kernel={spec.kernel!r}"),
-        (not (spec.dense_shortcut and known(spec.budget >= key_cache.shape[-2])), "dense shortcut over the store"),
         (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
         (query.dtype in DTYPE_NAMES.values() and key_cache.dtype == query.dtype,
          f"dtype {query.dtype}/{key_cache.dtype}"),
@@ -101,25 +106,43 @@ def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch
     return next((reason for ok, reason in checks if not ok), None)
 
 
+def latent_kernel_reason(query: torch.Tensor, latent_cache: torch.Tensor, attn_mask: torch.Tensor | None
+                         ) -> str | None:
+    """:func:`kernel_reason` of a multi-head latent attention site (absorbed ``query``
+    ``[batch, num_heads, q_len, r + p]``, ``latent_cache`` ``[batch, 1, capacity, r]``) for the
+    generated MLA kernel: ``q_len`` within its limit, a dtype it takes, a foldable mask."""
+    checks = (
+        (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
+        (query.dtype in DTYPE_NAMES.values() and latent_cache.dtype == query.dtype,
+         f"dtype {query.dtype}/{latent_cache.dtype}"),
+        (attn_mask is None or _foldable(attn_mask, query.shape[2]), "a mask the kernel cannot apply"),
+    )
+    return next((reason for ok, reason in checks if not ok), None)
+
+
 def _foldable(attn_mask: torch.Tensor, q_len: int) -> bool:
     return attn_mask.dtype == torch.bool and q_len == 1 and attn_mask.dim() == 4 and attn_mask.shape[1] == 1
+
+
+def fold_mask(indices: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+    """The selection ``[batch, num_kv_heads, budget]`` with each position a foldable bool mask
+    ``[batch|1, 1, 1, capacity]`` hides set to ``-1`` (padding, which the kernels skip): the
+    mask applied exactly, on the device, with no host read."""
+    if attn_mask is None:
+        return indices
+    b, num_kv, budget = indices.shape
+    visible = attn_mask[:, 0, 0, :].expand(b, attn_mask.shape[-1]).gather(
+        1, indices.clamp(min=0).view(b, num_kv * budget)).view(b, num_kv, budget)
+    return torch.where(visible, indices, -1)
 
 
 def kernel_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      indices: torch.Tensor, length: torch.Tensor, attn_mask: torch.Tensor | None,
                      spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
     """:func:`~.aten_step.sparse_attention`'s arguments and result, through
-    :func:`generated_attention`: the lowering's target for a site :func:`kernel_reason`
-    accepts. A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection (a
-    hidden position becomes ``-1``); no host read. A selection with a slot for every store
-    position under the dense shortcut (a static fact) takes the torch body's dense path, as
-    :func:`~.aten_step.sparse_attention` would."""
-    if spec.dense_shortcut and covers_store(indices, key_cache):
-        return sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
-    if attn_mask is not None:
-        b, num_kv, budget = indices.shape
-        visible = attn_mask[:, 0, 0, :].expand(b, attn_mask.shape[-1]).gather(
-            1, indices.clamp(min=0).view(b, num_kv * budget)).view(b, num_kv, budget)
-        indices = torch.where(visible, indices, -1)
-    return generated_attention(query, key_cache, value_cache, indices, length, variant.scale, variant.soft_cap,
-                               variant.sliding_window)
+    :func:`generated_attention`: the one route to the generated kernel, for a site whose
+    ``spec.route`` is ``"kernel"`` (the op's body on that route, and the lowering's target on
+    CUDA graphs). A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection
+    (:func:`fold_mask`); no host read."""
+    return generated_attention(query, key_cache, value_cache, fold_mask(indices, attn_mask), length, variant.scale,
+                               variant.soft_cap, variant.sliding_window)

@@ -37,7 +37,7 @@ registered with :func:`torch.fx.node.has_side_effect`, so dead-code elimination 
 
 from __future__ import annotations
 
-from .ops_attention import _mask_allows_selection, _use_triton, sparse_attention  # noqa: F401
+from .ops_attention import sparse_attention
 from .ops_draft import draft_anchor, draft_step
 from .ops_store import CacheCapacityError, check_capacity, kv_write, retrieval_anchor
 from .sparse_attention import sparse_attention_reference  # noqa: F401  (the torch path's reference)

@@ -17,7 +17,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .spec import AttentionVariant
 from .torch_private import force_stride_order
 
-__all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "mask_is_causal_only", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
+__all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
            "sparse_attention_reference"]
 
 
@@ -195,20 +195,6 @@ def _gather_mask(attn_mask: torch.Tensor, safe_idx: torch.Tensor, num_kv_heads: 
     src = attn_mask.expand(b, mh, q_len, attn_mask.shape[-1]).view(b, h, groups, q_len, -1)
     idx = safe_idx.view(b, h, 1, 1, k).expand(b, h, groups, q_len, k)
     return src.gather(4, idx)
-
-
-def mask_is_causal_only(
-    attn_mask: torch.Tensor | None, indices: torch.Tensor, length: torch.Tensor, q_len: int
-) -> bool:
-    """True when ``attn_mask`` hides nothing that the causal limit allows at the selected
-    positions (no padding), so a kernel that applies only the causal limit is exact.
-    Reads the gathered mask back (a device sync on accelerators)."""
-    if attn_mask is None:
-        return True
-    gathered = _gather_mask(attn_mask, indices.clamp(min=0), indices.shape[1])
-    allowed = causal_limit_mask(indices, length, q_len).unsqueeze(2)
-    ok = gathered if gathered.dtype == torch.bool else gathered == 0
-    return bool((ok | ~allowed).all())
 
 
 def sparse_attention_reference(

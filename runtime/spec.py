@@ -25,9 +25,11 @@ from .torch_private import opaque_base, register_opaque_type
 
 _Opaque = opaque_base()  # torch 2.11 asks every opaque type, value types too, to be an OpaqueBase
 
-__all__ = ["ALL_TOKENS", "KERNELS", "AttentionVariant", "StepSpec", "candidate_slots"]
+__all__ = ["ALL_TOKENS", "KERNELS", "ROUTES", "AttentionVariant", "StepSpec", "candidate_slots"]
 
 KERNELS = ("auto", "torch", "triton")  # sparse attention implementations (option ``kernel``)
+#: what a ``specontext::sparse_attention`` site runs, decided once by the pass (:mod:`.routes`)
+ROUTES = ("gather", "dense", "kernel")
 
 
 def _fx_repr(value: Any) -> tuple[str, dict[str, type]]:
@@ -123,7 +125,14 @@ class StepSpec(_Opaque):
             no rescue). A per-store fact; :meth:`for_store` sets it.
         dense_shortcut: a selection with a slot for every store position may attend densely
             over the store (contiguous reads, exact) instead of gathering every slot.
-        kernel: sparse attention implementation: ``"auto"``, ``"torch"`` or ``"triton"``.
+        kernel: sparse attention implementation: ``"auto"``, ``"torch"`` or ``"triton"`` (the
+            option; an input of the route decision, read by nothing else).
+        route: what this site's attention runs, one of :data:`ROUTES`, decided once per site
+            by the rewrite pass (:func:`.routes.decide`) and only read after: ``"gather"``
+            (the torch body over the selected positions), ``"dense"`` (exact attention over
+            the whole store: the selection covers it), ``"kernel"`` (the generated Triton
+            kernel, :mod:`.kernel_step`). The op, its aten body, the lowering and the kernel
+            wrapper dispatch on it and never decide again.
 
     Raises:
         ValueError: for a value out of range, naming the field.
@@ -138,6 +147,7 @@ class StepSpec(_Opaque):
     page_tokens: int = 0
     dense_shortcut: bool = False
     kernel: str = "torch"
+    route: str = "gather"
 
     def __post_init__(self) -> None:
         _check_int("StepSpec.budget", self.budget, 1)
@@ -152,6 +162,8 @@ class StepSpec(_Opaque):
             raise ValueError(f"StepSpec.dense_shortcut must be True or False, got {self.dense_shortcut!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"StepSpec.kernel must be one of {KERNELS}, got {self.kernel!r}")
+        if self.route not in ROUTES:
+            raise ValueError(f"StepSpec.route must be one of {ROUTES}, got {self.route!r}")
 
     @classmethod
     def from_config(cls, config: Any) -> StepSpec:

@@ -268,7 +268,7 @@ def _lower(gm: torch.fx.GraphModule, config: SpeContextConfig, on_cuda: bool, fu
     (the fallback when inductor cannot compile it)."""
     if config.compile.lower:
         lowered = lower_to_aten(gm.graph, check_capacity=not on_cuda, fuse=fuse,
-                                kernel_device=_may_take_kernel(on_cuda) and kernel)
+                                kernel_device=_may_take_kernel(on_cuda), no_kernel=not kernel)
         counters["specontext"]["ops_lowered"] += sum(lowered.lowered.values())
         counters["specontext"]["kernel_sites_lowered"] += lowered.kernel  # CUDA: the generated kernel (kernel_step)
         _REPORTS[-1].lowered = lowered

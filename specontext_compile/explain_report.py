@@ -138,6 +138,9 @@ def _step_calls(index: int, report: CompileReport) -> str:
                                                  "mla.")):
             calls[name] = calls.get(name, 0) + 1
     text = ", ".join(f"{k} x{v}" for k, v in calls.items())
+    if report.result.routes:  # the pass's one decision per site (runtime/routes.py)
+        text += "; routes: " + ", ".join(f"{route} x{n}" for route, n in sorted(report.result.routes.items()))
+        text += "".join(f" ({n} not on the kernel: {why})" for why, n in sorted(report.result.route_reasons.items()))
     lowered = report.lowered
     if lowered is not None:
         text += (f"; lowered to aten: {sum(lowered.lowered.values())} op nodes, {lowered.fused} refine+attend "

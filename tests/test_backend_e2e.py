@@ -10,12 +10,11 @@ none ran dense); one test keeps the shortcut on, to check the shortcut itself.
 import pytest
 import torch
 from _tiny import tiny_llama
-from specontext_compile.runtime import aten_step, ops, ops_attention
+from specontext_compile.runtime import aten_step
 from torch._dynamo.utils import counters
 from transformers import DynamicCache
 
 import specontext_compile as sc
-from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 # fp32: compiled gather path (gather + matmul + float32 softmax, dense_shortcut=False) vs
 # eager SDPA / HF eager attention; observed max |logit diff| <= 2e-7 on these models, bound
@@ -222,35 +221,45 @@ def test_soft_capped_and_windowed_sites_take_the_kernel_under_the_interpreter(mo
     assert calls["triton"]["triton_attention_calls"] == layers * 3, calls["triton"]
 
 
-def test_padding_mask_is_checked_once_per_decode_step_and_never_reused_across_steps(monkeypatch):
-    """The Triton path needs the mask to hide nothing at the selected positions; the check
-    (a device sync on GPUs) runs for the first layer of a step and is reused by the others,
-    and a new step (new mask and selection objects) is checked again."""
+def test_the_kernel_route_folds_the_padding_mask_without_a_host_read(monkeypatch):
+    """kernel='triton' (interpreter) on a left-padded batch: every decode site takes the kernel
+    (the pass decided it once, the one-row bool mask folded into the selection on the device,
+    where the op used to read the gathered mask back once per step), and the logits equal the
+    torch path's."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    checks = []
-    real = ops_attention.mask_is_causal_only
-    monkeypatch.setattr(ops_attention, "mask_is_causal_only", lambda *a: checks.append(1) or real(*a))
     model = tiny_llama(layers=3)
-    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
-    compiled = torch.compile(model.forward, backend="specontext",
-                             options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "kernel": "triton",
-                                      "inner": "eager", "page_rescue": 0})  # one selection shared by the layers
-    decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=48))
-    assert counters["specontext"]["triton_attention_calls"] == 3 * 4
-    assert len(checks) == 4 and counters["specontext"]["mask_check_reused"] == 2 * 4
-    mask = torch.ones(1, 1, 1, 48, dtype=torch.bool)
-    idx = torch.tensor([[[0, 5, 44]]])
-    assert ops._mask_allows_selection(mask, idx, torch.tensor(45), 1)
-    mask[..., 5] = False  # same objects, mutated: the version changes, so it is re-checked
-    assert not ops._mask_allows_selection(mask, idx, torch.tensor(45), 1)
+    ids = torch.randint(1, 128, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :6] = 0
+    options = {"budget": 16, "recent_window": 4, "sink_tokens": 2, "inner": "eager", "page_rescue": 0}
+    runs, calls = {}, {}
+    for kernel in ("torch", "triton"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model.forward, backend="specontext", options=dict(options, kernel=kernel))
+        cache, seen, logits, runs[kernel] = sc.SpeContextCache(model.config, max_cache_len=48), mask, None, []
+        with torch.no_grad():
+            for step in range(4):
+                seen = seen if step == 0 else torch.cat([seen, torch.ones(2, 1, dtype=seen.dtype)], 1)
+                logits = compiled(input_ids=ids if step == 0 else logits.argmax(-1, keepdim=True), attention_mask=seen,
+                                  cache=cache, use_cache=True).logits[:, -1]
+                runs[kernel].append(logits)
+        calls[kernel] = counters["specontext"]["triton_attention_calls"]
+    assert calls == {"torch": 0, "triton": 3 * 3}, calls
+    for a, b in zip(runs["triton"], runs["torch"]):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
 
 
 def test_triton_kernel_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
+    """kernel='triton' on CPU without ``TRITON_INTERPRET=1``: the compile refuses with the fix
+    (the route is decided when the pass runs, before any step)."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 1, 4, 8)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        torch.ops.specontext.sparse_attention(q, k, k, torch.tensor([[[0, 2]]]), torch.tensor(3), None,
-                                              StepSpec(2, 2, kernel="triton"), AttentionVariant(0.3))
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 16, "kernel": "triton"})
+    with pytest.raises(Exception, match="TRITON_INTERPRET=1"):
+        decode_logits(model, compiled, ids, 2, sc.SpeContextCache(model.config, max_cache_len=48))
 
 
 @pytest.mark.slow

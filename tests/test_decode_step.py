@@ -152,7 +152,7 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
         out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, idx, length, mask,
                                          spec, AttentionVariant(0.25, sliding_window=window))
         assert out.shape == (b, h, 1, d)
-    full_spec = StepSpec(4096, 4096, sink_tokens=4, recent_window=8, dense_shortcut=True)
+    full_spec = StepSpec(4096, 4096, sink_tokens=4, recent_window=8, dense_shortcut=True, route="dense")
     full = aten_step.speculative_select((state, valid), [keys], length, 1, full_spec, AttentionVariant(0.25))
     out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, full, length, None,
                                      full_spec, AttentionVariant(0.25))
@@ -283,6 +283,8 @@ def test_lowering_keeps_the_offload_ops_and_lowers_the_rest():
 
 
 def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():
+    """A site the pass routed to the kernel stays the op off CUDA (the lowering follows the
+    route, whatever option ``kernel`` says); a gather site is lowered."""
     from torch import fx
 
     from specontext_compile.passes.lower import lower_to_aten
@@ -291,8 +293,8 @@ def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():
     graph = fx.Graph()
     x = graph.placeholder("x")
     variant = AttentionVariant(0.5)
+    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, route="kernel"), variant))
     graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="triton"), variant))
-    graph.call_function(ops.sparse_attention.default, (x, x, x, x, x, None, StepSpec(4, 4, kernel="torch"), variant))
     graph.call_function(ops.draft_step.default, (x, x, x, x, x, "head", [x, x, x], False))
     graph.output(None)
     result = lower_to_aten(graph)

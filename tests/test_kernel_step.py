@@ -1,10 +1,12 @@
 """The generated Triton kernel inside the compiled step (runtime/kernel_step.py, issue 27 item 6).
 
 On CPU: the op's body (the kernels launched through ``wrap_triton``) runs under the Triton
-interpreter and is checked against float64 attention; the op's CPU body is the torch
-reference; a bool mask folded into the selection gives the masked attention; the lowering
-sends exactly the sites the kernel can serve to it, and only on CUDA (decided from fake
-CUDA tensors, so the decision is tested here; tests/test_cuda.py runs it on a device).
+interpreter and is checked against float64 attention; the op's CPU body is the kernel in the
+interpreter, or the torch reference without it; a bool mask folded into the selection gives
+the masked attention; the route decision (``runtime/routes.py``, the pass's, once per site)
+sends exactly the sites the kernel can serve to it (decided from fake CUDA tensors, so the
+decision is tested here; tests/test_cuda.py runs it on a device) and the lowering follows the
+route it is given, never deciding again.
 """
 
 from __future__ import annotations
@@ -13,13 +15,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-
 from specontext_compile.passes.lower import lower_to_aten
-from specontext_compile.runtime import aten_step, kernel_step
+from specontext_compile.runtime import aten_step, kernel_step, routes
 from specontext_compile.runtime.sparse_attention import sparse_attention_reference
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")
 
@@ -58,12 +59,22 @@ def test_the_ops_cuda_body_launched_through_wrap_triton_equals_float64_attention
                                atol=1e-5, rtol=1e-5)
 
 
-def test_the_ops_cpu_body_is_the_torch_reference():
-    """On CPU tensors the op runs the torch reference (its oracle), not the interpreter."""
+def test_the_ops_cpu_body_is_the_kernel_in_the_interpreter_else_the_torch_reference(monkeypatch):
+    """On CPU tensors the op runs the kernel in Triton's interpreter (``kernel="triton"`` on CPU:
+    the one route to the kernel), within 1e-5 of float64; without the interpreter, the torch
+    reference (its oracle) bit for bit."""
     query, key, value, indices, length = _case(2, 6, 2, 64, 24, 50)
-    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12)
     expected = sparse_attention_reference(query, key, value, indices, length, None, AttentionVariant(64 ** -0.5, 0.5, 12))
-    assert torch.equal(out, expected)
+    launched = []
+    real = kernel_step.sparse_attention_reference
+    monkeypatch.setattr(kernel_step, "sparse_attention_reference", lambda *a: launched.append(1) or real(*a))
+    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12)
+    torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length, None, 0.5, 12),
+                               atol=1e-5, rtol=1e-5)
+    assert not launched  # the interpreter ran the kernel
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert torch.equal(kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12),
+                       expected) and launched
 
 
 def test_a_bool_mask_is_folded_into_the_selection_exactly():
@@ -104,7 +115,7 @@ def _site_graph(values, mask=None, spec=None, variant=None, key="example_value")
     if mask is not None:
         mask_node = graph.placeholder("attn_mask")
         mask_node.meta[key] = mask
-    spec = spec or StepSpec(32, 32, kernel="auto")
+    spec = spec or StepSpec(32, 32, kernel="auto", route="kernel")
     variant = variant or AttentionVariant(0.125)
     out = graph.call_function(torch.ops.specontext.sparse_attention.default, (*nodes, mask_node, spec, variant))
     graph.output(out)
@@ -118,36 +129,44 @@ def test_the_lowering_sends_a_plain_cuda_site_to_the_kernel(key):
     assert node.target is kernel_step.kernel_attention and result.kernel == 1 and not result.kernel_refused
 
 
-def test_a_cpu_graph_is_lowered_as_before():
-    """Negative: a CPU graph (``kernel_device`` off, the backend's CPU compile) keeps the torch
-    body and records nothing; a CUDA-lowering of CPU tensors refuses with the reason."""
-    graph, node = _site_graph(_fake(*_SITE, device="cpu"))
-    result = lower_to_aten(graph)
+def test_the_lowering_follows_the_route_and_never_decides():
+    """Negative: a site routed to the gather path stays on the torch body even where the kernel
+    could serve it (CUDA tensors, kernel_device); a kernel site of CPU tensors (Triton's
+    interpreter) stays the op; a kernel site on CUDA lowered without the kernel (the backend's
+    fallback) goes to the gather path, its spec's route with it."""
+    graph, node = _site_graph(_fake(*_SITE), spec=StepSpec(32, 32, kernel="auto", route="gather"))
+    result = lower_to_aten(graph, kernel_device=True)
     assert node.target is aten_step.sparse_attention and result.kernel == 0 and not result.kernel_refused
     graph, node = _site_graph(_fake(*_SITE, device="cpu"))
-    result = lower_to_aten(graph, kernel_device=True)
-    assert node.target is aten_step.sparse_attention and dict(result.kernel_refused) == {"not a CUDA tensor": 1}
+    result = lower_to_aten(graph)
+    assert node.target is torch.ops.specontext.sparse_attention.default and result.kernel == 0
+    assert "specontext::sparse_attention" in result.kept
+    graph, node = _site_graph(_fake(*_SITE))
+    result = lower_to_aten(graph, kernel_device=True, no_kernel=True)
+    assert node.target is aten_step.sparse_attention and sum(result.kernel_refused.values()) == 1
+    assert node.args[6].route == "gather"
 
 
-def test_the_backend_lowering_reads_the_example_values_of_dynamos_graph(monkeypatch):
-    """The real backend on a tiny Llama (CPU), its lowering asked to place the kernel: every
-    decode site is refused for its CPU tensors, a reason read from dynamo's example values
-    (a graph whose values the lowering could not read would say so instead)."""
+def test_the_pass_decides_each_sites_route_from_dynamos_example_values(monkeypatch):
+    """The real backend on a tiny Llama (CPU): the rewrite pass asks :func:`routes.decide` once
+    per decode site, with dynamo's example values (CPU tensors: kernel='auto' keeps them off the
+    kernel, with the reason), and each site's op carries the route; the path counters agree."""
     import sys
 
     sys.path.insert(0, "tests")
     from _tiny import tiny_llama
 
     import specontext_compile as sc
-    from specontext_compile import backend
 
-    results = []
+    decisions = []
+    real = routes.decide
 
-    def lowering(graph, *args, **kwargs):
-        results.append(lower_to_aten(graph, *args, **{**kwargs, "kernel_device": True}))
-        return results[-1]
+    def decide(query, key_cache, *args):
+        assert isinstance(query, torch.Tensor) and isinstance(key_cache, torch.Tensor)
+        decisions.append(real(query, key_cache, *args))
+        return decisions[-1]
 
-    monkeypatch.setattr(backend, "lower_to_aten", lowering)
+    monkeypatch.setattr(routes, "decide", decide)
     torch._dynamo.reset()
     model = tiny_llama(layers=2)
     forward = torch.compile(model.forward, backend="specontext", options=dict(budget=16, sink_tokens=2,
@@ -157,66 +176,69 @@ def test_the_backend_lowering_reads_the_example_values_of_dynamos_graph(monkeypa
     with torch.no_grad():
         forward(input_ids=ids, cache=cache, use_cache=True)
         forward(input_ids=ids[:, :1], cache=cache, use_cache=True)
-    refused = [dict(r.kernel_refused) for r in results if r.kernel_refused]
-    assert {"not a CUDA tensor": 2} in refused, refused
+    assert decisions == [routes.Decision("gather", "kernel='auto' off CUDA")] * 2, decisions
     assert cache.path_counts()["gather_sites"] == 2
 
 
-@pytest.mark.parametrize("change,reason", [
-    (dict(spec=StepSpec(32, 32, kernel="torch")), "kernel='torch'"),
-    (dict(spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto")), "dense shortcut"),
-    (dict(mask=((1, 1, 1, 256), torch.bfloat16)), "mask"),
-    (dict(mask=((1, 1, 4, 256), torch.bool), query=(1, 9, 4, 64)), "mask"),
-    (dict(query=(1, 9, 20, 64)), "query rows"),
-    (dict(query=(1, 9, 1, 2048), key=(1, 3, 256, 2048)), "head_dim"),
-], ids=["kernel-torch", "dense-shortcut", "float-mask", "mask-rows", "q-len", "head-dim"])
-def test_the_lowering_keeps_the_torch_body_where_the_kernel_would_not_be_exact(change, reason):
-    """Negative cases: each site the kernel cannot serve exactly stays on the torch body, with
-    the reason counted."""
+@pytest.mark.parametrize("change,route,reason", [
+    (dict(spec=StepSpec(32, 32, kernel="torch")), "gather", "kernel='torch'"),
+    (dict(covers=True, spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto")), "dense", None),
+    (dict(covers=True, variant=AttentionVariant(0.125, soft_cap=50.0),
+          spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto")), "kernel", None),
+    (dict(mask=((1, 1, 1, 256), torch.bfloat16)), "gather", "mask"),
+    (dict(mask=((1, 1, 4, 256), torch.bool), query=(1, 9, 4, 64)), "gather", "mask"),
+    (dict(query=(1, 9, 20, 64)), "gather", "query rows"),
+    (dict(query=(1, 9, 1, 2048), key=(1, 3, 256, 2048)), "gather", "head_dim"),
+    (dict(device="cpu"), "gather", "off CUDA"),
+    (dict(variant=AttentionVariant(0.125, soft_cap=50.0)), "kernel", None),
+    (dict(variant=AttentionVariant(0.125, sliding_window=64)), "kernel", None),
+    (dict(variant=AttentionVariant(0.125, soft_cap=50.0, sliding_window=64)), "kernel", None),
+    (dict(mask=((1, 1, 1, 256), torch.bool)), "kernel", None),
+    (dict(variant=AttentionVariant(0.125, nope_dim=32)), "gather", "MLA kernel"),
+    (dict(variant=AttentionVariant(0.125, nope_dim=32), spec=StepSpec(32, 32, kernel="triton")), "kernel", None),
+], ids=["kernel-torch", "dense-shortcut", "dense-needs-plain", "float-mask", "mask-rows", "q-len", "head-dim",
+        "cpu-auto", "soft-cap", "sliding-window", "both", "bool-decode-mask", "mla-auto", "mla-triton"])
+def test_one_decision_per_site(change, route, reason):
+    """:func:`routes.decide` on fake tensors: dense over the store where the selection covers it
+    (plain sites only), the kernel where option ``kernel`` allows it and the kernel is exact
+    (a soft cap, a sliding window and a one-row bool mask included: its own flags, a folded
+    mask), else the gather path with the reason."""
     site = list(_SITE)
-    if "indices" in change:
-        site[3] = (change["indices"], torch.int64)
     if "query" in change:
         site[0] = (change["query"], torch.bfloat16)
     if "key" in change:
         site[1] = (change["key"], torch.bfloat16)
-    values = _fake(*site)
-    mask = _fake(change["mask"])[0] if "mask" in change else None
-    graph, node = _site_graph(values, mask, change.get("spec"), change.get("variant"))
-    result = lower_to_aten(graph, kernel_device=True)
-    assert node.target is aten_step.sparse_attention and result.kernel == 0
-    assert [r for r in result.kernel_refused if reason in r], result.kernel_refused
+    device = change.get("device", "cuda")
+    query, key_cache = _fake(*site[:2], device=device)
+    mask = _fake(change["mask"], device=device)[0] if "mask" in change else None
+    spec = change.get("spec", StepSpec(32, 32, kernel="auto"))
+    decision = routes.decide(query, key_cache, mask, change.get("covers", False), spec,
+                             change.get("variant", AttentionVariant(0.125)))
+    assert decision.route == route and (reason is None) == (decision.reason is None), decision
+    assert reason is None or reason in decision.reason, decision
 
 
-@pytest.mark.parametrize("variant", [AttentionVariant(0.125, soft_cap=50.0), AttentionVariant(0.125, sliding_window=64),
-                                     AttentionVariant(0.125, soft_cap=50.0, sliding_window=64)],
-                         ids=["soft-cap", "sliding-window", "both"])
-def test_soft_capped_and_windowed_sites_go_with_the_kernel(variant):
-    """The kernel applies a soft cap and a sliding window itself (``tl.constexpr`` flags), so
-    the lowering sends such sites to it (issue 53, item 3: they were refused before)."""
-    graph, node = _site_graph(_fake(*_SITE), None, None, variant)
-    assert lower_to_aten(graph, kernel_device=True).kernel == 1 and node.target is kernel_step.kernel_attention
+def test_triton_on_cpu_without_the_interpreter_is_refused_when_deciding(monkeypatch):
+    """kernel='triton' on CPU tensors without ``TRITON_INTERPRET=1``: a clear error when the
+    pass decides (before any step runs), naming the options that run here."""
+    monkeypatch.delenv("TRITON_INTERPRET")
+    query, key_cache = _fake(*_SITE[:2], device="cpu")
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1.*kernel='torch' or 'auto'"):
+        routes.decide(query, key_cache, None, False, StepSpec(32, 32, kernel="triton"), AttentionVariant(0.125))
 
 
-def test_a_bool_decode_mask_of_one_head_goes_with_the_kernel():
-    """A one-row bool mask of one head (Hugging Face's decode mask) is folded, so the site
-    takes the kernel."""
-    values = _fake(*_SITE)
-    mask = _fake(((1, 1, 1, 256), torch.bool))[0]
-    graph, node = _site_graph(values, mask)
-    assert lower_to_aten(graph, kernel_device=True).kernel == 1 and node.target is kernel_step.kernel_attention
-
-
-def test_a_covering_selection_under_the_dense_shortcut_takes_the_torch_bodys_dense_path():
-    """kernel_attention never sends a whole-store selection under the dense shortcut to the
-    kernel: the result is the torch body's (SDPA over the store) bit for bit."""
+def test_the_dense_route_attends_over_the_store_and_refuses_a_selection_that_does_not_cover_it():
+    """``route="dense"``: the torch body's exact attention over the whole store (float64 within
+    1e-5); a spec with that route over a selection short of the store is refused (the pass never
+    makes one), never a silently different attention."""
     query, key, value, _, length = _case(1, 6, 2, 64, 64, 50)
     indices = torch.arange(64).expand(1, 2, 64).contiguous()  # a slot for every store position
-    spec, variant = StepSpec(64, 64, dense_shortcut=True, kernel="auto"), AttentionVariant(64 ** -0.5)
-    out = kernel_step.kernel_attention(query, key, value, indices, length, None, spec, variant)
-    assert torch.equal(out, aten_step.sparse_attention(query, key, value, indices, length, None, spec, variant))
+    spec, variant = StepSpec(64, 64, dense_shortcut=True, route="dense"), AttentionVariant(64 ** -0.5)
+    out = aten_step.sparse_attention(query, key, value, indices, length, None, spec, variant)
     torch.testing.assert_close(out.double(), _float64(query, key, value, indices[..., :50].contiguous(), length),
                                atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="route='dense'"):
+        aten_step.sparse_attention(query, key, value, indices[..., :40], length, None, spec, variant)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -228,15 +250,16 @@ def test_inductors_copy_of_the_generated_kernels_resolves_every_name(monkeypatch
     triton's ``_elementwise_max`` names triton's ``core``). The module is imported as it is
     on a GPU (no interpreter); every global each copied function reads must exist in the
     copy."""
-    import dis
     import builtins
-
-    from triton import JITFunction
-    from torch._inductor.codegen.wrapper import user_defined_triton_kernel_transitive_closure_source_code
+    import dis
 
     from specontext_compile.codegen.compiler import _import_file
     from specontext_compile.codegen.generator import generated_source
     from specontext_compile.codegen.spec import KernelSpec
+    from torch._inductor.codegen.wrapper import (
+        user_defined_triton_kernel_transitive_closure_source_code,
+    )
+    from triton import JITFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     source = generated_source(KernelSpec(head_dim=64, group=3, dtype=dtype))
@@ -291,13 +314,12 @@ def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeyp
     generated kernel with the types inductor passes: a Python float is fp64 there, not fp32
     as in a direct launch. The H200 run of 2026-12-04 failed on it ("loop-carried variable
     m_i ... re-assigned to fp64"): the kernels now cast their float arguments to fp32."""
-    from triton._C.libtriton import ir
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource, make_backend
-
     from specontext_compile.codegen.compiler import _import_file
     from specontext_compile.codegen.generator import generated_source
     from specontext_compile.codegen.spec import KernelSpec
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     spec = KernelSpec(**spec)
@@ -365,8 +387,8 @@ def _kernel_compile_fails(monkeypatch, error: Exception) -> tuple[list, list]:
         return real_compile(gm, inputs, **kwargs)
 
     monkeypatch.setattr(backend, "_may_take_kernel", lambda on_cuda: True)
-    monkeypatch.setattr(kernel_step, "kernel_reason",
-                        lambda query, key_cache, mask, spec, variant: None if spec.kernel == "auto" else "torch")
+    monkeypatch.setattr(routes, "decide", lambda query, key_cache, mask, covers, spec, variant:
+                        routes.Decision("kernel" if spec.kernel == "auto" else "gather"))
     monkeypatch.setattr(compile_fx_module, "compile_fx", compile_fx)
     return graphs, failed
 

@@ -140,7 +140,7 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
 
 
 def test_mla_triton_kernel_equals_torch_path(triton_interpreter):
-    """``kernel="triton"``: the generated MLA kernel (absorbed layout) runs each site and
+    """The kernel route (``kernel="triton"``): the generated MLA kernel (absorbed layout) runs each site and
     gives the torch path's output (Triton interpreter on CPU; small shapes)."""
     from torch._dynamo.utils import counters
 
@@ -154,7 +154,7 @@ def test_mla_triton_kernel_equals_torch_path(triton_interpreter):
     counters.clear()
     variant = AttentionVariant(0.3, nope_dim=nope)
     got = torch.ops.specontext.sparse_attention(q, latent, rope, indices, torch.tensor(13), None,
-                                                StepSpec(6, 6, kernel="triton"), variant)
+                                                StepSpec(6, 6, kernel="triton", route="kernel"), variant)
     assert counters["specontext"]["triton_attention_calls"] == counters["specontext"]["mla_attention_calls"] == 1
     want = mla_sparse_attention(q, latent, rope, indices, torch.tensor(13), None, StepSpec(6, 6), variant)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -5,9 +5,9 @@ import math
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 import specontext_compile  # noqa: F401
-from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 # float32 inputs, softmax in float32: observed max error ~1e-6; bound stated with margin
 ATOL, RTOL = 2e-5, 1e-4
@@ -113,19 +113,38 @@ def test_context_of_one_token_never_empty_or_nan():
     torch.testing.assert_close(out, v[:, :, :1].expand(1, 3, 1, 8))
 
 
-def test_mask_is_causal_only_detects_padding():
-    from specontext_compile.runtime.sparse_attention import mask_is_causal_only
+def test_fold_mask_hides_exactly_the_masked_selected_positions():
+    """The kernel route's mask: a position the bool mask hides becomes a ``-1`` slot (what the
+    kernel skips), padding stays padding, every other slot is kept; no host read is needed."""
+    from specontext_compile.runtime.kernel_step import fold_mask
 
-    cap, length = 16, 10
-    idx = torch.cat([torch.arange(length), torch.full((2,), -1)]).view(1, 1, -1)
-    mask = torch.zeros(1, 1, 1, cap, dtype=torch.bool)
-    mask[..., :length] = True
-    assert mask_is_causal_only(mask, idx, torch.tensor(length), 1)
-    assert mask_is_causal_only(None, idx, torch.tensor(length), 1)
-    mask[..., 2] = False  # a padding token inside the selection
-    assert not mask_is_causal_only(mask, idx, torch.tensor(length), 1)
-    additive = torch.where(mask, 0.0, float("-inf"))
-    assert not mask_is_causal_only(additive, idx, torch.tensor(length), 1)
+    idx = torch.tensor([[[0, 2, 5, -1], [1, 2, 3, 9]]])  # [1, 2 kv heads, 4]
+    mask = torch.ones(1, 1, 1, 12, dtype=torch.bool)
+    mask[..., 2] = False
+    assert torch.equal(fold_mask(idx, mask), torch.tensor([[[0, -1, 5, -1], [1, -1, 3, 9]]]))
+    assert fold_mask(idx, None) is idx
+
+
+def test_an_additive_mask_is_read_as_its_bool_source_only_when_it_is_zero_or_hidden():
+    """``site_nodes.boolean_source``: Hugging Face's eager mask ``where(visible, zeros(()),
+    finfo.min)`` is the bool ``visible`` (the kernel route folds that); negative cases keep
+    the float mask: a visible value other than 0, a hidden value that does not hide, a
+    condition that is not bool."""
+    from specontext_compile.passes.site_nodes import boolean_source
+    from torch import fx
+
+    graph = fx.Graph()
+    visible, scores = graph.placeholder("visible"), graph.placeholder("scores")
+    visible.meta["example_value"] = torch.ones(1, 1, 1, 8, dtype=torch.bool)
+    scores.meta["example_value"] = torch.ones(1, 1, 1, 8)
+    zero = graph.call_function(torch.zeros, ((),), {"dtype": torch.float32})
+    low = torch.finfo(torch.float32).min
+    assert boolean_source(graph.call_function(torch.where, (visible, zero, low))) is visible
+    assert boolean_source(graph.call_function(torch.where, (visible, 0.0, float("-inf")))) is visible
+    assert boolean_source(graph.call_function(torch.where, (visible, 1.0, low))) is None
+    assert boolean_source(graph.call_function(torch.where, (visible, zero, -1.0))) is None
+    assert boolean_source(graph.call_function(torch.where, (scores, zero, low))) is None
+    assert boolean_source(graph.call_function(torch.add, (visible, zero))) is None
 
 
 def full_selection(b, hkv, length, capacity):
@@ -139,9 +158,9 @@ def full_selection(b, hkv, length, capacity):
 @settings(max_examples=40, deadline=None)
 @given(cases())
 def test_selection_covering_the_store_takes_the_dense_path_and_matches(case):
-    """With ``dense_shortcut`` (the pass's promise) a selection with a slot per store
-    position runs dense SDPA over the store; unwritten slots hold zeros, as the cache keeps
-    them (allocation and ``reset``), and are masked by the causal limit."""
+    """On the dense route (the pass decides it for ``dense_shortcut`` and a selection with a slot
+    per store position) the op runs dense attention over the store; unwritten slots hold zeros,
+    as the cache keeps them (allocation and ``reset``), and are masked by the causal limit."""
     from torch._dynamo.utils import counters
 
     b, hkv, g, d, length, capacity, q_len, _, seed = case
@@ -152,7 +171,8 @@ def test_selection_covering_the_store_takes_the_dense_path_and_matches(case):
     indices = full_selection(b, hkv, length, capacity)
     before = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     out = torch.ops.specontext.sparse_attention(
-        query, key_cache, value_cache, indices, torch.tensor(length), None, StepSpec(1, 1, dense_shortcut=True),
+        query, key_cache, value_cache, indices, torch.tensor(length), None,
+        StepSpec(1, 1, dense_shortcut=True, route="dense"),
         AttentionVariant(d**-0.5))
     after = counters["specontext"]["dense_prefix_calls"], counters["specontext"]["gather_attention_calls"]
     assert after == (before[0] + 1, before[1])
@@ -188,10 +208,9 @@ def test_dense_store_body_traced_for_inductor_reads_the_store_in_place_and_match
     per KV head): the fused products over every slot, no SDPA call (whose CPU flash kernel
     read the store far below the copy rate at one query row), equal to the float64 reference
     and to the SDPA body traced outside it."""
-    from torch.fx.experimental.proxy_tensor import make_fx
-
     from specontext_compile.runtime.aten_step import _dense_store_attention
     from specontext_compile.runtime.sparse_attention import inductor_trace
+    from torch.fx.experimental.proxy_tensor import make_fx
 
     b, hkv, g, d, length, capacity, q_len, _, seed = case
     gen = torch.Generator().manual_seed(seed)

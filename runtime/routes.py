@@ -1,0 +1,107 @@
+"""Which attention a rewritten site runs: decided once, by the pass, from static facts (issue 53, item 1).
+
+The rewrite pass (``passes/sparse_rewrite.py``) calls :func:`decide` once per decode site of
+``specontext::sparse_attention`` with the site's example values (fake or real tensors: only
+devices, dtypes and shapes are read) and stores the answer as the site's ``StepSpec.route``
+(:data:`~.spec.ROUTES`). Everything after reads it and never decides again:
+
+- the op (:mod:`.ops_attention`) dispatches on it (eager op chain, ``lower=False``);
+- its aten body (:func:`.aten_step.sparse_attention`) runs ``"dense"`` over the store and
+  ``"gather"`` over the selection;
+- the lowering (``passes/lower.py``) swaps the op for the body the route names (on CUDA
+  graphs ``"kernel"`` for :func:`.kernel_step.kernel_attention`);
+- the kernel wrapper (:func:`.kernel_step.kernel_attention`) is the one route to the generated
+  kernel, eager or compiled.
+
+Sites the op does not serve are decided by the pass too, by the function it calls: the
+fidelity guard's :func:`.aten_step.guarded_attention`, learned sinks'
+:func:`.aten_step.sinks_attention`, MLA with either of those :func:`.mla.attend_latent`.
+
+Invariants:
+
+- **Static only.** No device value is read, so the decision costs nothing per step and the
+  compiled step has no host sync for it.
+- **Exact or not taken.** ``"dense"`` needs a selection with a slot for every store position
+  (it then holds every written one); ``"kernel"`` needs a site the kernel serves exactly
+  (:func:`.kernel_step.kernel_reason`: a mask only when it folds into the selection). Any
+  other site gathers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .spec import AttentionVariant, StepSpec
+
+__all__ = ["Decision", "decide", "kernel_allowed"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """One site's route (:data:`~.spec.ROUTES`) and why the faster ones were not taken (None
+    when nothing was passed over)."""
+
+    route: str
+    reason: str | None = None
+
+
+def kernel_allowed(kernel: str, query: torch.Tensor) -> str | None:
+    """Why option ``kernel`` keeps a site on ``query``'s device off the generated kernel, or
+    None when it allows it: ``"torch"`` never; ``"auto"`` on CUDA with Triton importable;
+    ``"triton"`` anywhere Triton runs.
+
+    Raises:
+        RuntimeError: ``kernel="triton"`` on CPU tensors without ``TRITON_INTERPRET=1``
+            (Triton's interpreter), naming the two options that run here.
+    """
+    if kernel == "torch":
+        return "kernel='torch'"
+    from ..codegen import interpreter_enabled, triton_available
+
+    if kernel == "auto":
+        return None if query.is_cuda and triton_available() else "kernel='auto' off CUDA"
+    if query.device.type == "cpu" and not interpreter_enabled():
+        raise RuntimeError(
+            "specontext kernel='triton' on CPU tensors needs TRITON_INTERPRET=1 (Triton's "
+            "interpreter); use kernel='torch' or 'auto' for real CPU runs"
+        )
+    return None
+
+
+def decide(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor | None, covers: bool,
+           spec: StepSpec, variant: AttentionVariant) -> Decision:
+    """The route of one ``specontext::sparse_attention`` site.
+
+    Args:
+        query: the site's query ``[batch, num_heads, q_len, head_dim]`` (MLA: the absorbed
+            query), a fake or real tensor.
+        key_cache: its key store ``[batch, num_kv_heads, capacity, head_dim]`` (MLA: the latent
+            store).
+        attn_mask: its mask (example value) or None.
+        covers: whether the site's selection has a slot for every store position (a static
+            fact the pass reads from shapes: the budget reaches a static capacity).
+        spec: the step's options at the site (``dense_shortcut``, ``kernel``).
+        variant: the site's :class:`~.spec.AttentionVariant`.
+
+    Returns:
+        :class:`Decision`: ``"dense"`` for a plain site whose selection has a slot for every
+        store position with option ``dense_shortcut`` on (MLA never); else ``"kernel"``
+        where option ``kernel`` allows it (an MLA site: ``kernel="triton"`` only) and the
+        kernel serves the site exactly; else ``"gather"``.
+
+    Raises:
+        RuntimeError: as :func:`kernel_allowed`.
+    """
+    latent = variant.nope_dim > 0
+    if not latent and spec.dense_shortcut and variant.plain and covers:
+        return Decision("dense")
+    reason = kernel_allowed(spec.kernel, query)
+    if reason is None and latent and spec.kernel != "triton":
+        reason = "the MLA kernel is taken with kernel='triton' only (inductor's kernels otherwise)"
+    if reason is None:
+        from .kernel_step import kernel_reason, latent_kernel_reason
+
+        reason = (latent_kernel_reason if latent else kernel_reason)(query, key_cache, attn_mask)
+    return Decision("gather", reason) if reason is not None else Decision("kernel")
