@@ -73,7 +73,7 @@ def _spec(budget: int, rescue_tokens: int) -> StepSpec:
 
 
 def variants(budget: int, rescue_tokens: int, scale: float):
-    spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale)
+    spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale, fused_products=True)  # as lowered
 
     def attend(query, key, value, length, page_min, page_max, candidates):
         return aten_step.sparse_attention(query, key, value, candidates, length, None, spec, variant)
@@ -101,13 +101,13 @@ def parts(budget: int, rescue_tokens: int, scale: float):
     from specontext_compile.runtime import page_bounds
     from specontext_compile.runtime.sparse_attention import _gather_tokens, selected_logits
 
-    spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale)
+    spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale, fused_products=True)  # as lowered
 
     def seen(key, length):
         return aten_step.seen_positions(length, None, key.shape[2], 1, 0, key.device)
 
     def scores(query, key, value, length, page_min, page_max, candidates):
-        return page_bounds.page_scores(query, page_min, page_max, seen(key, length), scale, PAGE_TOKENS)
+        return page_bounds.page_scores(query, page_min, page_max, seen(key, length), scale, PAGE_TOKENS, fused=True)
 
     def union(query, key, value, length, page_min, page_max, candidates):
         return aten_step.rescue_pages_into(query, candidates, length, None, key.shape[2], spec, variant,
@@ -254,14 +254,12 @@ def realized_rows(budget: int, rescue_tokens: int, scale: float):
 
 def _compiled(fn, inputs):
     """``fn`` traced to aten (``make_fx``) and compiled by inductor, as the backend compiles the
-    lowered step: dynamo cannot trace attribute reads of the opaque specs a closure holds."""
+    lowered step (its variants with ``fused_products``, as the lowering sets them): dynamo
+    cannot trace attribute reads of the opaque specs a closure holds."""
     from torch._inductor.compile_fx import compile_fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from specontext_compile.runtime.sparse_attention import inductor_trace
-
-    with inductor_trace():  # as the backend traces a CPU step (fused decode products)
-        return compile_fx(make_fx(fn)(*inputs), list(inputs))
+    return compile_fx(make_fx(fn)(*inputs), list(inputs))
 
 
 def time_fn(fn, args, steps: int, warmup: int) -> list[float]:

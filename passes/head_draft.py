@@ -15,7 +15,7 @@ from torch import fx
 
 from ..runtime import aten_step
 from ..runtime.protocol import DraftAnchor, RetrievalAnchor, op_arguments
-from ..runtime.spec import StepSpec
+from ..runtime.spec import AttentionVariant, StepSpec
 from .heads import SelectionHead
 from .sites import KV_WRITE, AttentionSite, decoder_layer_outputs, find_token_embedding, is_op
 
@@ -64,8 +64,11 @@ class DraftHead(SelectionHead):
         step, write, _ = self.inserted
         order = {n: i for i, n in enumerate(graph.nodes)}
         with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
+            # the variant carries the window (and, once lowered for inductor, the products' form);
+            # the head scores with its own scale, so the site's stands in
+            variant = AttentionVariant(decode[0].scale, sliding_window=window)
             return graph.call_function(aten_step.draft_select, (step, (step.args[0], step.args[1]), write.args[0],
-                                                      write.args[2], decode[0].q_len, spec, window, mask))
+                                                      write.args[2], decode[0].q_len, spec, variant, mask))
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
         """:func:`~..runtime.aten_step.draft_ready` of the head's key cache (the arguments of

@@ -53,6 +53,7 @@ from torch import fx
 from ..runtime import aten_step, kernel_step, mla, offload_step, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import is_op, op_arguments
+from ..runtime.spec import AttentionVariant
 from ..runtime.torch_private import OpOverload, OpOverloadPacket
 
 logger = logging.getLogger(__name__)
@@ -240,12 +241,30 @@ def _value(arg):
     return arg.meta.get("val", arg.meta.get("example_value"))
 
 
+def _fused_products(graph: fx.Graph) -> None:
+    """Every :class:`~..runtime.spec.AttentionVariant` argument of the graph's calls with
+    ``fused_products`` on: the graph is for inductor, whose CPU code fuses a few decode rows'
+    query-key products with the gathers that feed them (``sparse_attention.fused_products``).
+    Data in the graph, read when AOTAutograd traces the step functions, where a trace-time
+    module flag used to decide it."""
+    def fused(arg):
+        if isinstance(arg, AttentionVariant) and not arg.fused_products:
+            return dataclasses.replace(arg, fused_products=True)
+        return arg
+
+    for node in graph.nodes:
+        if node.op == "call_function":
+            node.args = fx.node.map_aggregate(node.args, fused)
+            node.kwargs = fx.node.map_aggregate(node.kwargs, fused)
+
+
 def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = True,
                   kernel_device: bool = False, no_kernel: bool = False) -> LowerResult:
     """Replace lowerable ``specontext::`` op nodes of ``graph`` in place (see module docstring).
 
-    ``fuse``: lower each fusable (refinement, attention) pair as one body (the default, for
-    inductor); False keeps two calls, the refinement's and ``aten_step.sparse_attention`` (or
+    ``fuse``: the graph is for inductor (the default): each fusable (refinement, attention)
+    pair is lowered as one body, and every ``AttentionVariant`` argument gets
+    ``fused_products`` (decode products as fused reductions on CPU); False keeps two calls, the refinement's and ``aten_step.sparse_attention`` (or
     an offloaded site's two), as ``inner="eager"`` runs them: the same kept set and logits,
     and each site's attention stays one Python call a caller can observe (a wrapper of
     ``aten_step.sparse_attention`` set before the graph is compiled).
@@ -296,6 +315,8 @@ def lower_to_aten(graph: fx.Graph, check_capacity: bool = False, fuse: bool = Tr
         else:
             result.kept[name] = "no aten body (draft-head module or runtime state outside the graph)"
     result.fused = _fuse_refine_attend(graph) + _fuse_offloaded(graph) if fuse else 0
+    if fuse:
+        _fused_products(graph)
     graph.lint()
     for name, reason in result.kept.items():
         logger.info("specontext: %s stays an op: %s", name, reason)

@@ -162,7 +162,7 @@ def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list
 
 def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list,
                         cached: torch.Tensor, scale: float, visible: torch.Tensor | None = None,
-                        position_bias: torch.Tensor | None = None) -> torch.Tensor:
+                        position_bias: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """Scores of the training-free lagged-query head over every slot of the stores.
 
     Per retrieval layer ``i``: ``softmax(q_i . K_i * scale)`` over the written positions
@@ -186,6 +186,7 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
             scores its tokens exactly as the same prompt alone.
         position_bias: the layers' additive position bias (ALiBi), see
             :func:`masked_group_max_softmax`; the same for every retrieval layer.
+        fused: the products as fused reductions (``AttentionVariant.fused_products``).
 
     Returns:
         float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` (and hidden
@@ -200,7 +201,7 @@ def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, ke
         written = written & visible
     total = None
     for i, (keys, rope) in enumerate(stores):
-        probs = masked_group_max_softmax(query_state[i], keys, written, scale, rope, position_bias)
+        probs = masked_group_max_softmax(query_state[i], keys, written, scale, rope, position_bias, fused)
         total = probs if total is None else total + probs
     ready = lagged_ready(query_valid, cached, len(key_caches))
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
@@ -281,13 +282,14 @@ def speculative_select(lagged: tuple[torch.Tensor, torch.Tensor], key_caches: li
     slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
     visible = row_visibility(attn_mask, capacity)
     query_state, query_valid = lagged
-    scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, position_bias)
+    scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, position_bias,
+                                 variant.fused_products)
     return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
                             variant.sliding_window, visible)
 
 
 def draft_select(query: torch.Tensor, draft_cache: tuple[torch.Tensor, torch.Tensor], key_cache: torch.Tensor,
-                 length: torch.Tensor, q_len: int, spec: StepSpec, sliding_window: int = 0,
+                 length: torch.Tensor, q_len: int, spec: StepSpec, variant: AttentionVariant,
                  attn_mask: torch.Tensor | None = None) -> torch.Tensor:
     """The selection node with a draft head (the pass calls it once per step): the head's
     query scores its own key cache ``draft_cache = (draft_keys, draft_length)`` (the
@@ -297,7 +299,9 @@ def draft_select(query: torch.Tensor, draft_cache: tuple[torch.Tensor, torch.Ten
     :func:`select_positions`. When the head's cache lacks a position (``draft_length <
     length + q_len``: a step ran without the backend) recency scores are used instead,
     chosen on the device. ``attn_mask``: padding-aware selection as in
-    :func:`speculative_select`; slots, sinks and recent window from ``spec``. Returns int64
+    :func:`speculative_select`; slots, sinks and recent window from ``spec``; the sliding
+    window and the products' form from ``variant`` (the head scores with its own scale,
+    ``head_dim ** -0.5``). Returns int64
     ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]``."""
     from .draft_retrieval import map_to_target_heads
 
@@ -308,13 +312,13 @@ def draft_select(query: torch.Tensor, draft_cache: tuple[torch.Tensor, torch.Ten
     total = length + q_len
     visible = row_visibility(attn_mask, capacity)
     allowed = pos < total if visible is None else (pos < total) & visible
-    scores = masked_group_max_softmax(query, keys, allowed, query.shape[-1] ** -0.5)
+    scores = masked_group_max_softmax(query, keys, allowed, query.shape[-1] ** -0.5, fused=variant.fused_products)
     scores = map_to_target_heads(scores, num_kv)
     recency = pos.to(torch.float32).expand(b, num_kv, capacity)
     scores = torch.where(draft_ready(draft_length, length, q_len), scores, recency)
     slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
-    return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window, sliding_window,
-                            visible)
+    return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
+                            variant.sliding_window, visible)
 
 
 def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,
@@ -454,7 +458,8 @@ def rescue_pages_into(query: torch.Tensor, candidates: torch.Tensor, length: tor
     page_min, page_max, page_shift = pages
     device = page_min.device
     seen = seen_positions(length.to(device), attn_mask, capacity, query.shape[2], variant.sliding_window, device)
-    scores = page_bounds.page_scores(query, page_min, page_max, seen, variant.scale, spec.page_tokens, page_shift)
+    scores = page_bounds.page_scores(query, page_min, page_max, seen, variant.scale, spec.page_tokens, page_shift,
+                                     variant.fused_products)
     return page_bounds.rescued_candidates(candidates, scores, seen, torch.sym_min(spec.rescue_pages, page_min.shape[2]),
                                           spec.page_tokens, page_shift)
 
@@ -567,8 +572,8 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     causal limit ``p <= length - q_len + r`` as a mask (unwritten slots hidden without
     reading ``length`` on the host).
 
-    SDPA, except for a CPU decode step traced for inductor (:func:`fused_products`: a few
-    query rows per KV head): there, for one float32 or bfloat16 query row per head, our CPU kernel
+    SDPA, except for a CPU decode step traced for inductor (``variant.fused_products``, which
+    the lowering sets, and :func:`fused_products`: a few query rows per KV head): there, for one float32 or bfloat16 query row per head, our CPU kernel
     (:func:`~.cpu_kernels.cpu_decode_attention`: each key and value loaded once for the
     group's rows) where it builds and the mask is boolean or absent; else, when the store is worth splitting for the threads
     (:func:`~.split_store.split_chunks`: a float32 store, few ``batch * num_kv_heads`` rows),
@@ -582,7 +587,7 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     branch) dynamo cannot trace the fused body's casts of functional tensors."""
     b, num_heads, q_len, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
-    if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache):
+    if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache, variant.fused_products):
         if cpu_kernels.applies(query, key_cache, value_cache, attn_mask):
             visible = row_visibility(attn_mask, capacity)
             return torch.ops.specontext.cpu_decode_attention(

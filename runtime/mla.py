@@ -109,7 +109,7 @@ def attend_latent(latent_q: torch.Tensor, stores: tuple[torch.Tensor, torch.Tens
     learned sink logits per head ``[num_heads]`` (HY-V4) or None: one more softmax column per
     head that takes mass and adds no value."""
     latent_cache, rope_cache = stores
-    plain = AttentionVariant(scale=variant.scale)  # the latent product: no soft cap, no window
+    plain = AttentionVariant(scale=variant.scale, fused_products=variant.fused_products)  # no soft cap, no window
     if dense is None:
         return _attend(latent_q, latent_cache, rope_cache, indices, length, attn_mask, sinks, plain)
     capacity = latent_cache.shape[-2]

@@ -137,7 +137,8 @@ def _seen_at(seen: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 
 def page_scores(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, seen: torch.Tensor,
-                scale: float, page_tokens: int, page_shift: torch.Tensor | None = None) -> torch.Tensor:
+                scale: float, page_tokens: int, page_shift: torch.Tensor | None = None,
+                fused: bool = False) -> torch.Tensor:
     """Quest's upper bound of each page's logit under this layer's query, per KV head.
 
     Args:
@@ -150,6 +151,7 @@ def page_scores(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Ten
             precision: field case ``fp16_logit_overflow``).
         page_tokens: tokens per page.
         page_shift: int64 ``[batch]`` per-row page shift (:func:`row_shift`) or None.
+        fused: the products as fused reductions (``AttentionVariant.fused_products``).
 
     Returns:
         float32 ``[batch, num_kv_heads, pages]``: max over the KV group's query heads and the
@@ -159,7 +161,7 @@ def page_scores(query: torch.Tensor, page_min: torch.Tensor, page_max: torch.Ten
     """
     b, num_kv, pages, d = page_min.shape
     q = (query.float() * scale).reshape(b, num_kv, -1, d)  # [b, kv, g * q_len, d]
-    bound = row_products(q.clamp(min=0), page_max.float()) + row_products(q.clamp(max=0), page_min.float())
+    bound = row_products(q.clamp(min=0), page_max.float(), fused) + row_products(q.clamp(max=0), page_min.float(), fused)
     bound = bound.amax(2)  # [b, kv, pages]
     pos = page_positions(pages, page_tokens, page_shift, b, page_min.device)
     any_seen = _seen_at(seen, pos).any(-1)  # [b, 1, pages]

@@ -9,7 +9,6 @@ written position it equals dense attention exactly (up to float rounding).
 
 from __future__ import annotations
 
-import contextlib
 
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
@@ -17,11 +16,11 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .spec import AttentionVariant
 from .torch_private import force_stride_order
 
-__all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "selected_logits", "query_key_logits", "row_products", "inductor_trace",
+__all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "selected_logits", "query_key_logits", "row_products",
            "sparse_attention_reference"]
 
 
-def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float, fused: bool = False) -> torch.Tensor:
     """float32 logits ``(query * scale) @ keys^T``: the query is scaled *before* the product.
 
     In float16 the raw product ``q . k`` can exceed 65504 (head_dim 128, entries ~24) while
@@ -37,23 +36,25 @@ def query_key_logits(query: torch.Tensor, keys: torch.Tensor, scale: float) -> t
         query: ``[..., rows, head_dim]``.
         keys: ``[..., n, head_dim]`` (broadcast like ``matmul``).
         scale: softmax scale.
+        fused: the product as a fused reduction where :func:`fused_products` allows it (the
+            site's ``AttentionVariant.fused_products``).
 
     Returns:
         float32 ``[..., rows, n]``.
     """
     q = (query.float() * scale).to(keys.dtype)
-    return row_products(q, keys)
+    return row_products(q, keys, fused)
 
 
-def row_products(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def row_products(rows: torch.Tensor, keys: torch.Tensor, fused: bool = False) -> torch.Tensor:
     """float32 ``rows @ keys^T``: ``rows`` ``[..., r, d]``, ``keys`` ``[..., n, d]`` (broadcast
-    like ``matmul``), same dtype. A matmul, or, while the backend traces a CPU decode step for
-    inductor (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
+    like ``matmul``), same dtype. A matmul, or, with ``fused`` in a CPU decode step
+    (:func:`fused_products`), ``[..., r, 1, d] * [..., 1, n, d]`` summed over ``d`` in float32:
     one reduction that inductor fuses with whatever produced ``keys`` (a gather from the KV
     store: no gathered copy written and read again). For float32 inputs the two differ by
     summation order only; for bfloat16 / float16 inputs the matmul rounds each result to
     that dtype and the fused sum keeps it in float32 (closer to float64's)."""
-    if fused_products(rows, keys):
+    if fused_products(rows, keys, fused):
         chunks = product_chunks(rows, keys)
         if chunks > 1:  # [..., chunks, r, n / chunks], read back as [..., r, n]
             *lead, n, d = keys.shape
@@ -90,7 +91,7 @@ def _realized(rows: torch.Tensor) -> torch.Tensor:
     ``force_stride_order``), so that the fused product reads it instead of recomputing
     whatever produced it (the rotary embedding, the scale, casts) once per key: at decode a
     few hundred floats written once against work repeated for thousands of keys
-    (``python -m benchmarks.layer_step --realized``). Only inside :func:`inductor_trace`."""
+    (``python -m benchmarks.layer_step --realized``). Only in a fused product (traced for inductor)."""
     if not REALIZE_ROWS or rows.requires_grad:  # the prim has no autograd formula (a step traced with grad)
         return rows
     rows = rows.contiguous()
@@ -104,36 +105,19 @@ FUSED_PRODUCT_ROWS = 16
 # trace time (benchmarks.layer_step --realized traces with it off for the comparison)
 REALIZE_ROWS = True
 
-# True while the backend hands a CPU graph to inductor (:func:`inductor_trace`); read at trace
-# time (dynamo reads it as a constant when it traces torch.cond's branches)
-_INDUCTOR_TRACE = False
 
-
-@contextlib.contextmanager
-def inductor_trace():
-    """While the backend (or a benchmark) traces a step for inductor: :func:`row_products`
-    traced inside it are fused reductions. A module flag, not a contextvar, so that dynamo,
-    which traces ``torch.cond``'s branches, reads it as a constant. Not for eager code: an eager
-    product inside it would materialise ``[..., r, n, d]``."""
-    global _INDUCTOR_TRACE
-    previous, _INDUCTOR_TRACE = _INDUCTOR_TRACE, True
-    try:
-        yield
-    finally:
-        _INDUCTOR_TRACE = previous
-
-
-def fused_products(rows: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether :func:`row_products` sums in a fused reduction: True inside :func:`inductor_trace`
-    (the backend's compile of a CPU graph with inductor) for CPU tensors when ``rows`` has at
-    most :data:`FUSED_PRODUCT_ROWS` rows (a decode step's query rows per KV head). There
+def fused_products(rows: torch.Tensor, keys: torch.Tensor, fused: bool) -> bool:
+    """Whether :func:`row_products` sums in a fused reduction: ``fused`` (the site's
+    ``AttentionVariant.fused_products``, which the lowering sets in a graph inductor compiles)
+    for CPU tensors when ``rows`` has at most :data:`FUSED_PRODUCT_ROWS` rows (a decode step's
+    query rows per KV head). There
     ``(q * k).sum(-1)`` compiles to one vectorised loop that reads each gathered key once,
     where ``index_select`` then ``bmm`` writes the gathered keys and reads them again, in two
     calls (measured: docs/benchmarks.md, "Fused query-key products"). Everything else keeps
     the matmul: eager runs (the op chain, ``inner="eager"``, an eager ``torch.cond``, which
     dynamo traces with its eager backend), where the product would be materialised;
     prefill-sized rows (the matmul's blocking); CUDA (cuBLAS, not measured there)."""
-    return _INDUCTOR_TRACE and keys.device.type == "cpu" and statically_known_true(rows.shape[-2] <= FUSED_PRODUCT_ROWS)
+    return fused and keys.device.type == "cpu" and statically_known_true(rows.shape[-2] <= FUSED_PRODUCT_ROWS)
 
 
 def causal_limit_mask(
@@ -271,7 +255,7 @@ def selected_logits(
     num_kv = keys.shape[1]
     groups = num_heads // num_kv
     q = query.reshape(b, num_kv, groups * q_len, head_dim)
-    logits = query_key_logits(q, keys, variant.scale)  # float32; no float16 overflow before the scale
+    logits = query_key_logits(q, keys, variant.scale, variant.fused_products)  # float32; no fp16 overflow
     if variant.soft_cap is not None:
         logits = torch.tanh(logits / variant.soft_cap) * variant.soft_cap
     logits = logits.view(b, num_kv, groups, q_len, -1)
@@ -282,10 +266,10 @@ def selected_logits(
             allowed = allowed & gathered
         else:
             logits = logits + gathered.float()
-    return logits_once(logits.masked_fill(~allowed, float("-inf")), q, keys)
+    return logits_once(logits.masked_fill(~allowed, float("-inf")), q, keys, variant.fused_products)
 
 
-def logits_once(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def logits_once(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor, fused: bool) -> torch.Tensor:
     """``logits`` written to a buffer of its own when they come from a fused product of ``rows``
     and ``keys`` (:func:`fused_products`): their consumers (a softmax's max, sum and scaling
     passes, the refinement's ranking) read them several times, and inductor would otherwise
@@ -293,7 +277,7 @@ def logits_once(logits: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor) ->
     those passes (a few hundred KB written once against that work repeated: at 8K the
     default's step 5% faster, own dense in bfloat16 7%; ``python -m benchmarks.ab_step --swap
     unrealized``, docs/benchmarks.md)."""
-    return _realized(logits) if fused_products(rows, keys) else logits
+    return _realized(logits) if fused_products(rows, keys, fused) else logits
 
 
 def attend_gathered(
@@ -344,7 +328,7 @@ def row_visibility(attn_mask: torch.Tensor | None, capacity: int) -> torch.Tenso
 
 def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor,
                              scale: float, rope_keys: torch.Tensor | None = None,
-                             position_bias: torch.Tensor | None = None) -> torch.Tensor:
+                             position_bias: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
     """Per-KV-group attention weights of one query row over the allowed positions.
 
     Args:
@@ -357,6 +341,8 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
         rope_keys: MLA only (:mod:`.mla`): the rotary key store ``[batch, 1, capacity, p]``;
             the key is then ``[keys ; rope_keys]`` and ``query`` is the absorbed query
             ``[batch, num_heads, 1, head_dim + p]`` (no concatenated copy of the stores).
+        fused: the products as fused reductions (:func:`fused_products`; the selection
+            variant's ``fused_products``).
 
     Returns:
         float32 ``[batch, num_kv_heads, capacity]``: max over the query heads of each group
@@ -364,9 +350,9 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
     """
     b, num_kv, _, d = keys.shape
     q = query.reshape(b, num_kv, -1, query.shape[-1])
-    logits = query_key_logits(q[..., :d], keys, scale)  # [b, kv, g, cap]
+    logits = query_key_logits(q[..., :d], keys, scale, fused)  # [b, kv, g, cap]
     if rope_keys is not None:
-        logits = logits + query_key_logits(q[..., d:], rope_keys, scale)
+        logits = logits + query_key_logits(q[..., d:], rope_keys, scale, fused)
     if position_bias is not None:
         logits = logits + position_bias.float().reshape(position_bias.shape[0], num_kv, -1, logits.shape[-1])
     probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), float("-inf")), dim=-1).amax(dim=2)

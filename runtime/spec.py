@@ -57,6 +57,12 @@ class AttentionVariant(_Opaque):
             selection's *recent window*).
         nope_dim: multi-head latent attention only (``qk_nope_head_dim``: the width of the
             query part absorbed into the latent space; :mod:`.mla`); 0 for other sites.
+        fused_products: query-key products of a few decode rows on CPU tensors are traced as
+            fused multiply-and-sum reductions instead of matmuls
+            (:func:`~.sparse_attention.fused_products`). Set by the lowering
+            (``passes/lower.py``) on every variant of a graph inductor compiles: data in the
+            graph, where a trace-time flag used to be; False for eager code, which would
+            materialise the product.
 
     Tensor-valued parts of a variant (learned sink logits, ALiBi's position bias) are operands
     of the functions, not fields: a spec holds constants only.
@@ -70,6 +76,7 @@ class AttentionVariant(_Opaque):
     soft_cap: float | None = None
     sliding_window: int = 0
     nope_dim: int = 0
+    fused_products: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.scale, bool) or not isinstance(self.scale, (int, float)) or not 0 < self.scale < math.inf:
@@ -82,6 +89,8 @@ class AttentionVariant(_Opaque):
             object.__setattr__(self, "soft_cap", float(cap))
         _check_int("AttentionVariant.sliding_window", self.sliding_window, 0)
         _check_int("AttentionVariant.nope_dim", self.nope_dim, 0)
+        if not isinstance(self.fused_products, bool):
+            raise ValueError(f"AttentionVariant.fused_products must be True or False, got {self.fused_products!r}")
 
     @property
     def plain(self) -> bool:

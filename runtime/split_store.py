@@ -102,7 +102,7 @@ def split_store_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
         length: int64 ``[]`` or ``[batch]``: tokens written, this step's included.
         attn_mask: None or a Hugging Face mask ``[batch|1, 1|num_heads, q_len, capacity']``
             (``capacity' >= capacity``), bool (True = attend) or additive float.
-        variant: a plain site's (``variant.plain``): only ``scale`` is read.
+        variant: a plain site's (``variant.plain``): ``scale`` and ``fused_products`` are read.
         chunks: from :func:`split_chunks` (at least 2); ``capacity >= chunks * UNROLL``.
 
     Returns:
@@ -127,7 +127,7 @@ def split_store_attention(query: torch.Tensor, key_cache: torch.Tensor, value_ca
     logits = (q.view(b, num_kv, 1, rows, 1, head_dim) * keys.float()).sum(-1)
     logits = _masked(logits.view(b, num_kv, chunks, groups, q_len, slots), allowed[..., :main],
                      None if additive is None else additive[..., :main], num_kv, groups, chunks)
-    logits = sparse_attention.logits_once(logits, q, keys)  # read by the maximum, the sum and the values
+    logits = sparse_attention.logits_once(logits, q, keys, variant.fused_products)  # read by the max, sum and values
     # two-stage reductions (within a chunk, then over chunks): inductor keeps the chunk axis
     # among its parallel loops
     top = logits.amax(dim=5).amax(dim=2)  # [b, kv, g, q]

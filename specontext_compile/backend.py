@@ -32,7 +32,6 @@ from .runtime.aten_step import record_query
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
 from .runtime.rollback import record_rows
-from .runtime.sparse_attention import inductor_trace
 from .runtime.static_state import model_stats
 from .runtime.torch_private import counters
 
@@ -225,17 +224,16 @@ def _may_take_kernel(on_cuda: bool) -> bool:
 def _inductor(gm: torch.fx.GraphModule, example_inputs: list[Any], patches: dict, config: SpeContextConfig,
               on_cuda: bool):
     """Inductor's compile of the lowered graph: by regions (each distinct decoder layer once)
-    when option ``regional`` says so, else whole."""
+    when option ``regional`` says so, else whole. (Decode products are fused reductions on CPU
+    because the lowering set the variants' ``fused_products``: no trace-time flag.)"""
     compile_fx = torch_private.compile_fx
-
-    with inductor_trace():  # decode products traced as fused reductions (CPU; sparse_attention.row_products)
-        if _regional(config, on_cuda):
-            regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
-            compiled = compile_regions(gm, lambda graph, inputs: compile_fx(graph, inputs, config_patches=regional),
-                                       example_inputs, lift=_LAYER_SLOTS)
-            if compiled is not None:
-                return compiled
-        return compile_fx(gm, example_inputs, config_patches=patches)
+    if _regional(config, on_cuda):
+        regional = {**patches, "freezing": False}  # weights stay inputs, shared by the layers
+        compiled = compile_regions(gm, lambda graph, inputs: compile_fx(graph, inputs, config_patches=regional),
+                                   example_inputs, lift=_LAYER_SLOTS)
+        if compiled is not None:
+            return compiled
+    return compile_fx(gm, example_inputs, config_patches=patches)
 
 
 def _warn_kernel_fallback(err: Exception, first: LowerResult, label: str) -> None:

@@ -160,7 +160,7 @@ def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     out = []
     for sel in (n for n in nodes if any(is_op(n, f) for f in _SELECTIONS)):
         a = op_arguments(sel, next(f for f in _SELECTIONS if is_op(sel, f)))
-        window = a["variant"].sliding_window if "variant" in a else a["sliding_window"]
+        window = a["variant"].sliding_window
         users = list(dict.fromkeys(u for u in _consumers(sel, depth=3) if u.target in _ATTENTION))
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"

@@ -8,14 +8,13 @@ import torch
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from specontext_compile.runtime import aten_step, cpu_kernels
+from specontext_compile.runtime.spec import AttentionVariant
 from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import specontext_compile as sc
-from specontext_compile.runtime import aten_step, cpu_kernels
-from specontext_compile.runtime.sparse_attention import inductor_trace
-from specontext_compile.runtime.spec import AttentionVariant
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ compiler to build the CPU kernel")
 
@@ -129,10 +128,9 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def _traced_dense(query, keys, values, length, attn_mask):
-    variant = AttentionVariant(0.25)
-    with inductor_trace():
-        return make_fx(lambda q, k, v, n, m: aten_step._dense_store_attention(q, k, v, n, m, variant))(
-            query, keys, values, length, attn_mask)
+    variant = AttentionVariant(0.25, fused_products=True)  # as the lowering leaves it for inductor
+    return make_fx(lambda q, k, v, n, m: aten_step._dense_store_attention(q, k, v, n, m, variant))(
+        query, keys, values, length, attn_mask)
 
 
 def _calls_kernel(gm) -> bool:

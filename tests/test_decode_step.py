@@ -157,7 +157,8 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
     out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, full, length, None,
                                      full_spec, AttentionVariant(0.25))
     draft = aten_step.draft_select(torch.empty(b, 4, 1, d, device=meta),
-                                   (torch.empty(b, 4, cap, d, device=meta), length), keys, length, 1, StepSpec(32, 32, sink_tokens=4, recent_window=8))
+                                   (torch.empty(b, 4, cap, d, device=meta), length), keys, length, 1,
+                                   StepSpec(32, 32, sink_tokens=4, recent_window=8), AttentionVariant(0.25))
     assert draft.shape == (b, kv, 32)
     aten_step.count_step(torch.empty(4, dtype=torch.long, device=meta), [1, 2, 3, 4])
 

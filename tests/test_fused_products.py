@@ -1,29 +1,41 @@
-"""The decode step's query-key products as fused reductions while the backend traces a CPU step
-for inductor (runtime.sparse_attention.row_products inside inductor_trace): which path is
-taken, and that both give the matmul's values."""
+"""The decode step's query-key products as fused reductions where the graph is for inductor
+(runtime.sparse_attention.row_products with the variant's ``fused_products``, which the lowering
+sets): which path is taken, and that both give the matmul's values."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from specontext_compile.runtime import aten_step, page_bounds
-from specontext_compile.runtime.sparse_attention import (FUSED_PRODUCT_ROWS, fused_products, inductor_trace,
-                                                          product_chunks, row_products)
+from specontext_compile.runtime.sparse_attention import (
+    FUSED_PRODUCT_ROWS,
+    fused_products,
+    product_chunks,
+    row_products,
+)
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+from torch.fx.experimental.proxy_tensor import make_fx
 
 _MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default}
 
 
 def _matmul_calls(fn, *args) -> int:
-    """aten matmul nodes (bmm / mm) in ``fn`` traced to aten by make_fx as the backend traces
-    for inductor (inside ``inductor_trace``)."""
-    with inductor_trace():
-        graph = make_fx(fn)(*args).graph
+    """aten matmul nodes (bmm / mm) in ``fn`` traced to aten by make_fx (as AOTAutograd traces
+    the lowered step for inductor)."""
+    graph = make_fx(fn)(*args).graph
     return sum(node.target in _MATMULS for node in graph.nodes)
+
+
+def _fused(rows, keys):
+    return row_products(rows, keys, True)
+
+
+def _unfused(rows, keys):
+    return row_products(rows, keys)
 
 
 def _reference(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -36,15 +48,14 @@ def _reference(rows: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
        d=st.sampled_from([1, 8, 64, 72]), batch=st.sampled_from([(), (2,), (2, 3)]),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]))
 def test_traced_products_are_a_reduction_with_the_matmuls_values(seed, r, n, d, batch, dtype):
-    """Traced for inductor (inside inductor_trace, as the backend traces the lowered step), a
-    decode-sized product has no matmul node, and the traced graph's value equals float64's
+    """Fused (as the lowered step's variants say for inductor), a traced decode-sized product
+    has no matmul node, and the traced graph's value equals float64's
     within float32 rounding (2e-6 of the terms' magnitude)."""
     g = torch.Generator().manual_seed(seed)
     rows = torch.randn(*batch, r, d, generator=g).to(dtype)
     keys = torch.randn(*batch, n, d, generator=g).to(dtype)
-    with inductor_trace():
-        assert fused_products(rows, keys)
-        traced = make_fx(row_products)(rows, keys)
+    assert fused_products(rows, keys, True)
+    traced = make_fx(_fused)(rows, keys)
     assert not any(node.target in _MATMULS for node in traced.graph.nodes)
     got = traced(rows, keys)
     assert got.dtype == torch.float32
@@ -52,29 +63,22 @@ def test_traced_products_are_a_reduction_with_the_matmuls_values(seed, r, n, d, 
     assert ((got.double() - _reference(rows, keys)).abs() <= 2e-6 * magnitude + 1e-12).all()
 
 
-def test_eager_calls_keep_the_matmul_even_inside_torch_cond():
-    """Outside inductor_trace the product is a matmul: an eager call, a make_fx trace of our
-    own (not the backend's compile), and an eager torch.cond, whose branches dynamo traces
-    with its eager backend (torch.compiler.is_compiling() is True there) and then runs
-    eagerly, where a fused product would be materialised as [..., r, n, d]."""
+def test_products_stay_matmuls_unless_the_variant_says_fused():
+    """Without ``fused`` (eager code: the op chain, ``inner="eager"``, where a fused product
+    would be materialised as [..., r, n, d]) the product is a matmul, traced or not; inside
+    an eager torch.cond's branches too (dynamo traces them: no flag of the trace changes it)."""
     rows, keys = torch.randn(2, 3, 8), torch.randn(2, 20, 8)
-    assert not fused_products(rows, keys)
-    assert make_fx(row_products)(rows, keys).graph.find_nodes(op="call_function", target=torch.ops.aten.bmm.default)
-
-    def branch(r, k):  # what the branch saw, as tensors (a cond branch may not mutate outside state)
-        return (row_products(r, k), torch.tensor(torch.compiler.is_compiling()),
-                torch.tensor(fused_products(r, k)))
-
-    got, compiling, fused = torch.cond(torch.tensor(True), branch, branch, (rows, keys))
-    assert compiling.item() and not fused.item()
+    assert not fused_products(rows, keys, False) and fused_products(rows, keys, True)
+    assert make_fx(_unfused)(rows, keys).graph.find_nodes(op="call_function", target=torch.ops.aten.bmm.default)
+    got = torch.cond(torch.tensor(True), _unfused, _unfused, (rows, keys))
     torch.testing.assert_close(got, torch.matmul(rows, keys.transpose(-1, -2)), atol=1e-6, rtol=1e-6)
 
 
 def test_prefill_sized_rows_keep_the_matmul():
     """More query rows than FUSED_PRODUCT_ROWS (a prefill chunk) keep the matmul when traced."""
     rows, keys = torch.randn(2, FUSED_PRODUCT_ROWS + 1, 8), torch.randn(2, 20, 8)
-    assert _matmul_calls(row_products, rows, keys) == 1
-    assert _matmul_calls(row_products, rows[:, :FUSED_PRODUCT_ROWS], keys) == 0
+    assert _matmul_calls(_fused, rows, keys) == 1
+    assert _matmul_calls(_fused, rows[:, :FUSED_PRODUCT_ROWS], keys) == 0
 
 
 def _refined_site(seed: int = 0, context: int = 200, capacity: int = 256, budget: int = 32, page: int = 16):
@@ -94,11 +98,17 @@ def _refined_site(seed: int = 0, context: int = 200, capacity: int = 256, budget
     return (query, keys, values, length, lo, hi, candidates), spec, AttentionVariant(64 ** -0.5)
 
 
+def _for_inductor(variant: AttentionVariant) -> AttentionVariant:
+    """The variant as the lowering leaves it in a graph for inductor."""
+    return dataclasses.replace(variant, fused_products=True)
+
+
 def test_the_lowered_refined_site_multiplies_only_the_values():
     """The body a refined site with the page rescue lowers to (aten_step.refine_and_attend)
     traced as inductor traces it: its one matmul is the attention's product with the kept
     values; the page bounds' and the candidates' products with the query are reductions."""
     inputs, spec, variant = _refined_site()
+    variant = _for_inductor(variant)
 
     def site(query, keys, values, length, lo, hi, candidates):
         return aten_step.refine_and_attend(query, (keys, values), candidates, length, None, spec, variant,
@@ -114,12 +124,14 @@ def test_the_compiled_refined_site_equals_its_eager_body():
 
     inputs, spec, variant = _refined_site(seed=3)
 
-    def site(query, keys, values, length, lo, hi, candidates):
+    def site(query, keys, values, length, lo, hi, candidates, variant=variant):
         return aten_step.refine_and_attend(query, (keys, values), candidates, length, None, spec, variant,
                                            (lo, hi, None))
 
-    with inductor_trace():
-        compiled = compile_fx(make_fx(site)(*inputs), list(inputs))
+    def fused(*args):
+        return site(*args, variant=_for_inductor(variant))
+
+    compiled = compile_fx(make_fx(fused)(*inputs), list(inputs))
     got = compiled(*inputs)
     got = got[0] if isinstance(got, (tuple, list)) else got
     torch.testing.assert_close(got, site(*inputs), atol=1e-5, rtol=1e-5)
@@ -128,7 +140,7 @@ def test_the_compiled_refined_site_equals_its_eager_body():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_keeps_the_matmul():
     rows, keys = torch.randn(2, 3, 8, device="cuda"), torch.randn(2, 20, 8, device="cuda")
-    assert _matmul_calls(row_products, rows, keys) == 1
+    assert _matmul_calls(_fused, rows, keys) == 1
 
 
 @pytest.mark.parametrize("inner", ["auto", "eager"])
@@ -143,8 +155,8 @@ def test_the_backend_fuses_the_products_only_when_inductor_compiles(inner, monke
     calls = []
     real = sparse_attention.fused_products
 
-    def spy(rows, keys):
-        calls.append(real(rows, keys))
+    def spy(rows, keys, fused):
+        calls.append(real(rows, keys, fused))
         return calls[-1]
 
     monkeypatch.setattr(sparse_attention, "fused_products", spy)
@@ -163,22 +175,27 @@ def test_the_backend_fuses_the_products_only_when_inductor_compiles(inner, monke
 def test_fused_products_read_their_rows_from_a_buffer_of_their_own():
     """Traced for inductor, a fused product's rows pass through inductor's force_stride_order
     (written once to a buffer: a rotary query is not recomputed for every key); its values
-    stay the matmul's. Outside inductor_trace no such node: the eager product is a matmul."""
+    stay the matmul's. Unfused no such node: the eager product is a matmul."""
     from torch._inductor import inductor_prims
 
-    def rotary_logits(query, cos, sin, keys):
+    def rotary_logits(query, cos, sin, keys, fused=False):
         half = query.shape[-1] // 2
         rotated = query * cos + torch.cat([-query[..., half:], query[..., :half]], -1) * sin
-        return row_products(rotated, keys)
+        return row_products(rotated, keys, fused)
 
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(2, 3, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g),
             torch.randn(2, 50, 8, generator=g))
     force = inductor_prims.force_stride_order
-    with inductor_trace():
-        traced = make_fx(rotary_logits)(*args)
+    def fused(*args):
+        return rotary_logits(*args, fused=True)
+
+    def unfused(query, cos, sin, keys):
+        return rotary_logits(query, cos, sin, keys)
+
+    traced = make_fx(fused)(*args)
     assert traced.graph.find_nodes(op="call_function", target=force)
-    assert not make_fx(rotary_logits)(*args).graph.find_nodes(op="call_function", target=force)
+    assert not make_fx(unfused)(*args).graph.find_nodes(op="call_function", target=force)
     torch.testing.assert_close(traced(*args), rotary_logits(*args), atol=1e-5, rtol=1e-5)
 
 
@@ -194,7 +211,7 @@ def test_the_refined_site_writes_its_masked_logits_once():
     capacity = inputs[1].shape[2]
     mask = torch.ones(1, 1, 1, capacity, dtype=torch.bool)
 
-    def site(query, keys, values, length, lo, hi, candidates, attn_mask):
+    def site(query, keys, values, length, lo, hi, candidates, attn_mask, variant=variant):
         return aten_step.refine_and_attend(query, (keys, values), candidates, length, attn_mask, spec, variant,
                                            (lo, hi, None))
 
@@ -202,10 +219,15 @@ def test_the_refined_site_writes_its_masked_logits_once():
         force = graph.find_nodes(op="call_function", target=inductor_prims.force_stride_order)
         return [node for node in force if node.args[0].target == torch.ops.aten.masked_fill.Scalar]
 
-    with inductor_trace():
-        traced = make_fx(site)(*inputs, mask)
+    def fused(*args):
+        return site(*args, variant=_for_inductor(variant))
+
+    def unfused(*args):
+        return site(*args)
+
+    traced = make_fx(fused)(*inputs, mask)
     assert len(realized_logits(traced.graph)) == 1
-    assert not realized_logits(make_fx(site)(*inputs, mask).graph)
+    assert not realized_logits(make_fx(unfused)(*inputs, mask).graph)
     torch.testing.assert_close(traced(*inputs, mask), site(*inputs, mask), atol=1e-5, rtol=1e-5)
 
 
@@ -217,8 +239,7 @@ def test_products_of_few_rows_split_their_keys_into_chunks_for_the_threads():
     gen = torch.Generator().manual_seed(0)
     rows, keys = torch.randn(1, 3, 3, 64, generator=gen), torch.randn(1, 3, 512, 64, generator=gen)
     assert product_chunks(rows, keys) == 16
-    with inductor_trace():
-        gm = make_fx(row_products)(rows, keys)
+    gm = make_fx(_fused)(rows, keys)
     assert any(node.target == torch.ops.aten.permute.default for node in gm.graph.nodes)  # the chunks read back
     torch.testing.assert_close(gm(rows, keys).double(), _reference(rows, keys), atol=1e-5, rtol=1e-5)
     assert product_chunks(rows.bfloat16(), keys.bfloat16()) == 16
