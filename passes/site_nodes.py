@@ -12,7 +12,9 @@ from .sites import AttentionSite, example_value, static_int
 
 __all__ = ["bias_4d", "boolean_source", "selection_query", "static_capacity"]
 
-HIDDEN_BELOW = -1e30  # an additive mask value at or below this hides its position (exp underflows to 0)
+# an additive mask value at or below this hides its position: float16's minimum (Hugging Face's
+# eager masks use the dtype's minimum), whose exp after any realistic logit underflows to 0
+HIDDEN_BELOW = float(torch.finfo(torch.float16).min)
 
 MLA_QUERY = mla.latent_query
 
@@ -54,8 +56,8 @@ def static_capacity(site: AttentionSite) -> int | None:
 def boolean_source(mask) -> fx.Node | None:
     """The bool mask an additive float mask was made from, when the graph shows it:
     ``torch.where(visible, 0, m)`` with ``visible`` a bool node, ``0`` a zero scalar or
-    ``torch.zeros(())`` and ``m <= -1e30`` (Hugging Face's eager masks: ``m`` is the dtype's
-    minimum), so every logit gets ``+0`` or a weight that underflows to exactly 0: the same
+    ``torch.zeros(())`` and ``m <= -65504`` (Hugging Face's eager masks: ``m`` is the dtype's
+    minimum, float16's included), so every logit gets ``+0`` or a weight that underflows to exactly 0: the same
     attention as the bool mask on a row that sees any position (a decode row sees itself).
     None for anything else (a mask with other values: a bias, a learned mask)."""
     if not (isinstance(mask, fx.Node) and mask.op == "call_function" and mask.target is torch.where

@@ -124,15 +124,25 @@ def _foldable(attn_mask: torch.Tensor, q_len: int) -> bool:
     return attn_mask.dtype == torch.bool and q_len == 1 and attn_mask.dim() == 4 and attn_mask.shape[1] == 1
 
 
-def fold_mask(indices: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+def fold_mask(indices: torch.Tensor, attn_mask: torch.Tensor | None, capacity: int, q_len: int = 1) -> torch.Tensor:
     """The selection ``[batch, num_kv_heads, budget]`` with each position a foldable bool mask
-    ``[batch|1, 1, 1, capacity]`` hides set to ``-1`` (padding, which the kernels skip): the
-    mask applied exactly, on the device, with no host read."""
+    ``[batch|1, 1, 1, >= capacity]`` hides set to ``-1`` (padding, which the kernels skip): the
+    mask applied exactly, on the device, with no host read.
+
+    Raises:
+        ValueError: a mask the kernel route cannot apply exactly (not bool, several heads or
+            query rows, narrower than the store's ``capacity``): only a spec built by hand
+            gets here, the pass routes such sites to the gather path.
+    """
     if attn_mask is None:
         return indices
+    if not (_foldable(attn_mask, q_len) and known(attn_mask.shape[-1] >= capacity)):
+        raise ValueError(f"StepSpec.route='kernel' takes no mask or a bool mask [batch|1, 1, 1, >= {capacity}] with "
+                         f"one query row, got {attn_mask.dtype} {tuple(attn_mask.shape)} for {q_len} row(s); "
+                         "use route='gather'")
     b, num_kv, budget = indices.shape
     visible = attn_mask[:, 0, 0, :].expand(b, attn_mask.shape[-1]).gather(
-        1, indices.clamp(min=0).view(b, num_kv * budget)).view(b, num_kv, budget)
+        1, indices.clamp(min=0).reshape(b, num_kv * budget)).view(b, num_kv, budget)
     return torch.where(visible, indices, -1)
 
 
@@ -143,6 +153,7 @@ def kernel_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     :func:`generated_attention`: the one route to the generated kernel, for a site whose
     ``spec.route`` is ``"kernel"`` (the op's body on that route, and the lowering's target on
     CUDA graphs). A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection
-    (:func:`fold_mask`); no host read."""
-    return generated_attention(query, key_cache, value_cache, fold_mask(indices, attn_mask), length, variant.scale,
+    (:func:`fold_mask`, which refuses any other mask); no host read."""
+    indices = fold_mask(indices, attn_mask, key_cache.shape[-2], query.shape[2])
+    return generated_attention(query, key_cache, value_cache, indices, length, variant.scale,
                                variant.soft_cap, variant.sliding_window)

@@ -72,6 +72,9 @@ def _latent_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_c
                       indices: torch.Tensor, length: torch.Tensor, attn_mask: Optional[torch.Tensor],
                       spec: StepSpec, variant: AttentionVariant) -> torch.Tensor:
     """The op at a multi-head latent attention site (arguments as the op's)."""
+    if spec.route == "dense":
+        raise ValueError("StepSpec.route='dense' is not built for multi-head latent attention (the latent "
+                         "store is read through the selection); use route='gather' or 'kernel'")
     counters["specontext"]["mla_attention_calls"] += 1
     counters["specontext"][_COUNTERS[spec.route]] += 1
     if spec.route == "kernel":
@@ -79,7 +82,8 @@ def _latent_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_c
 
         r = latent_cache.shape[-1]
         return sparse_mla_decode_attention(latent_q[..., :r], latent_q[..., r:], latent_cache, rope_cache,
-                                           kernel_step.fold_mask(indices, attn_mask), length, scale=variant.scale,
+                                           kernel_step.fold_mask(indices, attn_mask, latent_cache.shape[-2],
+                                                                 latent_q.shape[2]), length, scale=variant.scale,
                                            check_indices=False)
     return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, indices, length, attn_mask, spec, variant)
 

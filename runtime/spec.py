@@ -139,7 +139,8 @@ class StepSpec(_Opaque):
         route: what this site's attention runs, one of :data:`ROUTES`, decided once per site
             by the rewrite pass (:func:`.routes.decide`) and only read after: ``"gather"``
             (the torch body over the selected positions), ``"dense"`` (exact attention over
-            the whole store: the selection covers it), ``"kernel"`` (the generated Triton
+            the whole store: the selection covers it; only its size is checked, so a
+            hand-built selection of repeated positions still attends densely), ``"kernel"`` (the generated Triton
             kernel, :mod:`.kernel_step`). The op, its aten body, the lowering and the kernel
             wrapper dispatch on it and never decide again.
 

@@ -49,6 +49,7 @@ import torch
 from torch import fx
 
 from .runtime.protocol import overloads
+from .runtime.spec import AttentionVariant, StepSpec
 from .runtime.torch_private import counters
 
 logger = logging.getLogger(__name__)
@@ -274,13 +275,29 @@ def subgraph_reason(gm: fx.GraphModule) -> str | None:
     """Why torch's ``invoke_subgraph`` (torch 2.13) cannot stitch ``gm``'s regions, or None:
     gradients are enabled (it refuses in-place input mutations under autograd), or an op
     outside aten writes an argument (ours kept opaque: the draft head's ops, KV offload's,
-    every op under ``lower=False``; its functionalization refuses such ops or lists)."""
+    every op under ``lower=False``; its functionalization refuses such ops or lists), or an op
+    kept opaque takes one of our option objects (``StepSpec``, ``AttentionVariant``: a
+    ``sparse_attention`` site routed to the generated kernel under Triton's interpreter), which
+    inductor's code for a stitched region names without importing (``NameError``)."""
     if torch.is_grad_enabled():
         return "gradients are enabled"
     for node in gm.graph.nodes:
         if node.op == "call_function" and _opaque_write(node):
             return f"{node.target} writes an argument"
+        if node.op == "call_function" and _takes_spec(node):
+            return f"{node.target} takes an option object (StepSpec / AttentionVariant)"
     return None
+
+
+def _takes_spec(node: fx.Node) -> bool:
+    """Whether ``node`` calls an op (an ``OpOverload``, kept opaque) with a ``StepSpec`` or an
+    ``AttentionVariant`` among its arguments."""
+    if not overloads(node.target):
+        return False
+    found = []
+    fx.node.map_aggregate((node.args, node.kwargs),
+                          lambda a: found.append(a) if isinstance(a, (StepSpec, AttentionVariant)) else a)
+    return bool(found)
 
 
 def _opaque_write(node: fx.Node) -> bool:

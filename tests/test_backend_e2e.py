@@ -192,6 +192,27 @@ def test_triton_kernels_run_end_to_end_under_the_interpreter(monkeypatch):
     assert counters["specontext"]["triton_attention_calls"] == 2 * 4
 
 
+def test_the_kernel_route_under_the_default_compile(monkeypatch):
+    """kernel='triton' (interpreter) with the default inner compiler (inductor, regional on CPU):
+    the sites routed to the kernel stay ops, so the layers compile region by region instead of
+    as stitched subgraphs (inductor's code for one named the op's StepSpec without importing
+    it: a NameError at the first decode step, found by a review); logits equal the torch
+    route's."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    model = tiny_llama(layers=2)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for kernel in ("torch", "triton"):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(model.forward, backend="specontext",
+                                 options={"budget": 16, "recent_window": 4, "sink_tokens": 2, "kernel": kernel})
+        runs[kernel] = decode_logits(model, compiled, ids, 2, sc.SpeContextCache(model.config, max_cache_len=48))
+    assert counters["specontext"]["triton_attention_calls"] == 2 * 2
+    for a, b in zip(runs["triton"], runs["torch"]):
+        torch.testing.assert_close(a, b, atol=ATOL, rtol=RTOL)
+
+
 def test_soft_capped_and_windowed_sites_take_the_kernel_under_the_interpreter(monkeypatch):
     """Gemma-2 (a logit soft cap at every layer, a sliding window at every other one): the
     generated kernel serves both variants through its own flags (issue 53, item 3: they were

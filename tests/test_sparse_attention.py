@@ -2,6 +2,7 @@
 
 import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -115,14 +116,22 @@ def test_context_of_one_token_never_empty_or_nan():
 
 def test_fold_mask_hides_exactly_the_masked_selected_positions():
     """The kernel route's mask: a position the bool mask hides becomes a ``-1`` slot (what the
-    kernel skips), padding stays padding, every other slot is kept; no host read is needed."""
+    kernel skips), padding stays padding, every other slot is kept; no host read is needed.
+    Any mask it cannot apply exactly is refused with the fix (a hand-built spec: the pass
+    routes such sites to the gather path): float, one per head, several query rows, narrower
+    than the store."""
     from specontext_compile.runtime.kernel_step import fold_mask
 
     idx = torch.tensor([[[0, 2, 5, -1], [1, 2, 3, 9]]])  # [1, 2 kv heads, 4]
     mask = torch.ones(1, 1, 1, 12, dtype=torch.bool)
     mask[..., 2] = False
-    assert torch.equal(fold_mask(idx, mask), torch.tensor([[[0, -1, 5, -1], [1, -1, 3, 9]]]))
-    assert fold_mask(idx, None) is idx
+    assert torch.equal(fold_mask(idx, mask, 12), torch.tensor([[[0, -1, 5, -1], [1, -1, 3, 9]]]))
+    assert torch.equal(fold_mask(idx.transpose(0, 1).contiguous().transpose(0, 1), mask, 12), fold_mask(idx, mask, 12))
+    assert fold_mask(idx, None, 12) is idx
+    for bad, rows in ((mask.float(), 1), (mask.expand(1, 2, 1, 12), 1), (mask.expand(1, 1, 2, 12), 2),
+                      (mask[..., :8], 1)):
+        with pytest.raises(ValueError, match="route='gather'"):
+            fold_mask(idx, bad, 12, rows)
 
 
 def test_an_additive_mask_is_read_as_its_bool_source_only_when_it_is_zero_or_hidden():
