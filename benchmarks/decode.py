@@ -342,6 +342,7 @@ SPECONTEXT_VARIANTS = {
     "c2p2k": {"candidates": 2.0, "page_rescue": 2048},
     "c4p1k": {"candidates": 4.0, "page_rescue": 1024},
     "d0": {"dense_layers": (0,)},  # layer 0 kept dense (option dense_layers), the rescue at its default
+    "below16k": {"dense_below": 16384},  # dense over stores of <= 16K tokens (option dense_below)
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
 }
 

@@ -201,6 +201,8 @@ class SparseAttentionPass(CustomGraphPass):
             left dense and exact (their reason says so); they may still drive the selection.
         rescue_layers: decoder layers (negative counts from the end) whose sites refine with
             the page rescue (when ``step`` has one); None = every layer.
+        dense_below: a plain site whose store holds at most this many tokens attends densely
+            over it (option ``dense_below``; 0 = off).
 
     A site whose store keeps no page bounds (MLA, Hugging Face's StaticCache, a cache built
     with ``page_tokens=0``) refines without the page rescue (at ``candidate_slots ==
@@ -209,8 +211,9 @@ class SparseAttentionPass(CustomGraphPass):
 
     def __init__(self, step: StepSpec, retrieval_layers: tuple[int, ...] | None = None, max_sparse_q_len: int = 1,
                  retrieval_head: str | None = None, dense_layers: tuple[int, ...] = (),
-                 rescue_layers: tuple[int, ...] | None = None):
+                 rescue_layers: tuple[int, ...] | None = None, dense_below: int = 0):
         self.step = step
+        self.dense_below = dense_below
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
         self.retrieval_head, self.dense_layers = retrieval_head, tuple(dense_layers)
         self.rescue_layers = rescue_layers
@@ -221,13 +224,13 @@ class SparseAttentionPass(CustomGraphPass):
         """The pass of a :class:`~..config.SpeContextConfig`."""
         select = config.selection
         return cls(StepSpec.from_config(config), select.retrieval_layers, select.max_sparse_q_len,
-                   select.retrieval_head, select.dense_layers, select.rescue_layers)
+                   select.retrieval_head, select.dense_layers, select.rescue_layers, select.dense_below)
 
     def uuid(self) -> str:
         """torch's hash of the sources (inductor's ``get_hash_for_files``: :func:`~..runtime.torch_private.custom_graph_pass`)
         and of the options: the same inputs rewrite to the same graph."""
         options = repr((self.step, self.retrieval_layers, self.max_sparse_q_len, self.retrieval_head,
-                        self.dense_layers, self.rescue_layers))
+                        self.dense_layers, self.rescue_layers, self.dense_below))
         return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
     def __call__(self, graph: fx.Graph) -> RewriteResult:
@@ -310,7 +313,7 @@ class SparseAttentionPass(CustomGraphPass):
                   and all(self._dense_store(s) and not self._refines(s) for s in decode))
         if unused:
             logger.info("specontext: every decode site attends densely over its whole store (budget %d >= its "
-                        "capacity): no selection in this step", self.step.budget)
+                        "capacity, or dense_below=%r): no selection in this step", self.step.budget, self.dense_below)
         return unused
 
     def _without_dense_layers(self, decode: list[AttentionSite], num_layers: int | None) -> list[AttentionSite]:
@@ -402,12 +405,14 @@ class SparseAttentionPass(CustomGraphPass):
 
     def _dense_store(self, site: AttentionSite) -> bool:
         """Whether the rewritten site attends densely over its store, decided here from static
-        shapes (the budget covers the store's capacity) and passed to the op as its spec's
-        ``dense_shortcut``, so the path counters and the path taken agree (a symbolic
-        capacity gathers)."""
+        shapes (the budget covers the store's capacity, or the capacity is at most option
+        ``dense_below``) and passed to the op as its spec's ``dense_shortcut``, so
+        the path counters and the path taken agree (a symbolic capacity gathers)."""
         capacity = static_capacity(site)
-        return (self.step.dense_shortcut and site.soft_cap is None and not site.window and site.mla is None
-                and site.sinks is None and capacity is not None and self.step.budget >= capacity)
+        plain = (self.step.dense_shortcut and site.soft_cap is None and not site.window and site.mla is None
+                 and site.sinks is None and capacity is not None)
+        # option dense_below: a store this small reads faster whole than through the selection
+        return plain and (self.step.budget >= capacity or capacity <= self.dense_below)
 
     def _site_spec(self, site: AttentionSite) -> StepSpec:
         """The step's spec at this site: its store's page size (0 = no page bounds, or the
@@ -423,7 +428,7 @@ class SparseAttentionPass(CustomGraphPass):
         larger)."""
         capacity = static_capacity(site)
         wider = self.step.candidate_slots > self.step.budget or self._rescue_of(site) is not None
-        return wider and not (capacity is not None and capacity <= self.step.budget)
+        return wider and not (capacity is not None and capacity <= self.step.budget) and not self._dense_store(site)
 
     def _rescue_of(self, site: AttentionSite) -> tuple[list, int] | None:
         """``([page_min, page_max, page_shift], page_tokens)`` when the site refines with the

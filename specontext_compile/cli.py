@@ -129,6 +129,9 @@ def _add_run(sub) -> None:
     run.add_argument("--dense-layers", type=int, nargs="+", default=None, metavar="LAYER",
                      help="KV (attention) layers kept dense (exact; negative counts from the end), e.g. "
                           "--dense-layers 0 -1")
+    run.add_argument("--dense-below", type=int, default=None, metavar="TOKENS",
+                     help="attend densely over KV stores of at most TOKENS tokens (exact; below the context "
+                          "where sparse gets faster on your machine); default 0: always sparse")
     run.add_argument("--recall-samples", type=int, default=4, help="decode steps probed for recall")
     run.add_argument("--json", type=Path, default=None, help="also write the figures here")
     run.add_argument("--compile-cache", type=Path, default=None, metavar="FILE",
@@ -183,7 +186,7 @@ def _cmd_run(args) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     options = {}
-    for name in ("candidates", "min_coverage", "page_rescue", "dense_layers"):
+    for name in ("candidates", "min_coverage", "page_rescue", "dense_layers", "dense_below"):
         if getattr(args, name) is not None:
             options[name] = getattr(args, name)
     # every option value is checked before the model loads (a bad one costs seconds, not minutes)

@@ -67,6 +67,7 @@ class SelectionOptions:
     min_coverage: float
     max_sparse_q_len: int
     dense_shortcut: bool
+    dense_below: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +220,13 @@ class SpeContextConfig:
             compile time), attend densely over the store (SDPA, contiguous reads) instead of
             gathering every slot; exact either way. False always runs the gather path
             (tests use it to check the sparse path at full budget, issue 12).
+        dense_below: attend densely over a layer's whole store (exact) when the store holds
+            at most this many tokens (an int >= 0; 0 = never, the default): below the
+            context where the sparse step gets faster than dense on the machine at hand
+            (docs/benchmarks.md, "Dense below a crossover": between 16K and 32K tokens on a
+            2-core Zen 4 CPU with the default options). Decided per compile from the store's
+            static capacity; when every site is dense the step makes no selection. Needs
+            ``dense_shortcut``.
         candidates: two-stage selection (issue 12): the selection node picks
             ``ceil(candidates * budget)`` candidate tokens per KV head once per step, before
             the first layer (what KV offload prefetches); each layer then keeps the
@@ -303,6 +311,7 @@ class SpeContextConfig:
     mode: str | None = None
     lower: bool = True
     dense_shortcut: bool = True
+    dense_below: int = 0
     candidates: float = 1.0
     min_coverage: float = 0.0
     page_rescue: int | None = None
@@ -366,6 +375,10 @@ class SpeContextConfig:
             raise ValueError(f"specontext option 'dump_dir' must be None or a folder path (str), got {self.dump_dir!r}")
         if self.mode is not None and self.mode not in MODES:
             raise ValueError(f"specontext option 'mode' must be None or one of {MODES}, got {self.mode!r}")
+        below = self.dense_below
+        if not isinstance(below, int) or isinstance(below, bool) or below < 0:
+            raise ValueError(f"specontext option 'dense_below' must be an int >= 0 (store tokens at or below which "
+                             f"attention stays dense; 0 = never), got {below!r}")
         for name in ("lower", "dense_shortcut"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"specontext option {name!r} must be True or False, got {getattr(self, name)!r}")
