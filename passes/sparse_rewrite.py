@@ -283,7 +283,8 @@ class SparseAttentionPass(CustomGraphPass):
         # stay dense by option: the graphs after a break read it
         sparse = self._without_dense_layers(decode, len(anchored.windows() or resolved))
         for s in sparse:
-            selection = _every_slot(graph, s) if unused else selections[s.window or 0]
+            # a dense site reads every slot (option dense_below: its store may be larger than the selection)
+            selection = _every_slot(graph, s) if unused or self._dense_store(s) else selections[s.window or 0]
             dense = None
             if self._refines(s):
                 selection, dense = self._insert_refine(graph, s, selection, anchored.stats)
@@ -389,7 +390,7 @@ class SparseAttentionPass(CustomGraphPass):
         result.selection_inserted = True
         result.selections = [selection]
         for s in decode:
-            chosen, dense = selection, None
+            chosen, dense = (_every_slot(graph, s) if self._dense_store(s) else selection), None
             if self._refines(s):
                 chosen, dense = self._insert_refine(graph, s, selection, anchored.stats)
             self._rewrite_site(graph, s, chosen, dense, result)

@@ -51,3 +51,22 @@ def test_a_store_at_or_below_the_option_attends_densely_and_makes_no_selection(i
     _, cache = compiled_steps(model, ids, STEPS, budget=8, sink_tokens=2, recent_window=2, inner=inner,
                               dense_below=capacity - 1)
     assert cache.path_counts()["gather_sites"] == 2 * STEPS and decode_graph_ops("speculative_select") == 1
+
+
+def test_a_model_whose_sliding_window_sites_stay_sparse_gives_its_full_sites_every_slot():
+    """Gemma-3 (a sliding window of 24 tokens at layer 0, full attention at layer 1): with ``dense_below`` at the store's
+    capacity its full-attention sites take the dense route while its windowed sites still
+    select (a route is per site), so the step keeps its selection and each dense site reads
+    every slot of its store, not the selection (which is smaller than the store). A budget
+    covering the window keeps the windowed site exact, so the logits are eager dense's."""
+    from specontext_compile.tiny_models import tiny_family
+
+    model = tiny_family("gemma3", "sdpa")
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(2))
+    capacity = ids.shape[1] + STEPS + 1
+    logits, cache = compiled_steps(model, ids, STEPS, budget=32, sink_tokens=2, recent_window=2, page_rescue=0,
+                                   dense_below=capacity)
+    counts = cache.path_counts()
+    layers = model.config.num_hidden_layers
+    assert layers == 2 and counts["dense_store_sites"] == STEPS and counts["gather_sites"] == STEPS, counts
+    torch.testing.assert_close(logits, _eager_logits(model, ids, STEPS), atol=1e-4, rtol=1e-4)
