@@ -26,16 +26,19 @@ def test_explain_reports_every_site_windows_and_selection_placement():
     prefill = [r for r in result.rows if r.phase == "prefill"]
     assert len(prefill) == 2 and all(not r.rewritten and r.reason for r in prefill)
     assert result.counters["sites_rewritten"] == 2 and result.counters["sites_total"] == 4
-    assert len(result.selections) == 2  # one per distinct window
+    # one selection, the windowed layer's: the full layer's budget covers its store, so it
+    # takes the dense route and reads every slot (its window's selection would go unread)
+    assert len(result.selections) == 1
     assert all("after retrieval_anchor" in s and "before the first kv_write" in s for s in result.selections)
     text = result.table()
     assert "rewritten" in text and "pass: specontext-sparse-" in text
     assert sum("dense: " in line and "prefill" in line for line in text.splitlines()) == 2
-    # the step's calls (issue 27): one selection per window and, per layer, the write, the
-    # lagged query's record and the attention (no refinement: the budget covers the context),
-    # then what the lowering did
+    # the step's calls (issue 27): the windowed layer's selection and, per layer, the write,
+    # the lagged query's record and the attention (no refinement: the budget covers the
+    # context), then what the lowering did
     (step,) = result.steps
-    assert "aten_step.speculative_select x2" in step and "specontext::sparse_attention x2" in step
+    assert "aten_step.speculative_select x1" in step and "specontext::sparse_attention x2" in step
+    assert "routes: dense x1, gather x1" in step
     assert "aten_step.record_query x2" in step and "refine_selection" not in step
     assert "lowered to aten: 4 op nodes, 0 refine+attend pairs fused" in step  # 2 writes (with their page bounds), 2 attentions
 
