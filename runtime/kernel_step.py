@@ -95,15 +95,9 @@ def kernel_reason(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch
     tensors of one dtype, and no mask or a bool mask of one head and one query row (folded
     into the selection). A soft cap and a sliding window are the kernel's own
     ``tl.constexpr`` flags; sites with learned sinks or a position bias never reach the op."""
-    checks = (
-        (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
-        (query.dtype in DTYPE_NAMES.values() and key_cache.dtype == query.dtype,
-         f"dtype {query.dtype}/{key_cache.dtype}"),
-        (known(query.shape[-1] <= MAX_HEAD_DIM) and known(query.shape[1] <= MAX_GROUP * key_cache.shape[1]),
-         f"head_dim or group past the kernel's ({MAX_HEAD_DIM}, {MAX_GROUP})"),
-        (attn_mask is None or _foldable(attn_mask, query.shape[2]), "a mask the kernel cannot apply"),
-    )
-    return next((reason for ok, reason in checks if not ok), None)
+    width = (known(query.shape[-1] <= MAX_HEAD_DIM) and known(query.shape[1] <= MAX_GROUP * key_cache.shape[1]),
+             f"head_dim or group past the kernel's ({MAX_HEAD_DIM}, {MAX_GROUP})")
+    return _first_failed(query, key_cache, attn_mask, width)
 
 
 def latent_kernel_reason(query: torch.Tensor, latent_cache: torch.Tensor, attn_mask: torch.Tensor | None
@@ -111,10 +105,16 @@ def latent_kernel_reason(query: torch.Tensor, latent_cache: torch.Tensor, attn_m
     """:func:`kernel_reason` of a multi-head latent attention site (absorbed ``query``
     ``[batch, num_heads, q_len, r + p]``, ``latent_cache`` ``[batch, 1, capacity, r]``) for the
     generated MLA kernel: ``q_len`` within its limit, a dtype it takes, a foldable mask."""
+    return _first_failed(query, latent_cache, attn_mask)
+
+
+def _first_failed(query: torch.Tensor, keys: torch.Tensor, attn_mask: torch.Tensor | None, *extra) -> str | None:
+    """The reason of the first failed check: query rows, dtypes, ``extra`` ``(ok, reason)``
+    pairs, the mask."""
     checks = (
         (known(query.shape[2] <= MAX_Q_LEN), f"{query.shape[2]} query rows (the kernel takes <= {MAX_Q_LEN})"),
-        (query.dtype in DTYPE_NAMES.values() and latent_cache.dtype == query.dtype,
-         f"dtype {query.dtype}/{latent_cache.dtype}"),
+        (query.dtype in DTYPE_NAMES.values() and keys.dtype == query.dtype, f"dtype {query.dtype}/{keys.dtype}"),
+        *extra,
         (attn_mask is None or _foldable(attn_mask, query.shape[2]), "a mask the kernel cannot apply"),
     )
     return next((reason for ok, reason in checks if not ok), None)
