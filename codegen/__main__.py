@@ -1,10 +1,10 @@
-"""Command line of the kernel generator.
+"""Command line of the Triton kernels (``codegen/kernels.py``).
 
     python -m specontext_compile.codegen show --head-dim 128 --group 4 --dtype bf16
     python -m specontext_compile.codegen compile --grid        # build for sm_90, no GPU
 
-``show`` prints the generated Triton source of one spec; ``compile`` builds specs for an
-NVIDIA target without a GPU. The kernels' measured errors against float64 are a benchmark:
+``show`` prints how one spec specialises the kernels (their ``tl.constexpr`` arguments, grids
+and launch options); ``compile`` builds specs for an NVIDIA target without a GPU. The kernels' measured errors against float64 are a benchmark:
 ``python -m benchmarks.kernel_errors`` (bounds stated in ``codegen/accuracy.py``).
 """
 
@@ -43,15 +43,28 @@ def _spec_from_args(args: argparse.Namespace):
     )
 
 
-def _cmd_show(args: argparse.Namespace) -> int:
-    from .generator import generated_source
+def specialisation(spec) -> str:
+    """What ``spec`` sets when it launches the kernels of ``codegen/kernels.py`` (GPU mode)."""
+    from .launch import KERNELS_FILE, split_constexprs, split_kernel_name
 
+    constexprs = " ".join(f"{k}={v}" for k, v in split_constexprs(spec).items())
+    return (
+        f"# {spec.name}: the kernels of {KERNELS_FILE}\n"
+        f"{split_kernel_name(spec)}[(batch, num_kv_heads * {spec.row_tiles}, num_splits)]"
+        f" num_warps={spec.num_warps} num_stages={spec.num_stages}\n"
+        f"    {constexprs}\n"
+        f"sparse_decode_merge_kernel[(batch, num_heads, {spec.q_len})] num_warps=4\n"
+        f"    HEAD_DIM_V={spec.head_dim_v} BLOCK_DV={spec.block_dv} BLOCK_S=next_power_of_2(num_splits)\n"
+    )
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
     try:
         spec = _spec_from_args(args)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    sys.stdout.write(generated_source(spec))
+    sys.stdout.write(specialisation(spec))
     return 0
 
 
@@ -101,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m specontext_compile.codegen", description=__doc__.split("\n\n")[0]
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("show", help="print the generated Triton source of one spec")
+    show = sub.add_parser("show", help="print how one spec specialises the kernels (constexprs, grids)")
     _add_spec_arguments(show)
     build = sub.add_parser(
         "compile",

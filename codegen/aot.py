@@ -4,9 +4,8 @@ Triton compiles to PTX and cubin without a driver when given an explicit ``GPUTa
 wheel ships ``ptxas``. This lets CPU-only CI check that every generated kernel really builds
 for Hopper (sm_90a) and report its registers, spills and shared memory, before a GPU is lent.
 
-The argument types are those Triton would specialise at launch time: ``launch(...)`` of a
-fresh private copy of the generated module is run on ``meta`` tensors (no memory) with the
-kernels swapped for recorders; each recorded call becomes an ``ASTSource`` signature
+The argument types are those Triton would specialise at launch time: :func:`.launch.launch`
+is run on ``meta`` tensors (no memory) with each kernel wrapped in a recorder (its ``wrap``); each recorded call becomes an ``ASTSource`` signature
 (tensor -> ``*dtype``, int -> ``i32``/``i64`` by value or a constant when equal to 1, float ->
 ``fp32``, ``tl.constexpr`` parameters -> constants, divisibility-by-16 hints as at launch).
 
@@ -24,8 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .compiler import _import_file, _write_source, interpreter_enabled
-from .generator import generated_source
+from .launch import interpreter_enabled, launch
 from .spec import KernelSpec
 
 __all__ = ["KernelBuild", "compile_for_target"]
@@ -77,11 +75,11 @@ def _meta(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 def _fake_launch_args(
     spec: KernelSpec, batch: int, num_kv: int, capacity: int, num_splits: int
-) -> tuple[tuple, dict]:
-    """Meta tensors shaped like a real decode step of ``spec``."""
+) -> tuple[tuple, tuple, dict]:
+    """Meta tensors shaped like a real decode step of ``spec``: the attention inputs, then
+    ``(indices, valid_length, out, part_out, part_lse)``, then the keyword arguments."""
     dt = spec.torch_dtype
     heads = num_kv * spec.group
-    vlen = _meta((batch,), torch.int64)
     q_len, budget = spec.q_len, 2048
     tensors = [_meta((batch, heads, q_len, spec.head_dim), dt)]
     if spec.is_mla:
@@ -95,14 +93,14 @@ def _fake_launch_args(
             _meta((batch, num_kv, capacity, spec.head_dim), dt),
             _meta((batch, num_kv, capacity, spec.head_dim_v), dt),
         ]
-    tensors += [
+    tail = (
         _meta((batch, num_kv, budget), torch.int64),
-        vlen,
+        _meta((batch,), torch.int64),
         _meta((batch, heads, q_len, spec.head_dim_v), dt),
         _meta((batch, heads, q_len, num_splits, spec.head_dim_v), torch.float32),
         _meta((batch, heads, q_len, num_splits), torch.float32),
-    ]
-    return tuple(tensors), {
+    )
+    return tuple(tensors), tail, {
         "scale": 0.1,
         "soft_cap": 30.0,
         "window": 128,
@@ -112,15 +110,9 @@ def _fake_launch_args(
 
 
 def _record_calls(spec, batch: int, num_kv: int, capacity: int, num_splits: int) -> list:
-    path = _write_source(generated_source(spec), spec.name)
-    module = _import_file(path)  # a private copy: the cached module is never touched
     calls: list = []
-    for name in dir(module):
-        obj = getattr(module, name)
-        if name.endswith("_kernel") and hasattr(obj, "arg_names"):
-            setattr(module, name, _Recorder(obj, calls))
-    args, kwargs = _fake_launch_args(spec, batch, num_kv, capacity, num_splits)
-    module.launch(*args, **kwargs)
+    tensors, tail, kwargs = _fake_launch_args(spec, batch, num_kv, capacity, num_splits)
+    launch(spec, tensors, *tail, **kwargs, wrap=lambda kernel: _Recorder(kernel, calls))
     return calls
 
 

@@ -3,7 +3,8 @@
 SpeContext (arXiv 2512.00722), section 4: after the retrieval head has selected, per request
 and KV head, the token positions worth attending to, every layer of the LLM attends only to
 those positions. These wrappers check inputs, build the ``KernelSpec`` of the call, pick the
-flash-decoding split and launch the generated kernels (``codegen.generator``).
+flash-decoding split and launch the Triton kernels (``codegen/kernels.py``, through
+``codegen.launch``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from typing import NamedTuple
 
 import torch
 
-from .compiler import interpreter_enabled, load_kernels
+from .launch import interpreter_enabled, launch
 from .reference import expand_valid_length
 from .spec import KernelSpec, canonical_dtype
 
@@ -260,10 +261,10 @@ def _run(
     part_lse = torch.empty(
         (batch, num_heads, q_len, splits.num_splits), dtype=torch.float32, device=out.device
     )
-    kernels = load_kernels(spec)
     logger.debug("launch %s: splits=%s", spec.name, splits)
-    kernels.launch(
-        *tensors,
+    launch(
+        spec,
+        tensors,
         indices,
         vlen,
         out,

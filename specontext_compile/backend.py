@@ -202,8 +202,8 @@ def specontext_backend(
     return extra.wrap(_checked_backward(compiled))
 
 
-#: the generated kernels' names (codegen/generator.py), as inductor's compile errors name them
-_OUR_KERNELS = ("sparse_decode_split_kernel", "sparse_decode_merge_kernel")
+#: our Triton kernels' names (codegen/kernels.py), as inductor's compile errors name them
+_OUR_KERNELS = ("sparse_decode_split_kernel", "sparse_mla_split_kernel", "sparse_decode_merge_kernel")
 
 
 def _names_our_kernel(err: BaseException) -> bool:

@@ -130,9 +130,9 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="module")
 def triton_interpreter():
-    """Run the generated kernels under the Triton interpreter when there is no CUDA device,
+    """Run the Triton kernels under the Triton interpreter when there is no CUDA device,
     for one test module (``pytestmark = pytest.mark.usefixtures("triton_interpreter")``), and
-    restore the environment afterwards. The generated kernels avoid the jit functions of
+    restore the environment afterwards. The kernels (codegen/kernels.py) avoid the bare reductions of
     triton.language, so this works even when triton was imported (e.g. by torch._dynamo)
     before the variable was set."""
     import os

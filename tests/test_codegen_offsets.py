@@ -3,7 +3,7 @@
 131072 * 16384 = 2**31, so any element offset computed in int32 wraps. Two checks, both with
 tiny resident memory:
 
-* the generated ``gather_offsets`` helper, run in a probe kernel, returns the exact int64
+* the kernels' ``gather_offsets`` helper, run in a probe kernel, returns the exact int64
   offsets of positions past 2**31 elements (pure index arithmetic, nothing is loaded);
 * the whole kernel reads selected tokens beyond 2**31 elements from a cache that is an
   ``as_strided`` view over an anonymous ``MAP_NORESERVE`` mapping: the ~4.3 GB of address
@@ -25,7 +25,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOKENS = 131072 + 40  # > 2**17 tokens
 TOKEN_STRIDE = 16384  # elements between consecutive tokens of one head
 HEAD_DIM = 32
-gather_offsets = None  # placeholder for the generated jit helper, set by the probe test
+gather_offsets = None  # placeholder for the kernels' jit helper, set by the probe test
 
 
 pytestmark = pytest.mark.usefixtures("triton_interpreter")  # tests/conftest.py
@@ -35,7 +35,7 @@ def test_gather_offsets_helper_is_64_bit():
     import triton
     import triton.language as tl
 
-    module = codegen.load_kernels(codegen.KernelSpec(head_dim=HEAD_DIM, dtype="fp16")).module
+    module = codegen.kernel_module()
     # A jit function resolves callees among its module's globals.
     globals()["gather_offsets"] = module.gather_offsets  # fills the placeholder below
 

@@ -241,34 +241,42 @@ def test_the_dense_route_attends_over_the_store_and_refuses_a_selection_that_doe
         aten_step.sparse_attention(query, key, value, indices[..., :40], length, None, spec, variant)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_inductors_copy_of_the_generated_kernels_resolves_every_name(monkeypatch, tmp_path, dtype):
+def _load_text(path, text: str):
+    """A module from ``text``, written to ``path`` (Triton's ``@jit`` reads its source)."""
+    import importlib.util
+
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_inductors_copy_of_the_kernels_resolves_every_name(monkeypatch, tmp_path):
     """Inside a compiled step inductor does not call our module's kernels: it copies each
     kernel and the jit functions it calls, by source, into a module of its own
     (``user_defined_triton_kernel_transitive_closure_source_code``). A helper that names a
     global the copy lacks compiles here and fails on the device (an H200 run of 2026-12-04:
-    triton's ``_elementwise_max`` names triton's ``core``). The module is imported as it is
-    on a GPU (no interpreter); every global each copied function reads must exist in the
-    copy."""
+    triton's ``_elementwise_max`` names triton's ``core``). ``codegen/kernels.py`` is loaded
+    as it is on a GPU (no interpreter); every global each copied function reads must exist in
+    the copy."""
     import builtins
     import dis
 
-    from specontext_compile.codegen.compiler import _import_file
-    from specontext_compile.codegen.generator import generated_source
-    from specontext_compile.codegen.spec import KernelSpec
+    from specontext_compile.codegen import kernel_module
     from torch._inductor.codegen.wrapper import (
         user_defined_triton_kernel_transitive_closure_source_code,
     )
     from triton import JITFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    source = generated_source(KernelSpec(head_dim=64, group=3, dtype=dtype))
-    module = _import_file(tmp_path / "generated.py", source)
-    for kernel in (module.sparse_decode_split_kernel, module.sparse_decode_merge_kernel):
+    module = kernel_module()
+    for kernel in (module.sparse_decode_split_kernel, module.sparse_mla_split_kernel,
+                   module.sparse_decode_merge_kernel):
         assert isinstance(kernel, JITFunction)
         copy = user_defined_triton_kernel_transitive_closure_source_code(kernel)
         text = "import triton\nimport triton.language as tl\n" + copy
-        namespace = vars(_import_file(tmp_path / f"copy_{kernel.__name__}.py", text))
+        namespace = vars(_load_text(tmp_path / f"copy_{kernel.__name__}.py", text))
         # inductor decorates the kernel itself; the functions it calls come decorated
         functions = [namespace[kernel.__name__]] + [v.fn for v in namespace.values() if isinstance(v, JITFunction)]
         assert len(functions) > 1
@@ -307,15 +315,15 @@ def _inductor_signature(kernel, kwargs) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("spec", [dict(dtype="fp32", group=3), dict(dtype="bf16", group=4, head_dim=128),
-                                  dict(dtype="fp16", group=2, soft_cap=True, sliding_window=True)],
-                         ids=["fp32", "bf16", "fp16-softcap-window"])
-def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeypatch, tmp_path, spec):
+                                  dict(dtype="fp16", group=2, soft_cap=True, sliding_window=True),
+                                  dict(dtype="bf16", group=4, head_dim=64, rope_dim=16)],
+                         ids=["fp32", "bf16", "fp16-softcap-window", "mla"])
+def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeypatch, spec):
     """Triton's front end (source to TTIR, for an sm_90 target; no GPU needed) accepts each
-    generated kernel with the types inductor passes: a Python float is fp64 there, not fp32
+    kernel (MLA's too) with the types inductor passes: a Python float is fp64 there, not fp32
     as in a direct launch. The H200 run of 2026-12-04 failed on it ("loop-carried variable
     m_i ... re-assigned to fp64"): the kernels now cast their float arguments to fp32."""
-    from specontext_compile.codegen.compiler import _import_file
-    from specontext_compile.codegen.generator import generated_source
+    from specontext_compile.codegen.launch import launch
     from specontext_compile.codegen.spec import KernelSpec
     from triton._C.libtriton import ir
     from triton.backends.compiler import GPUTarget
@@ -323,16 +331,20 @@ def test_the_kernels_compile_with_the_argument_types_inductor_gives_them(monkeyp
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     spec = KernelSpec(**spec)
-    module = _import_file(tmp_path / "generated.py", generated_source(spec))
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     heads, d = spec.group, spec.head_dim
     query, key, value = (torch.zeros(1, h, n, d, dtype=dtype) for h, n in ((heads, 1), (1, 100), (1, 100)))
+    tensors = (query, key, value)
+    if spec.is_mla:  # (query, query_rope, latent store, rope store); the latent is the value
+        tensors = (query, torch.zeros(1, heads, 1, spec.rope_dim, dtype=dtype), key,
+                   torch.zeros(1, 1, 100, spec.rope_dim, dtype=dtype))
     out, part_out, part_lse = (torch.zeros(s) for s in ((1, heads, 1, d), (1, heads, 1, 2, d), (1, heads, 1, 2)))
     _Recorder.launches = []
-    module.launch(query, key, value, torch.arange(40).view(1, 1, 40), torch.tensor([50]), out.to(dtype),
-                  part_out, part_lse, scale=d ** -0.5, soft_cap=30.0, window=64, split_size=32, num_splits=2,
-                  wrap=_Recorder)
-    assert [k.__name__ for k, _ in _Recorder.launches] == ["sparse_decode_split_kernel", "sparse_decode_merge_kernel"]
+    launch(spec, tensors, torch.arange(40).view(1, 1, 40), torch.tensor([50]), out.to(dtype),
+           part_out, part_lse, scale=d ** -0.5, soft_cap=30.0, window=64, split_size=32, num_splits=2,
+           wrap=_Recorder)
+    split = "sparse_mla_split_kernel" if spec.is_mla else "sparse_decode_split_kernel"
+    assert [k.__name__ for k, _ in _Recorder.launches] == [split, "sparse_decode_merge_kernel"]
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     options = backend.parse_options({})
