@@ -127,7 +127,7 @@ def _fusable(sparse: fx.Node) -> fx.Node | None:
     ``sparse`` reads, when the pair can be one :func:`aten_step.refine_and_attend` (guard off,
     no learned sinks, no dense shortcut, no MLA); else None."""
     args = _bound(sparse, _SPARSE_PARAMS)
-    if args["spec"].route != "gather":  # (guarded and learned-sink sites are not sparse_attention nodes)
+    if args["spec"].route not in ("gather", "offload"):  # (guarded and learned-sink sites are not sparse_attention nodes)
         return None
     refine = _sole_refinement(args["indices"], _REFINE, sparse)
     if refine is None:

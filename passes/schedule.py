@@ -6,7 +6,9 @@ Runs after :mod:`.sparse_rewrite` and only when offload is enabled (the backend'
 
 1. turns on the ``specontext::offload_plan`` the cache put at layer 0 (the step's adaptive
    plan; it returns each layer's index as a tensor, so no layer's code holds its index);
-2. replaces every sparse attention by a call of :func:`~..runtime.offload_step.attention`
+2. replaces every sparse attention the rewrite pass routed to ``"offload"``
+   (``StepSpec.route``, :func:`~..runtime.routes.decide`: every non-MLA site when offload is
+   on) by a call of :func:`~..runtime.offload_step.attention`
    (the resident arithmetic on rows read through ``specontext::offload_rows``): resident
    layers compute exactly as before, offloaded ones read their device buffer;
 3. inserts ``specontext::offload_prefetch(l)`` ``lead`` layers before layer ``l``'s
@@ -220,7 +222,7 @@ class OffloadSchedulePass:
     def __call__(self, graph: fx.Graph) -> ScheduleResult:
         result = ScheduleResult()
         selects = [n for n in graph.nodes if is_op(n, SELECT)]
-        sparse = [n for n in graph.nodes if is_op(n, SPARSE) and not _is_latent(n)]
+        sparse = [n for n in graph.nodes if is_op(n, SPARSE) and op_arguments(n, SPARSE)["spec"].route == "offload"]
         if any(_has_sinks(n) for n in graph.nodes):
             logger.warning("specontext: KV offload is not built for attention with learned sink logits "
                            "(GPT-OSS): those layers stay resident on the device (exact)")

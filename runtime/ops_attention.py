@@ -49,7 +49,8 @@ def sparse_attention(
     (the selection covers it; counter ``dense_prefix_calls``), ``"kernel"`` runs the generated
     kernel through :func:`~.kernel_step.kernel_attention` (MLA: the generated MLA kernel), a
     foldable mask folded into the selection (counter ``triton_attention_calls``), and
-    ``"gather"`` the torch body over the selected positions (``gather_attention_calls``).
+    ``"gather"`` the torch body over the selected positions (``gather_attention_calls``), as
+    does ``"offload"`` where the offload schedule did not move the site.
     A site with the fidelity guard or learned sink logits never reaches this op: the pass
     calls its torch step function directly instead
     (:func:`~specontext_compile.runtime.aten_step.guarded_attention`,
@@ -65,7 +66,8 @@ def sparse_attention(
     return aten_step.sparse_attention(query, key_cache, value_cache, indices, length, attn_mask, spec, variant)
 
 
-_COUNTERS = {"dense": "dense_prefix_calls", "kernel": "triton_attention_calls", "gather": "gather_attention_calls"}
+_COUNTERS = {"dense": "dense_prefix_calls", "kernel": "triton_attention_calls", "gather": "gather_attention_calls",
+             "offload": "gather_attention_calls"}
 
 
 def _latent_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_cache: torch.Tensor,

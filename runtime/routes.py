@@ -11,7 +11,9 @@ devices, dtypes and shapes are read) and stores the answer as the site's ``StepS
 - the lowering (``passes/lower.py``) swaps the op for the body the route names (on CUDA
   graphs ``"kernel"`` for :func:`.kernel_step.kernel_attention`);
 - the kernel wrapper (:func:`.kernel_step.kernel_attention`) is the one route to the generated
-  kernel, eager or compiled.
+  kernel, eager or compiled;
+- the offload schedule (``passes/schedule.py``) moves the ``"offload"`` sites, and only
+  those, to :func:`.offload_step.attention` (rows read through the offload manager).
 
 Sites the op does not serve are decided by the pass too, by the function it calls: the
 fidelity guard's :func:`.aten_step.guarded_attention`, learned sinks'
@@ -21,6 +23,9 @@ Invariants:
 
 - **Static only.** No device value is read, so the decision costs nothing per step and the
   compiled step has no host sync for it.
+- **Offload first.** With KV offload (``StepSpec.offload``) every non-MLA site takes
+  ``"offload"``: its store may be in host memory, so it gathers the selected rows (MLA layers
+  stay resident and are decided as without offload).
 - **Exact or not taken.** ``"dense"`` needs a selection with a slot for every store position
   (it then holds every written one); ``"kernel"`` needs a site the kernel serves exactly
   (:func:`.kernel_step.kernel_reason`: a mask only when it folds into the selection). Any
@@ -82,11 +87,11 @@ def decide(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor
         attn_mask: its mask (example value) or None.
         covers: whether the site's selection has a slot for every store position (a static
             fact the pass reads from shapes: the budget reaches a static capacity).
-        spec: the step's options at the site (``dense_shortcut``, ``kernel``).
+        spec: the step's options at the site (``offload``, ``dense_shortcut``, ``kernel``).
         variant: the site's :class:`~.spec.AttentionVariant`.
 
     Returns:
-        :class:`Decision`: ``"dense"`` for a plain site whose selection has a slot for every
+        :class:`Decision`: ``"offload"`` for a non-MLA site with ``spec.offload``; else ``"dense"`` for a plain site whose selection has a slot for every
         store position with option ``dense_shortcut`` on (MLA never); else ``"kernel"``
         where option ``kernel`` allows it (an MLA site: ``kernel="triton"`` only) and the
         kernel serves the site exactly; else ``"gather"``.
@@ -95,6 +100,8 @@ def decide(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor
         RuntimeError: as :func:`kernel_allowed`.
     """
     latent = variant.nope_dim > 0
+    if spec.offload and not latent:
+        return Decision("offload", "KV offload: the store may be in host memory (its selected rows are read)")
     if not latent and spec.dense_shortcut and variant.plain and covers:
         return Decision("dense")
     reason = kernel_allowed(spec.kernel, query)

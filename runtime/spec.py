@@ -29,7 +29,7 @@ __all__ = ["ALL_TOKENS", "KERNELS", "ROUTES", "AttentionVariant", "StepSpec", "c
 
 KERNELS = ("auto", "torch", "triton")  # sparse attention implementations (option ``kernel``)
 #: what a ``specontext::sparse_attention`` site runs, decided once by the pass (:mod:`.routes`)
-ROUTES = ("gather", "dense", "kernel")
+ROUTES = ("gather", "dense", "kernel", "offload")
 
 
 def _fx_repr(value: Any) -> tuple[str, dict[str, type]]:
@@ -136,13 +136,18 @@ class StepSpec(_Opaque):
             over the store (contiguous reads, exact) instead of gathering every slot.
         kernel: sparse attention implementation: ``"auto"``, ``"torch"`` or ``"triton"`` (the
             option; an input of the route decision, read by nothing else).
+        offload: the KV cache may keep layers in host memory (option ``device_memory_bytes``);
+            an input of the route decision, read by nothing else.
         route: what this site's attention runs, one of :data:`ROUTES`, decided once per site
             by the rewrite pass (:func:`.routes.decide`) and only read after: ``"gather"``
             (the torch body over the selected positions), ``"dense"`` (exact attention over
             the whole store: the selection covers it; only its size is checked, so a
             hand-built selection of repeated positions still attends densely), ``"kernel"`` (the generated Triton
-            kernel, :mod:`.kernel_step`). The op, its aten body, the lowering and the kernel
-            wrapper dispatch on it and never decide again.
+            kernel, :mod:`.kernel_step`), ``"offload"`` (the gather path on rows read through
+            the offload manager: the offload schedule, ``passes/schedule.py``, moves exactly
+            these sites to :func:`.offload_step.attention`; where it does not run, the gather
+            path). The op, its aten body, the lowering, the kernel wrapper and the schedule
+            dispatch on it and never decide again.
 
     Raises:
         ValueError: for a value out of range, naming the field.
@@ -157,6 +162,7 @@ class StepSpec(_Opaque):
     page_tokens: int = 0
     dense_shortcut: bool = False
     kernel: str = "torch"
+    offload: bool = False
     route: str = "gather"
 
     def __post_init__(self) -> None:
@@ -168,8 +174,9 @@ class StepSpec(_Opaque):
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
             raise ValueError(f"StepSpec.min_coverage must be a number in [0, 1), got {g!r}")
         object.__setattr__(self, "min_coverage", float(g))
-        if not isinstance(self.dense_shortcut, bool):
-            raise ValueError(f"StepSpec.dense_shortcut must be True or False, got {self.dense_shortcut!r}")
+        for name in ("dense_shortcut", "offload"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"StepSpec.{name} must be True or False, got {getattr(self, name)!r}")
         if self.kernel not in KERNELS:
             raise ValueError(f"StepSpec.kernel must be one of {KERNELS}, got {self.kernel!r}")
         if self.route not in ROUTES:
@@ -183,7 +190,8 @@ class StepSpec(_Opaque):
         return cls(budget=select.budget, candidate_slots=candidate_slots(select.budget, select.candidates),
                    sink_tokens=select.sink_tokens, recent_window=select.recent_window,
                    min_coverage=select.min_coverage, rescue_tokens=select.page_rescue,
-                   dense_shortcut=select.dense_shortcut, kernel=config.compile.kernel)
+                   dense_shortcut=select.dense_shortcut, kernel=config.compile.kernel,
+                   offload=config.offload.device_memory_bytes is not None)
 
     @property
     def rescue_pages(self) -> int:

@@ -196,13 +196,20 @@ def test_the_pass_decides_each_sites_route_from_dynamos_example_values(monkeypat
     (dict(mask=((1, 1, 1, 256), torch.bool)), "kernel", None),
     (dict(variant=AttentionVariant(0.125, nope_dim=32)), "gather", "MLA kernel"),
     (dict(variant=AttentionVariant(0.125, nope_dim=32), spec=StepSpec(32, 32, kernel="triton")), "kernel", None),
+    (dict(spec=StepSpec(32, 32, kernel="auto", offload=True)), "offload", "KV offload"),
+    (dict(covers=True, spec=StepSpec(256, 256, dense_shortcut=True, kernel="auto", offload=True)), "offload",
+     "KV offload"),
+    (dict(variant=AttentionVariant(0.125, nope_dim=32), spec=StepSpec(32, 32, kernel="triton", offload=True)),
+     "kernel", None),
 ], ids=["kernel-torch", "dense-shortcut", "dense-needs-plain", "float-mask", "mask-rows", "q-len", "head-dim",
-        "cpu-auto", "soft-cap", "sliding-window", "both", "bool-decode-mask", "mla-auto", "mla-triton"])
+        "cpu-auto", "soft-cap", "sliding-window", "both", "bool-decode-mask", "mla-auto", "mla-triton",
+        "offload", "offload-before-dense", "offload-keeps-mla-resident"])
 def test_one_decision_per_site(change, route, reason):
     """:func:`routes.decide` on fake tensors: dense over the store where the selection covers it
     (plain sites only), the kernel where option ``kernel`` allows it and the kernel is exact
     (a soft cap, a sliding window and a one-row bool mask included: its own flags, a folded
-    mask), else the gather path with the reason."""
+    mask), else the gather path with the reason; with KV offload every non-MLA site gathers
+    through the offload manager (``"offload"``), MLA sites are decided as without it."""
     site = list(_SITE)
     if "query" in change:
         site[0] = (change["query"], torch.bfloat16)

@@ -228,6 +228,8 @@ def test_schedule_pass_places_prefetch_early_and_wait_right_before_attention():
     gm = decode[0].graph_module
     schedule = gm.meta["specontext_offload_schedule"]
     assert schedule.layers == [0, 1, 2, 3] and schedule.lead >= 1
+    # the rewrite pass routed the four sites to "offload" (runtime/routes.py): the schedule moved exactly those
+    assert dict(decode[0].result.routes) == {"offload": 4}
     nodes = list(gm.graph.nodes)
     ops = torch.ops.specontext
     pos = {n: i for i, n in enumerate(nodes)}
@@ -247,12 +249,40 @@ def test_schedule_pass_places_prefetch_early_and_wait_right_before_attention():
             assert pos[prefetch[layer]] > pos[writes[layer - schedule.lead - 1]]
 
 
+def test_the_schedule_moves_only_the_sites_routed_to_offload(monkeypatch):
+    """The schedule reads the pass's decision and never decides: a site the pass did not route
+    to ``"offload"`` (here layer 0, forced to ``"gather"``) keeps its ``sparse_attention`` op,
+    and the schedule prefetches for the other layers only."""
+    from specontext_compile.runtime import routes
+
+    real, calls = routes.decide, []
+
+    def first_gathers(*args):
+        calls.append(args)
+        return routes.Decision("gather", "a test") if len(calls) == 1 else real(*args)
+
+    monkeypatch.setattr(routes, "decide", first_gathers)
+    model, ids = tiny_llama(layers=4), _ids(6)
+    run = _Offloaded(model, lambda mm: mm.device_bytes(PROMPT + 1, 0))  # every layer stays on the device
+    _run(run, run.cache, ids, 1)
+    decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
+    assert len(decode) == 1 and dict(decode[0].result.routes) == {"gather": 1, "offload": 3}
+    gm = decode[0].graph_module
+    assert gm.meta["specontext_offload_schedule"].layers == [1, 2, 3]
+    kept = [n for n in gm.graph.nodes if is_op(n, torch.ops.specontext.sparse_attention)]
+    moved = [n for n in gm.graph.nodes if n.target is offload_step.attention]
+    assert len(kept) == 1 and len(moved) == 3 and op_arguments(kept[0], torch.ops.specontext.sparse_attention)[
+        "spec"].route == "gather"
+
+
 def test_default_path_has_no_offload_ops():
     model, ids = tiny_llama(layers=2), _ids(7)
     forward = torch.compile(model.forward, backend="specontext", options=OPTS)
     _run(forward, sc.SpeContextCache(model.config, max_cache_len=CAP), ids, 2)
     code = "\n".join(r.graph_module.code for r in sc.compile_reports())
-    assert "offload" not in code and "specontext.sparse_attention" in code
+    for name in ("offload_plan", "offload_prefetch", "offload_rows", "offload_step", "offload=True", "route='offload'"):
+        assert name not in code, name
+    assert "specontext.sparse_attention" in code and "offload=False" in code
 
 
 @pytest.mark.parametrize("copy_s,compute_s,cap,expected", [
