@@ -20,7 +20,7 @@ from torch._ops import OpOverload, OpOverloadPacket  # noqa: F401  (re-exported)
 __all__ = ["CHECKED_AGAINST", "C_LINEAR", "C_SDPA", "OpOverload", "OpOverloadPacket", "compile_fx", "compile_id",
            "counters", "custom_graph_pass", "effect_of", "force_stride_order", "inductor_config",
            "mark_static_address", "mode_options", "opaque_base", "ordered_effect", "recompile_limit",
-           "register_opaque_type", "set_recompile_limit"]
+           "placeholder_symbol", "register_opaque_type", "set_recompile_limit"]
 
 #: the torch release every wrapper here was checked against (the version CI installs)
 CHECKED_AGAINST = "2.13.0"
@@ -44,6 +44,14 @@ def force_stride_order(t: torch.Tensor, stride) -> torch.Tensor:
     from torch._inductor import inductor_prims
 
     return inductor_prims.force_stride_order(t, stride)
+
+
+def placeholder_symbol(value: torch.SymInt):
+    """The symbol inductor binds for a ``SymInt`` graph input: the input's own expression
+    *before* the shape environment's replacements (``SymNode._expr``; inductor's
+    ``_get_placeholder_expr``), which ``str(value)`` and ``value.node.expr`` hide once dynamo
+    found it equal to another symbol. No public API tells the two apart."""
+    return value.node._expr
 
 
 def mark_static_address(t: torch.Tensor) -> None:

@@ -210,6 +210,34 @@ def _whole_reason(gm: fx.GraphModule, labels: dict[fx.Node, str]) -> str | None:
     return None
 
 
+def _unbound_symbol(region: fx.GraphModule) -> str | None:
+    """Why inductor's code for ``region`` would name a size symbol no input of it binds, or
+    None. Inductor binds a ``SymInt`` input's own symbol (:func:`placeholder_symbol`: before
+    the shape environment's replacements, plus the symbols replaced *to* it) and the symbols of
+    its tensor inputs' sizes and strides; a value computed inside the region may be sized by a
+    symbol dynamo found equal to such an input's (``s84`` replaced by ``s40``), which only
+    another region's inputs bind (seen on a second ``torch.compile`` of a model, whose sizes
+    were already dynamic: ``NameError: name 's40' is not defined``)."""
+    from torch.fx.experimental.symbolic_shapes import free_symbols
+
+    from .runtime.torch_private import placeholder_symbol
+
+    bound, used, shape_env = set(), set(), None
+    for node in region.graph.nodes:
+        value = _val(node)
+        if isinstance(value, torch.SymInt) and node.op == "placeholder":
+            shape_env = value.node.shape_env
+            bound.add(placeholder_symbol(value))
+        elif isinstance(value, torch.Tensor) and node.op == "placeholder":
+            bound |= free_symbols(value)
+        if isinstance(value, (torch.Tensor, torch.SymInt)):
+            used |= free_symbols(value)
+    if shape_env is not None:  # inductor's aliases: a symbol replaced by a bound one is bound too
+        bound |= {src for src, tgt in shape_env.replacements.items() if tgt in bound}
+    missing = used - bound
+    return f"a region uses size symbols its inputs do not bind: {sorted(map(str, missing))}" if missing else None
+
+
 def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule, list[Any]], Callable],
                     example_inputs: list[Any], lift: dict[Callable, int] | None = None) -> Callable | None:
     """Compile ``gm`` with each distinct region compiled once.
@@ -256,6 +284,10 @@ def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule,
         return None
     split = _split(gm, labels)
     calls = [n for n in split.graph.nodes if n.op == "call_module"]
+    unbound = next((r for r in (_unbound_symbol(getattr(split, n.target)) for n in calls) if r), None)
+    if unbound is not None:
+        logger.debug("specontext: compiling the graph whole (%s)", unbound)
+        return None
     keys = {node: structure_key(getattr(split, node.target)) for node in calls}
     counters["specontext"]["regions"] += len(calls)
     counters["specontext"]["regions_compiled"] += len(set(keys.values()))

@@ -289,6 +289,27 @@ def test_compile_helper_and_explain_use_the_draft_head(tmp_path):
     assert "lagged query of layers" in lagged.table()
 
 
+def test_a_second_compile_of_the_model_with_a_draft_head_runs(tmp_path, caplog):
+    """Field case: ``explain`` after ``specontext_compile.compile`` and a generate (a second
+    ``torch.compile`` of the same forward, whose sizes dynamo already made dynamic) failed with
+    ``NameError: name 's40' is not defined`` in inductor's code for a region: dynamo had
+    replaced the region's size inputs' symbol by another one that only a later region's inputs
+    bind. Such a graph is now compiled whole, with the reason at DEBUG, and the step runs."""
+    from specontext_compile.explain_report import explain
+
+    model = tiny_llama(layers=2)
+    folder = write_head(tmp_path, model)
+    ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    sc.compile(model, budget=64, retrieval_head=str(folder))
+    cache = sc.api.make_cache(model, ids, 3)
+    model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+    sc.api.restore(model)
+    with caplog.at_level("DEBUG", logger="specontext_compile.regional"):
+        result = explain(model, ids, budget=8, retrieval_head=str(folder))
+    assert "size symbols its inputs do not bind" in caplog.text
+    assert result.counters["step.decode_steps"] == 1 and result.counters["step.gather_sites"] == 2
+
+
 def test_eager_prefill_falls_back_to_recent_tokens(tmp_path):
     model = tiny_llama(layers=2)
     folder = write_head(tmp_path, model)
