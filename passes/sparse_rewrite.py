@@ -126,10 +126,13 @@ def _align_pages_to_rows(graph: fx.Graph, resolved: list[AttentionSite]) -> None
     write = min((n for n in graph.nodes if is_op(n, KV_WRITE)), key=order.__getitem__)
     if order[mask or write] > order[write] or order[shift] > order[write]:
         return  # the mask is built after the first write: leave the shift as it is
+    capacity = static_capacity(full[0])
+    store = next((s.key_cache for s in full if order.get(s.key_cache, len(order)) < order[write]), None)
+    if capacity is None and store is None:
+        return  # symbolic, and every full-attention store is allocated after the first write (GPT-OSS's first call)
     with graph.inserting_before(write):
-        capacity = static_capacity(full[0])
         if capacity is None:  # symbolic (a cache of another length): the store's size, read in the graph
-            capacity = graph.call_method("size", (full[0].key_cache, -2))
+            capacity = graph.call_method("size", (store, -2))
         graph.call_function(PAGE_SHIFT, (shift, write.args[2], mask, capacity, bounds[2]))
 
 

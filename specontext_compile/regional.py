@@ -294,10 +294,22 @@ def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule,
     reason = subgraph_reason(gm)
     if reason is None:
         stitch_subgraphs(split, keys)
-        counters["specontext"]["regions_as_subgraphs"] += 1
         logger.info("specontext: regional compile: %d regions as calls of %d subgraphs in one graph",
                     len(calls), len(set(keys.values())))
-        return compile_graph(split, example_inputs)
+        try:
+            compiled = compile_graph(split, example_inputs)
+        except Exception as err:  # noqa: BLE001 - only inductor's known refusal below is handled
+            if "auto_functionalized" not in str(err):
+                raise
+            # torch 2.13: inductor's decomposition of a functionalized subgraph call can leave
+            # it in place (DeepSeek-V2's layers): the regions are compiled one by one instead
+            reason = f"inductor could not compile the stitched subgraphs ({str(err).splitlines()[0][:120]})"
+            split = _split(gm, labels)
+            keys = {node: structure_key(getattr(split, node.target))
+                    for node in split.graph.nodes if node.op == "call_module"}
+        else:
+            counters["specontext"]["regions_as_subgraphs"] += 1
+            return compiled
     logger.info("specontext: regional compile: %d regions, %d compiled one by one (%s)", len(calls),
                 len(set(keys.values())), reason)
     return _compile_each(split, keys, compile_graph)
