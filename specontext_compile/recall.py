@@ -102,9 +102,10 @@ def selection_recall(
         else:
             logits = logits + m.double()
     probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
-    # last column: padding slots (-1)
+    # last column: padding slots (-1) and slots past the written tokens (a dense route's
+    # selection names every slot of the store: ``aten_step.every_slot``)
     chosen = torch.zeros(b, num_kv, length + 1, dtype=torch.bool, device=key_cache.device)
-    chosen.scatter_(2, torch.where(indices >= 0, indices, length), True)
+    chosen.scatter_(2, torch.where((indices >= 0) & (indices < length), indices, length), True)
     mass = (probs * chosen[..., :length].view(b, num_kv, 1, 1, length)).sum(-1)
     return float(mass.nan_to_num(0.0).mean())
 

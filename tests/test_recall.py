@@ -161,3 +161,16 @@ def test_a_layer_the_fidelity_guard_ran_dense_records_full_recall():
     assert len(values) == 3 * STEPS and 0 < dense < len(values), (dense, values)
     assert sum(v == 1.0 for v in values) == dense
     assert all(v < 1.0 for v in values if v != 1.0)
+
+
+def test_a_selection_naming_every_slot_of_the_store_has_full_recall():
+    """The dense route's selection (``aten_step.every_slot``) names every slot of the store,
+    written or not: the unwritten ones count as nothing (SmolLM2's probe raised an index
+    error on them), the written ones as kept; a half of the written slots gives less."""
+    gen = torch.Generator().manual_seed(0)
+    query, keys = torch.randn(1, 4, 1, 8, generator=gen), torch.randn(1, 2, 32, 8, generator=gen)
+    every = aten_step.every_slot(keys)
+    assert every.shape[-1] == 32
+    assert selection_recall(query, keys, every, 20, 8 ** -0.5, None) == pytest.approx(1.0, abs=1e-12)
+    half = torch.arange(10).expand(1, 2, 10)
+    assert selection_recall(query, keys, half, 20, 8 ** -0.5, None) < 1.0 - 1e-6
