@@ -291,7 +291,7 @@ def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule,
     keys = {node: structure_key(getattr(split, node.target)) for node in calls}
     counters["specontext"]["regions"] += len(calls)
     counters["specontext"]["regions_compiled"] += len(set(keys.values()))
-    reason = subgraph_reason(gm)
+    reason = subgraph_reason(gm) or _outputless_region(split, calls)
     if reason is None:
         stitch_subgraphs(split, keys)
         logger.info("specontext: regional compile: %d regions as calls of %d subgraphs in one graph",
@@ -330,6 +330,17 @@ def subgraph_reason(gm: fx.GraphModule) -> str | None:
             return f"{node.target} writes an argument"
         if node.op == "call_function" and _takes_spec(node):
             return f"{node.target} takes an option object (StepSpec / AttentionVariant)"
+    return None
+
+
+def _outputless_region(split: fx.GraphModule, calls: list[fx.Node]) -> str | None:
+    """Why ``invoke_subgraph`` cannot call one of ``split``'s regions, or None: a region that
+    returns nothing (only writes its inputs: BertGeneration's last region), which the op
+    refuses ("hop is expected to return at least one output")."""
+    for node in calls:
+        output = next(n for n in reversed(getattr(split, node.target).graph.nodes) if n.op == "output")
+        if output.args[0] is None or output.args[0] in ((), []):
+            return f"region {node.target} returns nothing"
     return None
 
 
