@@ -188,7 +188,7 @@ def specontext_backend(
     example_inputs = [*example_inputs, *extra.example_inputs(example_inputs)]
     patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid),
                **_cacheable_functions(gm.graph, pass_uuid)}
-    _static_added_inputs(gm)
+    mark_added_inputs(gm)
     try:
         compiled = _inductor(gm, example_inputs, patches, config, on_cuda)
     except Exception as err:  # noqa: BLE001 - re-raised unless it is our kernel's and can be left out
@@ -196,7 +196,7 @@ def specontext_backend(
         if unlowered is None or first is None or not first.kernel or not _names_our_kernel(err):
             raise
         _lower(unlowered, config, on_cuda, kernel=False)
-        _static_added_inputs(unlowered)
+        mark_added_inputs(unlowered)
         compiled = _inductor(unlowered, example_inputs, patches, config, on_cuda)
         _warn_kernel_fallback(err, first, _graph_label(result))
     return extra.wrap(_checked_backward(compiled))
@@ -467,7 +467,7 @@ def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return copied
 
 
-def _static_added_inputs(gm: torch.fx.GraphModule) -> None:
+def mark_added_inputs(gm: torch.fx.GraphModule) -> None:
     """Give the inputs our passes added (a model's path counters, an adopted StaticCache's
     retrieval state, paged state: tensors allocated once and written in place) what dynamo
     gives its own: no source, and an address that stays (``mark_static_address``), so CUDA

@@ -176,8 +176,10 @@ class PagedBackend:
         inner = self.config.compile.inner
         if inner != "inductor":
             return inner(gm) if callable(inner) else gm.forward
+        from .backend import mark_added_inputs
         from .runtime.torch_private import compile_fx
 
+        mark_added_inputs(gm)  # the paged state's placeholders: AOTAutograd asks every input's source
         return compile_fx(gm, inputs)
 
 
