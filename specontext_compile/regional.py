@@ -317,7 +317,8 @@ def compile_regions(gm: fx.GraphModule, compile_graph: Callable[[fx.GraphModule,
 
 def subgraph_reason(gm: fx.GraphModule) -> str | None:
     """Why torch's ``invoke_subgraph`` (torch 2.13) cannot stitch ``gm``'s regions, or None:
-    gradients are enabled (it refuses in-place input mutations under autograd), or an op
+    gradients are enabled (it refuses in-place input mutations under autograd), an input is a
+    tensor subclass (tensor parallelism's ``DTensor``: it has no rule for them), or an op
     outside aten writes an argument (ours kept opaque: the draft head's ops, KV offload's,
     every op under ``lower=False``; its functionalization refuses such ops or lists), or an op
     kept opaque takes one of our option objects (``StepSpec``, ``AttentionVariant``: a
@@ -325,6 +326,9 @@ def subgraph_reason(gm: fx.GraphModule) -> str | None:
     inductor's code for a stitched region names without importing (``NameError``)."""
     if torch.is_grad_enabled():
         return "gradients are enabled"
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if hasattr(type(_val(node)), "__tensor_flatten__"):  # a tensor subclass, e.g. a DTensor under tensor parallelism
+            return f"input {node.name} is a {type(_val(node)).__name__} (invoke_subgraph takes plain tensors)"
     for node in gm.graph.nodes:
         if node.op == "call_function" and _opaque_write(node):
             return f"{node.target} writes an argument"
