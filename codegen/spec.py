@@ -1,8 +1,9 @@
-"""Kernel specifications: the key under which a generated kernel is compiled and cached.
+"""Kernel specifications: how one attention site specialises the Triton kernels.
 
 A spec is taken from one attention site matched by the backend (SpeContext, arXiv 2512.00722,
-section 4: the LLM's attention over the tokens the retrieval head selected). Two equal specs
-always map to the same generated source and to the same compiled kernel.
+section 4: the LLM's attention over the tokens the retrieval head selected) and becomes the
+kernels' ``tl.constexpr`` arguments (``launch.split_constexprs``): two equal specs give the
+same arguments, hence the same binary in Triton's cache.
 
 Block sizes are resolved in ``__post_init__`` (``0`` means "pick for me", with
 ``triton.next_power_of_2``), so a spec is always concrete: ``KernelSpec(head_dim=128)`` and
