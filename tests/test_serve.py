@@ -366,6 +366,7 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+@pytest.mark.slow  # its own server start (about 64 s); the drain's semantics are tests/test_serve_drain.py's, fast
 def test_the_server_shuts_down_cleanly():
     """stop() with a stream and a plain request in flight: each gets an error naming the stop
     after the grace (the stream an error event and [DONE], the plain one a 503), nothing is
