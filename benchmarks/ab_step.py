@@ -16,10 +16,6 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   '{"regional": false}'``: torch 2.13 cannot compile ``invoke_subgraph`` with it);
 * ``no-cpu-kernel``: the dense decode attention of a float32 store keeps inductor's body
   (``split_store.py``) instead of our CPU kernel (``cpu_kernels.applies`` returns False);
-* ``no-linear-kernel``: one-row bfloat16 linear layers keep inductor's fused multiply-and-sum
-  (``passes/gemv.py``) instead of our CPU kernel (``cpu_kernels.linear_applies`` returns False);
-* ``linear-kernel-fp32``: float32 one-row linear layers take our CPU kernel too
-  (``cpu_kernels.LINEAR_DTYPES``);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -49,8 +45,6 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "cpp-wrapper": ("torch._inductor.config", "cpp_wrapper", True),
     "no-cpu-kernel": ("specontext_compile.runtime.cpu_kernels", "applies", lambda *a, **k: False),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
-    "no-linear-kernel": ("specontext_compile.runtime.cpu_kernels", "linear_applies", lambda *a, **k: False),
-    "linear-kernel-fp32": ("specontext_compile.runtime.cpu_kernels", "LINEAR_DTYPES", (torch.float32, torch.bfloat16)),
 }
 
 

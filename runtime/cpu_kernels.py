@@ -35,19 +35,13 @@ from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelBuildError", "applies", "available", "cpu_decode_attention", "cpu_one_row_linear",
-           "decode_splits", "linear_applies"]
+__all__ = ["KernelBuildError", "applies", "available", "cpu_decode_attention", "decode_splits"]
 
-_CSRC = Path(__file__).with_name("csrc")
-_SOURCE = _CSRC / "decode_attention.cpp"
-_LINEAR_SOURCE = _CSRC / "one_row_linear.cpp"
+_SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
           "-std=c++17")
 _MAX_GROUP, _MAX_DIM = 16, 256  # the kernel's stack arrays (csrc/decode_attention.cpp)
 _STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads (float32 accumulation)
-# the one-row linear layers routed to our kernel (it takes float32 too; inductor's fused
-# multiply-and-sum reads float32 weights as fast: docs/benchmarks.md)
-LINEAR_DTYPES = (torch.bfloat16,)
 _LOCK = threading.Lock()
 
 
@@ -78,8 +72,9 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def _build(source_path: Path) -> Path:
-    """The shared library of ``source_path`` for this compiler, flags and CPU, built once.
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per source, flags and compiler) and load the kernel library.
 
     Raises:
         KernelBuildError: no compiler on the PATH, or the build failed (its stderr included).
@@ -88,41 +83,25 @@ def _build(source_path: Path) -> Path:
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on the PATH: install g++ (Debian: apt install g++) "
                                "or set CXX; until then the CPU step uses inductor's kernels")
-    source = source_path.read_bytes()
+    source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"{source_path.stem}_{key}.so"
+    target = _cache_dir() / f"decode_attention_{key}.so"
     with _LOCK:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [compiler, *_FLAGS, str(source_path), "-o", str(built)]
+                cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built)]
                 result = subprocess.run(cmd, capture_output=True, text=True)
                 if result.returncode != 0:
-                    raise KernelBuildError(f"building {source_path.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+                    raise KernelBuildError(f"building {_SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
                 os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
-            logger.info("specontext: built the CPU kernel library %s", target)
-    return target
-
-
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """The decode attention kernel library (:func:`_build`'s errors)."""
-    lib = ctypes.CDLL(str(_build(_SOURCE)))
+            logger.info("specontext: built the CPU decode attention kernel: %s", target)
+    lib = ctypes.CDLL(str(target))
     for fn in (lib.specontext_decode_attention, lib.specontext_decode_attention_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                        + [ctypes.c_int64] * 6)
-    return lib
-
-
-@functools.cache
-def _linear_library() -> ctypes.CDLL:
-    """The one-row linear kernel library (:func:`_build`'s errors)."""
-    lib = ctypes.CDLL(str(_build(_LINEAR_SOURCE)))
-    for fn in (lib.specontext_one_row_linear_f32, lib.specontext_one_row_linear_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 
@@ -247,75 +226,3 @@ def _check_inputs(query, key_cache, value_cache, length, visible) -> None:
 @cpu_decode_attention.register_fake
 def _(query, key_cache, value_cache, length, visible):
     return query.new_empty(query.shape)
-
-
-@functools.cache
-def linear_available() -> bool:
-    """Whether the one-row linear kernel builds and loads here (the reason logged once if not)."""
-    try:
-        _linear_library()
-        return True
-    except (KernelBuildError, OSError) as err:
-        logger.warning("specontext: the CPU one-row linear kernel is not available (%s); one-row linear "
-                       "layers keep inductor's fused multiply-and-sum", err)
-        return False
-
-
-def linear_applies(input: torch.Tensor, weight: torch.Tensor) -> bool:  # noqa: A002 (linear's names)
-    """Whether :func:`cpu_one_row_linear` serves ``linear(input, weight)`` (a static fact, read
-    from traced shapes): CPU tensors of one dtype, bfloat16 (float32 stays with inductor's fused
-    multiply-and-sum, which reads its weights as fast here: docs/benchmarks.md, "bfloat16 weights
-    at the copy rate"), one input row, a contiguous 2-d weight, and the library available."""
-    return (input.device.type == "cpu" and weight.device.type == "cpu"
-            and input.dtype == weight.dtype and input.dtype in LINEAR_DTYPES
-            and weight.dim() == 2 and weight.is_contiguous() and input.shape[-1] == weight.shape[1]
-            and input.numel() == weight.shape[1] and linear_available())
-
-
-# A plain torch.library op rather than torch.library.custom_op: the step calls it about 120 times
-# (SmolLM2: four groups a layer), and custom_op's Python wrapper costs about 10 µs a call more
-# (15.8 against 5.3 µs for an empty kernel on a 2-core Xeon).
-torch.library.define("specontext::cpu_one_row_linear", "(Tensor input, Tensor[] weights) -> Tensor")
-
-
-@torch.library.impl("specontext::cpu_one_row_linear", "CPU")
-def cpu_one_row_linear(input: torch.Tensor, weights: list[torch.Tensor]) -> torch.Tensor:  # noqa: A002
-    """``cat([input @ w.T for w in weights], -1)`` for one input row: float32 accumulation and result.
-
-    Args:
-        input: float32 or bfloat16 ``[..., in_features]`` with one row (leading sizes multiply to 1).
-        weights: one or more contiguous ``[out_features_k, in_features]`` matrices of ``input``'s
-            dtype (e.g. a layer's query, key and value projections, which read the same row).
-
-    Returns:
-        float32 ``[..., sum_k out_features_k]``, the products side by side: each product exact in
-        float32 (bfloat16 widened exactly; with AVX512-BF16 the pairs of VDPBF16PS, whose
-        denormal inputs read as zero), summed in float32 in the kernel's order. The caller splits
-        it, adds the biases and rounds to the layer's dtype (``passes/gemv.kernel_one_row_linears``).
-
-    Raises:
-        KernelBuildError: the kernel library cannot be built here (see :func:`linear_available`).
-        ValueError: shapes, dtypes or layouts the kernel does not take (see :func:`linear_applies`).
-    """
-    counters["specontext"]["cpu_kernel_linear_calls"] += 1
-    n_in = input.shape[-1]
-    if (input.dtype not in _STORE_DTYPES or input.numel() != n_in or input.device.type != "cpu" or not weights
-            or any(w.dtype != input.dtype or w.dim() != 2 or w.shape[1] != n_in or not w.is_contiguous()
-                   or w.device.type != "cpu" for w in weights)):
-        raise ValueError(f"cpu_one_row_linear takes one float32 or bfloat16 CPU row [..., in_features] and "
-                         f"contiguous weights [out_features, in_features] of its dtype; got input {input.dtype} "
-                         f"{tuple(input.shape)}, weights {[(w.dtype, tuple(w.shape), w.is_contiguous()) for w in weights]}")
-    x = input.contiguous()
-    rows = [w.shape[0] for w in weights]
-    out = torch.empty(*input.shape[:-1], sum(rows), dtype=torch.float32)
-    pointers = (ctypes.c_void_p * len(weights))(*[w.data_ptr() for w in weights])
-    sizes = (ctypes.c_int64 * len(weights))(*rows)
-    lib = _linear_library()
-    kernel = lib.specontext_one_row_linear_bf16 if x.dtype == torch.bfloat16 else lib.specontext_one_row_linear_f32
-    kernel(x.data_ptr(), pointers, sizes, len(weights), out.data_ptr(), n_in)
-    return out
-
-
-@torch.library.register_fake("specontext::cpu_one_row_linear")
-def _(input, weights):  # noqa: A002
-    return input.new_empty((*input.shape[:-1], sum(w.shape[0] for w in weights)), dtype=torch.float32)

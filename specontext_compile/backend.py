@@ -182,9 +182,7 @@ def specontext_backend(
         _lower(gm, config, on_cuda, fuse=False)
         return extra.wrap(inner(gm) if callable(inner) else gm.forward)  # a runner: e.g. the recall probe
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
-        fused, kernel = rewrite_one_row_linears(gm.graph)
-        counters["specontext"]["one_row_linears"] += fused + kernel
-        counters["specontext"]["kernel_linears"] += kernel
+        counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
     unlowered = _copy(gm) if _may_take_kernel(on_cuda) else None  # for a lowering without the kernel
     _lower(gm, config, on_cuda)
     example_inputs = [*example_inputs, *extra.example_inputs(example_inputs)]
