@@ -19,6 +19,9 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
+Or ``--options-b``: ``B`` is the same code compiled with these backend options added (an
+options A/B, e.g. ``'{"mode": "max-autotune", "gemv": false}'``: inductor's CPP GEMM template).
+
 Inductor's and AOTAutograd's caches are off (both compiles have the same sources), each variant
 is compiled from a code object of its own (dynamo's cache is per code object), then the two
 steps alternate ``--steps`` times; medians and the ratio go to stdout and ``--json``.
@@ -73,7 +76,8 @@ def _compiled(model, args, swap, name: str):
     from benchmarks.decode import fill_cache, random_source
 
     cache = sc.SpeContextCache(model.config, max_cache_len=args.context + 2 * args.steps + 16)
-    forward = torch.compile(_own_frame(model, name), backend="specontext", options={"budget": args.budget, **args.options})
+    options = {"budget": args.budget, **args.options, **(args.options_b if name == "b" else {})}
+    forward = torch.compile(_own_frame(model, name), backend="specontext", options=options)
     saved = owner = None
     if swap is not None:
         owner = _owner(swap[0])
@@ -95,7 +99,7 @@ def _compiled(model, args, swap, name: str):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.ab_step", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--swap", choices=sorted(SWAPS), required=True)
+    parser.add_argument("--swap", choices=sorted(SWAPS), default=None)
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=40)
@@ -103,8 +107,12 @@ def main(argv=None) -> int:
                         help="the model's and the KV's dtype")
     parser.add_argument("--options", type=json.loads, default={},
                         help='more backend options for both variants, as JSON (e.g. \'{"page_rescue": 0}\')')
+    parser.add_argument("--options-b", type=json.loads, default={},
+                        help="backend options for B only, as JSON (an options A/B; --swap may then be left out)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    if args.swap is None and not args.options_b:
+        parser.error("give --swap, --options-b, or both")
 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -115,7 +123,7 @@ def main(argv=None) -> int:
     functorch_config.enable_autograd_cache = False
     model, _ = load_model("smollm2-135m", getattr(torch, args.dtype))
     runs = {"A": _compiled(model, args, None, "a")}
-    runs["B"] = _compiled(model, args, SWAPS[args.swap], "b")
+    runs["B"] = _compiled(model, args, SWAPS[args.swap] if args.swap else None, "b")
     times = {"A": [], "B": []}
     with torch.no_grad():
         for _ in range(args.steps):
@@ -125,12 +133,14 @@ def main(argv=None) -> int:
                                 logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
                 times[name].append(1000.0 * (time.perf_counter() - start))
                 runs[name] = (forward, cache, token)
-    result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "options": args.options, "steps": args.steps,
+    result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "options": args.options,
+              "options_b": args.options_b, "steps": args.steps,
               "threads": torch.get_num_threads(), "machine": machine_info(),
               "ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
               "command": "python -m benchmarks.ab_step " + " ".join(sys.argv[1:] if argv is None else argv)}
     result["b_over_a"] = result["ms_per_step"]["B"] / result["ms_per_step"]["A"]
-    print(f"A (current) {result['ms_per_step']['A']:.2f} ms/step, B ({args.swap}) "
+    label = " + ".join(filter(None, [args.swap, json.dumps(args.options_b) if args.options_b else ""]))
+    print(f"A (current) {result['ms_per_step']['A']:.2f} ms/step, B ({label}) "
           f"{result['ms_per_step']['B']:.2f} ms/step, B/A {result['b_over_a']:.3f}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
