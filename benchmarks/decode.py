@@ -73,9 +73,15 @@ CONTENDERS = ("hf-eager", "hf-static-inductor", "own-dense", "specontext-512", "
 # own-dense: every site dense over the store (budget >= any store: the pass's dense shortcut,
 # SDPA over the store with the causal limit), compiled per shape (dynamic=False keeps the
 # store length static, so the shortcut is decided from shapes on every graph)
-# regional=False: the graph compiled whole and frozen, the faster step (regional compilation
+# regional=False: the graph compiled whole (its weights stay graph inputs: the backend's default
+# freezing patch folds nothing; own-dense-frozen folds them), the faster step (regional compilation
 # costs the step ~11% at 30 layers: docs/benchmarks.md, "Compile time"), the slower compile
 OWN_DENSE = {"options": {"budget": 1 << 30, "page_rescue": 0, "regional": False}, "dynamic": False}
+# the backend's frozen step (weights folded in: specontext_compile/freezing.py) with inductor's
+# CPP GEMM template for the linear layers (max_autotune; gemv off so that they stay matmuls)
+FROZEN = {"freezing": True, "mode": "max-autotune", "gemv": False}
+OWN_DENSES = {"own-dense": OWN_DENSE,
+              "own-dense-frozen": {**OWN_DENSE, "options": {**OWN_DENSE["options"], **FROZEN}}}
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs" / "results"  # raw figures; the pages that cite them are in docs/
 # OpenVINO GenAI, the peer run by benchmarks/openvino_peer.py in its own venv
@@ -288,8 +294,8 @@ class Forwards:
                 self._fns[name] = openvino_torch_forward(self.model)
             elif name.startswith("hf-static-"):
                 self._fns[name] = torch.compile(self.model.forward, **HF_STATIC[name])
-            elif name == "own-dense":
-                self._fns[name] = torch.compile(self.model.forward, backend="specontext", **OWN_DENSE)
+            elif name in OWN_DENSES:
+                self._fns[name] = torch.compile(self.model.forward, backend="specontext", **OWN_DENSES[name])
             else:
                 budget, options = parse_specontext(name)
                 self._fns[name] = torch.compile(
@@ -298,8 +304,9 @@ class Forwards:
 
 
 # HF StaticCache + inductor, as Hugging Face compiles decoding; "-cudagraphs" is HF's default
-# mode (CUDA graphs; on CPU inductor skips them), "-frozen" adds weight freezing (CPU: weights
-# pre-packed for oneDNN), so what freezing alone gives is visible for the dense peer too
+# mode (CUDA graphs; on CPU inductor skips them), "-frozen" adds inductor's freezing option
+# (which, given as an option, reaches inductor after dynamo lifted the weights to graph inputs,
+# so it likely freezes nothing: docs/benchmarks.md, "Freezing that takes effect")
 HF_STATIC = {
     "hf-static-inductor": {"backend": "inductor"},
     "hf-static-frozen": {"backend": "inductor", "options": {"freezing": True}},
@@ -344,6 +351,7 @@ SPECONTEXT_VARIANTS = {
     "d0": {"dense_layers": (0,)},  # layer 0 kept dense (option dense_layers), the rescue at its default
     "below16k": {"dense_below": 16384},  # dense over stores of <= 16K tokens (option dense_below)
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
+    "frozen": FROZEN,  # weights folded and frozen, linear layers on inductor's CPP GEMM template
 }
 
 
@@ -372,7 +380,7 @@ def check_contenders(names: list[str]) -> list[str]:
     for name in names:
         if is_openvino(name):
             parse_openvino(name)
-        elif name not in ("hf-eager", "own-dense") and name not in HF_STATIC:
+        elif name != "hf-eager" and name not in OWN_DENSES and name not in HF_STATIC:
             parse_specontext(name)
     return names
 
@@ -505,7 +513,7 @@ def run_contender(name, forwards, config, source, first_token, context, batch, s
     kv = cache_bytes(cache)
     peak = peak_rss_bytes()
     sites = None
-    if name.startswith("specontext") or name == "own-dense":
+    if name.startswith("specontext") or name in OWN_DENSES:
         from specontext_compile import compile_reports
 
         decode = [r for r in compile_reports() if r.result.phase == "decode"]

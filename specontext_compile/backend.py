@@ -20,6 +20,7 @@ from . import fallbacks
 from . import logs as _logs
 from .config import MODES as _MODES
 from .config import SpeContextConfig
+from .freezing import drop_folded, fold_parameters
 from .passes.dump import GraphDumper, graph_text
 from .passes.gemv import rewrite_one_row_linears
 from .passes.lower import LowerResult, lower_to_aten
@@ -189,6 +190,10 @@ def specontext_backend(
     patches = {**inductor_patches(config, mode, example_inputs), **_cache_key_patch(pass_uuid),
                **_cacheable_functions(gm.graph, pass_uuid)}
     mark_added_inputs(gm)
+    keep = None
+    if _folds_parameters(config, on_cuda):
+        example_inputs, keep = fold_parameters(gm, example_inputs)
+        counters["specontext"]["frozen_graphs"] += 1
     try:
         compiled = _inductor(gm, example_inputs, patches, config, on_cuda)
     except Exception as err:  # noqa: BLE001 - re-raised unless it is our kernel's and can be left out
@@ -199,6 +204,8 @@ def specontext_backend(
         mark_added_inputs(unlowered)
         compiled = _inductor(unlowered, example_inputs, patches, config, on_cuda)
         _warn_kernel_fallback(err, first, _graph_label(result))
+    if keep is not None:
+        compiled = drop_folded(compiled, keep)
     return extra.wrap(_checked_backward(compiled))
 
 
@@ -284,6 +291,16 @@ def _regional(config: SpeContextConfig, on_cuda: bool) -> bool:
     if config.compile.regional is not None:
         return config.compile.regional
     return not on_cuda and config.compile.freezing is not True
+
+
+def _folds_parameters(config: SpeContextConfig, on_cuda: bool) -> bool:
+    """Whether the graph's parameters are folded in before inductor compiles it
+    (:mod:`.freezing`): option ``freezing=True`` asked for, a CPU graph compiled whole (a region
+    is shared by the layers: its weights stay inputs), gradients off (inductor freezes only
+    then). ``freezing=None`` keeps the parameters as inputs (inductor's freezing patch then
+    changes nothing: docs/benchmarks.md, "Freezing that takes effect")."""
+    return (config.compile.freezing is True and not on_cuda and not _regional(config, on_cuda)
+            and not torch.is_grad_enabled())
 
 
 def _adopt_static_cache(gm: torch.fx.GraphModule, example_inputs: list[Any], config: SpeContextConfig):

@@ -283,8 +283,13 @@ class SpeContextConfig:
             length (naming every layer is then a ``ValueError`` from ``sc.compile`` or
             ``enable_offload``). A dense layer's attention scratch (e.g. Hugging Face's
             ``repeat_kv`` copy of its keys and values on the SDPA path) is not modelled.
-        freezing: inductor weight freezing (constant weights, pre-packed for oneDNN on CPU);
-            None = on for CPU graphs, off on CUDA. Only takes effect under ``torch.no_grad()``.
+        freezing: True: the parameters are folded into the graph (``freezing.py``) and inductor
+            freezes them (constant weights, packed for oneDNN on CPU; with ``mode="max-autotune"``
+            and ``gemv=False`` its CPP GEMM template: bf16 steps 1.2x faster on a Xeon with AMX,
+            docs/benchmarks.md, "Freezing that takes effect"); CPU graphs compiled whole (it turns
+            ``regional`` off by default), under ``torch.no_grad()``; weights changed later are
+            not seen. None: inductor's freezing patch for CPU graphs, which folds nothing (the
+            weights stay graph inputs). False: neither.
         gemv: with inductor, compute one-row linear layers (batch-1 decode) as a fused
             multiply-and-sum that inductor vectorises (``passes/gemv.py``: the weights are
             then read near the copy rate on CPU); None = on for CPU graphs, off on CUDA.
