@@ -2,8 +2,9 @@
 
 Without the fold, dynamo hands every parameter to the backend as a graph input and inductor's
 freezing patch changes nothing; these tests check that the fold happens where it must (and
-only there), that a frozen step computes what the unfrozen one does, and that inductor then
-really sees constants (no parameter among the compiled graph's inputs)."""
+only there), that a frozen step computes what the unfrozen one does, and that the graph handed
+to inductor has no parameter among its inputs (the fold itself; that inductor then packs the
+weights is inductor's freezing, measured in docs/benchmarks.md, not asserted here)."""
 
 from __future__ import annotations
 

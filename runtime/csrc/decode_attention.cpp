@@ -128,7 +128,8 @@ void attend_item(int64_t item, const float* query, const T* keys, const T* value
 #ifdef __AVX512F__
     // 16 slots at a time (bfloat16 widened in registers), no horizontal sum per slot: 2.3x the
     // per-slot loop for bfloat16 on an AMD Zen 4; for float32 on par there and 1.03x on a Xeon,
-    // where it carries the keys' prefetch (together 1.26x, issue 51, 2026-12-06)
+    // where it carries the keys' prefetch (together 1.26x for the kernel alone, 1.09x for the
+    // fp32 dense step: issue 51, docs/benchmarks.md, 2026-12-06)
     if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
       for (; j + 16 <= n; j += 16) {
         for (int jj = 0; jj < 16; ++jj)
