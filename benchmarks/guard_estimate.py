@@ -4,7 +4,7 @@ For ``steps`` teacher-forced decode steps after a dense prefill of ``context`` t
 harness's text (:func:`benchmarks.fidelity.record`: every layer's query and keys, exact), and
 per layer, it runs the shipped selection code on the recorded tensors:
 
-* the selection node (:func:`~specontext_compile.runtime.aten_step.lagged_query_scores` +
+* the selection node (:func:`~specontext_compile.runtime.scorers.lagged_query_scores` +
   :func:`~specontext_compile.runtime.aten_step.select_positions`, the previous step's queries
   of the retrieval layers) picks ``ceil(candidates * budget)`` candidates;
 * the layer's refinement (:func:`~specontext_compile.runtime.aten_step.refine_coverage`)
@@ -38,7 +38,7 @@ import json
 from pathlib import Path
 
 import torch
-from specontext_compile.runtime import aten_step, page_bounds
+from specontext_compile.runtime import aten_step, page_bounds, scorers
 from specontext_compile.runtime.sparse_attention import _gather_tokens  # the ops' own gather
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
@@ -94,7 +94,7 @@ def measure(queries, keys, context: int, scale: float, budget: int, candidates: 
         state = torch.stack([queries[i - 1][j] for j in retrieval])
         # every slot recorded at the previous step's length: the head's real scores (not recency)
         recorded = torch.full((len(retrieval),), n_after - 1, dtype=torch.long)
-        scores = aten_step.lagged_query_scores(state, recorded, [k[j] for j in retrieval],
+        scores = scorers.lagged_query_scores(state, recorded, [k[j] for j in retrieval],
                                                torch.tensor(n_after - 1), scale)
         slots = min(candidate_slots(budget, candidates), n_after)
         cand = aten_step.select_positions(scores, torch.tensor(n_after - 1), 1, slots, sink, window)

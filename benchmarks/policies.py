@@ -10,9 +10,10 @@ peers, which sits on every layer's critical path).
 
 Policies (batch 1, the shapes of one decode step as recorded by the harness):
 
-* :class:`LaggedQuery` — ours: previous-step queries of some layers vs their key caches.
+* :class:`LaggedQuery` — ours: previous-step queries of some layers vs their key caches
+  (the product's scorer, :mod:`specontext_compile.runtime.scorers`).
 * :class:`DraftHead` — SpeContext's own head: a pruned EAGLE-3 / distilled draft with its
-  own key cache over the token ids (and fused hidden states).
+  own key cache over the token ids (and fused hidden states); the product's scorer.
 * :class:`StreamingLLM` — attention sinks + recent window only (Xiao et al., 2023).
 * :class:`Quest` — per-layer page scores from per-channel key min/max bounds of 16-token
   pages and the current query (Tang et al., ICML 2024).
@@ -27,9 +28,9 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-
+from specontext_compile.runtime import scorers
 from specontext_compile.runtime.retrieval import group_max_softmax
-from specontext_compile.runtime.sparse_attention import query_key_logits
+from specontext_compile.runtime.spec import AttentionVariant
 
 __all__ = ["H2O", "DecodeStep", "LaggedQuery", "OracleTopK", "Quest", "RandomTokens", "StreamingLLM"]
 
@@ -64,7 +65,9 @@ class DecodeStep:
 
 @dataclasses.dataclass
 class LaggedQuery:
-    """Ours (docs/design.md): summed group-max softmax of the previous step's queries."""
+    """Ours (docs/design.md): the product's lagged-query scorer
+    (:func:`~specontext_compile.runtime.scorers.lagged_query_score`: summed group-max softmax of
+    the previous step's queries of ``layers``), fed the step's record."""
 
     layers: tuple[int, ...] = (2, 4, 8, 12, 20)
     shared = True
@@ -73,10 +76,11 @@ class LaggedQuery:
         if step.previous_queries is None:
             raise ValueError("LaggedQuery needs the previous step's queries (start at step 1)")
         n = step.cached
-        return sum(
-            group_max_softmax(step.previous_queries[j], step.keys[j][:, :, :n], step.scale)[0]
-            for j in self.layers
-        )
+        cached = torch.tensor(n)
+        state = torch.stack([step.previous_queries[j][:, :, -1:] for j in self.layers])  # [slots, 1, H, 1, d]
+        record = (state, torch.full((len(self.layers),), n))
+        stores = [step.keys[j] for j in self.layers]
+        return scorers.lagged_query_score(record, stores, cached, 1, None, AttentionVariant(step.scale))[0, :, :n]
 
 
 @dataclasses.dataclass
@@ -154,6 +158,9 @@ class DraftHead:
     shared = True
 
     def scores(self, step: DecodeStep, layer: int) -> torch.Tensor:
+        """The product's draft scorer (:func:`~specontext_compile.runtime.scorers.draft_score`)
+        over the ``n`` cached tokens only (``q_len = 0``: the step's own token left out of the
+        softmax), for the head's own KV heads."""
         ids, aux = step.input_ids, step.aux_hidden
         if ids is None or aux is None:
             raise ValueError("DraftHead needs the step's input_ids and aux_hidden")
@@ -162,5 +169,6 @@ class DraftHead:
         with torch.no_grad():
             q, k = self.head(ids, aux, torch.arange(ids.shape[1])[None])
         n = step.cached
-        logits = query_key_logits(q[0, :, -1:], k[0, :, :n], q.shape[-1] ** -0.5)[:, 0]
-        return torch.softmax(logits, -1)
+        record = (q[:, :, -1:], k, torch.tensor(k.shape[2]))
+        target = k.new_empty(1, k.shape[1], n, 1)  # the scores' shape: the head's KV heads, the cached tokens
+        return scorers.draft_score(record, [target], torch.tensor(n), 0, None, AttentionVariant(1.0))[0]

@@ -34,7 +34,7 @@ ENV_VAR = "SPECONTEXT_DUMP_DIR"
 _COUNTER = itertools.count()
 _COLOURS = {  # specontext ops by role
     "kv_write": "lightblue", "retrieval_anchor": "khaki", "record_query": "khaki",
-    "speculative_select": "orange", "sparse_attention": "palegreen",
+    "head_select": "orange", "sparse_attention": "palegreen",
 }
 
 

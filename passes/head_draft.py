@@ -3,8 +3,8 @@ style head with its own key cache scores the context. ``specontext::draft_step``
 the head's keys of the step's tokens into that cache (every graph, prefill included; an
 embedding-only head reads the token embedding, a fused one also the target's previous-step
 hidden states at its auxiliary layers, kept by :func:`~..runtime.aten_step.record_hidden`), and
-:func:`~..runtime.aten_step.draft_select` selects with the step's draft query (both direct
-calls)."""
+:func:`~..runtime.scorers.head_select` with the ``"draft"`` scorer selects with the step's draft
+query (both direct calls)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,8 @@ import torch
 from torch import fx
 
 from ..runtime import aten_step
-from ..runtime.protocol import DraftAnchor, RetrievalAnchor, op_arguments
-from ..runtime.spec import AttentionVariant, StepSpec
-from .heads import SelectionHead
+from ..runtime.protocol import DraftAnchor, RetrievalAnchor
+from .heads import ScoreInputs, SelectionHead
 from .sites import KV_WRITE, AttentionSite, decoder_layer_outputs, find_token_embedding, is_op
 
 logger = logging.getLogger(__name__)
@@ -30,6 +29,8 @@ DRAFT_RECORD = aten_step.record_hidden
 
 class DraftHead(SelectionHead):
     """The draft head in ``folder`` (resolved); ``label`` ``"draft:<folder>"``."""
+
+    scorer = "draft"
 
     def __init__(self, folder: str):
         self.folder = folder
@@ -58,25 +59,16 @@ class DraftHead(SelectionHead):
     def after_break(self) -> str | None:
         return "after a graph break the draft head's selection does not reach this graph yet"
 
-    def select(self, graph: fx.Graph, anchor: fx.Node, spec: StepSpec, window: int, mask: fx.Node | None,
-               decode: list[AttentionSite]) -> fx.Node:
-        """``draft_select`` after the draft step and the mask."""
+    def score_inputs(self, graph: fx.Graph, anchor: fx.Node, mask: fx.Node | None,
+                     decode: list[AttentionSite]) -> ScoreInputs:
+        """The draft step's query and the head's key cache, after the draft step and the mask;
+        layer 0's store for the target's shape. The head scores with its own scale
+        (``head_dim ** -0.5``): the site's stands in the variant."""
         step, write, _ = self.inserted
         order = {n: i for i, n in enumerate(graph.nodes)}
-        with graph.inserting_after(max((step, mask or step), key=order.__getitem__)):
-            # the variant carries the window (and, once lowered for inductor, the products' form);
-            # the head scores with its own scale, so the site's stands in
-            variant = AttentionVariant(decode[0].scale, sliding_window=window)
-            return graph.call_function(aten_step.draft_select, (step, (step.args[0], step.args[1]), write.args[0],
-                                                      write.args[2], decode[0].q_len, spec, variant, mask))
-
-    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
-        """:func:`~..runtime.aten_step.draft_ready` of the head's key cache (the arguments of
-        ``selection``, a ``draft_select`` node)."""
-        args = op_arguments(selection, aten_step.draft_select)
-        (_, draft_length), length, q_len = args["draft_cache"], args["length"], args["q_len"]
-        with graph.inserting_after(selection):
-            return graph.call_function(aten_step.draft_ready, (draft_length, length, q_len))
+        after = max((step, mask or step), key=order.__getitem__)
+        return ScoreInputs(after, (step, step.args[0], step.args[1]), [write.args[0]], write.args[2],
+                           decode[0].q_len, decode[0].scale)
 
     def _insert_step(self, graph: fx.Graph, q_len: int | None):
         """Insert ``draft_step`` (and, for a fused head, ``draft_record``); returns ``(step,

@@ -1,7 +1,7 @@
 """The training-free lagged-query selection head (SpeContext section 4): each retrieval layer
 records its last query row every step (:func:`~..runtime.aten_step.record_query`), and the next step's
-selection node (:func:`~..runtime.aten_step.speculative_select`, a direct call) scores every cached token with those
-queries before layer 0 runs."""
+selection node (:func:`~..runtime.scorers.head_select` with the ``"lagged-query"`` scorer, a direct
+call) scores every cached token with those queries before layer 0 runs."""
 
 from __future__ import annotations
 
@@ -10,15 +10,13 @@ from torch import fx
 from ..config import default_retrieval_layers
 from ..runtime import aten_step, rollback
 from ..runtime.protocol import RetrievalAnchor
-from ..runtime.spec import AttentionVariant, StepSpec
-from .heads import SelectionHead
+from .heads import ScoreInputs, SelectionHead
 from .site_nodes import bias_4d, selection_query
 from .sites import AttentionSite
 
 __all__ = ["LaggedQueryHead"]
 
 RECORD = aten_step.record_query
-SELECT = aten_step.speculative_select
 HISTORY = rollback.record_rows
 RESTORE = rollback.restore
 
@@ -27,7 +25,7 @@ class LaggedQueryHead(SelectionHead):
     """Lagged queries of ``retrieval_layers`` (None = :func:`default_retrieval_layers`;
     negative counts from the end); ``label`` ``"lagged-query"``."""
 
-    label = "lagged-query"
+    label = scorer = "lagged-query"
 
     def __init__(self, retrieval_layers: tuple[int, ...] | None):
         self.layers = retrieval_layers
@@ -75,13 +73,11 @@ class LaggedQueryHead(SelectionHead):
             return "retrieval layers differ in their position bias (ALiBi)"
         return None
 
-    def select(self, graph: fx.Graph, anchor: fx.Node, spec: StepSpec, window: int, mask: fx.Node | None,
-               decode: list[AttentionSite]) -> fx.Node:
-        """``speculative_select`` after the anchor, the mask and ALiBi's bias (if any); the
-        function is looked up when the pass runs (a wrapper set before compiling is called)."""
+    def score_inputs(self, graph: fx.Graph, anchor: fx.Node, mask: fx.Node | None,
+                     decode: list[AttentionSite]) -> ScoreInputs:
+        """The recorded queries and the retrieval layers' key stores, after the anchor, the
+        mask, ALiBi's bias (if any) and the rollback's restore of the slots (inserted once)."""
         first = self.drivers[0]
-        # an MLA layer's key store is its (latent, rotary) pair
-        stores = [(d.key_cache, d.value_cache) if d.mla is not None else d.key_cache for d in self.drivers]
         bias = bias_4d(graph, first)
         order = {n: i for i, n in enumerate(graph.nodes)}
         after = max((anchor, mask or anchor, bias or anchor), key=order.__getitem__)
@@ -90,16 +86,8 @@ class LaggedQueryHead(SelectionHead):
                 after = graph.call_function(RESTORE, (self.anchored.query_state, self.anchored.query_valid,
                                                       first.length, [_store(d) for d in self.drivers]))
             self.restored = True
-        with graph.inserting_after(after):
-            return graph.call_function(aten_step.speculative_select, (
-                (self.anchored.query_state, self.anchored.query_valid), stores, first.length, first.q_len, spec,
-                AttentionVariant(first.scale, sliding_window=window), mask, bias))
-
-    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
-        """:func:`~..runtime.aten_step.lagged_ready` of the drivers' recorded queries."""
-        with graph.inserting_after(selection):
-            return graph.call_function(aten_step.lagged_ready, (
-                self.anchored.query_valid, self.drivers[0].length, len(self.drivers)))
+        return ScoreInputs(after, (self.anchored.query_state, self.anchored.query_valid),
+                           [_store(d) for d in self.drivers], first.length, first.q_len, first.scale, bias)
 
     def _pick(self, num_layers: int) -> list[int]:
         layers = self.layers or default_retrieval_layers(num_layers)

@@ -11,30 +11,50 @@ which head it holds:
 2. :meth:`SelectionHead.serves`: the decode sites one selection of this head can serve
    (the others get their reason);
 3. :meth:`SelectionHead.unusable`: why the head cannot select for these sites, or None;
-4. :meth:`SelectionHead.select`, once per distinct sliding window: insert the selection
-   node, whose output is int64 ``[batch, num_kv_heads, min(spec.candidate_slots,
-   capacity)]`` positions (``-1`` padding);
-5. :meth:`SelectionHead.ready`, once per step (optional): insert the bool scalar saying
-   whether the head's state covers the context (else its selections rank by recency), which
-   the pass counts (``path_counts()["recency_fallback_steps"]``).
+4. :meth:`SelectionHead.score_inputs`: the nodes the head scores from (its ``record`` and
+   ``stores``, :mod:`~..runtime.scorers`) and the node the selection must follow.
+
+The base class then inserts the same two nodes for every head: the selection,
+:func:`~..runtime.scorers.head_select` (``scorer`` names the head's entry of
+:data:`~..runtime.scorers.SCORERS`; once per distinct sliding window; int64 ``[batch,
+num_kv_heads, min(spec.candidate_slots, capacity)]`` positions, ``-1`` padding), and once per
+step :func:`~..runtime.scorers.head_ready`, the bool scalar saying whether the head's record
+covers the context (else the selection ranked by recency), which the pass counts
+(``path_counts()["recency_fallback_steps"]``). What a head computes at run time is its two
+functions in :mod:`~..runtime.scorers`, plain torch; this protocol only says where its
+record is written and read.
 
 Heads: :class:`~.head_lagged.LaggedQueryHead` (training-free, the default) and
 :class:`~.head_draft.DraftHead` (option ``retrieval_head``: embedding-only and fused heads).
-Adding a head is one module with a subclass, one line in
-:func:`~.sparse_rewrite.make_head`, and its test.
+Adding a head is its scorer (:mod:`~..runtime.scorers`), one module with a subclass here, one line in
+:func:`~.sparse_rewrite.make_head`, and its entry in the heads' test (``tests/test_scorers.py``).
 """
 
 from __future__ import annotations
 
 import abc
+from typing import NamedTuple
 
 from torch import fx
 
-from ..runtime.protocol import RetrievalAnchor
-from ..runtime.spec import StepSpec
+from ..runtime import scorers
+from ..runtime.protocol import RetrievalAnchor, op_arguments
+from ..runtime.spec import AttentionVariant, StepSpec
 from .sites import AttentionSite
 
-__all__ = ["SelectionHead"]
+__all__ = ["ScoreInputs", "SelectionHead"]
+
+
+class ScoreInputs(NamedTuple):
+    """What :meth:`SelectionHead.select` hands :func:`~..runtime.scorers.head_select`."""
+
+    after: fx.Node  # the selection goes after this node (and after the mask)
+    record: tuple  # the head's record (runtime/scorers.py), nodes
+    stores: list  # the head's stores (runtime/scorers.py), nodes
+    length: fx.Node  # int64 scalar: tokens written before the step
+    q_len: int | None  # tokens in the step
+    scale: float  # the scores' softmax scale as the variant carries it (a draft head uses its own)
+    position_bias: fx.Node | None = None  # ALiBi's bias node, or None
 
 
 class SelectionHead(abc.ABC):
@@ -42,6 +62,7 @@ class SelectionHead(abc.ABC):
     inserted between the calls below)."""
 
     label: str  # RewriteResult.selection_head: "lagged-query" or "draft:<folder>"
+    scorer: str  # its key in runtime.scorers.SCORERS
 
     @property
     def retrieval_layers(self) -> tuple[int, ...]:
@@ -67,13 +88,30 @@ class SelectionHead(abc.ABC):
         return None
 
     @abc.abstractmethod
+    def score_inputs(self, graph: fx.Graph, anchor: fx.Node, mask: fx.Node | None,
+                     decode: list[AttentionSite]) -> ScoreInputs:
+        """The nodes the head's scorer reads and where its selection goes (may insert nodes
+        the selection reads, e.g. a rollback's restore)."""
+
     def select(self, graph: fx.Graph, anchor: fx.Node, spec: StepSpec, window: int, mask: fx.Node | None,
                decode: list[AttentionSite]) -> fx.Node:
-        """Insert the step's selection node for the sites of sliding window ``window`` (0 =
-        full attention) with ``mask`` (a site's Hugging Face mask node, or None); returns it."""
+        """Insert the step's :func:`~..runtime.scorers.head_select` node for the sites of
+        sliding window ``window`` (0 = full attention) with ``mask`` (a site's Hugging Face
+        mask node, or None) and return it. The function is looked up when the pass runs (a
+        wrapper set before compiling is called)."""
+        inputs = self.score_inputs(graph, anchor, mask, decode)
+        # the variant carries the window (and, once lowered for inductor, the products' form)
+        variant = AttentionVariant(inputs.scale, sliding_window=window)
+        with graph.inserting_after(inputs.after):
+            return graph.call_function(scorers.head_select, (
+                self.scorer, inputs.record, inputs.stores, inputs.length, inputs.q_len, spec, variant, mask,
+                inputs.position_bias))
 
-    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node | None:
+    def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
         """Insert, after ``selection`` (a node :meth:`select` returned), the bool scalar tensor
         that is True when the head could score this step (False: the selection ranked by
-        recency) and return it; None (the default) for a head that never falls back."""
-        return None
+        recency), :func:`~..runtime.scorers.head_ready`, and return it."""
+        args = op_arguments(selection, scorers.head_select)
+        with graph.inserting_after(selection):
+            return graph.call_function(scorers.head_ready, (args["head"], args["record"], args["stores"],
+                                                            args["length"], args["q_len"]))

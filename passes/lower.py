@@ -24,7 +24,7 @@ Invariants:
   here: ``aten_step.sparse_attention``, ``mla.mla_sparse_attention`` at a site whose variant
   is multi-head latent attention's, or on CUDA graphs ``kernel_step.kernel_attention``) are lowered. What the pass inserts as
   direct calls of step functions needs nothing: the selection nodes
-  (``aten_step.speculative_select``, ``draft_select``), the per-layer
+  (``scorers.head_select``), the per-layer
   ``aten_step.refine_selection``, ``record_query``, ``record_hidden`` and the counters. The
   draft head's step (``draft_step``: a loaded module), offload ops (they move rows and run the
   plan: runtime state outside the graph, ordered by their declared effects) and

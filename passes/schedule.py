@@ -52,7 +52,7 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
-from ..runtime import aten_step, offload_step
+from ..runtime import aten_step, offload_step, scorers
 from ..runtime import offload_ops as _offload_ops  # noqa: F401  (registers the ops)
 from ..runtime.protocol import op_arguments
 from ..runtime.torch_private import custom_graph_pass
@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["OffloadSchedulePass", "ScheduleResult", "CostModel"]
 
-SELECT = aten_step.speculative_select  # step functions the pass calls directly
+SELECT = scorers.head_select  # step functions the pass calls directly
 SPARSE = torch.ops.specontext.sparse_attention
 KV_WRITE = torch.ops.specontext.kv_write
 PLAN = torch.ops.specontext.offload_plan
@@ -201,7 +201,7 @@ class OffloadSchedulePass:
         cfg = repr((self.budget, self.overlap, self.max_inflight, self.bandwidth))
         runtime = Path(__file__).resolve().parent.parent / "runtime"
         files = (__file__, *(str(runtime / f) for f in ("offload.py", "offload_ops.py", "offload_step.py",
-                                                         "aten_step.py")))
+                                                         "aten_step.py", "scorers.py")))
         return f"specontext-offload-schedule-{get_hash_for_files(files, cfg).hex()[:24]}"
 
     def _cost(self, graph: fx.Graph, sparse: list[fx.Node]) -> CostModel:

@@ -36,20 +36,18 @@ from .sparse_attention import (
     attend_gathered,
     causal_limit_mask,
     fused_products,
-    masked_group_max_softmax,
     row_visibility,
     selected_logits,
     sparse_attention_reference,
 )
 
-__all__ = ["count_fallback", "count_guard", "count_step", "covers_store", "draft_ready", "draft_select", "lagged_ready",
-           "lagged_query_scores",
+__all__ = ["count_fallback", "count_guard", "count_step", "covers_store",
            "attend_kept", "record_hidden", "record_query", "refine_and_attend", "refine_candidates", "refine_gathered", "refine_inputs",
            "refine_selection",
            "rescue_pages_into",
            "seen_positions", "select_positions",
            "sparse_attention",
-           "sinks_attention", "speculative_select", "write_kv"]
+           "sinks_attention", "write_kv"]
 
 _NEG = float("-inf")
 
@@ -86,23 +84,10 @@ def count_step(stats: torch.Tensor, increments: list[int]) -> None:
 @has_side_effect
 def count_fallback(stats: torch.Tensor, ready: torch.Tensor) -> None:
     """Count a decode step whose selection head was not ready (``ready``: bool scalar tensor,
-    :func:`lagged_ready` or :func:`draft_ready`), so its selection ranked by recency:
+    :func:`.scorers.head_ready`), so its selection ranked by recency:
     ``stats[FALLBACK_STAT] += 1`` on the device (``recency_fallback_steps`` in
     ``path_counts()``), no host read."""
     stats[FALLBACK_STAT].add_((~ready).long())
-
-
-def lagged_ready(query_valid: torch.Tensor, cached: torch.Tensor, layers: int) -> torch.Tensor:
-    """bool scalar: the lagged-query head can score this step, i.e. each of the first ``layers``
-    slots of ``query_valid`` (int64 ``[slots]``) was recorded at exactly ``cached`` tokens (the
-    step before this one wrote the last cached token)."""
-    return (query_valid[:layers] == cached).all()
-
-
-def draft_ready(draft_length: torch.Tensor, length: torch.Tensor, q_len: int) -> torch.Tensor:
-    """bool scalar: the draft head's key cache holds every position this step scores
-    (``draft_length >= length + q_len``, ``length`` tokens written before the step)."""
-    return draft_length >= length + q_len
 
 
 @has_side_effect
@@ -124,7 +109,7 @@ def record_query(query_state: torch.Tensor, query_valid: torch.Tensor, query: to
     ``slot`` of ``query_state`` ``[slots, batch, num_heads, 1, head_dim]`` and stamp the slot
     in ``query_valid`` (int64 ``[slots]``) with ``length`` (int64 scalar: tokens written,
     this step's included). The next step may use the query only if it starts at exactly that
-    length (:func:`lagged_query_scores`): a query from before a crop, a reset or another
+    length (:func:`.scorers.lagged_query_ready`): a query from before a crop, a reset or another
     prompt is never used. ``slot`` may be a 0-d int64 tensor instead of an int (regional
     compilation lifts it, so that every retrieval layer runs the same compiled region:
     specontext_compile/regional.py); the same copies then go through ``index_copy_``."""
@@ -158,54 +143,6 @@ def record_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, hidden: list
     aux_valid.index_copy_(0, entries, positions + 1)
     aux_state[:, :1].copy_(rows[:, -1:])
     aux_valid[:1].copy_(length.view(1))
-
-
-def lagged_query_scores(query_state: torch.Tensor, query_valid: torch.Tensor, key_caches: list,
-                        cached: torch.Tensor, scale: float, visible: torch.Tensor | None = None,
-                        position_bias: torch.Tensor | None = None, fused: bool = False) -> torch.Tensor:
-    """Scores of the training-free lagged-query head over every slot of the stores.
-
-    Per retrieval layer ``i``: ``softmax(q_i . K_i * scale)`` over the written positions
-    ``< cached`` (the others masked before the softmax, so garbage in unwritten slots never
-    matters), then the max over the query heads of each KV group (paper section 4, GQA);
-    summed over the layers. Unless every used slot of ``query_valid`` holds ``cached`` (the
-    query was recorded by the step that wrote the last cached token: not so after a prefill
-    run without the backend, a crop, a reset, or a cache reused for another prompt),
-    recency scores (the position itself) replace them, chosen with ``where`` on the device.
-
-    Args:
-        query_state: ``[slots, batch, num_heads, 1, head_dim]``.
-        query_valid: int64 ``[slots]``, the length each slot was recorded at (0 = never).
-        key_caches: the retrieval layers' key stores ``[batch, num_kv_heads, capacity, head_dim]``;
-            an MLA layer's is the pair ``(latent_cache, rope_cache)`` (see
-            :func:`masked_group_max_softmax`).
-        cached: int64 scalar tensor, tokens written before this step.
-        scale: softmax scale.
-        visible: optional bool ``[batch|1, 1, capacity]`` (:func:`row_visibility`): hidden
-            positions (left padding) are left out of the softmax too, so a padded row
-            scores its tokens exactly as the same prompt alone.
-        position_bias: the layers' additive position bias (ALiBi), see
-            :func:`masked_group_max_softmax`; the same for every retrieval layer.
-        fused: the products as fused reductions (``AttentionVariant.fused_products``).
-
-    Returns:
-        float32 ``[batch, num_kv_heads, capacity]``; positions ``>= cached`` (and hidden
-        ones) hold 0.
-    """
-    stores = [keys if isinstance(keys, (tuple, list)) else (keys, None) for keys in key_caches]
-    first = stores[0][0]
-    b, num_kv, capacity, d = first.shape
-    pos = torch.arange(capacity, device=first.device)
-    written = pos < cached
-    if visible is not None:
-        written = written & visible
-    total = None
-    for i, (keys, rope) in enumerate(stores):
-        probs = masked_group_max_softmax(query_state[i], keys, written, scale, rope, position_bias, fused)
-        total = probs if total is None else total + probs
-    ready = lagged_ready(query_valid, cached, len(key_caches))
-    recency = pos.to(torch.float32).expand(b, num_kv, capacity)
-    return torch.where(ready, total, recency)
 
 
 def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slots: int, sink: int,
@@ -260,65 +197,6 @@ def select_positions(scores: torch.Tensor, cached: torch.Tensor, q_len: int, slo
     values, top = rank.topk(slots, dim=-1, sorted=False)
     top = torch.where(values == _NEG, -1, top)
     return top.sort(dim=-1).values
-
-
-def speculative_select(lagged: tuple[torch.Tensor, torch.Tensor], key_caches: list, length: torch.Tensor,
-                       q_len: int, spec: StepSpec, variant: AttentionVariant,
-                       attn_mask: torch.Tensor | None = None, position_bias: torch.Tensor | None = None
-                       ) -> torch.Tensor:
-    """The selection node with the lagged-query head (the pass calls it once per step):
-    ``lagged`` is the head's record ``(query_state, query_valid)`` (:func:`record_query`),
-    :func:`lagged_query_scores` then :func:`select_positions` with
-    ``slots = min(spec.candidate_slots, capacity)`` (never below ``q_len``; the pass keeps
-    longer steps dense), sinks and recent window from ``spec``, scale and sliding window
-    from ``variant`` (the retrieval layers'). ``length``: tokens written before this step. ``attn_mask``: a site's Hugging
-    Face mask (padding-aware selection, see :func:`row_visibility`), or None.
-    ``key_caches``: the retrieval layers' key stores, an MLA layer's as its ``(latent_cache,
-    rope_cache)`` pair (:func:`lagged_query_scores`).
-    ``position_bias``: ALiBi's per-head bias ``[batch|1, num_heads, 1, capacity]`` or None.
-    Returns int64 ``[batch, num_kv_heads, slots]``."""
-    first = key_caches[0]
-    capacity = (first[0] if isinstance(first, (tuple, list)) else first).shape[-2]
-    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
-    visible = row_visibility(attn_mask, capacity)
-    query_state, query_valid = lagged
-    scores = lagged_query_scores(query_state, query_valid, key_caches, length, variant.scale, visible, position_bias,
-                                 variant.fused_products)
-    return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
-                            variant.sliding_window, visible)
-
-
-def draft_select(query: torch.Tensor, draft_cache: tuple[torch.Tensor, torch.Tensor], key_cache: torch.Tensor,
-                 length: torch.Tensor, q_len: int, spec: StepSpec, variant: AttentionVariant,
-                 attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """The selection node with a draft head (the pass calls it once per step): the head's
-    query scores its own key cache ``draft_cache = (draft_keys, draft_length)`` (the
-    :func:`draft_step` op's stores) over positions ``< length + q_len`` (causal: the step's
-    last token sees itself), mapped to the target's KV heads
-    (:func:`~specontext_compile.runtime.draft_retrieval.map_to_target_heads`), then
-    :func:`select_positions`. When the head's cache lacks a position (``draft_length <
-    length + q_len``: a step ran without the backend) recency scores are used instead,
-    chosen on the device. ``attn_mask``: padding-aware selection as in
-    :func:`speculative_select`; slots, sinks and recent window from ``spec``; the sliding
-    window and the products' form from ``variant`` (the head scores with its own scale,
-    ``head_dim ** -0.5``). Returns int64
-    ``[batch, num_kv_heads, min(spec.candidate_slots, capacity)]``."""
-    from .draft_retrieval import map_to_target_heads
-
-    draft_keys, draft_length = draft_cache
-    b, num_kv, capacity = key_cache.shape[0], key_cache.shape[1], key_cache.shape[-2]
-    keys = draft_keys[:, :, :capacity]
-    pos = torch.arange(capacity, device=key_cache.device)
-    total = length + q_len
-    visible = row_visibility(attn_mask, capacity)
-    allowed = pos < total if visible is None else (pos < total) & visible
-    scores = masked_group_max_softmax(query, keys, allowed, query.shape[-1] ** -0.5, fused=variant.fused_products)
-    scores = map_to_target_heads(scores, num_kv)
-    recency = pos.to(torch.float32).expand(b, num_kv, capacity)
-    scores = torch.where(draft_ready(draft_length, length, q_len), scores, recency)
-    slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))
-    return select_positions(scores, length, q_len, slots, spec.sink_tokens, spec.recent_window,
-                            variant.sliding_window, visible)
 
 
 def refine_selection(query: torch.Tensor, key_cache: torch.Tensor, candidates: torch.Tensor,

@@ -6,14 +6,15 @@ The paper's retrieval head is a pruned EAGLE-3 draft attention
 ``retrieval_head=DIR`` the selection node scores past tokens with that head instead of the
 training-free lagged-query head (:mod:`.retrieval`). This module holds what that needs besides
 the ops (``specontext::draft_anchor``, ``draft_step`` in :mod:`.ops`) and the step
-functions the pass calls directly (:func:`.aten_step.draft_select`, ``record_hidden``):
+functions the pass calls directly (:func:`.scorers.head_select`, ``record_hidden``):
 
 * :func:`head_spec` reads and checks a head folder (``config.json`` + ``model.safetensors``);
 * :class:`DraftKeyCache`, the head's **own key cache** ``[batch, head_kv_heads, capacity,
   head_dim]`` (one per :class:`~specontext_compile.runtime.kv_cache.SpeContextCache`), plus
   ``length``: how many positions ``0 .. length-1`` hold the head's K;
 * :func:`load_head`, the loaded head per (folder, target embedding, dtype, device);
-* :func:`draft_scores`, the head's per-target-KV-head scores.
+* :func:`map_to_target_heads`, the head's scores mapped to the target's KV heads (the scorer
+  itself: :func:`.scorers.draft_score`).
 
 Both variants run. **Embedding-only** heads (``specontext_variant: "embedding"`` in
 ``config.json``, as ``specontext distill --variant embedding`` writes them) get zero
@@ -56,12 +57,11 @@ from pathlib import Path
 import torch
 
 from .eagle3 import AuxLayers, read_aux_layers
-from .retrieval import group_max_softmax
 from .rollback import ROLLBACK_TOKENS
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DraftKeyCache", "HeadSpec", "draft_scores", "head_spec", "load_head", "previous_hidden",
+__all__ = ["DraftKeyCache", "HeadSpec", "head_spec", "load_head", "previous_hidden",
            "map_to_target_heads", "normalize_head_path"]
 
 _LOADED: dict[tuple, torch.nn.Module] = {}  # filled on use, never at import
@@ -251,23 +251,6 @@ def map_to_target_heads(scores: torch.Tensor, target_kv_heads: int) -> torch.Ten
     if hd % ht == 0:
         return scores.view(b, ht, hd // ht, n).amax(dim=2)
     return scores.amax(dim=1, keepdim=True).expand(b, ht, n)
-
-
-def draft_scores(query: torch.Tensor, keys: torch.Tensor, target_kv_heads: int) -> torch.Tensor:
-    """Scores of the draft head for the target's KV heads.
-
-    Args:
-        query: ``[batch, head_heads, 1, head_dim]``, the head's query of the step's last token.
-        keys: ``[batch, head_kv_heads, n, head_dim]``, the head's keys of positions ``0..n-1``
-            (every position the last token may attend to, itself included).
-        target_kv_heads: the target's KV heads.
-
-    Returns:
-        float32 ``[batch, target_kv_heads, n]``: per head KV group, the max over its query
-        heads of ``softmax(q . K * head_dim**-0.5)``, mapped by :func:`map_to_target_heads`.
-    """
-    scores = group_max_softmax(query, keys, query.shape[-1] ** -0.5)
-    return map_to_target_heads(scores, target_kv_heads)
 
 
 def previous_hidden(aux_state: torch.Tensor, aux_valid: torch.Tensor, start: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ draft_step             the draft head's Q/K of the step's tokens; K into its own
 
 What the pass inserts that needs no op of its own is a direct call of its function (no
 dispatcher, no fake, the same code eager and compiled): the selection nodes
-(``aten_step.speculative_select``, once per step before the first layer, and
-``aten_step.draft_select`` with a draft head), the per-layer refinement
+(``scorers.head_select``, once per step before the first layer, for every head), the per-layer refinement
 (``aten_step.refine_selection``: the layer's own query keeps ``budget`` of the step's
 candidates), ``aten_step.record_query`` (a
 retrieval layer's query for the next step), ``aten_step.record_hidden`` (a fused draft

@@ -1,7 +1,7 @@
 """Draft-head ops (``specontext::``, option ``retrieval_head``): its anchor and its step (Q/K of
 the step's tokens into its own key cache: a loaded module, opaque to the compiler). The
 recorded hidden states of fused heads and the selection node are direct calls of
-:func:`.aten_step.record_hidden` and :func:`.aten_step.draft_select`. Reference helpers:
+:func:`.aten_step.record_hidden` and :func:`.scorers.head_select`. Reference helpers:
 :mod:`.draft_retrieval`."""
 
 from __future__ import annotations

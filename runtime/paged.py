@@ -212,7 +212,7 @@ def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[t
                   stride: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The step's selection, per query row and KV head, over the packed columns.
 
-    Scores (as :func:`~.aten_step.lagged_query_scores`, per row): for each retrieval layer
+    Scores (as :func:`~.scorers.lagged_query_score`, per row): for each retrieval layer
     ``i`` the softmax of its recorded query (the request's previous token's) against its
     keys over the row's visible columns except its own token, max over the query heads of
     each KV group, summed over the layers; a row whose request has no matching record

@@ -19,14 +19,13 @@ import torch
 from .backend import CompileReport, compile_reports
 from .config import SpeContextConfig
 from .passes.sites import ANCHOR, KV_WRITE, is_op
-from .runtime import aten_step, mla, offload_step
+from .runtime import aten_step, mla, offload_step, scorers
 from .runtime.kv_cache import SpeContextCache
 from .runtime.protocol import op_arguments
 from .runtime.torch_private import counters
 
 __all__ = ["Explanation", "SiteRow", "explain"]
 
-_SELECTIONS = (aten_step.speculative_select, aten_step.draft_select)  # direct calls of the pass
 _SPARSE = torch.ops.specontext.sparse_attention.default
 _ATTENTION = (_SPARSE, offload_step.attention,
               aten_step.guarded_attention, aten_step.sinks_attention, mla.attend_latent)  # sites no kernel serves
@@ -134,7 +133,7 @@ def _step_calls(index: int, report: CompileReport) -> str:
         if node.op != "call_function":
             continue
         name = _target_name(node.target)
-        if name is not None and name.startswith(("specontext::", "aten_step.", "offload_step.", "page_bounds.",
+        if name is not None and name.startswith(("specontext::", "aten_step.", "scorers.", "offload_step.", "page_bounds.",
                                                  "mla.")):
             calls[name] = calls.get(name, 0) + 1
     text = ", ".join(f"{k} x{v}" for k, v in calls.items())
@@ -158,15 +157,15 @@ def _selection_placement(index: int, gm: torch.fx.GraphModule) -> list[str]:
     writes = [n for n in nodes if is_op(n, KV_WRITE)]
     sparse = [n for n in nodes if n.target in _ATTENTION]
     out = []
-    for sel in (n for n in nodes if any(is_op(n, f) for f in _SELECTIONS)):
-        a = op_arguments(sel, next(f for f in _SELECTIONS if is_op(sel, f)))
+    for sel in (n for n in nodes if is_op(n, scorers.head_select)):
+        a = op_arguments(sel, scorers.head_select)
         window = a["variant"].sliding_window
         users = list(dict.fromkeys(u for u in _consumers(sel, depth=3) if u.target in _ATTENTION))
         first_sparse = min((where[u] for u in users), default=None)
         anchor = f"after {anchors[0].name} (node {where[anchors[0]]})" if anchors else "no anchor"
         first_write = f"before the first kv_write (node {where[writes[0]]})" if writes else ""
         out.append(
-            f"graph {index}: {sel.name} ({_target_name(sel.target)}) at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
+            f"graph {index}: {sel.name} ({_target_name(sel.target)}, head {a['head']}) at node {where[sel]} of {len(nodes)}, {anchor}, {first_write}; "
             f"window={window or 'full'}; feeds {len(users)} of {len(sparse)} sparse_attention nodes, "
             f"first at node {first_sparse}")
     return out

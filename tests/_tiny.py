@@ -56,16 +56,17 @@ def compiled_steps(model, ids, steps, **options):
     return torch.stack(logits, 1), cache
 
 
-def decode_graph_ops(name: str) -> int:
+def decode_graph_ops(name: str, head: str | None = None) -> int:
     """How many calls of ``name`` the decode graphs the backend rewrote since the last
     ``clear_compile_reports()`` hold (the rewritten graph, before lowering swaps each op for
     its body): what the pass inserted, whichever way the step then ran. ``name``: a
     ``specontext::`` op (``"sparse_attention"``) or a step function of ``aten_step`` the pass
-    calls directly (``"speculative_select"``, ``"refine_selection"``)."""
+    calls directly (``"head_select"``, ``"refine_selection"``); ``head``: count only the
+    ``head_select`` nodes of that selection head (``"lagged-query"``, ``"draft"``)."""
     import specontext_compile as sc
-    from specontext_compile.runtime import aten_step
+    from specontext_compile.runtime import aten_step, scorers
     from specontext_compile.runtime.protocol import is_op
 
-    target = getattr(torch.ops.specontext, name, None) or getattr(aten_step, name)
-    return sum(is_op(n, target) for r in sc.compile_reports() if r.result.phase == "decode"
-               for n in r.graph_module.graph.nodes)
+    target = getattr(torch.ops.specontext, name, None) or getattr(aten_step, name, None) or getattr(scorers, name)
+    return sum(is_op(n, target) and (head is None or n.args[0] == head)
+               for r in sc.compile_reports() if r.result.phase == "decode" for n in r.graph_module.graph.nodes)

@@ -57,9 +57,9 @@ def build(folder: str) -> None:
 
 def _record_selections(store: list):
     """Record every selection the eager op chain makes (``inner="eager"`` calls the op bodies)."""
-    from specontext_compile.runtime import aten_step
+    from specontext_compile.runtime import scorers
 
-    original = aten_step.speculative_select
+    original = scorers.head_select
 
     @functools.wraps(original)
     def recording(*args, **kwargs):
@@ -67,8 +67,8 @@ def _record_selections(store: list):
         store.append(out.detach().clone())
         return out
 
-    aten_step.speculative_select = recording
-    return lambda: setattr(aten_step, "speculative_select", original)
+    scorers.head_select = recording
+    return lambda: setattr(scorers, "head_select", original)
 
 
 def _collectives(graph_module: torch.fx.GraphModule) -> int:

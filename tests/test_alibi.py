@@ -5,7 +5,7 @@ mask, and the selection adds the bias to its scores."""
 import pytest
 import torch
 from _families import DECODE_STEPS, record_caches, run_family
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import scorers
 from specontext_compile.runtime.protocol import is_op
 from specontext_compile.runtime.sparse_attention import sparse_attention_reference
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
@@ -30,7 +30,7 @@ def test_bloom_rewritten_and_exact_at_full_budget_on_the_gather_path(monkeypatch
     assert_gather_path(caches[-1], 2 * DECODE_STEPS)
     sites = [s for rep in r["reports"] for s in rep.result.sites]
     assert all(s.pattern == "alibi-bmm" and s.node.target is SPARSE for s in sites)
-    select = next(n for n in sites[0].node.graph.nodes if is_op(n, aten_step.speculative_select))
+    select = next(n for n in sites[0].node.graph.nodes if is_op(n, scorers.head_select))
     assert select.args[-1] is not None  # the selection receives the bias
 
 
@@ -58,9 +58,9 @@ def test_selection_accounts_for_the_position_bias():
     state = torch.ones(8, b, h, 1, d)
     valid = torch.full((8,), 30, dtype=torch.long)
     args = (torch.tensor(30), 1, StepSpec(4, 4, sink_tokens=0, recent_window=1), AttentionVariant(0.35))
-    plain = aten_step.speculative_select((state, valid), [keys], *args)
+    plain = scorers.speculative_select((state, valid), [keys], *args)
     bias = alibi(h, cap) * 8  # steep: 4 and 2 logits per position
-    biased = aten_step.speculative_select((state, valid), [keys], *args, position_bias=bias)
+    biased = scorers.speculative_select((state, valid), [keys], *args, position_bias=bias)
     assert 3 in plain[0, 0].tolist()
     assert 3 not in biased[0, 0].tolist()
     assert set(biased[0, 0].tolist()) <= set(range(20, 31))

@@ -45,12 +45,12 @@ def test_a_store_at_or_below_the_option_attends_densely_and_makes_no_selection(i
                                    dense_below=capacity)
     counts = cache.path_counts()
     assert counts["dense_store_sites"] == 2 * STEPS and counts["gather_sites"] == 0, counts
-    assert decode_graph_ops("speculative_select") == 0
+    assert decode_graph_ops("head_select") == 0
     torch.testing.assert_close(logits, _eager_logits(model, ids, STEPS), atol=1e-4, rtol=1e-4)
     clear_compile_reports()
     _, cache = compiled_steps(model, ids, STEPS, budget=8, sink_tokens=2, recent_window=2, inner=inner,
                               dense_below=capacity - 1)
-    assert cache.path_counts()["gather_sites"] == 2 * STEPS and decode_graph_ops("speculative_select") == 1
+    assert cache.path_counts()["gather_sites"] == 2 * STEPS and decode_graph_ops("head_select") == 1
 
 
 def test_a_model_whose_sliding_window_sites_stay_sparse_gives_its_full_sites_every_slot():

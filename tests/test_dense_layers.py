@@ -115,7 +115,7 @@ def test_resident_layer_indices_resolve_negative_and_missing_layers():
 @pytest.mark.parametrize("budget", [64, 8])
 def test_a_step_whose_sites_all_read_their_whole_store_makes_no_selection(budget):
     """Budget 64 covers the cache (capacity 31): every decode site takes the dense shortcut, so
-    the step leaves the selection out (no ``speculative_select``, sites fed ``every_slot``) and
+    the step leaves the selection out (no ``head_select``, sites fed ``every_slot``) and
     equals the eager dense model (float32, 1e-4); budget 8 of the same cache selects and
     gathers (the negative case: the selection stays where a site reads it)."""
     from _tiny import decode_graph_ops
@@ -126,7 +126,7 @@ def test_a_step_whose_sites_all_read_their_whole_store_makes_no_selection(budget
     logits, counts = _steps(model, ids, 6, budget=budget, sink_tokens=1, recent_window=1)
     decode = [r for r in compile_reports() if r.result.phase == "decode"]
     assert decode and all(r.result.selection_inserted == (budget < 31) for r in decode)
-    assert (decode_graph_ops("speculative_select") > 0) == (budget < 31)
+    assert (decode_graph_ops("head_select") > 0) == (budget < 31)
     assert (decode_graph_ops("every_slot") > 0) == (budget >= 31)
     layers = model.config.num_hidden_layers
     if budget >= 31:

@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import save_file
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import scorers
 from specontext_compile.runtime.eagle3 import load_eagle3_head
 from specontext_compile.runtime.protocol import is_op
 
@@ -316,8 +316,8 @@ def test_aux_id_equal_to_the_layer_count_is_the_last_layer_output(tmp_path):
     assert counts["decode_steps"] == 3 and counts["sparse_sites"] == 3 * TARGET_LAYERS
     assert counts["gather_sites"] == 3 * TARGET_LAYERS
     graph = decode[0].graph_module.graph  # the draft head selected (once per step), not the lagged query
-    assert sum(is_op(n, aten_step.draft_select) for n in graph.nodes) == 1
-    assert not any(is_op(n, aten_step.speculative_select) for n in graph.nodes)
+    selections = [n for n in graph.nodes if is_op(n, scorers.head_select)]
+    assert [n.args[0] for n in selections] == ["draft"]
 
 
 @pytest.mark.parametrize("ids,layers,match", [

@@ -37,7 +37,7 @@ def test_explain_reports_every_site_windows_and_selection_placement():
     # the lagged query's record and the attention (no refinement: the budget covers the
     # context), then what the lowering did
     (step,) = result.steps
-    assert "aten_step.speculative_select x1" in step and "specontext::sparse_attention x2" in step
+    assert "scorers.head_select x1" in step and "specontext::sparse_attention x2" in step
     assert "routes: dense x1, gather x1" in step
     assert "aten_step.record_query x2" in step and "refine_selection" not in step
     assert "lowered to aten: 4 op nodes, 0 refine+attend pairs fused" in step  # 2 writes (with their page bounds), 2 attentions
@@ -76,8 +76,8 @@ def _check_dumps(folder):
     stem = decode[0].rsplit("_", 1)[0]
     before = (folder / f"{stem}_before.txt").read_text()
     after = (folder / f"{stem}_after.txt").read_text()
-    assert "sparse_attention" not in before and "speculative_select" not in before
-    assert after.count("specontext.sparse_attention") >= 2 and "speculative_select" in after
+    assert "sparse_attention" not in before and "head_select" not in before
+    assert after.count("specontext.sparse_attention") >= 2 and "head_select" in after
     assert after.startswith("# pass specontext-sparse-")
     dot = (folder / f"{stem}_after.dot").read_text()
     assert dot.startswith('digraph "after"') and "fillcolor=orange" in dot and "fillcolor=palegreen" in dot

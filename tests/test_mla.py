@@ -13,7 +13,7 @@ from _families import DECODE_STEPS, record_caches, run_family, tiny_family
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from specontext_compile.passes.sites import find_attention_sites
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import scorers
 from specontext_compile.runtime.mla import latent_query, mla_sparse_attention, up_project
 from specontext_compile.runtime.protocol import is_op, op_arguments
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
@@ -76,7 +76,7 @@ def test_mla_op_equals_float64_up_projected_attention_over_the_selection(heads, 
 
 
 def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
-    """``speculative_select`` over a (latent, rope) store pair picks exactly what the
+    """``scorers.speculative_select`` over a (latent, rope) store pair picks exactly what the
     plain selection picks over the concatenated ``[latent ; rope]`` keys (one KV head)."""
     torch.manual_seed(0)
     b, h, cap, r, p = 2, 4, 40, 16, 4
@@ -84,8 +84,8 @@ def test_mla_selection_scores_the_latent_cache_like_concatenated_keys():
     valid = torch.full((8,), 30, dtype=torch.long)
     latent, rope = torch.randn(b, 1, cap, r), torch.randn(b, 1, cap, p)
     args = (torch.tensor(30), 1, StepSpec(12, 12, sink_tokens=2, recent_window=3), AttentionVariant(0.25))
-    got = aten_step.speculative_select((state, valid), [(latent, rope)], *args)
-    want = aten_step.speculative_select((state, valid), [torch.cat([latent, rope], -1)], *args)
+    got = scorers.speculative_select((state, valid), [(latent, rope)], *args)
+    want = scorers.speculative_select((state, valid), [torch.cat([latent, rope], -1)], *args)
     assert got.shape == (b, 1, 12)
     assert torch.equal(got, want)
 
@@ -133,10 +133,10 @@ def test_mla_small_budget_reads_only_the_selected_latent_rows():
     readers = {u.target for s in stores for u in s.users}  # functions, or method names (str)
     assert not readers & {torch._C._nn.linear, torch.nn.functional.linear, "expand", "view", "transpose"}, readers
     assert all(torch.isfinite(x).all() for x in logits)
-    select = aten_step.speculative_select
+    select = scorers.head_select
     selections = [n for n in graph.nodes if is_op(n, select)]
     assert len(selections) == 1 and all(  # MLA scoring, once per step
-        isinstance(store, tuple) for store in op_arguments(selections[0], select)["key_caches"])
+        isinstance(store, tuple) for store in op_arguments(selections[0], select)["stores"])
 
 
 def test_mla_triton_kernel_equals_torch_path(triton_interpreter):

@@ -222,7 +222,8 @@ def test_fp16_attention_of_random_magnitude_matches_float64(exponent, logit_std,
 
 
 def test_group_max_softmax_fp16_product_above_range():
-    from specontext_compile.runtime.draft_retrieval import draft_scores
+    from specontext_compile.runtime.scorers import draft_score
+    from specontext_compile.runtime.spec import AttentionVariant
 
     B, H, KV, D, C = 1, 4, 2, 128, 20
     q, k, _ = aligned_fp16(7, B, H, KV, D, C, 26.0, [6, 13])
@@ -237,7 +238,9 @@ def test_group_max_softmax_fp16_product_above_range():
     # moves by at most the largest |dp_j| of the group; factor 2 for second-order terms
     dp = p * (a + (p * a).sum(-1, keepdim=True)) * 2.5 * U16
     tol = 2 * dp.view(B, KV, g, C).amax(2) + 1e-7
-    for got in (group_max_softmax(q, k, scale), draft_scores(q, k, KV)):
+    # the draft head's scorer over all C positions (layer 0's store shape: batch, KV heads, C)
+    draft = draft_score((q, k, torch.tensor(C)), [k], torch.tensor(C), 0, None, AttentionVariant(scale))
+    for got in (group_max_softmax(q, k, scale), draft):
         assert torch.isfinite(got).all()
         assert ((got.double() - ref).abs() <= tol).all(), float((got.double() - ref).abs().max())
 

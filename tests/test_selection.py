@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from benchmarks.host_selection import select_tokens, selection_size
 
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import scorers
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
 
@@ -50,7 +50,7 @@ def test_speculative_select_uses_group_max():
     q[0, 1, 0, 0] = 1.0
     q[0, 2, 0, 1] = 1.0
     # the query was recorded by the step that wrote the 40 cached tokens (stamp 40)
-    idx = aten_step.speculative_select(
+    idx = scorers.speculative_select(
         (q[None], torch.tensor([40])), [keys], torch.tensor(40), 1, StepSpec(3, 3, recent_window=2),
         AttentionVariant(1.0))
     assert 5 in idx[0, 0].tolist() and 9 in idx[0, 1].tolist()
@@ -67,15 +67,15 @@ def test_a_query_stamped_with_another_length_is_not_used(stamp):
     q = torch.zeros(1, 1, 2, 1, 4)
     q[0, 0, 0, 0, 0] = 1.0
     args = ([keys], torch.tensor(40), 1, StepSpec(6, 6, sink_tokens=1, recent_window=2), AttentionVariant(1.0))
-    fresh = aten_step.speculative_select((q, torch.tensor([40])), *args)
-    stale = aten_step.speculative_select((q, torch.tensor([stamp])), *args)
+    fresh = scorers.speculative_select((q, torch.tensor([40])), *args)
+    stale = scorers.speculative_select((q, torch.tensor([stamp])), *args)
     assert 5 in fresh[0, 0].tolist()
     assert sorted(stale[0, 0].tolist()) == [0, 36, 37, 38, 39, 40]
 
 
 def test_speculative_select_falls_back_to_recency_without_query():
     keys = torch.randn(1, 1, 64, 4)
-    idx = aten_step.speculative_select(
+    idx = scorers.speculative_select(
         (torch.zeros(1, 1, 2, 1, 4), torch.tensor([0])), [keys], torch.tensor(40), 1,
         StepSpec(6, 6, sink_tokens=1, recent_window=2), AttentionVariant(0.5))
     assert sorted(idx[0, 0].tolist()) == [0, 36, 37, 38, 39, 40]

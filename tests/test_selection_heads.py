@@ -1,5 +1,6 @@
-"""The selection-head protocol (``passes/heads.py``): a new head is one subclass; the pass
-drives it with no change and every decode site attends over what it selects."""
+"""The selection-head protocol (``passes/heads.py``): a new head is a scorer
+(``runtime/scorers.py``) and one subclass saying where its inputs are; the pass drives it with
+no change and every decode site attends over what it selects."""
 
 from __future__ import annotations
 
@@ -13,24 +14,27 @@ from specontext_compile.backend import clear_compile_reports
 from specontext_compile.passes import sparse_rewrite
 from specontext_compile.passes.head_draft import DraftHead
 from specontext_compile.passes.head_lagged import LaggedQueryHead
-from specontext_compile.passes.heads import SelectionHead
+from specontext_compile.passes.heads import ScoreInputs, SelectionHead
 from specontext_compile.passes.sparse_rewrite import make_head
-from specontext_compile.runtime import aten_step
-from specontext_compile.runtime.spec import StepSpec
+from specontext_compile.runtime import aten_step, scorers
 
 
-def recent_selection(key_cache: torch.Tensor, length: torch.Tensor, q_len: int, spec: StepSpec) -> torch.Tensor:
-    """The ``spec.candidate_slots`` most recent positions of every row (int64 ``[batch,
-    num_kv_heads, slots]``), through the selection code every head shares."""
-    b, kv, capacity, _ = key_cache.shape
-    scores = torch.arange(capacity, dtype=torch.float32, device=key_cache.device).expand(b, kv, capacity)
-    return aten_step.select_positions(scores, length, q_len, min(spec.candidate_slots, capacity), 0, 0)
+def recency_score(record, stores, cached, q_len, visible, variant, position_bias=None) -> torch.Tensor:
+    """A scorer that ranks every position by itself: the most recent score highest
+    (float32 ``[batch, num_kv_heads, capacity]``; what is not visible is left out by the
+    selection shared by every head)."""
+    b, kv, capacity = scorers.store_shape(stores[0])
+    return torch.arange(capacity, dtype=torch.float32, device=cached.device).expand(b, kv, capacity)
+
+
+def always_ready(record, stores, cached, q_len) -> torch.Tensor:
+    return torch.ones((), dtype=torch.bool, device=cached.device)
 
 
 class RecencyHead(SelectionHead):
     """A head that records nothing and keeps the most recent tokens (a sliding window)."""
 
-    label = "recency"
+    label = scorer = "recency"
 
     def prepare(self, graph, anchor, anchored, resolved):
         return None
@@ -38,10 +42,11 @@ class RecencyHead(SelectionHead):
     def unusable(self, decode):
         return None
 
-    def select(self, graph: fx.Graph, anchor, spec, window, mask, decode):
+    def score_inputs(self, graph: fx.Graph, anchor, mask, decode) -> ScoreInputs:
         site = decode[0]
-        with graph.inserting_after(anchor):
-            return graph.call_function(recent_selection, (site.key_cache, site.length, site.q_len, spec))
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        after = max((anchor, mask or anchor), key=order.__getitem__)
+        return ScoreInputs(after, (), [site.key_cache], site.length, site.q_len, site.scale)
 
 
 def test_make_head_picks_the_head_the_options_name(tmp_path):
@@ -57,6 +62,7 @@ def test_a_new_head_is_one_subclass_and_every_site_attends_over_its_selection(mo
     decode site of every step runs the gather path (the step's own counters), and each
     site attends to exactly the ``budget`` most recent tokens (the eager op chain's calls)."""
     monkeypatch.setattr(sparse_rewrite, "make_head", lambda layers, folder: RecencyHead())
+    monkeypatch.setitem(scorers.SCORERS, "recency", scorers.Scorer(recency_score, always_ready))
     seen = []
     real = aten_step.sparse_attention_reference
 
@@ -70,7 +76,8 @@ def test_a_new_head_is_one_subclass_and_every_site_attends_over_its_selection(mo
     ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
     clear_compile_reports()
     budget, steps = 8, 4
-    _, cache = compiled_steps(model, ids, steps, budget=budget, page_rescue=0, dense_shortcut=False, inner=inner)
+    _, cache = compiled_steps(model, ids, steps, budget=budget, page_rescue=0, dense_shortcut=False, inner=inner,
+                             sink_tokens=0)
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert decode and all(r.result.selection_head == "recency" for r in decode)
     assert all(r.result.retrieval_layers == () for r in decode)  # nothing recorded

@@ -81,19 +81,19 @@ def test_recall_probe_reports_one_for_a_full_selection(smollm2):
 
 
 def test_smollm2_compiled_selection_equals_the_eager_one_for_20_steps(smollm2, monkeypatch):
-    """The selection inductor compiles (``aten_step.speculative_select`` traced into the step)
+    """The selection inductor compiles (``scorers.head_select`` traced into the step)
     picks exactly the eager call's indices on SmolLM2's real retrieval states, 20 decode
     steps (so the fidelity numbers measured through the eager chain hold for the compiled
     step). The spy is set before compiling: the pass inserts the function it finds then."""
     import dataclasses
 
-    from specontext_compile.runtime import aten_step
+    from specontext_compile.runtime import scorers
     from specontext_compile.runtime.spec import AttentionVariant
 
     model, tokenizer = smollm2
     ids = real_prompt(tokenizer, 600)
     seen = []
-    real = aten_step.speculative_select
+    real = scorers.head_select
 
     @functools.wraps(real)
     def spy(*args):
@@ -102,11 +102,11 @@ def test_smollm2_compiled_selection_equals_the_eager_one_for_20_steps(smollm2, m
                       type(a)(t.clone() for t in a) if isinstance(a, (list, tuple)) else a for a in args], out))
         return out
 
-    monkeypatch.setattr(aten_step, "speculative_select", spy)
+    monkeypatch.setattr(scorers, "head_select", spy)
     compiled = torch.compile(model.forward, backend="specontext",
                              options={"budget": 128, "inner": "eager", "lower": False})
     decode_logits(model, compiled, ids, 20, sc.SpeContextCache(model.config, max_cache_len=640))
-    monkeypatch.setattr(aten_step, "speculative_select", real)
+    monkeypatch.setattr(scorers, "head_select", real)
     assert len(seen) == 20
     torch._dynamo.reset()
     inductor = torch.compile(real, backend="inductor", fullgraph=True)
