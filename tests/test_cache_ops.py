@@ -29,6 +29,8 @@ import specontext_compile as sc
 from specontext_compile.runtime.offload import OffloadCopyError, enable_offload
 from specontext_compile.tiny_models import tiny_family
 
+pytestmark = pytest.mark.xdist_group("test_cache_ops")  # its module fixture is built once: one worker runs the module (--dist loadgroup)
+
 CAP = 48
 OPTS = {"budget": 10, "recent_window": 3, "sink_tokens": 2}
 # the same compiled step over rows moved between calls; a new batch size can be a new graph,

@@ -14,7 +14,7 @@ from transformers import DynamicCache
 
 import specontext_compile as sc
 from specontext_compile.passes.gemv import one_row_linear, rewrite_one_row_linears
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import aten_step, scorers
 from benchmarks.host_selection import select_tokens
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
@@ -145,7 +145,7 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
     aten_step.record_query(state, valid, torch.empty(b, h, 1, d, device=meta), 2, length)
     for window in (0, 24):
         spec = StepSpec(32, 32, sink_tokens=4, recent_window=8)
-        idx = aten_step.speculative_select((state, valid), [keys, keys], length, 1, spec,
+        idx = scorers.speculative_select((state, valid), [keys, keys], length, 1, spec,
                                            AttentionVariant(0.25, sliding_window=window))
         assert idx.shape == (b, kv, 32)
         mask = torch.empty(b, 1, 1, cap, device=meta)
@@ -153,10 +153,10 @@ def test_decode_ops_never_read_a_tensor_value_on_the_host():
                                          spec, AttentionVariant(0.25, sliding_window=window))
         assert out.shape == (b, h, 1, d)
     full_spec = StepSpec(4096, 4096, sink_tokens=4, recent_window=8, dense_shortcut=True, route="dense")
-    full = aten_step.speculative_select((state, valid), [keys], length, 1, full_spec, AttentionVariant(0.25))
+    full = scorers.speculative_select((state, valid), [keys], length, 1, full_spec, AttentionVariant(0.25))
     out = aten_step.sparse_attention(torch.empty(b, h, 1, d, device=meta), keys, values, full, length, None,
                                      full_spec, AttentionVariant(0.25))
-    draft = aten_step.draft_select(torch.empty(b, 4, 1, d, device=meta),
+    draft = scorers.draft_select(torch.empty(b, 4, 1, d, device=meta),
                                    (torch.empty(b, 4, cap, d, device=meta), length), keys, length, 1,
                                    StepSpec(32, 32, sink_tokens=4, recent_window=8), AttentionVariant(0.25))
     assert draft.shape == (b, kv, 32)
@@ -306,6 +306,7 @@ def test_lowering_keeps_the_triton_kernel_and_the_draft_step_as_ops():
     assert set(result.kept) == {"specontext::sparse_attention", "specontext::draft_step"}
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_inductors_cache_keys_on_our_sources():
     """An inductor cache entry compiled by another version of our passes or runtime is never
     reused (``backend._SourcesKey``): the same step compiled again hits inductor's FX graph

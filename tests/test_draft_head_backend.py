@@ -59,7 +59,7 @@ def options(folder, **extra):
     """Backend options; the op chain runs eagerly (``inner="eager", lower=False``: the attention
     ops called with their Python bodies) so that the attention ops' counters
     (``sparse_attention_calls``, ``gather_attention_calls``) and the spies see every call; the
-    selection is the same direct call of ``aten_step.draft_select`` on every path (counted
+    selection is the same direct call of ``scorers.head_select`` (head ``"draft"``) on every path (counted
     by ``path_counts()["decode_steps"]``); the lowered step is checked against it by
     ``test_inductor_inner_matches_eager_inner``."""
     opts = {"retrieval_head": str(folder), "inner": "eager", **extra}
@@ -147,7 +147,7 @@ def test_full_budget_is_exact_over_prefill_and_20_steps(tmp_path):
     assert len(decode) == 1 and (decode[0].sites_total, decode[0].sites_rewritten) == (4, 4)
     assert decode[0].result.selection_head == f"draft:{folder.resolve()}"
     assert decode[0].result.retrieval_layers == ()  # no lagged-query recording
-    assert decode_graph_ops("draft_select") == 1 and decode_graph_ops("speculative_select") == 0
+    assert decode_graph_ops("head_select", "draft") == 1 and decode_graph_ops("head_select", "lagged-query") == 0
     assert cache.path_counts()["decode_steps"] == 20
     assert counters["specontext"]["sparse_attention_calls"] == 4 * 20
 
@@ -262,7 +262,7 @@ def test_no_token_embedding_in_the_graph_keeps_attention_dense(tmp_path):
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert decode and decode[0].sites_rewritten == 0
     assert all("token embeddings" in reason for _, reason in decode[0].result.fallbacks())
-    assert decode_graph_ops("draft_select") == 0 and cache.path_counts()["decode_steps"] == 0
+    assert decode_graph_ops("head_select") == 0 and cache.path_counts()["decode_steps"] == 0
 
 
 @pytest.mark.slow
@@ -273,7 +273,7 @@ def test_compile_helper_and_explain_use_the_draft_head(tmp_path):
     folder = write_head(tmp_path, model)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(5))
     ref = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False)
-    # default: inductor, draft_select lowered; the gather path (not SDPA over the store)
+    # default: inductor, head_select lowered; the gather path (not SDPA over the store)
     sc.compile(model, budget=64, retrieval_head=str(folder), dense_shortcut=False)
     cache = sc.api.make_cache(model, ids, 10)
     out = model.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False, cache=cache)
@@ -289,6 +289,7 @@ def test_compile_helper_and_explain_use_the_draft_head(tmp_path):
     assert "lagged query of layers" in lagged.table()
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_a_second_compile_of_the_model_with_a_draft_head_runs(tmp_path, caplog):
     """Field case: ``explain`` after ``specontext_compile.compile`` and a generate (a second
     ``torch.compile`` of the same forward, whose sizes dynamo already made dynamic) failed with
@@ -433,7 +434,7 @@ def test_cache_built_for_another_head_keeps_attention_dense(tmp_path):
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"]
     assert decode and decode[0].sites_rewritten == 0
     assert all("the cache's draft head is" in reason for _, reason in decode[0].result.fallbacks())
-    assert decode_graph_ops("draft_select") == 0
+    assert decode_graph_ops("head_select") == 0
 
 
 def previous_token_aux(hidden_states, layers):

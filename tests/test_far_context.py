@@ -19,6 +19,8 @@ from benchmarks.far_context import (
     token_hash,
 )
 
+pytestmark = pytest.mark.xdist_group("test_far_context")  # its module fixture is built once: one worker runs the module (--dist loadgroup)
+
 STEPS = 128
 
 

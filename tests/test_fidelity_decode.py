@@ -15,6 +15,8 @@ from benchmarks import fidelity_decode as FD  # noqa: E402
 from benchmarks import policies as P  # noqa: E402
 from benchmarks.host_selection import select_tokens  # noqa: E402
 
+pytestmark = pytest.mark.xdist_group("test_fidelity_decode")  # its module fixture is built once: one worker runs the module (--dist loadgroup)
+
 CONTEXT, STEPS = 48, 12
 
 # the tiny Llama has 3 layers: the lagged query reads layers 1 and 2

@@ -412,6 +412,7 @@ def _kernel_compile_fails(monkeypatch, error: Exception) -> tuple[list, list]:
     return graphs, failed
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_a_kernel_inductor_cannot_compile_falls_back_to_the_torch_body(monkeypatch, caplog):
     """When inductor fails to compile a graph whose sites take the generated kernel (as on an
     H200 twice, 2026-12-04), the backend lowers the graph again with those sites on the torch

@@ -69,7 +69,7 @@ def test_gqa_batch_and_element_size_enter_the_row_size():
     assert mm.row_bytes == 3 * 5 * (8 + 4) * 4
 
 
-@pytest.mark.parametrize("offload_all", [False, True])
+@pytest.mark.parametrize("offload_all", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_prediction_matches_real_allocations_within_5_percent(offload_all):
     model = tiny_llama(layers=3)
     ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))

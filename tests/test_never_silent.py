@@ -105,6 +105,7 @@ def test_max_sparse_q_len_declares_multi_token_steps_sparse():
     assert cache.path_counts()["gather_sites"] == 2
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_budget_sweep_in_one_process_keeps_every_budget_sparse():
     """Case budget_sweep_one_process: sc.compile at six budgets on one model (12 graphs on
     one code object, past dynamo's recompile_limit of 8): every budget's decode steps run
@@ -258,7 +259,7 @@ def test_a_full_static_cache_error_names_hugging_faces_cache():
         decode_logits(None, forward, _ids(20, seed=12), 3, sc.SpeContextCache(model.config, max_cache_len=22))
 
 
-@pytest.mark.parametrize("inner", ["eager", "auto"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("auto", marks=pytest.mark.slow)])
 def test_a_step_with_gradients_enabled_keeps_its_state_out_of_autograd(inner):
     """Case grad_enabled_decode_step: called without ``torch.no_grad()``, a decode step
     gives the no-grad logits, the retrieval state it records carries no autograd history

@@ -536,7 +536,7 @@ def test_dense_layers_naming_every_layer_leave_nothing_to_offload():
 COMPILED = {"budget": 16, "recent_window": 4, "sink_tokens": 2}  # inner="auto": inductor; page rescue on
 
 
-@pytest.mark.parametrize("reorder", [False, True], ids=["greedy", "beam-reorder"])
+@pytest.mark.parametrize("reorder", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["greedy", "beam-reorder"])
 def test_offloaded_step_compiles_with_inductor_and_equals_resident_bit_for_bit(reorder):
     """Issue 27 item 5 (field case beam_reorder_state CASE06b): at the default options (page
     rescue on) the offloaded decode graph is lowered and compiled by inductor like the
@@ -576,6 +576,7 @@ def test_offloaded_step_compiles_with_inductor_and_equals_resident_bit_for_bit(r
     assert c["regions"] > c["regions_compiled"]  # the repeated layer compiled once
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_offloaded_compiled_step_reads_the_device_buffer():
     """The compiled offloaded step's attention reads the buffer: corrupting an offloaded
     layer's rows changes the output (no copy repairs slots marked loaded)."""

@@ -19,6 +19,8 @@ from benchmarks.passkey import (
     summary_table,
 )
 
+pytestmark = pytest.mark.xdist_group("test_passkey")  # its module fixture is built once: one worker runs the module (--dist loadgroup)
+
 CASES = [(length, depth) for length in (2048, 4096, 8000) for depth in (0.1, 0.5, 0.9)]
 
 

@@ -71,6 +71,7 @@ def test_the_step_is_one_graph_calling_each_distinct_region_as_a_subgraph(monkey
     assert all(n.target.__name__ == "getitem" for n in others), [n.format_node() for n in others]
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_where_invoke_subgraph_cannot_stitch_the_regions_are_compiled_one_by_one(monkeypatch):
     """torch 2.13's ``invoke_subgraph`` refuses in-place input writes under autograd and
     opaque ops that write an argument: the default decode graph stitches without grad, not
@@ -94,6 +95,7 @@ def test_where_invoke_subgraph_cannot_stitch_the_regions_are_compiled_one_by_one
     assert cache.path_counts()["gather_sites"] > 0  # budget 8 < 40 tokens: the sparse gather ran
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_symbolic_recompile_is_regional_and_exact():
     """A second and third prompt with other cache capacities make dynamo recompile the decode
     graph with symbolic sizes; that graph is split and compiled by regions too, and every
@@ -129,6 +131,7 @@ def test_symbolic_recompile_is_regional_and_exact():
         assert counts == eager_counts and counts["gather_sites"] == 12
 
 
+@pytest.mark.slow  # fast tier on the 2-core Xeon (docs/testing.md)
 def test_regional_off_or_frozen_compiles_the_graph_whole():
     """``regional=False``, and ``freezing=True`` (a frozen region would not be shared), compile
     the decode graph whole: no region counted."""

@@ -21,6 +21,8 @@ import torch
 
 from specontext_compile.serve import build_server
 
+pytestmark = pytest.mark.xdist_group("test_serve")  # its module fixture is built once: one worker runs the module (--dist loadgroup)
+
 NEW = 10
 QUESTIONS = ("What is the capital of France?", "Name three colors.", "Write one word about the sea.")
 # a budget covering every request's context: the sparse step must give dense's tokens

@@ -17,6 +17,8 @@ from specontext_compile.passes.paged import find_paged_sites
 from specontext_compile.runtime import paged
 from specontext_compile.runtime.spec import StepSpec
 
+pytestmark = pytest.mark.xdist_group("test_serving")  # its module fixture is built once: one worker runs the module (--dist loadgroup)
+
 LAYERS, NEW = 4, 8
 ENGINE = dict(block_size=16, num_blocks=32, max_batch_tokens=128, max_requests_per_batch=4)
 OPTIONS = {"inner": "eager", "sink_tokens": 2, "recent_window": 4, "page_rescue": 0}
@@ -92,7 +94,8 @@ def _solo(model, inputs, options) -> list[list[int]]:
     return out
 
 
-@pytest.mark.parametrize("selection", list(SELECTIONS))
+@pytest.mark.parametrize("selection", [name if name in ("shared", "rescue") else pytest.param(name, marks=pytest.mark.slow)
+                                       for name in SELECTIONS])
 def test_small_budget_each_request_decodes_as_alone_through_the_one_request_backend(model, selection):
     """At a budget far below the contexts, each request of the batch gets the tokens of the
     same request run alone through ``sc.compile`` (the one-request step: same selection,
@@ -118,7 +121,7 @@ def test_the_page_rescue_changes_what_a_batched_request_attends_to(model):
     assert plain != generate(model, inputs, sc.continuous_batching_config(model, options, **engine))
 
 
-@pytest.mark.parametrize("page_rescue", [0, 32])
+@pytest.mark.parametrize("page_rescue", [pytest.param(0, marks=pytest.mark.slow), 32])
 def test_requests_joining_and_leaving_reuse_blocks_and_keep_their_own_text(model, page_rescue):
     """Two requests at a time: the third joins when one finishes, in blocks another request
     used (their lagged queries and page bounds are the former owner's until overwritten);

@@ -72,7 +72,7 @@ def test_compile_config_recipe_runs_sparse(model):
     _assert_gathered(model, steps=5, sites=2)
 
 
-@pytest.mark.parametrize("inner", ["eager", "auto"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("auto", marks=pytest.mark.slow)])
 def test_small_budget_equals_specontext_cache(model, inner):
     """Same options, same selection code: StaticCache and SpeContextCache give the same
     logits at budget 12 of a 40-token context, batch of 2 (page_rescue=0: Hugging Face's
