@@ -35,7 +35,7 @@ from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelBuildError", "applies", "available", "cpu_decode_attention", "decode_splits"]
+__all__ = ["KernelBuildError", "applies", "available", "build_library", "cpu_decode_attention", "decode_splits", "loads"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
@@ -72,9 +72,9 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-@functools.cache
-def _library() -> ctypes.CDLL:
-    """Build (once per source, flags and compiler) and load the kernel library.
+def build_library(source: Path) -> ctypes.CDLL:
+    """Build ``source`` (once per source, flags, compiler and CPU) into the kernel cache and
+    load it (``ctypes``); another package's C++ kernels (the vLLM plugin's) build the same way.
 
     Raises:
         KernelBuildError: no compiler on the PATH, or the build failed (its stderr included).
@@ -83,21 +83,27 @@ def _library() -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on the PATH: install g++ (Debian: apt install g++) "
                                "or set CXX; until then the CPU step uses inductor's kernels")
-    source = _SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join((compiler, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"decode_attention_{key}.so"
+    code = source.read_bytes()
+    key = hashlib.sha256(code + " ".join((compiler, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"{source.stem}_{key}.so"
     with _LOCK:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [compiler, *_FLAGS, str(_SOURCE), "-o", str(built)]
-                result = subprocess.run(cmd, capture_output=True, text=True)
+                cmd = [compiler, *_FLAGS, str(source), "-o", str(built)]
+                result = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if result.returncode != 0:
-                    raise KernelBuildError(f"building {_SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
+                    raise KernelBuildError(f"building {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
                 os.replace(built, target)  # atomic: a concurrent process sees all of it or nothing
-            logger.info("specontext: built the CPU decode attention kernel: %s", target)
-    lib = ctypes.CDLL(str(target))
+            logger.info("specontext: built the CPU kernel %s: %s", source.name, target)
+    return ctypes.CDLL(str(target))
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """The decode attention kernel library (:func:`build_library`)."""
+    lib = build_library(_SOURCE)
     for fn in (lib.specontext_decode_attention, lib.specontext_decode_attention_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
@@ -105,16 +111,21 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+def loads(library, what: str, instead: str) -> bool:
+    """Whether ``library()`` (a cached loader of :func:`build_library`) builds and loads here;
+    if not, logs why once, naming ``what`` and what runs ``instead``."""
+    try:
+        library()
+        return True
+    except (KernelBuildError, OSError) as err:
+        logger.warning("specontext: %s is not available (%s); %s", what, err, instead)
+        return False
+
+
 @functools.cache
 def available() -> bool:
     """Whether the CPU kernel library builds and loads here (the reason logged once if not)."""
-    try:
-        _library()
-        return True
-    except (KernelBuildError, OSError) as err:
-        logger.warning("specontext: the CPU decode attention kernel is not available (%s); "
-                       "the CPU dense step keeps inductor's kernels", err)
-        return False
+    return loads(_library, "the CPU decode attention kernel", "the CPU dense step keeps inductor's kernels")
 
 
 def decode_splits(rows: int, capacity: int) -> int:

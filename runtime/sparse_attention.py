@@ -16,7 +16,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .spec import AttentionVariant
 from .torch_private import force_stride_order
 
-__all__ = ["attend_gathered", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "selected_logits", "query_key_logits", "row_products",
+__all__ = ["attend_gathered", "group_max_probs", "masked_group_max_softmax", "row_visibility", "causal_limit_mask", "selected_logits", "query_key_logits", "row_products",
            "sparse_attention_reference"]
 
 
@@ -355,5 +355,14 @@ def masked_group_max_softmax(query: torch.Tensor, keys: torch.Tensor, allowed: t
         logits = logits + query_key_logits(q[..., d:], rope_keys, scale, fused)
     if position_bias is not None:
         logits = logits + position_bias.float().reshape(position_bias.shape[0], num_kv, -1, logits.shape[-1])
+    return group_max_probs(logits, allowed)
+
+
+def group_max_probs(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """The selection heads' per-KV-group weights from their logits (paper section 4, GQA):
+    ``softmax`` of ``logits`` float32 ``[batch, num_kv_heads, group, capacity]`` over the
+    ``allowed`` positions (bool ``[capacity]`` or ``[batch|1, 1, capacity]``), max over the
+    group's query heads. Returns float32 ``[batch, num_kv_heads, capacity]``, 0 where not
+    allowed (no NaN when nothing is)."""
     probs = torch.softmax(logits.masked_fill(~allowed.unsqueeze(-2), float("-inf")), dim=-1).amax(dim=2)
-    return torch.where(allowed, probs, 0.0)  # no NaN when nothing is allowed
+    return torch.where(allowed, probs, 0.0)

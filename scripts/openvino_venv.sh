@@ -11,25 +11,14 @@
 #       --contenders openvino-fp32 openvino-default openvino-evict-1024
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3.11}
-command -v "$PY" >/dev/null 2>&1 || PY=python3
 VENV=.venv-openvino
-TORCH="torch==2.13.0+cpu"
 GENAI="openvino-genai==2026.4.1"
 OPTIMUM="optimum-intel[openvino]==2.2.0"
 HF_DIR=out/openvino/smollm2-135m-hf   # the GGUF de-quantised to an fp32 Hugging Face folder
 OV_DIR=out/openvino/smollm2-135m      # the OpenVINO IR export of it
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-compile)
-quiet() { "$@" 2> >(grep -v -e "is ignored: it is neither a file nor a directory" -e "Running pip as the 'root' user" >&2); }
-
-# torch first, CPU build only (a local wheel or index if pip has one, else PyTorch's CPU index);
-# the constraint file keeps every later install from replacing it with a CUDA build
-if ! "$VENV/bin/python" -c "import torch, sys; sys.exit(0 if torch.__version__ == '2.13.0+cpu' else 1)" 2>/dev/null; then
-  quiet "${pip[@]}" "$TORCH" \
-    || quiet "${pip[@]}" --index-url https://download.pytorch.org/whl/cpu "$TORCH"
-fi
+source scripts/peer_venv.sh
+peer_venv "$VENV"  # the venv, `pip`, `quiet` and the CPU torch (scripts/peer_venv.sh)
 constraints="$VENV/openvino-constraints.txt"
 printf '%s\n' "$TORCH" > "$constraints"
 quiet "${pip[@]}" -c "$constraints" "$GENAI" "$OPTIMUM" "accelerate>=1.0,<2"

@@ -1,0 +1,253 @@
+"""vLLM's CPU attention backend with speculative sparse decoding (issue 54).
+
+The backend keeps vLLM's scheduler, paged KV cache and prefill kernel, and changes what the
+decode rows read (SpeContext section 4, as our ``torch.compile`` backend does it):
+
+1. **Once per step, before the first layer's attention**, every decode row gets one selection
+   per KV head: the lagged-query scorer (:func:`specontext_compile.runtime.scorers.lagged_query_score`:
+   the previous token's queries of the retrieval layers against those layers' keys) ranks the
+   row's past tokens, and :func:`~specontext_compile.runtime.aten_step.select_positions` keeps
+   ``budget`` tokens in whole blocks: attention sinks, the recent window and the top-scored
+   blocks (:mod:`.selection`). A row
+   whose previous query is not recorded (its first decode step after a prefill run
+   elsewhere, a preemption) ranks by recency and is counted.
+2. **Every layer** attends each decode row to its selected blocks only, with vLLM's own
+   kernel over a block table of those blocks, once per KV head (the selection is per KV
+   head; :mod:`.selection` says why whole blocks).
+3. **Prefill and chunked-prefill rows** run vLLM's own kernel, on their slice of the batch
+   (the builder sets ``reorder_batch_threshold = 1``: vLLM puts decode rows first).
+4. **Retrieval layers record** each request's last query row in a per-block slot
+   (:class:`~.state.LaggedQueries`), keyed by the physical KV row of its token: preemption and
+   recomputation rewrite it, a shared prefix block keeps the prefix's own query.
+
+The step counts itself in ``torch._dynamo.utils.counters["specontext_vllm"]`` (per engine
+process): ``selection_steps``, ``recency_rows`` (decode rows ranked by recency),
+``sparse_decode_rows`` (decode rows x layers served from a selection) and
+``dense_prefill_tokens`` (tokens x layers on vLLM's kernel).
+
+Options come through vLLM's configuration, ``additional_config={"specontext": {...}}``, with
+the backend's names and validation (:class:`~specontext_compile.config.SpeContextConfig`);
+without that key this backend is vLLM's CPU attention unchanged. Not built yet (served dense
+or shared instead, logged once): the per-layer refinement and page rescue
+(``candidates > 1``, ``page_rescue > 0``: the decode rows use the shared selection, as
+``page_rescue=0`` does in our backend); sliding-window, ALiBi, soft-capped and sink-logit
+layers stay on vLLM's kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+
+import torch
+from specontext_compile.runtime.torch_private import counters
+from vllm import _custom_ops as ops
+from vllm import envs
+from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadata,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.attention.backends.utils import split_decodes_and_prefills
+
+from .layout import probe_layout
+from .options import plugin_options
+from .selection import BlockSelection, select_blocks
+from .state import LaggedQueries
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["SpeContextCPUBackend", "SpeContextImpl", "SpeContextMetadata", "SpeContextMetadataBuilder"]
+
+_LAYER_INDEX = re.compile(r"\.(\d+)\.")
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM layer name (``model.layers.7.self_attn.attn`` -> 7).
+
+    Raises:
+        ValueError: for a name without one."""
+    found = _LAYER_INDEX.findall(layer_name)
+    if not found:
+        raise ValueError(f"specontext: no layer index in vLLM layer name {layer_name!r}")
+    return int(found[0])
+
+
+@dataclasses.dataclass
+class SpeContextMetadata(CPUAttentionMetadata):
+    """vLLM's CPU metadata plus the step's split and selection.
+
+    Attributes:
+        num_decodes: decode rows, first in the batch (one query token each).
+        prefill: vLLM's metadata for the other rows alone (None when there are none).
+        retrieval: the retrieval layers' names, in order.
+        first_layer: the name of the layer that selects for the step.
+        selection: the decode rows' selected blocks per KV head, set by the first layer's
+            forward (:class:`~.selection.BlockSelection`).
+        schedules: vLLM's kernel schedule of the decode rows, one per KV head (their
+            ``seq_lens`` differ), made with the selection.
+    """
+
+    num_decodes: int = 0
+    prefill: CPUAttentionMetadata | None = None
+    retrieval: tuple[str, ...] = ()
+    first_layer: str = ""
+    selection: BlockSelection | None = None
+    schedules: list | None = None
+
+
+class SpeContextMetadataBuilder(CPUAttentionMetadataBuilder):
+    """vLLM's CPU builder; with options set, it also splits decode rows from the rest."""
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.options = plugin_options(vllm_config)
+        if self.options is not None:
+            self._init_reorder_batch_threshold(1)
+            ordered = sorted(layer_names, key=layer_index)
+            picks = self.options.retrieval_layers_for(len(ordered))
+            self.retrieval = tuple(ordered[i] for i in picks)
+            self.first_layer = ordered[0]
+
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
+        base = super().build(common_prefix_len, common_attn_metadata, fast_build)
+        if self.options is None or self.is_cross_attention or self.is_encoder_only_attention:
+            return base
+        num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(common_attn_metadata, 1)
+        fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
+        meta = SpeContextMetadata(**fields, num_decodes=num_decodes, retrieval=self.retrieval,
+                                  first_layer=self.first_layer)
+        meta.num_decode_tokens = num_decode_tokens
+        if num_prefills:
+            meta.prefill = self._prefill_metadata(base, num_decodes, num_decode_tokens)
+        return meta
+
+    def _prefill_metadata(self, base: CPUAttentionMetadata, num_decodes: int, num_decode_tokens: int
+                          ) -> CPUAttentionMetadata:
+        """vLLM's metadata for the rows after the decode rows, as if they were the batch."""
+        start = base.query_start_loc[num_decodes:] - num_decode_tokens
+        seq_lens = base.seq_lens[num_decodes:]
+        scheduler = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=seq_lens.shape[0], num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, seq_lens=seq_lens, dtype=self.dtype, query_start_loc=start,
+            causal=base.causal, sliding_window_size=self.window_size, isa=self.isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
+        return CPUAttentionMetadata(
+            num_actual_tokens=base.num_actual_tokens - num_decode_tokens, max_query_len=base.max_query_len,
+            query_start_loc=start, max_seq_len=base.max_seq_len, seq_lens=seq_lens,
+            block_table=base.block_table[num_decodes:], slot_mapping=base.slot_mapping[num_decode_tokens:],
+            scheduler_metadata=scheduler, causal=base.causal)
+
+
+class SpeContextImpl(CPUAttentionBackendImpl):
+    """vLLM's CPU attention, with decode rows attending to the step's selection."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.options = plugin_options(get_current_vllm_config())
+        self.reason = self._dense_reason()
+        if self.options is not None and self.reason is not None:
+            logger.warning("specontext: a layer stays on vLLM's dense kernel: %s", self.reason)
+        self.record: LaggedQueries | None = None
+
+    def _dense_reason(self) -> str | None:
+        if self.alibi_slopes is not None:
+            return "ALiBi"
+        if self.sliding_window != -1:
+            return "sliding-window attention"
+        if self.logits_soft_cap:
+            return "soft-capped logits"
+        if self.sinks is not None:
+            return "learned sink logits"
+        if self.is_fp8_kv_cache:
+            return "an FP8 KV cache (serve with kv_cache_dtype='auto')"
+        return None
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if not isinstance(attn_metadata, SpeContextMetadata) or self.reason is not None:
+            return super().forward(layer, query, key, value, kv_cache, attn_metadata, output, output_scale,
+                                   output_block_scale)
+        meta, name = attn_metadata, layer.layer_name
+        layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
+        if meta.num_decodes and name == meta.first_layer:
+            meta.selection = self._select(meta, layout)
+            meta.schedules = self._schedules(meta.selection, query.dtype, layer.isa)
+            stats = counters["specontext_vllm"]
+            stats["selection_steps"] += 1
+            stats["recency_rows"] += int(meta.selection.recency_rows)  # once per step, not per layer
+        if meta.prefill is not None:
+            start = meta.num_decode_tokens
+            counters["specontext_vllm"]["dense_prefill_tokens"] += meta.prefill.num_actual_tokens
+            super().forward(layer, query[start:], key[start:], value[start:], kv_cache, meta.prefill,
+                            output[start:meta.num_actual_tokens])
+        if meta.num_decodes:
+            rows = meta.num_decode_tokens
+            counters["specontext_vllm"]["sparse_decode_rows"] += rows
+            self._decode(query[:rows], kv_cache, meta, output[:rows])
+        if name in meta.retrieval:
+            self._record(query, kv_cache, meta)
+        return output
+
+    def _record(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata) -> None:
+        """Keep each request's last query row for the next step's selection."""
+        if self.record is None:
+            self.record = LaggedQueries.for_cache(kv_cache, self.num_heads, self.head_size)
+        last = meta.query_start_loc[1:] - 1
+        self.record.write(query[last], meta.slot_mapping[last])
+
+    def _select(self, meta: SpeContextMetadata, layout) -> BlockSelection:
+        layers = get_forward_context().no_compile_layers
+        retrieval = [layers[n] for n in meta.retrieval]
+        # None on the first step ever (nothing recorded yet): every row ranks by recency
+        records = None if any(r.impl.record is None for r in retrieval) else [r.impl.record for r in retrieval]
+        return select_blocks(records, [r.kv_cache for r in retrieval], meta.block_table[:meta.num_decodes],
+                             meta.seq_lens[:meta.num_decodes], layout, self.options, self.scale)
+
+    def _schedules(self, selection: BlockSelection, dtype: torch.dtype, isa: str) -> list:
+        """vLLM's kernel schedule for each KV head's decode rows (one query token each)."""
+        rows = selection.seq_lens.shape[1]
+        starts = torch.arange(rows + 1, dtype=torch.int32)
+        return [ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows, num_heads=self.num_queries_per_kv, num_kv_heads=1, head_dim=self.head_size,
+            seq_lens=lens, dtype=dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
+            enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
+            for lens in selection.seq_lens]
+
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata,
+                output: torch.Tensor) -> None:
+        """Each KV head's query heads of the decode rows (``query`` ``[rows, num_heads,
+        head_dim]``) attend with vLLM's kernel over that head's selected blocks; written into
+        ``output`` (the rows' slice of vLLM's output)."""
+        blocks, num_kv, block_size, _ = kv_cache.shape
+        key_cache, value_cache = kv_cache.view(blocks, num_kv, 2 * block_size, -1).chunk(2, dim=2)
+        rows, group = query.shape[0], self.num_queries_per_kv
+        out = output.view(rows, self.num_heads, self.head_size)
+        starts = torch.arange(rows + 1, dtype=torch.int32)
+        selection = meta.selection
+        for h in range(num_kv):
+            heads = slice(h * group, (h + 1) * group)
+            q = query[:, heads].contiguous()
+            o = torch.empty_like(q)
+            ops.cpu_attention_with_kv_cache(
+                query=q, key_cache=key_cache[:, h:h + 1], value_cache=value_cache[:, h:h + 1], output=o,
+                query_start_loc=starts, seq_lens=selection.seq_lens[h], scale=self.scale, causal=True,
+                alibi_slopes=None, sliding_window=-1, block_table=selection.tables[h], softcap=0.0,
+                scheduler_metadata=meta.schedules[h], s_aux=None, kv_cache_dtype=self.kv_cache_dtype)
+            out[:, heads] = o
+
+
+class SpeContextCPUBackend(CPUAttentionBackend):
+    """vLLM's ``CPU_ATTN`` entry, overridden by :func:`specontext_vllm.register`."""
+
+    @staticmethod
+    def get_impl_cls():
+        return SpeContextImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return SpeContextMetadataBuilder

@@ -1,0 +1,96 @@
+// Query-key logits of decode rows over their blocks of vLLM's paged CPU KV cache, read in the
+// cache's own packing (specontext_vllm/layout.py): one pass over each block's keys, no copy.
+//
+//   out[r][h][g][n * bs + t] = sum_j q[r][h][g][j] * key(block_table[r][n], h, t, j)
+//
+// cache: [num_blocks][kv][2][bs * d] (the key area first); q: float32 [rows][kv][groups][d]
+// (already scaled); out: float32 [rows][kv][groups][blocks * bs]. Forms: 0 = transposed
+// (key j of token t at j * bs + t: vLLM's vector path), 1 = AMX bf16 tiles (16-token tiles of
+// [d / 2][16][2] pairs). Returns 0, or 1 for arguments the kernel does not take.
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kMaxBlock = 128;
+
+inline float widen(uint16_t x) {
+  uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+template <typename T>
+inline float load(const T* p) { return static_cast<float>(*p); }
+template <>
+inline float load<uint16_t>(const uint16_t* p) { return widen(*p); }
+
+template <typename T>
+void transposed_block(const T* keys, const float* q, float* out, int64_t groups, int64_t bs, int64_t d,
+                      int64_t out_stride) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float acc[kMaxBlock] = {0.f};
+    const float* qg = q + g * d;
+    for (int64_t j = 0; j < d; ++j) {
+      const float qj = qg[j];
+      const T* row = keys + j * bs;
+#pragma omp simd
+      for (int64_t t = 0; t < bs; ++t) acc[t] += qj * load(row + t);
+    }
+    std::memcpy(out + g * out_stride, acc, bs * sizeof(float));
+  }
+}
+
+void tiled_block(const uint16_t* keys, const float* q, float* out, int64_t groups, int64_t bs, int64_t d,
+                 int64_t out_stride) {
+  for (int64_t g = 0; g < groups; ++g) {
+    float acc[kMaxBlock] = {0.f};
+    const float* qg = q + g * d;
+    for (int64_t s = 0; s < bs / 16; ++s) {
+      const uint16_t* tile = keys + s * 16 * d;
+      for (int64_t p = 0; p < d / 2; ++p) {
+        const float q0 = qg[2 * p], q1 = qg[2 * p + 1];
+        const uint16_t* pairs = tile + p * 32;
+#pragma omp simd
+        for (int64_t i = 0; i < 16; ++i)
+          acc[s * 16 + i] += q0 * widen(pairs[2 * i]) + q1 * widen(pairs[2 * i + 1]);
+      }
+    }
+    std::memcpy(out + g * out_stride, acc, bs * sizeof(float));
+  }
+}
+
+template <typename T>
+int run(const T* cache, const int32_t* table, int64_t table_stride, const float* q, float* out, int64_t rows,
+        int64_t kv, int64_t groups, int64_t blocks, int64_t bs, int64_t d, int form) {
+  if (bs > kMaxBlock || bs <= 0 || d <= 0 || (form == 1 && (bs % 16 != 0 || d % 2 != 0))) return 1;
+  const int64_t area = bs * d, width = blocks * bs;
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < kv; ++h)
+      for (int64_t n = 0; n < blocks; ++n) {
+        const int64_t block = table[r * table_stride + n];
+        const T* keys = cache + (block * kv + h) * 2 * area;
+        const float* qh = q + (r * kv + h) * groups * d;
+        float* o = out + (r * kv + h) * groups * width + n * bs;
+        if (form == 0) transposed_block(keys, qh, o, groups, bs, d, width);
+        else tiled_block(reinterpret_cast<const uint16_t*>(keys), qh, o, groups, bs, d, width);
+      }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int specontext_paged_key_logits_f32(const float* cache, const int32_t* table, int64_t table_stride,
+                                               const float* q, float* out, int64_t rows, int64_t kv, int64_t groups,
+                                               int64_t blocks, int64_t bs, int64_t d, int form) {
+  if (form != 0) return 1;
+  return run(cache, table, table_stride, q, out, rows, kv, groups, blocks, bs, d, form);
+}
+
+extern "C" int specontext_paged_key_logits_bf16(const uint16_t* cache, const int32_t* table, int64_t table_stride,
+                                                const float* q, float* out, int64_t rows, int64_t kv, int64_t groups,
+                                                int64_t blocks, int64_t bs, int64_t d, int form) {
+  return run(cache, table, table_stride, q, out, rows, kv, groups, blocks, bs, d, form);
+}

@@ -1,0 +1,65 @@
+"""The plugin's options: the backend's names and validation, given through vLLM's configuration.
+
+``LLM(..., additional_config={"specontext": {"budget": 1024}})`` or ``vllm serve ...
+--additional-config '{"specontext": {"budget": 1024}}'``. The dict is validated by
+:class:`specontext_compile.config.SpeContextConfig` (so a bad value raises the same error as
+``torch.compile(..., options=...)`` would); without the ``"specontext"`` key the plugin leaves
+vLLM's attention unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from specontext_compile.config import SpeContextConfig, default_retrieval_layers
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KEY", "PluginOptions", "plugin_options"]
+
+KEY = "specontext"  # the additional_config entry
+_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers")
+_NOT_BUILT = {"candidates": 1.0, "page_rescue": 0, "retrieval_head": None, "device_memory_bytes": None,
+              "dense_layers": (), "dense_below": 0, "min_coverage": 0.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginOptions:
+    """The options the plugin applies (the rest of :class:`SpeContextConfig` is validated, and
+    those that would change the step are refused until built)."""
+
+    budget: int
+    sink_tokens: int
+    recent_window: int
+    retrieval_layers: tuple[int, ...] | None
+
+    def retrieval_layers_for(self, num_layers: int) -> tuple[int, ...]:
+        """The retrieval layers' indices among ``num_layers`` (negative counts from the end;
+        None = :func:`~specontext_compile.config.default_retrieval_layers`)."""
+        layers = self.retrieval_layers or default_retrieval_layers(num_layers)
+        return tuple(sorted({min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}))
+
+
+def plugin_options(vllm_config: Any) -> PluginOptions | None:
+    """The validated options of ``vllm_config.additional_config["specontext"]``, or None.
+
+    Raises:
+        ValueError: an invalid option (the backend's message), or one whose part of the step
+            the plugin does not build yet (named, with the value to use).
+        TypeError: ``additional_config["specontext"]`` is not a dict.
+    """
+    extra = getattr(vllm_config, "additional_config", None) or {}
+    given = extra.get(KEY) if isinstance(extra, dict) else None
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise TypeError(f"additional_config[{KEY!r}] must be a dict of specontext options, got {given!r}")
+    # the plugin's default is the shared selection (no per-layer refinement yet): page_rescue=0
+    config = SpeContextConfig(**{"page_rescue": 0, **given})
+    for name, value in _NOT_BUILT.items():
+        if getattr(config, name) != value and name in given:
+            raise ValueError(f"specontext option {name}={given[name]!r} is not built in the vLLM plugin yet; "
+                             f"leave it out (the plugin runs {name}={value!r})")
+    return PluginOptions(**{name: getattr(config, name) for name in _APPLIED})

@@ -1,0 +1,131 @@
+"""The step's selection for vLLM's decode rows: the product's scorer, whole blocks kept.
+
+vLLM's CPU cache spreads a token's key over its whole block (transposed on the vector path,
+tiled for AMX), so reading a few tokens of a block costs about as much as reading the block:
+the plugin selects **whole blocks** (pages of ``block_size`` tokens, as Quest does), per request
+and KV head, and the decode rows then attend with vLLM's own kernel over a block table of the
+selected blocks (:mod:`.backend`).
+
+Per decode row ``r`` of length ``L_r`` (tokens, this step's included) and KV head: the
+lagged-query scores of its past tokens (as :func:`specontext_compile.runtime.scorers.lagged_query_score`
+defines them: the retrieval layers' recorded queries of token ``L_r - 2`` over positions
+``< L_r - 1``, computed on the cache's packed blocks), a
+block's score the max over its tokens, then
+:func:`specontext_compile.runtime.aten_step.select_positions` over the row's blocks:
+``budget // block_size`` blocks, the first ``ceil(sink_tokens / block_size)`` (attention sinks)
+and the blocks holding the last ``recent_window`` tokens (the current block included) always,
+the top-scored blocks for the rest. A row with no more blocks than that keeps them all (its
+attention is exactly dense). Rows are batched to the longest with a per-row visibility mask,
+so each row selects as it would alone (SpeContext section 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from specontext_compile.runtime.aten_step import select_positions
+from specontext_compile.runtime.sparse_attention import group_max_probs
+
+from .layout import BlockLayout
+from .options import PluginOptions
+from .state import LaggedQueries
+
+__all__ = ["BlockSelection", "block_counts", "previous_slots", "select_blocks"]
+
+
+@dataclasses.dataclass
+class BlockSelection:
+    """The step's selection, per KV head, as vLLM's kernel reads it.
+
+    Attributes:
+        logical: int64 ``[rows, num_kv_heads, blocks]`` selected logical block indices of each
+            row, ascending, ``-1`` padding last.
+        tables: int32 ``[num_kv_heads, rows, blocks]`` the physical blocks of ``logical``
+            (padding: block 0, never read).
+        seq_lens: int32 ``[num_kv_heads, rows]`` tokens the kernel reads per row: whole
+            selected blocks, then the current block's written tokens.
+        recency_rows: int64 scalar, the rows ranked by recency (no usable record).
+    """
+
+    logical: torch.Tensor
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    recency_rows: torch.Tensor
+
+
+def previous_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """int64 ``[rows]``: the KV row of each row's previous token (position ``L - 2``; ``-1``
+    when ``L < 2``)."""
+    prev = (seq_lens.long() - 2).clamp(min=0)
+    blocks = block_table.long().gather(1, (prev // block_size).unsqueeze(1)).squeeze(1)
+    return torch.where(seq_lens >= 2, blocks * block_size + prev % block_size, -1)
+
+
+def block_counts(options: PluginOptions, block_size: int) -> tuple[int, int, int]:
+    """``(blocks kept, sink blocks, recent blocks)`` for ``options`` and ``block_size``: the
+    budget in whole blocks (at least the forced ones), the blocks of the first ``sink_tokens``
+    tokens, and the blocks that can hold the last ``recent_window`` tokens (the current one
+    and ``ceil((recent_window - 1) / block_size)`` before it)."""
+    sinks = math.ceil(options.sink_tokens / block_size)
+    recent = 1 + math.ceil(max(options.recent_window - 1, 0) / block_size)
+    return max(options.budget // block_size, sinks + recent, 1), sinks, recent
+
+
+def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks):
+    """float32 ``[rows, kv, blocks * block_size]`` lagged-query scores (recency where not
+    ready) and the bool ``[rows]`` readiness. The scores are the lagged-query head's
+    (:func:`specontext_compile.runtime.scorers.lagged_query_score`): per retrieval layer the
+    group-max softmax (:func:`~specontext_compile.runtime.sparse_attention.group_max_probs`)
+    of its recorded query's logits over the row's past tokens, summed; the logits come from
+    the packed blocks (:meth:`~.layout.BlockLayout.key_logits`)."""
+    rows, length = seq_lens.shape[0], blocks * layout.block_size
+    pos = torch.arange(length, device=seq_lens.device)
+    num_kv = caches[0].shape[1]
+    recency = pos.to(torch.float32).expand(rows, num_kv, length)
+    if records is None:
+        return recency, torch.zeros(rows, dtype=torch.bool, device=seq_lens.device)
+    slots = previous_slots(block_table, seq_lens, layout.block_size)
+    past = pos < seq_lens.long().view(rows, 1, 1) - 1  # the row's past tokens
+    total, ready = None, torch.ones(rows, dtype=torch.bool, device=seq_lens.device)
+    for record, cache in zip(records, caches):
+        query, ok = record.read(slots)
+        probs = group_max_probs(layout.key_logits(cache, block_table, blocks, query, scale), past)
+        total = probs if total is None else total + probs
+        ready &= ok
+    return torch.where(ready.view(rows, 1, 1), total, recency), ready
+
+
+def select_blocks(records: list[LaggedQueries] | None, caches: list[torch.Tensor], block_table: torch.Tensor,
+                  seq_lens: torch.Tensor, layout: BlockLayout, options: PluginOptions, scale: float
+                  ) -> BlockSelection:
+    """The selection of every decode row.
+
+    Args:
+        records: the retrieval layers' records (None: nothing recorded yet, rank by recency).
+        caches: the retrieval layers' KV caches ``[num_blocks, num_kv_heads, block_size, 2 *
+            head_dim]``, in the order of ``records``.
+        block_table: int ``[rows, max_blocks]``; seq_lens: int ``[rows]`` (this step's token
+            included, already written in the layers that attend).
+        layout: where tokens sit in a block (:func:`~.layout.probe_layout`).
+        options: budget, sinks, recent window.
+        scale: the retrieval layers' softmax scale.
+    """
+    rows, bs = seq_lens.shape[0], layout.block_size
+    blocks = -(-int(seq_lens.max()) // bs)
+    scores, ready = _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks)
+    block_scores = scores.view(rows, -1, blocks, bs).amax(-1)  # [rows, kv, blocks]
+    kept, sinks, recent = block_counts(options, bs)
+    row_blocks = (seq_lens.long() + bs - 1) // bs
+    visible = torch.arange(blocks, device=seq_lens.device) < row_blocks.view(rows, 1, 1)
+    cached = torch.tensor(blocks - 1, device=seq_lens.device)
+    logical = select_positions(block_scores, cached, 1, min(kept, blocks), sinks, recent, 0, visible)
+    logical = torch.where(logical < 0, blocks, logical).sort(-1).values  # padding last
+    valid = logical < blocks
+    logical = torch.where(valid, logical, -1)
+    physical = block_table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
+    tables = torch.where(valid, physical, 0).transpose(0, 1).to(torch.int32).contiguous()
+    last = (seq_lens.long() - 1) % bs + 1  # written tokens of the current (last selected) block
+    lens = (valid.sum(-1) - 1) * bs + last.view(rows, 1)  # [rows, kv]
+    return BlockSelection(logical, tables, lens.transpose(0, 1).to(torch.int32).contiguous(), (~ready).sum())

@@ -1,0 +1,96 @@
+"""vLLM engines with the plugin on a tiny random Llama (4 layers, 4 query / 2 KV heads,
+head_dim 64, fp32, eager, block 32; three requests of 300, 170 and 90 prompt tokens, 24 greedy
+tokens each; retrieval layers 1 and 2).
+
+* Budget covering every request: the decode rows run the plugin's path (its counters: every
+  decode row of every layer served from a selection, none ranked by recency, prefill tokens on
+  vLLM's kernel) and the tokens equal Hugging Face's greedy ones.
+* Budget 48: the same path serves a sparse step (counters), and the options reach it.
+"""
+
+import gc
+
+import pytest
+import torch
+import transformers
+from torch._dynamo.utils import counters
+
+from specontext_vllm.options import plugin_options
+
+LAYERS, NEW = 4, 24
+PROMPTS = (300, 170, 90)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny_llama")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=1024,
+        initializer_range=0.15, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPTS]
+
+
+def _generate(folder, prompts, options):
+    from vllm import LLM, SamplingParams
+
+    counters["specontext_vllm"].clear()
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
+              block_size=32, max_num_seqs=4, gpu_memory_utilization=0.1, additional_config={"specontext": options})
+    try:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False))
+        return [list(o.outputs[0].token_ids) for o in outs], dict(counters["specontext_vllm"])
+    finally:
+        del llm
+        gc.collect()
+
+
+def _hugging_face(folder, prompts):
+    model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        out.append(model.generate(ids, max_new_tokens=NEW, do_sample=False)[0, len(p):].tolist())
+    return out
+
+
+def test_full_budget_is_vllm_dense_text_on_the_plugins_path(folder, prompts):
+    tokens, stats = _generate(folder, prompts, {"budget": 4096, "retrieval_layers": [1, 2]})
+    assert tokens == _hugging_face(folder, prompts)
+    decode_steps = NEW - 1  # the first token comes from the prefill
+    assert stats["selection_steps"] >= decode_steps
+    assert stats["sparse_decode_rows"] == len(prompts) * decode_steps * LAYERS
+    assert stats["recency_rows"] == 0  # every row's previous query was recorded (the prefill's last)
+    assert stats["dense_prefill_tokens"] == sum(PROMPTS) * LAYERS
+
+
+def test_a_small_budget_serves_sparse_rows(folder, prompts):
+    tokens, stats = _generate(folder, prompts, {"budget": 48, "sink_tokens": 2, "recent_window": 8,
+                                                "retrieval_layers": [1, 2]})
+    assert [len(t) for t in tokens] == [NEW] * len(prompts)
+    assert stats["sparse_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats["recency_rows"] == 0
+
+
+class _Config:
+    def __init__(self, extra):
+        self.additional_config = extra
+
+
+def test_options_are_the_backends_and_unbuilt_ones_are_refused():
+    assert plugin_options(_Config({})) is None
+    assert plugin_options(_Config({"specontext": {"budget": 64}})).budget == 64
+    with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
+        plugin_options(_Config({"specontext": {"budget": 0}}))
+    with pytest.raises(ValueError, match="page_rescue=64 is not built in the vLLM plugin yet"):
+        plugin_options(_Config({"specontext": {"page_rescue": 64}}))
+    with pytest.raises(TypeError, match="must be a dict"):
+        plugin_options(_Config({"specontext": 1024}))

@@ -1,0 +1,121 @@
+"""The plugin's selection of each decode row against a float64 reference written out plainly:
+per row and KV head, the summed group-max softmax of the retrieval layers' recorded previous
+queries over the row's past tokens, a block's score the max over its tokens; kept: the sink
+blocks, the blocks of the recent window (the current one included) and the top-scored blocks,
+``budget // block_size`` in all. Rows of different lengths batched together select as each
+would alone; the kernel's inputs (block tables, lengths) follow; a stale or missing record
+ranks by recency."""
+
+import pytest
+import torch
+from vllm import _custom_ops as ops
+
+from specontext_vllm.layout import probe_layout
+from specontext_vllm.options import PluginOptions
+from specontext_vllm.selection import block_counts, previous_slots, select_blocks
+from specontext_vllm.state import LaggedQueries
+
+HEADS, KV, D, BLOCK = 4, 2, 64, 32
+OPTIONS = PluginOptions(budget=4 * BLOCK, sink_tokens=2, recent_window=40, retrieval_layers=None)
+
+
+def _paged(lengths, layers, seed):
+    """Caches of ``layers`` retrieval layers holding ``lengths[r] - 1`` past tokens per row,
+    records with each row's previous query, and the float64 keys and queries."""
+    gen = torch.Generator().manual_seed(seed)
+    per_row = [(n + BLOCK - 1) // BLOCK for n in lengths]
+    blocks = sum(per_row) + 2
+    order = torch.randperm(blocks, generator=gen)
+    table = torch.zeros(len(lengths), max(per_row), dtype=torch.int32)
+    used = 0
+    for r, k in enumerate(per_row):
+        table[r, :k] = order[used:used + k]
+        used += k
+    caches, records, keys, queries = [], [], [], []
+    for _ in range(layers):
+        cache = torch.zeros(blocks, KV, BLOCK, 2 * D)
+        key_area, value_area = cache.view(blocks, KV, 2 * BLOCK, D).chunk(2, dim=2)
+        record = LaggedQueries.for_cache(cache, HEADS, D)
+        row_keys, row_queries = [], []
+        for r, n in enumerate(lengths):
+            k = torch.randn(n - 1, KV, D, generator=gen)
+            slots = table[r, torch.arange(n - 1) // BLOCK].long() * BLOCK + torch.arange(n - 1) % BLOCK
+            ops.cpu_attn_reshape_and_cache(k, k, key_area, value_area, slots, "vec")
+            q = torch.randn(HEADS, D, generator=gen) * 2
+            record.write(q[None], slots[-1:])  # the previous token's query, in its block
+            # this step's slot holds garbage until the layer writes it (a block's earlier tenant)
+            own = table[r, (n - 1) // BLOCK].long().view(1) * BLOCK + (n - 1) % BLOCK
+            garbage = (q.view(KV, -1, D).sum(1) * 50)[None]
+            ops.cpu_attn_reshape_and_cache(garbage, garbage, key_area, value_area, own, "vec")
+            row_keys.append(k.double())
+            row_queries.append(q.double())
+        caches.append(cache)
+        records.append(record)
+        keys.append(row_keys)
+        queries.append(row_queries)
+    return caches, records, table, keys, queries
+
+
+def _reference(keys, queries, r, n, scale):
+    """The float64 selection of row ``r`` (``n`` tokens, this step's included): per KV head, the
+    set of logical blocks kept."""
+    total = torch.zeros(KV, n - 1, dtype=torch.float64)
+    for layer_keys, layer_queries in zip(keys, queries):
+        k, q = layer_keys[r], layer_queries[r]  # [n-1, KV, D], [HEADS, D]
+        logits = torch.einsum("kgd,nkd->kgn", q.view(KV, -1, D), k) * scale
+        total += logits.softmax(-1).amax(1)
+    blocks = (n + BLOCK - 1) // BLOCK
+    kept, sinks, recent = block_counts(OPTIONS, BLOCK)
+    if blocks <= kept:
+        return [set(range(blocks))] * KV
+    forced = set(range(sinks)) | set(range(blocks - recent, blocks))
+    out = []
+    for h in range(KV):
+        score = [float(total[h, b * BLOCK:(b + 1) * BLOCK].max()) for b in range(blocks - 1)]  # the current block: forced
+        ranked = [b for b in sorted(range(blocks - 1), key=lambda b: -score[b]) if b not in forced]
+        out.append(forced | set(ranked[: kept - len(forced)]))
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_each_row_selects_as_the_float64_reference(seed):
+    lengths = [297, 40, 450, 128]  # rows of 10, 2, 15 and 4 blocks (kept: 4 blocks)
+    caches, records, table, keys, queries = _paged(lengths, 3, seed)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    layout = probe_layout("vec", torch.float32, BLOCK, D)
+    selection = select_blocks(records, caches, table, seq_lens, layout, OPTIONS, D**-0.5)
+    assert int(selection.recency_rows) == 0 and selection.logical.shape == (4, KV, 4)
+    for r, n in enumerate(lengths):
+        want = _reference(keys, queries, r, n, D**-0.5)
+        for h in range(KV):
+            got = selection.logical[r, h]
+            got = got[got >= 0]
+            assert set(got.tolist()) == want[h], (r, h)
+            assert (got.diff() > 0).all()  # ascending: the current block last
+            assert torch.equal(selection.tables[h, r, :len(got)], table[r, got].int())
+            # whole blocks, then the current block's tokens (this step's included)
+            assert int(selection.seq_lens[h, r]) == (len(got) - 1) * BLOCK + (n - 1) % BLOCK + 1
+
+
+def test_a_stale_record_ranks_by_recency():
+    lengths = [297, 450]
+    caches, records, table, _, _ = _paged(lengths, 2, 0)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    stale = previous_slots(table, seq_lens, BLOCK)[1]
+    records[1].stamps[stale // BLOCK] = stale - 1  # row 1's block now holds another token's query
+    layout = probe_layout("vec", torch.float32, BLOCK, D)
+    selection = select_blocks(records, caches, table, seq_lens, layout, OPTIONS, D**-0.5)
+    assert int(selection.recency_rows) == 1
+    blocks = (450 + BLOCK - 1) // BLOCK
+    recent = {0} | set(range(blocks - 3, blocks))  # the sink block and the most recent ones
+    assert all(set(selection.logical[1, h].tolist()) == recent for h in range(KV))
+    nothing = select_blocks(None, caches, table, seq_lens, layout, OPTIONS, D**-0.5)
+    assert int(nothing.recency_rows) == 2 and torch.equal(nothing.logical[1], selection.logical[1])
+
+
+def test_a_reused_block_never_lends_its_query():
+    cache = torch.zeros(4, KV, BLOCK, 2 * D)
+    record = LaggedQueries.for_cache(cache, HEADS, D)
+    record.write(torch.ones(1, HEADS, D), torch.tensor([2 * BLOCK + 5]))
+    query, ok = record.read(torch.tensor([2 * BLOCK + 5, 2 * BLOCK + 6, -1]))
+    assert ok.tolist() == [True, False, False] and torch.equal(query[0], torch.ones(HEADS, D))
