@@ -85,9 +85,8 @@ class SpeContextMetadata(CPUAttentionMetadata):
         num_decodes: decode rows, first in the batch (one query token each).
         prefill: vLLM's metadata for the other rows alone (None when there are none).
         retrieval: the retrieval layers' names, in order.
-        first_layer: the name of the layer that selects for the step.
-        selection: the decode rows' selected blocks per KV head, set by the first layer's
-            forward (:class:`~.selection.BlockSelection`).
+        selection: the decode rows' selected blocks per KV head, set by the forward of the
+            step's first layer the plugin serves (:class:`~.selection.BlockSelection`).
         schedules: vLLM's kernel schedule of the decode rows, one per KV head (their
             ``seq_lens`` differ), made with the selection.
     """
@@ -95,7 +94,6 @@ class SpeContextMetadata(CPUAttentionMetadata):
     num_decodes: int = 0
     prefill: CPUAttentionMetadata | None = None
     retrieval: tuple[str, ...] = ()
-    first_layer: str = ""
     selection: BlockSelection | None = None
     schedules: list | None = None
 
@@ -111,7 +109,6 @@ class SpeContextMetadataBuilder(CPUAttentionMetadataBuilder):
             ordered = sorted(layer_names, key=layer_index)
             picks = self.options.retrieval_layers_for(len(ordered))
             self.retrieval = tuple(ordered[i] for i in picks)
-            self.first_layer = ordered[0]
 
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False):
         base = super().build(common_prefix_len, common_attn_metadata, fast_build)
@@ -119,8 +116,7 @@ class SpeContextMetadataBuilder(CPUAttentionMetadataBuilder):
             return base
         num_decodes, num_prefills, num_decode_tokens, _ = split_decodes_and_prefills(common_attn_metadata, 1)
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
-        meta = SpeContextMetadata(**fields, num_decodes=num_decodes, retrieval=self.retrieval,
-                                  first_layer=self.first_layer)
+        meta = SpeContextMetadata(**fields, num_decodes=num_decodes, retrieval=self.retrieval)
         meta.num_decode_tokens = num_decode_tokens
         if num_prefills:
             meta.prefill = self._prefill_metadata(base, num_decodes, num_decode_tokens)
@@ -174,7 +170,7 @@ class SpeContextImpl(CPUAttentionBackendImpl):
                                    output_block_scale)
         meta, name = attn_metadata, layer.layer_name
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
-        if meta.num_decodes and name == meta.first_layer:
+        if meta.num_decodes and meta.selection is None:  # the step's first layer the plugin serves
             meta.selection = self._select(meta, layout)
             meta.schedules = self._schedules(meta.selection, query.dtype, layer.isa)
             stats = counters["specontext_vllm"]
