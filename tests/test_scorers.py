@@ -181,7 +181,9 @@ def test_every_heads_state_follows_a_reorder(model, head):
     _feed(forward, fresh, first[swap])
     want = _feed(forward, fresh, then)
     torch.testing.assert_close(got, want, atol=ATOL, rtol=ATOL)
-    assert reordered.path_counts()["recency_fallback_steps"] == 0
+    counts, fresh_counts = reordered.path_counts(), fresh.path_counts()
+    assert counts["recency_fallback_steps"] == 0
+    assert counts["gather_sites"] == fresh_counts["gather_sites"] == 4 * 6  # every site of the 6 steps gathered
 
 
 def test_an_unknown_head_is_refused_with_the_known_names():
