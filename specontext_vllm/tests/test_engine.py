@@ -39,15 +39,19 @@ def prompts():
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPTS]
 
 
-def _generate(folder, prompts, options):
+def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False):
+    """Greedy tokens of each prompt (all at once, or one ``generate`` call after the other) and
+    the plugin's counters."""
     from vllm import LLM, SamplingParams
 
     counters["specontext_vllm"].clear()
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
-              block_size=32, max_num_seqs=4, gpu_memory_utilization=0.1, additional_config={"specontext": options})
+              block_size=32, max_num_seqs=4, gpu_memory_utilization=0.1, enable_prefix_caching=prefix_caching,
+              additional_config={"specontext": options})
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False)
     try:
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                            SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False))
+        batches = [[p] for p in prompts] if one_by_one else [prompts]
+        outs = [o for batch in batches for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
         return [list(o.outputs[0].token_ids) for o in outs], dict(counters["specontext_vllm"])
     finally:
         del llm
@@ -78,6 +82,22 @@ def test_a_small_budget_serves_sparse_rows(folder, prompts):
                                                 "retrieval_layers": [1, 2]})
     assert [len(t) for t in tokens] == [NEW] * len(prompts)
     assert stats["sparse_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats["recency_rows"] == 0
+
+
+def test_a_request_reusing_a_cached_prefix_decodes_as_alone(folder, prompts):
+    """Prefix caching on: a second request sharing the first one's 256-token prefix reuses its
+    KV blocks (and the queries recorded there); at budget 48 its tokens equal the same request
+    served alone without prefix caching (its selection reads only its own previous token's
+    record)."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2]}
+    first = prompts[0]
+    second = first[:256] + prompts[1][:60]
+    shared, stats = _generate(folder, [first, second], options, prefix_caching=True, one_by_one=True)
+    alone, _ = _generate(folder, [second], options)
+    assert shared[1] == alone[0]
+    assert stats["recency_rows"] == 0 and stats["sparse_decode_rows"] == 2 * (NEW - 1) * LAYERS
+    # the second prompt's prefill ran only past the cached prefix (vLLM's kernel)
+    assert stats["dense_prefill_tokens"] < (len(first) + len(second)) * LAYERS
 
 
 class _Config:
