@@ -46,7 +46,7 @@ def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False):
 
     counters["specontext_vllm"].clear()
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
-              block_size=32, max_num_seqs=4, gpu_memory_utilization=0.1, enable_prefix_caching=prefix_caching,
+              block_size=32, max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=prefix_caching,
               additional_config={"specontext": options})
     params = SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False)
     try:
