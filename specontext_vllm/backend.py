@@ -27,11 +27,11 @@ process): ``selection_steps``, ``recency_rows`` (decode rows ranked by recency),
 
 Options come through vLLM's configuration, ``additional_config={"specontext": {...}}``, with
 the backend's names and validation (:class:`~specontext_compile.config.SpeContextConfig`);
-without that key this backend is vLLM's CPU attention unchanged. Not built yet (served dense
-or shared instead, logged once): the per-layer refinement and page rescue
-(``candidates > 1``, ``page_rescue > 0``: the decode rows use the shared selection, as
-``page_rescue=0`` does in our backend); sliding-window, ALiBi, soft-capped and sink-logit
-layers stay on vLLM's kernel.
+without that key this backend is vLLM's CPU attention unchanged. Not built yet: the per-layer
+refinement and page rescue (options ``candidates > 1`` and ``page_rescue > 0`` are refused by
+:mod:`.options`; the decode rows use the shared selection, as ``page_rescue=0`` does in our
+backend); sliding-window, ALiBi, soft-capped and sink-logit layers and FP8 caches stay on
+vLLM's kernel (logged once per layer).
 """
 
 from __future__ import annotations
