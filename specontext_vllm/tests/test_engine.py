@@ -6,6 +6,8 @@ tokens each; retrieval layers 1 and 2).
   decode row of every layer served from a selection, none ranked by recency, prefill tokens on
   vLLM's kernel) and the tokens equal Hugging Face's greedy ones.
 * Budget 48: the same path serves a sparse step (counters), and the options reach it.
+* bfloat16 at full budget: the tokens equal vLLM's own dense run's.
+* Prefix caching: a request reusing a cached prefix decodes as it does alone.
 """
 
 import gc
@@ -39,15 +41,15 @@ def prompts():
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPTS]
 
 
-def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False):
+def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False, dtype="float32"):
     """Greedy tokens of each prompt (all at once, or one ``generate`` call after the other) and
     the plugin's counters."""
     from vllm import LLM, SamplingParams
 
     counters["specontext_vllm"].clear()
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=1024,
               block_size=32, max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=prefix_caching,
-              additional_config={"specontext": options})
+              additional_config={"specontext": options} if options is not None else {})
     params = SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False)
     try:
         batches = [[p] for p in prompts] if one_by_one else [prompts]
@@ -75,6 +77,17 @@ def test_full_budget_is_vllm_dense_text_on_the_plugins_path(folder, prompts):
     assert stats["sparse_decode_rows"] == len(prompts) * decode_steps * LAYERS
     assert stats["recency_rows"] == 0  # every row's previous query was recorded (the prefill's last)
     assert stats["dense_prefill_tokens"] == sum(PROMPTS) * LAYERS
+
+
+def test_bf16_full_budget_is_vllm_dense_text(folder, prompts):
+    """bfloat16 (AMX tiles where the CPU has them): at a budget covering every request the
+    plugin's tokens equal vLLM's own dense ones (the same kernel over every block, called per
+    KV head), every decode row on the plugin's path."""
+    dense, stats = _generate(folder, prompts, None, dtype="bfloat16")
+    assert stats.get("sparse_decode_rows", 0) == 0  # no options: vLLM's attention unchanged
+    tokens, stats = _generate(folder, prompts, {"budget": 4096, "retrieval_layers": [1, 2]}, dtype="bfloat16")
+    assert tokens == dense
+    assert stats["sparse_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats["recency_rows"] == 0
 
 
 def test_a_small_budget_serves_sparse_rows(folder, prompts):
