@@ -58,8 +58,8 @@ class BlockLayout:
     key_offsets: torch.Tensor
     value_offsets: torch.Tensor
 
-    def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self, kv_cache: torch.Tensor, block_table: torch.Tensor, positions: torch.Tensor,
+               with_values: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Keys and values of some tokens of some requests, as plain rows.
 
         Args:
@@ -69,7 +69,8 @@ class BlockLayout:
                 (``-1``: padding, read as position 0 and to be masked by the caller).
 
         Returns:
-            keys, values: ``[rows, num_kv_heads, n, head_dim]`` in the cache's dtype.
+            keys, values: ``[rows, num_kv_heads, n, head_dim]`` in the cache's dtype (values
+            None unless ``with_values``).
         """
         num_blocks, num_kv, block, _ = kv_cache.shape
         pos = positions.clamp(min=0)
@@ -79,8 +80,9 @@ class BlockLayout:
         areas = kv_cache.view(num_blocks * num_kv * 2, block * self.head_dim)
         row = pos % block
         keys = self._read(areas, area, row, self.key_form, self.key_offsets)
-        values = self._read(areas, area + 1, row, self.value_form, self.value_offsets)
-        return keys, values
+        if not with_values:
+            return keys, None
+        return keys, self._read(areas, area + 1, row, self.value_form, self.value_offsets)
 
     def _read(self, areas, area, row, form, offsets):
         """Rows ``row`` of areas ``area`` (both int64 ``[...]``) -> ``[..., head_dim]``."""
@@ -139,7 +141,7 @@ class BlockLayout:
         head_dim]`` (the selection scores them all)."""
         rows, num_kv = block_table.shape[0], kv_cache.shape[1]
         positions = torch.arange(length, device=kv_cache.device).expand(rows, num_kv, length)
-        return self.gather(kv_cache, block_table, positions)[0]
+        return self.gather(kv_cache, block_table, positions, with_values=False)[0]
 
 
 def probe_layout(isa: str, dtype: torch.dtype, block_size: int, head_dim: int) -> BlockLayout:
