@@ -9,7 +9,7 @@ unless the engine is given options: ``LLM(model, additional_config={"specontext"
 
 from __future__ import annotations
 
-__all__ = ["register"]
+__all__ = ["register", "worker_counters"]
 
 BACKEND = "specontext_vllm.backend.SpeContextCPUBackend"
 
@@ -20,3 +20,13 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     register_backend(AttentionBackendEnum.CPU_ATTN, BACKEND)
+
+
+def worker_counters(worker: object = None) -> dict[str, int]:
+    """The plugin's counters (``torch._dynamo.utils.counters["specontext_vllm"]``) in the process
+    that calls it. With several workers (tensor parallelism) each rank counts its own:
+    ``llm.collective_rpc(worker_counters)`` gathers them (vLLM passes the worker; a function
+    crosses to worker processes only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
+    from torch._dynamo.utils import counters
+
+    return dict(counters["specontext_vllm"])
