@@ -47,12 +47,19 @@ RETRIEVAL_LAYERS = 8  # the default retrieval layers of a 30-layer model (config
 
 
 def contender_options(name: str) -> dict | None:
-    """``vllm-dense`` (no plugin options) or ``specontext-<budget>``."""
+    """``vllm-dense`` (no plugin options), ``specontext-<budget>`` or
+    ``specontext-<budget>-rescue<tokens>`` (option ``page_rescue``)."""
     if name == "vllm-dense":
         return None
-    if name.startswith("specontext-"):
-        return {"budget": int(name.split("-", 1)[1])}
-    raise SystemExit(f"unknown contender {name!r}: vllm-dense or specontext-<budget>")
+    parts = name.split("-")
+    if parts[0] == "specontext" and len(parts) in (2, 3) and parts[1].isdigit():
+        options = {"budget": int(parts[1])}
+        if len(parts) == 3:
+            if not (parts[2].startswith("rescue") and parts[2][6:].isdigit()):
+                raise SystemExit(f"unknown contender {name!r}: the third part is rescue<tokens>")
+            options["page_rescue"] = int(parts[2][6:])
+        return options
+    raise SystemExit(f"unknown contender {name!r}: vllm-dense, specontext-<budget> or specontext-<budget>-rescue<tokens>")
 
 
 # --------------------------------------------------------------------------- worker (.venv-vllm)
@@ -85,15 +92,21 @@ def _copy_bandwidth() -> float:
     return 2 * src.numel() * 4 / best
 
 
-def _floor_ms(config, dtype_bytes: int, requests: int, context: int, budget: int | None, weights: int,
-              bandwidth: float) -> float:
+def _floor_ms(config, dtype_bytes: int, requests: int, context: int, options: dict | None, weights: int,
+              bandwidth: float, block_size: int = 32) -> float:
+    """Weights + the KV a step must read, at ``bandwidth``: dense every token of every layer; the
+    plugin the retrieval layers' keys once, ``budget`` tokens per layer, and with ``page_rescue``
+    every layer's float32 block bounds (low and high) and the rescued tokens too."""
     layers, kv = config.num_hidden_layers, config.num_key_value_heads
     d = config.hidden_size // config.num_attention_heads
     row = kv * d * dtype_bytes  # one token's key (or value) in one layer
-    if budget is None:
+    if options is None:
         kv_bytes = requests * layers * 2 * context * row
     else:
-        kv_bytes = requests * (RETRIEVAL_LAYERS * context * row + layers * 2 * min(budget, context) * row)
+        rescue = options.get("page_rescue", 0)
+        attended = min(options["budget"] + rescue, context)
+        bounds = layers * -(-context // block_size) * kv * d * 2 * 4 if rescue else 0
+        kv_bytes = requests * (RETRIEVAL_LAYERS * context * row + layers * 2 * attended * row + bounds)
     return 1000 * (weights + kv_bytes) / bandwidth
 
 
@@ -136,7 +149,6 @@ def worker(args: dict) -> dict:
     wall = time.perf_counter() - t0
     cfg = llm.llm_engine.model_config.hf_config
     weights = _weight_bytes(args["dtype"])
-    budget = options["budget"] if options else None
     bandwidth = _copy_bandwidth()
     steps.sort()
     quant = statistics.quantiles(steps, n=10) if len(steps) >= 10 else [steps[0]] * 9
@@ -149,7 +161,7 @@ def worker(args: dict) -> dict:
         "decode_tokens_per_s": round(args["requests"] * 1000 / p50, 1),
         "wall_tokens_per_s": round(sum(len(t) for t in tokens.values()) / wall, 1),
         "floor_ms": round(_floor_ms(cfg, 4 if args["dtype"] == "float32" else 2, args["requests"], args["input"],
-                                    budget, weights, bandwidth), 2),
+                                    options, weights, bandwidth), 2),
         "copy_bandwidth_gbs": round(bandwidth / 1e9, 1),
         "plugin_counters": dict(counters["specontext_vllm"]),
         "tokens": [tokens[str(i)] for i in range(len(prompts))],

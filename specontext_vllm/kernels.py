@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from specontext_compile.runtime.cpu_kernels import build_library, loads
 
-__all__ = ["FORM_CODES", "available", "paged_key_logits"]
+__all__ = ["FORM_CODES", "available", "paged_key_logits", "paged_quest_bounds"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_key_logits.cpp"
 #: the key forms the kernel reads (layout.FORMS names) and the dtypes it reads them in
@@ -28,6 +28,9 @@ def _library() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [
             ctypes.c_int]
+    lib.specontext_paged_quest_bounds.restype = ctypes.c_int
+    lib.specontext_paged_quest_bounds.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
+        ctypes.c_int64] * 5
     return lib
 
 
@@ -61,4 +64,29 @@ def paged_key_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, blocks: 
                 groups, blocks, bs, d, code)
     if status != 0:
         raise ValueError(f"paged_key_logits rejected block size {bs}, head_dim {d}, form {form}")
+    return out
+
+
+def paged_quest_bounds(low: torch.Tensor, high: torch.Tensor, block_table: torch.Tensor, blocks: int,
+                       query: torch.Tensor) -> torch.Tensor:
+    """float32 ``[rows, num_kv_heads, blocks]``: per row, KV head and logical block ``n`` the
+    group-max Quest bound ``max_g sum_j max(q_gj low_j, q_gj high_j)`` of ``query`` (float32
+    ``[rows, num_kv_heads, groups, head_dim]``) under the bounds ``low``/``high`` (float32
+    ``[num_blocks, num_kv_heads, head_dim]``, contiguous) of block ``block_table[r, n]``.
+
+    Raises:
+        ValueError: bounds or a query the kernel does not take."""
+    rows, num_kv, groups, d = query.shape
+    if (low.dtype != torch.float32 or not low.is_contiguous() or not high.is_contiguous() or low.shape != high.shape
+            or low.shape[1:] != (num_kv, d) or block_table.shape[1] < blocks):
+        raise ValueError(f"paged_quest_bounds: no kernel for bounds {low.dtype} {tuple(low.shape)} with query "
+                         f"{tuple(query.shape)}")
+    table = block_table.to(torch.int32).contiguous()
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty(rows, num_kv, blocks, dtype=torch.float32)
+    status = _library().specontext_paged_quest_bounds(low.data_ptr(), high.data_ptr(), table.data_ptr(),
+                                                      table.shape[1], q.data_ptr(), out.data_ptr(), rows, num_kv,
+                                                      groups, blocks, d)
+    if status != 0:
+        raise ValueError(f"paged_quest_bounds rejected head_dim {d}, groups {groups}")
     return out

@@ -20,8 +20,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["KEY", "PluginOptions", "plugin_options"]
 
 KEY = "specontext"  # the additional_config entry
-_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers")
-_NOT_BUILT = {"candidates": 1.0, "page_rescue": 0, "retrieval_head": None, "device_memory_bytes": None,
+_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers")
+_NOT_BUILT = {"candidates": 1.0, "retrieval_head": None, "device_memory_bytes": None,
               "dense_layers": (), "dense_below": 0, "min_coverage": 0.0}
 
 
@@ -34,12 +34,26 @@ class PluginOptions:
     sink_tokens: int
     recent_window: int
     retrieval_layers: tuple[int, ...] | None
+    page_rescue: int = 0
+    rescue_layers: tuple[int, ...] | None = None
 
     def retrieval_layers_for(self, num_layers: int) -> tuple[int, ...]:
         """The retrieval layers' indices among ``num_layers`` (negative counts from the end;
         None = :func:`~specontext_compile.config.default_retrieval_layers`)."""
         layers = self.retrieval_layers or default_retrieval_layers(num_layers)
-        return tuple(sorted({min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}))
+        return _indices(layers, num_layers)
+
+    def rescues(self, layer: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer`` of ``num_layers`` adds rescued pages (:mod:`.rescue`):
+        ``page_rescue > 0`` and the layer among ``rescue_layers`` (None = every layer)."""
+        if self.page_rescue <= 0:
+            return False
+        return self.rescue_layers is None or layer in _indices(self.rescue_layers, num_layers)
+
+
+def _indices(layers, num_layers: int) -> tuple[int, ...]:
+    """Layer indices (negative counts from the end), clamped to ``num_layers``, sorted, unique."""
+    return tuple(sorted({min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}))
 
 
 def plugin_options(vllm_config: Any) -> PluginOptions | None:

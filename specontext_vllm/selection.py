@@ -32,7 +32,7 @@ from .layout import BlockLayout
 from .options import PluginOptions
 from .state import LaggedQueries
 
-__all__ = ["BlockSelection", "block_counts", "previous_slots", "select_blocks"]
+__all__ = ["BlockSelection", "block_counts", "previous_slots", "select_blocks", "with_blocks"]
 
 
 @dataclasses.dataclass
@@ -47,12 +47,14 @@ class BlockSelection:
         seq_lens: int32 ``[num_kv_heads, rows]`` tokens the kernel reads per row: whole
             selected blocks, then the current block's written tokens.
         recency_rows: int64 scalar, the rows ranked by recency (no usable record).
+        blocks: the longest row's blocks (the step's one host read, reused by every layer).
     """
 
     logical: torch.Tensor
     tables: torch.Tensor
     seq_lens: torch.Tensor
     recency_rows: torch.Tensor
+    blocks: int = 0
 
 
 def previous_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -121,11 +123,21 @@ def select_blocks(records: list[LaggedQueries] | None, caches: list[torch.Tensor
     visible = torch.arange(blocks, device=seq_lens.device) < row_blocks.view(rows, 1, 1)
     cached = torch.tensor(blocks - 1, device=seq_lens.device)
     logical = select_positions(block_scores, cached, 1, min(kept, blocks), sinks, recent, 0, visible)
-    logical = torch.where(logical < 0, blocks, logical).sort(-1).values  # padding last
-    valid = logical < blocks
+    return with_blocks(logical, block_table, seq_lens, bs, (~ready).sum(), blocks)
+
+
+def with_blocks(logical: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                recency_rows: torch.Tensor, blocks: int) -> BlockSelection:
+    """The :class:`BlockSelection` of logical blocks ``[rows, num_kv_heads, n]`` (any order,
+    unique per row and KV head, ``-1`` = none; the current block among them): sorted, mapped to
+    physical blocks through ``block_table``, with the tokens vLLM's kernel reads per row
+    (``blocks``: the longest row's, kept on the result)."""
+    rows, spare = seq_lens.shape[0], block_table.shape[1]
+    logical = torch.where(logical < 0, spare, logical).sort(-1).values  # padding last
+    valid = logical < spare
     logical = torch.where(valid, logical, -1)
     physical = block_table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
     tables = torch.where(valid, physical, 0).transpose(0, 1).to(torch.int32).contiguous()
-    last = (seq_lens.long() - 1) % bs + 1  # written tokens of the current (last selected) block
-    lens = (valid.sum(-1) - 1) * bs + last.view(rows, 1)  # [rows, kv]
-    return BlockSelection(logical, tables, lens.transpose(0, 1).to(torch.int32).contiguous(), (~ready).sum())
+    last = (seq_lens.long() - 1) % block_size + 1  # written tokens of the current (last selected) block
+    lens = (valid.sum(-1) - 1) * block_size + last.view(rows, 1)  # [rows, kv]
+    return BlockSelection(logical, tables, lens.transpose(0, 1).to(torch.int32).contiguous(), recency_rows, blocks)

@@ -7,6 +7,13 @@
 // (already scaled); out: float32 [rows][kv][groups][blocks * bs]. Forms: 0 = transposed
 // (key j of token t at j * bs + t: vLLM's vector path), 1 = AMX bf16 tiles (16-token tiles of
 // [d / 2][16][2] pairs). Returns 0, or 1 for arguments the kernel does not take.
+//
+// Also the page rescue's Quest bounds over the same block tables (specontext_vllm/rescue.py):
+//
+//   out[r][h][n] = max_g sum_j max(q[r][h][g][j] * low(b, h, j), q[r][h][g][j] * high(b, h, j)),
+//   b = block_table[r][n]
+//
+// low, high: float32 [num_blocks][kv][d] (each block's key minimum and maximum).
 #include <cstdint>
 #include <cstring>
 
@@ -81,6 +88,33 @@ int run(const T* cache, const int32_t* table, int64_t table_stride, const float*
 }
 
 }  // namespace
+
+extern "C" int specontext_paged_quest_bounds(const float* low, const float* high, const int32_t* table,
+                                             int64_t table_stride, const float* q, float* out, int64_t rows,
+                                             int64_t kv, int64_t groups, int64_t blocks, int64_t d) {
+  if (d <= 0 || groups <= 0) return 1;
+#pragma omp parallel for collapse(3) schedule(static)
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < kv; ++h)
+      for (int64_t n = 0; n < blocks; ++n) {
+        const int64_t at = (static_cast<int64_t>(table[r * table_stride + n]) * kv + h) * d;
+        const float* lo = low + at;
+        const float* hi = high + at;
+        float best = -__builtin_inff();
+        for (int64_t g = 0; g < groups; ++g) {
+          const float* qg = q + ((r * kv + h) * groups + g) * d;
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = 0; j < d; ++j) {
+            const float a = qg[j] * lo[j], b = qg[j] * hi[j];
+            sum += a > b ? a : b;
+          }
+          best = sum > best ? sum : best;
+        }
+        out[(r * kv + h) * blocks + n] = best;
+      }
+  return 0;
+}
 
 extern "C" int specontext_paged_key_logits_f32(const float* cache, const int32_t* table, int64_t table_stride,
                                                const float* q, float* out, int64_t rows, int64_t kv, int64_t groups,

@@ -8,6 +8,8 @@ tokens each; retrieval layers 1 and 2).
 * Budget 48: the same path serves a sparse step (counters), and the options reach it.
 * bfloat16 at full budget: the tokens equal vLLM's own dense run's.
 * Prefix caching: a request reusing a cached prefix decodes as it does alone.
+* Preemption: requests preempted for want of KV blocks and recomputed decode as they do
+  with room to spare.
 """
 
 import gc
@@ -41,16 +43,17 @@ def prompts():
     return [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPTS]
 
 
-def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False, dtype="float32"):
+def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False, dtype="float32",
+              kv_bytes=256 * 2**20, max_model_len=1024, ignore_eos=False):
     """Greedy tokens of each prompt (all at once, or one ``generate`` call after the other) and
     the plugin's counters."""
     from vllm import LLM, SamplingParams
 
     counters["specontext_vllm"].clear()
-    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=1024,
-              block_size=32, max_num_seqs=4, kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=prefix_caching,
+    llm = LLM(model=folder, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=max_model_len,
+              block_size=32, max_num_seqs=4, kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=prefix_caching,
               additional_config={"specontext": options} if options is not None else {})
-    params = SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False)
+    params = SamplingParams(max_tokens=NEW, temperature=0.0, detokenize=False, ignore_eos=ignore_eos)
     try:
         batches = [[p] for p in prompts] if one_by_one else [prompts]
         outs = [o for batch in batches for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
@@ -113,6 +116,67 @@ def test_a_request_reusing_a_cached_prefix_decodes_as_alone(folder, prompts):
     assert stats["dense_prefill_tokens"] < (len(first) + len(second)) * LAYERS
 
 
+def test_a_rescue_covering_every_block_is_dense_text_on_the_rescue_path(folder, prompts):
+    """Budget 48 (two blocks) with ``page_rescue`` covering every block: each layer adds, by its
+    own query's Quest bounds, every block the shared selection left out, so every layer attends
+    to the whole request and the tokens equal Hugging Face's greedy ones; counters show every
+    decode row of every layer took the rescue."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], "page_rescue": 1024}
+    tokens, stats = _generate(folder, prompts, options)
+    assert tokens == _hugging_face(folder, prompts)
+    rows = len(prompts) * (NEW - 1) * LAYERS
+    assert stats["sparse_decode_rows"] == rows and stats["rescue_rows"] == rows and stats["recency_rows"] == 0
+
+
+def test_the_rescue_runs_on_its_layers_only(folder, prompts):
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], "page_rescue": 64,
+               "rescue_layers": [0, -1]}
+    tokens, stats = _generate(folder, prompts, options)
+    assert [len(t) for t in tokens] == [NEW] * len(prompts)
+    assert stats["rescue_rows"] == len(prompts) * (NEW - 1) * 2  # layers 0 and 3 of 4
+
+
+# a block of the tiny Llama: 4 layers x (key, value) x 2 KV heads x 32 tokens x 64 x fp32
+BLOCK_BYTES = LAYERS * 2 * 2 * 32 * 64 * 4
+
+
+@pytest.mark.parametrize("budget", [48, 4096])
+def test_preempted_requests_decode_as_with_room_to_spare(folder, prompts, monkeypatch, budget):
+    """16 KV blocks for three requests of 150, 140 and 130 prompt tokens (5 blocks each at
+    admission, 17 once they have grown by 24 tokens): vLLM preempts a running request (its blocks
+    freed, recomputed later by a prefill of its prompt and generated tokens). Its records went
+    with its blocks (their stamps no longer match); the recomputing prefill records its last
+    query rows again, so its next decode step selects from its own previous query, never a
+    stale one and never by recency (``recency_rows == 0``).
+
+    The token the recomputing prefill samples is vLLM's prefill, dense: at budget 4096 every
+    token equals the run with room for all; at budget 48 the preempted request's tokens equal
+    up to its preemption (it may part there: dense where the roomy run decoded sparse) and the
+    other requests' tokens all equal."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    preempted = {}  # request index -> tokens generated when preempted
+    original = Scheduler._preempt_request
+
+    def spy(self, request, *args, **kwargs):
+        preempted.setdefault(int(request.request_id.split("-")[0]), len(request.output_token_ids))
+        return original(self, request, *args, **kwargs)
+
+    options = {"budget": budget, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2]}
+    prompts = [p[:n] for p, n in zip(prompts, (150, 140, 130))]
+    roomy, _ = _generate(folder, prompts, options, max_model_len=352, ignore_eos=True)
+    monkeypatch.setattr(Scheduler, "_preempt_request", spy)
+    tight, stats = _generate(folder, prompts, options, kv_bytes=16 * BLOCK_BYTES, max_model_len=352, ignore_eos=True)
+    assert preempted, "no request was preempted: the test no longer exercises preemption"
+    for i, (a, b) in enumerate(zip(tight, roomy)):
+        assert a[:preempted.get(i, NEW)] == b[:preempted.get(i, NEW)], i
+    if budget == 4096:
+        assert tight == roomy
+    assert stats["recency_rows"] == 0
+    # each preemption turns one decode step of the request into the recomputing prefill's token
+    assert stats["sparse_decode_rows"] == (len(prompts) * (NEW - 1) - len(preempted)) * LAYERS
+
+
 class _Config:
     def __init__(self, extra):
         self.additional_config = extra
@@ -123,7 +187,10 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     assert plugin_options(_Config({"specontext": {"budget": 64}})).budget == 64
     with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
         plugin_options(_Config({"specontext": {"budget": 0}}))
-    with pytest.raises(ValueError, match="page_rescue=64 is not built in the vLLM plugin yet"):
-        plugin_options(_Config({"specontext": {"page_rescue": 64}}))
+    with pytest.raises(ValueError, match="candidates=2 is not built in the vLLM plugin yet"):
+        plugin_options(_Config({"specontext": {"candidates": 2}}))
+    rescue = plugin_options(_Config({"specontext": {"budget": 64, "page_rescue": 128, "rescue_layers": [-1]}}))
+    assert rescue.page_rescue == 128 and rescue.rescues(29, 30) and not rescue.rescues(28, 30)
+    assert plugin_options(_Config({"specontext": {"budget": 64}})).page_rescue == 0  # the plugin's default
     with pytest.raises(TypeError, match="must be a dict"):
         plugin_options(_Config({"specontext": 1024}))
