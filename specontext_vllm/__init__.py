@@ -27,6 +27,6 @@ def worker_counters(worker: object = None) -> dict[str, int]:
     that calls it. With several workers (tensor parallelism) each rank counts its own:
     ``llm.collective_rpc(worker_counters)`` gathers them (vLLM passes the worker; a function
     crosses to worker processes only with ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
-    from torch._dynamo.utils import counters
+    from specontext_compile.runtime.torch_private import counters
 
     return dict(counters["specontext_vllm"])
