@@ -33,12 +33,18 @@ import argparse
 import json
 import logging
 import os
-import platform
 import subprocess
-import sys
 from pathlib import Path
 
-from benchmarks.vllm_serving import DTYPES, MODEL_DIR, ROOT, VENV_PYTHON, contender_options
+from benchmarks.vllm_serving import (
+    DTYPES,
+    MODEL_DIR,
+    ROOT,
+    VENV_PYTHON,
+    contender_options,
+    prepare_driver,
+    write_rows,
+)
 
 logger = logging.getLogger("vllm_fidelity")
 
@@ -91,6 +97,7 @@ def teacher_forcing_class():
 
 def _harness_ids() -> list[int]:
     import pydoc_data.topics
+
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(MODEL_DIR)
@@ -204,11 +211,7 @@ def main(argv=None) -> int:
         return 0
     if args.context + args.steps + 1 > 8192:
         raise SystemExit(f"context + steps + 1 = {args.context + args.steps + 1} is past SmolLM2's 8192 positions")
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    if not VENV_PYTHON.exists():
-        raise SystemExit("no .venv-vllm: run `bash scripts/vllm_venv.sh` first")
-    subprocess.run([str(VENV_PYTHON), "-c", "from benchmarks.vllm_serving import _export_model; _export_model()"],
-                   cwd=ROOT, check=True)
+    prepare_driver()
     rows = []
     for dtype in args.dtypes:
         plugin = [f"specontext-{b}" + (f"-rescue{int(r * b)}" if r else "") for b in args.budgets for r in args.rescues]
@@ -224,12 +227,7 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"| {r['engine']} | {r['contender']} | {r['dtype']} | {r['agreement']} | {r['nll_delta']} |")
     if args.json:
-        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                   "python": sys.version.split()[0]}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.vllm_fidelity",
-                                                              *(argv or sys.argv[1:])]),
-                                         "machine": machine, "rows": rows}, indent=1))
+        write_rows(args.json, "benchmarks.vllm_fidelity", argv, rows)
     return 0
 
 

@@ -193,6 +193,27 @@ def _first_diff(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
 
 
+def prepare_driver() -> None:
+    """The driver's start (main venv): logging, ``.venv-vllm`` present, SmolLM2's folder exported.
+
+    Raises:
+        SystemExit: no ``.venv-vllm`` (naming the script that makes it)."""
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if not VENV_PYTHON.exists():
+        raise SystemExit("no .venv-vllm: run `bash scripts/vllm_venv.sh` first")
+    subprocess.run([str(VENV_PYTHON), "-c", "from benchmarks.vllm_serving import _export_model; _export_model()"],
+                   cwd=ROOT, check=True)
+
+
+def write_rows(path: Path, module: str, argv: list[str] | None, rows: list[dict]) -> None:
+    """The raw JSON of a run: the command that made it, the machine, every row."""
+    machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+               "python": sys.version.split()[0]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    command = " ".join([f"python -m {module}", *(argv or sys.argv[1:])])
+    path.write_text(json.dumps({"command": command, "machine": machine, "rows": rows}, indent=1))
+
+
 def _run(args, contender: str, dtype: str) -> dict:
     job = {"contender": contender, "dtype": DTYPES[dtype], "requests": args.requests, "input": args.input,
            "output": args.output, "eager": args.eager}
@@ -219,11 +240,7 @@ def main(argv=None) -> int:
         _export_model()
         print(json.dumps(worker(json.loads(args.worker))))
         return 0
-    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    if not VENV_PYTHON.exists():
-        raise SystemExit("no .venv-vllm: run `bash scripts/vllm_venv.sh` first")
-    subprocess.run([str(VENV_PYTHON), "-c", "from benchmarks.vllm_serving import _export_model; _export_model()"],
-                   cwd=ROOT, check=True)
+    prepare_driver()
     rows = []
     for dtype in args.dtypes:
         dense = None
@@ -249,11 +266,7 @@ def main(argv=None) -> int:
               f"{r['floor_ms']} | {r['decode_tokens_per_s']} | {r['wall_tokens_per_s']} | "
               f"{r.get('speedup_vs_dense', '')} | {r['first_diff']} |")
     if args.json:
-        machine = {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                   "python": sys.version.split()[0]}
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"command": " ".join(["python -m benchmarks.vllm_serving", *(argv or sys.argv[1:])]),
-                                         "machine": machine, "rows": rows}, indent=1))
+        write_rows(args.json, "benchmarks.vllm_serving", argv, rows)
     return 0
 
 

@@ -21,20 +21,8 @@ from torch._dynamo.utils import counters
 
 from specontext_vllm.options import plugin_options
 
-LAYERS, NEW = 4, 24
+LAYERS, NEW = 4, 24  # LAYERS: the conftest's tiny Llama (fixture `folder`)
 PROMPTS = (300, 170, 90)
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=1024,
-        initializer_range=0.15, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -12,35 +12,23 @@ import gc
 
 import pytest
 import torch
-import transformers
 
 from specontext_vllm import worker_counters
 
-LAYERS, NEW, PROMPTS = 4, 24, (300, 170, 90)
+LAYERS, NEW, PROMPTS = 4, 24, (300, 170, 90)  # LAYERS: the conftest's tiny Llama (fixture `folder`)
 OPTIONS = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2]}
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_llama_tp")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        hidden_size=128, intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=64, vocab_size=256, max_position_embeddings=1024,
-        initializer_range=0.15, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
-    return str(path)
-
-
 def _run(folder, ranks, monkeypatch):
     from torch._dynamo.utils import counters
-    from vllm import LLM, SamplingParams
+    from vllm import LLM, SamplingParams, envs
 
     counters["specontext_vllm"].clear()  # one rank counts in this process
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1" if ranks == 2 else "0-1")  # a core per rank
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # worker_counters crosses to the ranks
+    envs.disable_envs_cache()  # an earlier engine in this process froze vLLM's environment
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in PROMPTS]
     llm = LLM(model=folder, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=1024,
