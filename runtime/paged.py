@@ -46,7 +46,7 @@ import dataclasses
 import torch
 
 from .aten_step import select_positions
-from .sparse_attention import query_key_logits
+from .sparse_attention import group_max_probs, query_key_logits
 from .spec import StepSpec
 
 __all__ = ["DENSE", "MIXED", "PAGED_STATS", "SPARSE", "PagedState", "count_paged_step", "decode_rows",
@@ -254,8 +254,7 @@ def packed_select(queries: torch.Tensor, stamps: torch.Tensor, key_views: list[t
         groups = q.shape[2]
         q = q.permute(1, 0, 2, 3).reshape(num_kv, q_rows * groups, d)
         logits = query_key_logits(q, keys, scale).view(num_kv, q_rows, groups, kv).permute(1, 0, 2, 3)
-        probs = torch.softmax(logits.masked_fill(~scored.unsqueeze(2), _NEG), dim=-1).amax(2)  # [Q, Hkv, KV]
-        probs = torch.where(scored, probs, 0.0)
+        probs = group_max_probs(logits, scored)  # [Q, Hkv, KV]: the selection heads' own weights
         total = probs if total is None else total + probs
     recency = cols.to(torch.float32).expand_as(total)
     scores = torch.where(ready.view(-1, 1, 1), total, recency)
