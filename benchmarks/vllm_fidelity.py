@@ -53,17 +53,12 @@ __all__ = ["agreement", "teacher_forcing_class", "worker"]
 _FORCED = "teacher_forced_ids"  # SamplingParams.extra_args key: the tokens to force, in order
 
 
-def _processor_base():
-    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
-
-    return AdapterLogitsProcessor
-
-
 def teacher_forcing_class():
     """The ``TeacherForcing`` logits processor class, built on vLLM's per-request adapter (vLLM is
     imported only here: this module also runs in the main venv, without vLLM)."""
+    from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-    class TeacherForcing(_processor_base()):
+    class TeacherForcing(AdapterLogitsProcessor):
         """Forces ``extra_args["teacher_forced_ids"][k]`` as the ``k``-th generated token of a
         request (a per-request vLLM logits processor). It changes only what is *sampled*:
         vLLM's raw log-probabilities, computed before it runs, still give the model's own

@@ -152,10 +152,13 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         self.record: LaggedQueries | None = None
         self.bounds: PageBounds | None = None  # this layer's page bounds, with option page_rescue
         self.num_layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
+        self.rescuing: bool | None = None  # whether this layer adds rescued blocks (known at its first call)
 
     def _rescues(self, layer) -> bool:
-        return (self.options is not None and self.reason is None
-                and self.options.rescues(layer_index(layer.layer_name), self.num_layers))
+        if self.rescuing is None:
+            self.rescuing = (self.options is not None and self.reason is None
+                             and self.options.rescues(layer_index(layer.layer_name), self.num_layers))
+        return self.rescuing
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """vLLM's cache write; a layer with the page rescue also folds the keys into its blocks'

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from specontext_compile.runtime.page_bounds import page_scores
 
 from . import kernels
 
@@ -69,21 +70,17 @@ def quest_bounds(bounds: PageBounds, block_table: torch.Tensor, blocks: int, que
     """float32 ``[rows, num_kv_heads, blocks]``: per row, KV head and logical block, the
     largest Quest bound over the KV head's query heads (the group-max, as the lagged-query
     scorer takes it) of ``query`` ``[rows, num_heads, head_dim]`` (heads grouped by KV head):
-    the plugin's C++ kernel (:func:`~.kernels.paged_quest_bounds`) where it builds, else torch."""
+    the plugin's C++ kernel (:func:`~.kernels.paged_quest_bounds`) where it builds, else the
+    backend's torch bound (:func:`specontext_compile.runtime.page_bounds.page_scores`)."""
     rows = block_table.shape[0]
     if kernels.available():
         q = query.float().view(rows, bounds.low.shape[1], -1, bounds.low.shape[2])
         return kernels.paged_quest_bounds(bounds.low, bounds.high, block_table, blocks, q)
     physical = block_table[:, :blocks].long()
-    low, high = bounds.low[physical], bounds.high[physical]  # [rows, blocks, kv, d]
-    num_kv, d = low.shape[2], low.shape[3]
-    # max(q * low, q * high) = q * center + |q| * radius: two batched products instead of a
-    # [rows, blocks, kv, group, d] tensor
-    center = ((low + high) * 0.5).permute(0, 2, 3, 1)  # [rows, kv, d, blocks]
-    radius = ((high - low) * 0.5).permute(0, 2, 3, 1)
-    q = query.float().view(rows, num_kv, -1, d)  # [rows, kv, group, d]
-    bound = torch.matmul(q, center) + torch.matmul(q.abs(), radius)  # [rows, kv, group, blocks]
-    return bound.amax(2)
+    # the backend's Quest bound over pages [rows, kv, blocks, d] (every block counted as seen)
+    low, high = (b[physical].transpose(1, 2) for b in (bounds.low, bounds.high))
+    seen = torch.ones(1, 1, blocks * bounds.block_size, dtype=torch.bool, device=query.device)
+    return page_scores(query.unsqueeze(2), low, high, seen, 1.0, bounds.block_size)
 
 
 def rescue_blocks(bounds: PageBounds, block_table: torch.Tensor, seq_lens: torch.Tensor, query: torch.Tensor,

@@ -54,7 +54,7 @@ class BlockSelection:
     tables: torch.Tensor
     seq_lens: torch.Tensor
     recency_rows: torch.Tensor
-    blocks: int = 0
+    blocks: int
 
 
 def previous_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
