@@ -66,6 +66,17 @@ def parse_workload(text: str) -> tuple[int, int]:
     return inp, out
 
 
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"32752:8"`` -> (KV length at the timed steps, batch)."""
+    try:
+        context, batch = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"shape {text!r} is not CONTEXT:BATCH") from None
+    if context < 1 or batch < 1:
+        raise argparse.ArgumentTypeError(f"shape {text!r}: both sides must be >= 1")
+    return context, batch
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     doc = __doc__.split("\n\n")
     parser = argparse.ArgumentParser(
@@ -87,6 +98,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=None,
                         help="decoder layers (default 32, Llama-3-8B's; fewer compile faster: the "
                              "per-layer work is the same, the embedding and LM head weigh more)")
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=None,
+                        help="CONTEXT:BATCH pairs timed in this order (instead of --workloads x --batches): "
+                             "KV length at the timed steps and batch size, e.g. 130032:1 32752:8")
+    parser.add_argument("--retrieval-layers", type=int, nargs="+", default=None,
+                        help="specontext's retrieval layers (default: the 32-layer model's default picks "
+                             "that exist among --layers, i.e. a truncation of the whole model with its "
+                             "default options; (2, 4) of 8 layers, the share 8 of 32 reads)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
     args = parser.parse_args(argv)
     dry = args.dry_run
@@ -100,7 +118,27 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("batches, --window and --budget must be >= 1")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    args.cases = cases(args)
     return args
+
+
+def cases(args) -> list[tuple[int | None, int | None, int, int]]:
+    """``(input, output, context, batch)`` in timing order: ``--shapes`` as given, else every
+    workload with every batch (context ``input + output - window``)."""
+    if args.shapes:
+        return [(None, None, context, batch) for context, batch in args.shapes]
+    return [(inp, out, inp + out - args.window, batch)
+            for inp, out in args.workloads for batch in args.batches]
+
+
+def retrieval_layers(args, num_layers: int) -> tuple[int, ...]:
+    """The retrieval layers specontext's rows use (see ``--retrieval-layers``)."""
+    from specontext_compile.config import default_retrieval_layers
+
+    if args.retrieval_layers:
+        return tuple(args.retrieval_layers)
+    picks = tuple(i for i in default_retrieval_layers(LLAMA3_8B["num_hidden_layers"]) if i < num_layers)
+    return picks or default_retrieval_layers(num_layers)
 
 
 def build_model(dry: bool, device: torch.device, dtype: torch.dtype, attn: str, layers: int | None = None):
@@ -123,6 +161,50 @@ def kv_bytes_needed(config, batch: int, tokens: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
     return (2 * config.num_hidden_layers * batch * config.num_key_value_heads * tokens
             * config.head_dim * elem)
+
+
+def weight_bytes(model) -> int:
+    """Parameter bytes one decode step reads: all but the input embedding (one row each)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+
+
+def kv_read_bytes(config, name: str, batch: int, context: int, budget: int, retrieval: int,
+                  elem: int, page_tokens: int = 16) -> int:
+    """The fewest KV bytes one decode step of contender ``name`` must read (its floor).
+
+    Dense: every key and value of every layer. specontext's default step (docs/design.md):
+    the selection reads the keys of its ``retrieval`` layers over the whole context; each
+    layer reads its page bounds (min and max per ``page_tokens`` keys), the keys of its
+    ``budget + page_rescue`` candidates (``page_rescue = 2 * budget``, the default) to refine
+    them, and the keys and values of the ``budget`` it keeps."""
+    row = batch * config.num_key_value_heads * config.head_dim * elem  # one token's key, all rows
+    layers = config.num_hidden_layers
+    if not name.startswith("specontext"):
+        return 2 * layers * context * row
+    kept = min(budget, context)
+    candidates = min(3 * budget, context)
+    bounds = 2 * -(-context // page_tokens)
+    return retrieval * context * row + layers * (bounds + candidates + 2 * kept) * row
+
+
+def copy_bandwidth(device) -> float | None:
+    """Device memory bandwidth in bytes/s (bytes read + written by a 1 GiB copy, best of 5)."""
+    if device.type != "cuda":
+        return None
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1000.0)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / best
 
 
 def fill_random(cache, config, batch: int, tokens: int, device, dtype) -> None:
@@ -233,19 +315,24 @@ def _num(value, spec: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    """Rows as a Markdown table (speed-up vs sdpa at the same shape)."""
-    base = {(r["input"], r["output"], r["batch"]): r["ms_median"]
-            for r in rows if r["contender"] == "sdpa" and r.get("ms_median")}
-    lines = ["| [in, out] | KV len | batch | contender | ms/step | tok/s | vs sdpa | "
-             "first step s | KV GB | peak mem GB | note |", "|" + "---|" * 11]
+    """Rows as a Markdown table: each row's speed-up against the strongest dense row of its shape
+    (``sdpa-cudagraphs`` where it ran, else ``sdpa``) and the share of its floor it reaches."""
+    base = {}
+    for ref in ("sdpa", "sdpa-cudagraphs"):  # the strongest dense row we have: CUDA graphs when run
+        base.update({(r["context"], r["batch"]): (ref, r["ms_median"])
+                     for r in rows if r["contender"] == ref and r.get("ms_median")})
+    lines = ["| KV len | batch | contender | ms/step | floor ms | floor share | tok/s | vs dense | "
+             "first step s | KV GB | peak mem GB | note |", "|" + "---|" * 12]
     for r in rows:
         ms = r.get("ms_median")
-        ref = base.get((r["input"], r["output"], r["batch"]))
+        ref_name, ref = base.get((r["context"], r["batch"]), (None, None))
         peak = r.get("peak_device_bytes")
+        floor = r.get("floor_ms")
         cells = [
-            f"[{r['input']}, {r['output']}]", str(r["context"]), str(r["batch"]), r["contender"],
-            _num(ms, ".2f"), _num(r.get("tokens_per_s"), ".0f"),
-            _num(ref / ms if ms and ref else None, ".2f"), _num(r.get("first_step_s"), ".1f"),
+            str(r["context"]), str(r["batch"]), r["contender"],
+            _num(ms, ".2f"), _num(floor, ".2f"), _num(floor / ms if ms and floor else None, ".2f"),
+            _num(r.get("tokens_per_s"), ".0f"),
+            f"{ref / ms:.2f} ({ref_name})" if ms and ref else "-", _num(r.get("first_step_s"), ".1f"),
             _num(r["kv_bytes"] / 1e9 if "kv_bytes" in r else None, ".2f"),
             _num(peak / 1e9 if peak else None, ".1f"), r.get("note", ""),
         ]
@@ -281,72 +368,86 @@ def main(argv=None) -> int:
     flex_reason = flex_available() if "flex" in args.contenders else None
     if args.dry_run and "flex" in args.contenders:
         flex_reason = "skipped in --dry-run (FlexAttention compiles per shape)"
+    retrieval = retrieval_layers(args, config.num_hidden_layers)
+    bandwidth = copy_bandwidth(device)
+    weights = weight_bytes(model)
+    meta = {"retrieval_layers": list(retrieval), "copy_bytes_per_s": bandwidth, "weight_bytes": weights,
+            "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__}
+    if bandwidth:
+        print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + write); weights read per step "
+              f"{weights / 1e9:.2f} GB; specontext retrieval layers {retrieval}", flush=True)
+    elem = torch.empty((), dtype=dtype).element_size()
     rows: list[dict] = []
-    for inp, out in args.workloads:
-        context = inp + out - args.window
-        for batch in args.batches:
-            for name in args.contenders:
-                row = {"input": inp, "output": out, "context": context, "batch": batch,
-                       "contender": name,
-                       "budget": args.budget if name.startswith("specontext") else None}
-                rows.append(row)
-                need = kv_bytes_needed(config, batch, context + args.window + 8, dtype)
-                if time.time() - started > args.time_budget:
-                    row["note"] = "skipped: time budget spent"
+    for inp, out, context, batch in args.cases:
+        for name in args.contenders:
+            row = {"input": inp, "output": out, "context": context, "batch": batch,
+                   "contender": name,
+                   "budget": args.budget if name.startswith("specontext") else None}
+            row["kv_read_bytes"] = kv_read_bytes(config, name, batch, context, args.budget,
+                                                 len(retrieval), elem)
+            if bandwidth:  # the step's floor: its bytes at the copy rate
+                row["floor_ms"] = 1000.0 * (weights + row["kv_read_bytes"]) / bandwidth
+            rows.append(row)
+            need = kv_bytes_needed(config, batch, context + args.window + 8, dtype)
+            if time.time() - started > args.time_budget:
+                row["note"] = "skipped: time budget spent"
+                continue
+            if name == "flex" and flex_reason:
+                row["note"] = flex_reason
+                continue
+            if device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(device)
+                if need > 0.9 * free:
+                    row["note"] = f"skipped: KV {need / 1e9:.0f} GB > free {free / 1e9:.0f} GB"
                     continue
-                if name == "flex" and flex_reason:
-                    row["note"] = flex_reason
-                    continue
-                if device.type == "cuda":
-                    free, _ = torch.cuda.mem_get_info(device)
-                    if need > 0.9 * free:
-                        row["note"] = f"skipped: KV {need / 1e9:.0f} GB > free {free / 1e9:.0f} GB"
-                        continue
-                try:
-                    if name not in forwards:
-                        if name == "flex":
-                            model.set_attn_implementation("flex_attention")
-                            forwards[name] = model.forward
-                        elif name == "sdpa-cudagraphs":
-                            forwards[name] = torch.compile(model.forward, mode="reduce-overhead")
-                        else:
-                            forwards[name] = torch.compile(
-                                model.forward, backend="specontext",
-                                options={"budget": args.budget, **SPECONTEXT_VARIANTS[name]})
+            try:
+                if name not in forwards:
                     if name == "flex":
                         model.set_attn_implementation("flex_attention")
+                        forwards[name] = model.forward
+                    elif name == "sdpa-cudagraphs":
+                        forwards[name] = torch.compile(model.forward, mode="reduce-overhead")
                     else:
-                        model.set_attn_implementation("sdpa")
-                    lowered_before, skips_before = _kernel_sites(), _cudagraph_skips()
-                    row.update(run_one(name, model, forwards[name], args, batch, context,
-                                       device, dtype))
-                    if name.endswith("cudagraphs"):  # 0: CUDA graphs really replayed the step
-                        row["cudagraph_skips"] = _cudagraph_skips() - skips_before
-                    if name.startswith("specontext"):
-                        row["sites_rewritten"] = _sites_rewritten()
-                        row["kernel_sites_lowered"] = _kernel_sites() - lowered_before  # compiled in this row
-                        row["kernel_compile_fallbacks"] = _kernel_fallbacks()  # since the run began
-                except Exception as err:  # a contender failing must not lose the table
-                    first_line = (str(err).splitlines() or [""])[0][:120]
-                    row["note"] = f"error: {type(err).__name__}: {first_line}"
-                if "note" in row:  # free what the failed attempt held (after its traceback)
-                    gc.collect()
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                print(f"[{time.time() - started:5.0f} s] [{inp}, {out}] batch {batch} {name}: "
-                      + (f"{row['ms_median']:.2f} ms/step" if "ms_median" in row else row["note"]),
-                      flush=True)
-                _write_json(args, device, dtype, started, rows)  # a killed run keeps its rows
+                        forwards[name] = torch.compile(
+                            model.forward, backend="specontext",
+                            options={"budget": args.budget, "retrieval_layers": retrieval,
+                                     **SPECONTEXT_VARIANTS[name]})
+                if name == "flex":
+                    model.set_attn_implementation("flex_attention")
+                else:
+                    model.set_attn_implementation("sdpa")
+                lowered_before, skips_before = _kernel_sites(), _cudagraph_skips()
+                row.update(run_one(name, model, forwards[name], args, batch, context,
+                                   device, dtype))
+                if name.endswith("cudagraphs"):  # 0: CUDA graphs really replayed the step
+                    row["cudagraph_skips"] = _cudagraph_skips() - skips_before
+                if name.startswith("specontext"):
+                    row["sites_rewritten"] = _sites_rewritten()
+                    row["kernel_sites_lowered"] = _kernel_sites() - lowered_before  # compiled in this row
+                    row["kernel_compile_fallbacks"] = _kernel_fallbacks()  # since the run began
+            except Exception as err:  # a contender failing must not lose the table
+                first_line = (str(err).splitlines() or [""])[0][:120]
+                row["note"] = f"error: {type(err).__name__}: {first_line}"
+            if "note" in row:  # free what the failed attempt held (after its traceback)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            floor = f" (floor {row['floor_ms']:.2f})" if "floor_ms" in row else ""
+            print(f"[{time.time() - started:5.0f} s] KV {context} batch {batch} {name}: "
+                  + (f"{row['ms_median']:.2f} ms/step{floor}" if "ms_median" in row else row["note"]),
+                  flush=True)
+            _write_json(args, device, dtype, started, rows, meta)  # a killed run keeps its rows
     model.set_attn_implementation("sdpa")
-    _write_json(args, device, dtype, started, rows)
+    _write_json(args, device, dtype, started, rows, meta)
     print(format_table(rows))
     return 0
 
 
-def _write_json(args, device, dtype, started: float, rows: list[dict]) -> None:
+def _write_json(args, device, dtype, started: float, rows: list[dict], meta: dict) -> None:
     if not args.json:
         return
-    result = {"device": str(device), "dtype": str(dtype), "dry_run": args.dry_run,
+    result = {"device": str(device), **meta, "dtype": str(dtype), "dry_run": args.dry_run,
               "layers": args.layers or (TINY if args.dry_run else LLAMA3_8B)["num_hidden_layers"],
               "budget": args.budget, "window": args.window, "warmup": args.warmup,
               "seconds_total": time.time() - started, "rows": rows}

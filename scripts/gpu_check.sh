@@ -5,16 +5,16 @@
 #      generated kernel inside the compiled step, offload refused with a clear error),
 #      tests/test_elastic.py (the elastic row copy reading pinned host memory from the GPU),
 #      tests/test_kernel_step.py and the codegen tests (which run on CUDA when it is there);
-#   2. python -m benchmarks.gpu_kernels (STAGES="kernels", not by default: it does not fit beside
-#      the others): kernel correctness vs float64 on the device, copy bandwidth, sparse kernel
-#      vs SDPA / FlexAttention at 8K..128K;
-#   3. benchmarks/gpu_end_to_end.py: decode step of a Llama-3-8B-shaped model, dense (eager
-#      and CUDA graphs) vs specontext (compiled step with the generated kernel, with inductor's
-#      own gathers, each with and without CUDA graphs), 8 layers of that shape by default
-#      (E2E_LAYERS): compiling the 32-layer step took more than 160 s on the H200 (2026-12-04).
+#   2. benchmarks/gpu_end_to_end.py: decode step of a Llama-3-8B-shaped model at KV 128K and
+#      32K (E2E_SHAPES, CONTEXT:BATCH), dense (eager and CUDA graphs) vs specontext (compiled
+#      step with the generated kernel, with inductor's own gathers, under CUDA graphs), each
+#      row with its bytes' floor at the measured copy rate; 8 layers of that shape by default
+#      (E2E_LAYERS): compiling the 32-layer step took more than 160 s on the H200 (2026-12-04);
+#   3. python -m benchmarks.gpu_kernels: kernel correctness vs float64 on the device, copy
+#      bandwidth, the sparse kernel's achieved bandwidth vs SDPA at 32K and 128K (KERNEL_ARGS).
 # Logs and JSON go to $OUT (default out/gpu). Stages have their own time limits (TESTS_S,
 # KERNELS_S, E2E_S; E2E_BUDGET_S: the benchmark's own), so a failing stage never hides the
-# others. STAGES="tests kernels e2e" picks stages; E2E_CONTENDERS, E2E_BATCHES and E2E_LAYERS
+# others. STAGES="tests e2e kernels" picks stages; E2E_CONTENDERS, E2E_SHAPES and E2E_LAYERS
 # (fewer layers compile faster) shape the e2e stage; the Python wheels in .whl (transformers
 # and its needs, see docs/gpu.md) are installed first when present.
 #   bash scripts/gpu_check.sh              # on a CUDA machine with torch + triton installed
@@ -25,7 +25,7 @@ OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PY:-python3}
-STAGES=${STAGES:-"tests e2e"}
+STAGES=${STAGES:-"tests e2e kernels"}
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then  # pinned versions carried as wheels
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
@@ -57,26 +57,28 @@ if [[ " $STAGES " == *" tests "* ]]; then
     2>&1 | tee "$OUT/pytest.log" | tail -25
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
-if [[ " $STAGES " == *" kernels "* ]]; then
-  echo "== kernels"
-  args=(--lengths 8192 32768 131072 --batches 1 8 32 --time-budget 100)
-  [ -n "${DRY:-}" ] && args=(--dry-run)
-  timeout ${KERNELS_S:-170} "$PY" -m benchmarks.gpu_kernels "${args[@]}" --output "$OUT/gpu_kernels.json" \
-    2>&1 | tee "$OUT/gpu_kernels.log" | tail -30
-  [ "${PIPESTATUS[0]}" = 0 ] || status=1
-fi
 if [[ " $STAGES " == *" e2e "* ]]; then
   echo "== end to end"
   # the strongest contenders first: a stage cut by its time limit keeps the rows that matter
-  read -r -a contenders <<< "${E2E_CONTENDERS:-specontext-cudagraphs sdpa-cudagraphs specontext-torch-kernel-cudagraphs sdpa specontext}"
-  read -r -a batches <<< "${E2E_BATCHES:-1 8}"
-  args=(--workloads 2048:16384 --batches "${batches[@]}" --contenders "${contenders[@]}" --time-budget ${E2E_BUDGET_S:-300})
+  read -r -a contenders <<< "${E2E_CONTENDERS:-sdpa-cudagraphs specontext-cudagraphs specontext-torch-kernel-cudagraphs sdpa}"
+  # CONTEXT:BATCH, the issue's targets first (128K batch 1, 32K batch 8), then the other two
+  read -r -a shapes <<< "${E2E_SHAPES:-130032:1 32752:8 32752:1 130032:8}"
+  args=(--shapes "${shapes[@]}" --contenders "${contenders[@]}" --time-budget ${E2E_BUDGET_S:-300})
   # 8 of Llama-3-8B's 32 layers by default: the 32-layer step took > 160 s to compile per
   # contender on the H200; E2E_LAYERS=32 for the whole shape
   args+=(--layers "${E2E_LAYERS:-8}")
   [ -n "${DRY:-}" ] && args=(--dry-run --contenders "${contenders[@]}")
   timeout ${E2E_S:-330} "$PY" benchmarks/gpu_end_to_end.py "${args[@]}" --json "$OUT/gpu_e2e.json" \
     2>&1 | tee "$OUT/gpu_e2e.log" | tail -20
+  [ "${PIPESTATUS[0]}" = 0 ] || status=1
+fi
+if [[ " $STAGES " == *" kernels "* ]]; then
+  echo "== kernels"
+  # the kernel's achieved bandwidth at the e2e stage's shapes (KERNEL_ARGS for the whole grid)
+  read -r -a args <<< "${KERNEL_ARGS:---lengths 32768 131072 --batches 1 8 --groups 4 --time-budget 40}"
+  [ -n "${DRY:-}" ] && args=(--dry-run)
+  timeout ${KERNELS_S:-90} "$PY" -m benchmarks.gpu_kernels "${args[@]}" --output "$OUT/gpu_kernels.json" \
+    2>&1 | tee "$OUT/gpu_kernels.log" | tail -30
   [ "${PIPESTATUS[0]}" = 0 ] || status=1
 fi
 echo "gpu_check: exit $status"

@@ -76,7 +76,7 @@ def test_gpu_script_dry_run(tmp_path, capsys):
                               "--contenders", "sdpa", "specontext", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out.strip().splitlines()
-    assert printed[-1].startswith("| [32, 96]")  # the table comes last
+    assert printed[-1].startswith("| 126 | 2 | specontext |")  # the table comes last (KV 32 + 96 - 2)
     result = json.loads(out.read_text())
     assert result["dry_run"] is True
     rows = result["rows"]
@@ -86,6 +86,26 @@ def test_gpu_script_dry_run(tmp_path, capsys):
         assert r["ms_median"] > 0 and r["tokens_per_s"] > 0 and r["kv_bytes"] > 0
         assert r["context"] == 32 + 96 - result["window"]
     assert all(r["sites_rewritten"] == "2/2" for r in rows if r["contender"] == "specontext")
+
+
+def test_gpu_script_shapes_and_floor_bytes():
+    """``--shapes`` gives the timing order; the floor's KV bytes of the Llama-3-8B shape at 128K,
+    batch 1, 8 layers, bf16 (2048 bytes per token per layer for K or V):
+    dense reads every key and value; specontext its 2 retrieval layers' keys, and per layer the
+    page bounds (2 per 16 keys), 3 x 2048 candidate keys and 2048 kept keys and values."""
+    from transformers import LlamaConfig
+
+    args = gpu_end_to_end.parse_args(["--shapes", "130032:1", "32752:8", "--layers", "8"])
+    assert args.cases == [(None, None, 130032, 1), (None, None, 32752, 8)]
+    config = LlamaConfig(**{**gpu_end_to_end.LLAMA3_8B, "num_hidden_layers": 8})
+    assert gpu_end_to_end.retrieval_layers(args, 8) == (2, 4)  # the 32-layer default's picks below 8
+    key = 8 * 128 * 2  # one token's key, all KV heads, bf16
+    dense = gpu_end_to_end.kv_read_bytes(config, "sdpa", 1, 131072, 2048, 2, 2)
+    assert dense == 2 * 8 * 131072 * key
+    sparse = gpu_end_to_end.kv_read_bytes(config, "specontext-cudagraphs", 1, 131072, 2048, 2, 2)
+    assert sparse == 2 * 131072 * key + 8 * (2 * 131072 // 16 + 3 * 2048 + 2 * 2048) * key
+    with pytest.raises(SystemExit):
+        gpu_end_to_end.parse_args(["--shapes", "0:1"])
 
 
 def test_gpu_script_help():
