@@ -80,11 +80,42 @@ def kernel_module() -> ModuleType:
 
     Raises:
         ImportError: when triton is not installed.
+        RuntimeError: under the interpreter with triton older than
+            :data:`INTERPRETER_MIN_TRITON` (its interpreter cannot run the kernels' split loops).
     """
     if not _triton_importable():
         raise ImportError("the Triton kernels need triton: pip install 'specontext-compile[triton]' "
                           "(or use the torch path of specontext_compile.runtime)")
-    return _load(interpreter_enabled())
+    interpreted = interpreter_enabled()
+    if interpreted:
+        check_interpreter_version()
+    return _load(interpreted)
+
+
+# Triton 3.6's interpreter gives tl.program_id a one-element array, and ``range()`` over a
+# bound made from it raises "only 0-dimensional arrays can be converted to Python scalars";
+# 3.7, 3.8 and 3.9 run the kernels (checked 2026-12-06). Compiled kernels are unaffected: the
+# device image's triton 3.6 compiles them (docs/gpu.md).
+INTERPRETER_MIN_TRITON = (3, 7)
+
+
+def check_interpreter_version(version: str | None = None) -> None:
+    """Raise when the installed triton's interpreter (or ``version``'s) cannot run the kernels.
+
+    Raises:
+        RuntimeError: triton older than :data:`INTERPRETER_MIN_TRITON`, naming the fix.
+    """
+    if version is None:
+        import triton
+
+        version = triton.__version__
+    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    if parts < INTERPRETER_MIN_TRITON:
+        need = ".".join(map(str, INTERPRETER_MIN_TRITON))
+        raise RuntimeError(f"TRITON_INTERPRET=1 needs triton >= {need} to run the kernels on CPU "
+                           f"(triton {version}'s interpreter cannot loop over a program id): "
+                           f"pip install 'triton>={need}', or unset TRITON_INTERPRET and use "
+                           "kernel='torch' on CPU")
 
 
 def split_kernel_name(spec: KernelSpec) -> str:
