@@ -111,13 +111,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     default_workloads = [(32, 96), (32, 160)] if dry else [(2048, 16384), (2048, 32768)]
     args.workloads = args.workloads or default_workloads
     args.batches = args.batches or ([1, 2] if dry else [1, 4, 8, 16, 32])
-    args.budget = args.budget or (64 if dry else 2048)
-    args.window = args.window or (3 if dry else 16)
+    args.budget = args.budget if args.budget is not None else (64 if dry else 2048)
+    args.window = args.window if args.window is not None else (3 if dry else 16)
     args.warmup = args.warmup if args.warmup is not None else (1 if dry else 3)
     if any(b < 1 for b in args.batches) or args.window < 1 or args.budget < 1:
         parser.error("batches, --window and --budget must be >= 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be >= 0 (the first, compiling step is never timed)")
     if args.layers is not None and args.layers < 1:
         parser.error("--layers must be >= 1")
+    layers = args.layers or (TINY if dry else LLAMA3_8B)["num_hidden_layers"]
+    if args.retrieval_layers and not all(0 <= i < layers for i in args.retrieval_layers):
+        parser.error(f"--retrieval-layers must name layers 0..{layers - 1} of the {layers}-layer model")
+    if args.json is not None and args.json.is_dir():
+        parser.error(f"--json {args.json} is a folder: give a file path")
     args.cases = cases(args)
     return args
 

@@ -109,7 +109,13 @@ def check_interpreter_version(version: str | None = None) -> None:
         import triton
 
         version = triton.__version__
-    parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        parts = Version(version).release[:2]
+    except InvalidVersion:
+        raise RuntimeError(f"cannot read triton's version {version!r}; TRITON_INTERPRET=1 needs triton >= "
+                           f"{'.'.join(map(str, INTERPRETER_MIN_TRITON))}") from None
     if parts < INTERPRETER_MIN_TRITON:
         need = ".".join(map(str, INTERPRETER_MIN_TRITON))
         raise RuntimeError(f"TRITON_INTERPRET=1 needs triton >= {need} to run the kernels on CPU "

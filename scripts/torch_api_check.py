@@ -18,7 +18,8 @@ same), e.g. the 80 MB macOS one instead of the CUDA build:
     python scripts/torch_api_check.py                                      # the installed torch
 
 Prints one line per name that is missing (and, with ``-v``, each unresolved or found one);
-exits 1 when any is missing.
+exits 1 when any is missing, 2 on a bad argument (a path that is no torch, a source that does
+not exist or does not parse).
 """
 
 from __future__ import annotations
@@ -37,11 +38,19 @@ SOURCES = ("specontext_compile", "passes", "codegen", "runtime", "benchmarks/gpu
            "tests/test_elastic.py", "tests/test_codegen_attention.py", "tests/test_codegen_offsets.py")
 
 
+class UsageError(Exception):
+    """A bad argument (exit status 2, the message names the fix)."""
+
+
 class TorchTree:
     """The Python files of one torch, from a wheel or a folder holding ``torch/``."""
 
     def __init__(self, where: Path):
+        if not where.exists():
+            raise UsageError(f"{where} does not exist: give a torch wheel or a folder holding torch/")
         if where.is_file():
+            if not zipfile.is_zipfile(where):
+                raise UsageError(f"{where} is not a wheel (zip) nor a folder holding torch/")
             with zipfile.ZipFile(where) as wheel:
                 self.files = {n: wheel.read(n).decode("utf-8", "replace")
                               for n in wheel.namelist() if n.startswith("torch/") and n.endswith((".py", ".pyi"))}
@@ -50,7 +59,7 @@ class TorchTree:
             self.files = {f"torch/{p.relative_to(base).as_posix()}": p.read_text("utf-8", "replace")
                           for p in base.rglob("*.py*") if p.suffix in (".py", ".pyi")}
         if "torch/__init__.py" not in self.files:
-            raise SystemExit(f"{where}: no torch/__init__.py in it")
+            raise UsageError(f"{where}: no torch/__init__.py in it (give a torch wheel or a folder holding torch/)")
         self._names: dict[str, Scope] = {}
 
     def module_file(self, dotted: str) -> str | None:
@@ -176,7 +185,10 @@ def _in_module(tree: TorchTree, module: str, rest: list[str], seen: frozenset) -
 
 def references(path: Path) -> set[str]:
     """Every dotted torch name the file at ``path`` reaches (imports and attribute chains)."""
-    tree = ast.parse(path.read_text("utf-8"))
+    try:
+        tree = ast.parse(path.read_text("utf-8"), filename=str(path))
+    except (SyntaxError, UnicodeDecodeError) as err:
+        raise UsageError(f"{path} cannot be read as Python source: {err}") from None
     inner = {id(n.value) for n in ast.walk(tree) if isinstance(n, ast.Attribute)}  # not a chain's end
     bound: dict[str, str] = {"torch": "torch"}
     found: set[str] = set()
@@ -192,12 +204,29 @@ def references(path: Path) -> set[str]:
                 if alias.name != "*":
                     found.add(f"{node.module}.{alias.name}")
                     bound[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    shadowed = _rebound_in_functions(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute) and id(node) not in inner:
             chain = _chain(node)
-            if chain and chain[0] in bound:
+            if chain and chain[0] in bound and id(node) not in shadowed.get(chain[0], set()):
                 found.add(".".join([bound[chain[0]], *chain[1:]]))
     return {name for name in found if not name.startswith("torch.ops.")}
+
+
+def _rebound_in_functions(tree: ast.Module) -> dict[str, set[int]]:
+    """name -> ids of the attribute nodes inside functions whose parameters or assignments
+    rebind that name (there the name is not the module-level import)."""
+    out: dict[str, set[int]] = {}
+    for func in ast.walk(tree):
+        if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            continue
+        a = func.args
+        names = {arg.arg for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg) if arg}
+        names |= {n.id for n in ast.walk(func) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        attrs = {id(n) for n in ast.walk(func) if isinstance(n, ast.Attribute)}
+        for name in names:
+            out.setdefault(name, set()).update(attrs)
+    return out
 
 
 def _chain(node: ast.Attribute) -> list[str] | None:
@@ -210,18 +239,28 @@ def _chain(node: ast.Attribute) -> list[str] | None:
     return [node.id, *reversed(parts)]
 
 
-def source_files(sources) -> list[Path]:
+def source_files(sources, base: Path = ROOT) -> list[Path]:
+    """The ``.py`` files of ``sources`` (files or folders, relative to ``base``).
+
+    Raises:
+        UsageError: a source that does not exist, or one that holds no Python file."""
     files = []
     for item in sources:
-        path = ROOT / item
-        files.extend(sorted(path.rglob("*.py")) if path.is_dir() else [path])
+        path = base / item
+        if not path.exists():
+            raise UsageError(f"source {path} does not exist")
+        found = sorted(path.rglob("*.py")) if path.is_dir() else [path]
+        if not found:
+            raise UsageError(f"source {path} holds no .py file")
+        files.extend(found)
     return files
 
 
-def check(tree: TorchTree, sources=SOURCES) -> dict[str, tuple[str, list[str]]]:
-    """``{name: (verdict, [files that reach it])}`` for every torch name in ``sources``."""
+def check(tree: TorchTree, sources=SOURCES, base: Path = ROOT) -> dict[str, tuple[str, list[str]]]:
+    """``{name: (verdict, [files that reach it])}`` for every torch name in ``sources``
+    (relative to ``base``)."""
     where: dict[str, list[str]] = {}
-    for path in source_files(sources):
+    for path in source_files(sources, base):
         for name in references(path):
             where.setdefault(name, []).append(str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path))
     return {name: (resolve(tree, name), files) for name, files in sorted(where.items())}
@@ -232,13 +271,19 @@ def main(argv=None) -> int:
     parser.add_argument("torch", nargs="?", type=Path,
                         help="a torch wheel or a folder holding torch/ (default: the installed torch)")
     parser.add_argument("-v", "--verbose", action="store_true", help="also print found and unresolved names")
-    parser.add_argument("--sources", nargs="+", default=list(SOURCES), help="files or folders to read")
+    parser.add_argument("--sources", nargs="+", default=None,
+                        help="files or folders to read, relative to the current folder (default: the package, "
+                             "the device benchmarks and tests)")
     args = parser.parse_args(argv)
     if args.torch is None:
         import torch
         args.torch = Path(torch.__file__).parent
-    tree = TorchTree(args.torch)
-    results = check(tree, args.sources)
+    try:
+        tree = TorchTree(args.torch)
+        results = check(tree, args.sources or SOURCES, ROOT if args.sources is None else Path.cwd())
+    except UsageError as err:
+        print(f"torch_api_check: {err}", file=sys.stderr)
+        return 2
     missing = 0
     for name, (verdict, files) in results.items():
         missing += verdict.startswith("missing")

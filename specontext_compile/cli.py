@@ -141,7 +141,7 @@ def _add_run(sub) -> None:
 
 
 def _print_report(report, retrieval_head: str | None = None) -> None:
-    print("=" * 72)
+    print("=" * 25 + " generated (sparse, greedy) " + "=" * 19)
     print(report.text.strip())
     print("=" * 72)
     rows = [

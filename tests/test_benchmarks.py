@@ -104,8 +104,10 @@ def test_gpu_script_shapes_and_floor_bytes():
     assert dense == 2 * 8 * 131072 * key
     sparse = gpu_end_to_end.kv_read_bytes(config, "specontext-cudagraphs", 1, 131072, 2048, 2, 2)
     assert sparse == 2 * 131072 * key + 8 * (2 * 131072 // 16 + 3 * 2048 + 2 * 2048) * key
-    with pytest.raises(SystemExit):
-        gpu_end_to_end.parse_args(["--shapes", "0:1"])
+    for bad in (["--shapes", "0:1"], ["--shapes", "40"], ["--window", "0"], ["--warmup", "-1"],
+                ["--layers", "8", "--retrieval-layers", "8"], ["--json", str(Path(__file__).parent)]):
+        with pytest.raises(SystemExit):
+            gpu_end_to_end.parse_args(bad)
 
 
 def test_gpu_script_help():

@@ -54,11 +54,31 @@ def test_planted_names_are_reported_missing_and_real_ones_found(installed, tmp_p
         assert verdicts[name].startswith("missing"), (name, verdicts[name])
 
 
-def test_the_script_exits_1_on_a_missing_name(tmp_path, capsys):
+def test_the_script_exits_1_on_a_missing_name_and_2_on_a_bad_argument(tmp_path, capsys, monkeypatch):
     source = tmp_path / "planted.py"
     source.write_text("import torch\nx = torch.fx.node.no_such_function\n")
-    assert torch_api_check.main(["--sources", str(source)]) == 1
+    monkeypatch.chdir(tmp_path)  # --sources are read relative to the current folder
+    assert torch_api_check.main(["--sources", "planted.py"]) == 1
     assert "missing    torch.fx.node.no_such_function" in capsys.readouterr().out
+    (tmp_path / "broken.py").write_text("x = (\n")
+    (tmp_path / "empty").mkdir()
+    for argv, says in ((["--sources", "broken.py"], "cannot be read as Python source"),
+                       (["--sources", "no_such.py"], "does not exist"),
+                       (["--sources", "empty"], "holds no .py file"),
+                       ([str(source), "--sources", "planted.py"], "is not a wheel"),
+                       ([str(tmp_path / "empty"), "--sources", "planted.py"], "no torch/__init__.py")):
+        assert torch_api_check.main(argv) == 2, argv
+        assert says in capsys.readouterr().err
+
+
+def test_a_function_parameter_named_like_an_import_is_not_the_import(tmp_path):
+    source = tmp_path / "shadow.py"
+    source.write_text("from torch._inductor import config\n"
+                      "def f(config):\n    return config.budget\n"
+                      "flag = config.no_such_flag\n")
+    refs = torch_api_check.references(source)
+    assert "torch._inductor.config.budget" not in refs
+    assert "torch._inductor.config.no_such_flag" in refs
 
 
 @pytest.mark.slow
@@ -77,5 +97,10 @@ def test_an_interpreter_too_old_for_the_kernels_is_refused_with_the_fix():
 
     with pytest.raises(RuntimeError, match=r"pip install 'triton>=3.7'"):
         check_interpreter_version("3.6.0")
-    for version in ("3.7.0", "3.9.0", "3.10.0+git1234"):
+    for version in ("3.6.0", "3", "v2.7", "3.6.9.dev1"):
+        with pytest.raises(RuntimeError, match=r"triton>=3.7"):
+            check_interpreter_version(version)
+    with pytest.raises(RuntimeError, match="cannot read triton's version 'abc'"):
+        check_interpreter_version("abc")
+    for version in ("3.7.0", "3.7rc1", "3.9.0", "3.10.0+git1234", "4.0.0.dev20260101"):
         check_interpreter_version(version)  # no error
