@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from typing import Any
 
 import torch
 from specontext_compile.runtime.torch_private import counters
@@ -88,15 +89,36 @@ class SpeContextMetadata(CPUAttentionMetadata):
         retrieval: the retrieval layers' names, in order.
         selection: the decode rows' selected blocks per KV head, set by the forward of the
             step's first layer the plugin serves (:class:`~.selection.BlockSelection`).
-        schedules: vLLM's kernel schedule of the decode rows, one per KV head (their
-            ``seq_lens`` differ), made with the selection.
+        plan: the decode rows' call of vLLM's kernel made with the selection
+            (:class:`KernelPlan`).
     """
 
     num_decodes: int = 0
     prefill: CPUAttentionMetadata | None = None
     retrieval: tuple[str, ...] = ()
     selection: BlockSelection | None = None
-    schedules: list | None = None
+    plan: KernelPlan | None = None
+
+
+@dataclasses.dataclass
+class KernelPlan:
+    """One call of vLLM's kernel for every decode row and KV head of a layer: each (row, KV
+    head) pair is a request of its own, whose query heads are the KV head's group, over the
+    cache viewed as ``[blocks * num_kv_heads, 1, ...]`` (physical block ``p`` of KV head ``h``
+    is view block ``p * num_kv_heads + h``), so the selections of different KV heads need
+    no call each.
+
+    Attributes:
+        tables: int32 ``[rows * num_kv_heads, blocks]`` view blocks per request.
+        seq_lens: int32 ``[rows * num_kv_heads]`` tokens each request reads.
+        starts: int32 ``[rows * num_kv_heads + 1]`` query start per request (one token each).
+        schedule: vLLM's kernel schedule for them.
+    """
+
+    tables: torch.Tensor
+    seq_lens: torch.Tensor
+    starts: torch.Tensor
+    schedule: Any
 
 
 class SpeContextMetadataBuilder(CPUAttentionMetadataBuilder):
@@ -191,7 +213,7 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
         if meta.num_decodes and meta.selection is None:  # the step's first layer the plugin serves
             meta.selection = self._select(meta, layout)
-            meta.schedules = self._schedules(meta.selection, query.dtype, layer.isa)
+            meta.plan = self._plan(meta.selection, query.dtype, layer.isa)
             stats = counters["specontext_vllm"]
             stats["selection_steps"] += 1
             stats["recency_rows"] += int(meta.selection.recency_rows)  # once per step, not per layer
@@ -203,12 +225,11 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         if meta.num_decodes:
             rows = meta.num_decode_tokens
             counters["specontext_vllm"]["sparse_decode_rows"] += rows
-            selection, schedules = meta.selection, meta.schedules
+            plan = meta.plan
             if self.bounds is not None and self._rescues(layer):
-                selection = self._rescue(query[:rows], meta)
-                schedules = self._schedules(selection, query.dtype, layer.isa)
+                plan = self._plan(self._rescue(query[:rows], meta), query.dtype, layer.isa)
                 counters["specontext_vllm"]["rescue_rows"] += rows
-            self._decode(query[:rows], kv_cache, selection, schedules, output[:rows])
+            self._decode(query[:rows], kv_cache, plan, output[:rows])
         if name in meta.retrieval:
             self._record(query, kv_cache, meta)
         return output
@@ -237,37 +258,40 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         return with_blocks(torch.cat([shared.logical, added], dim=-1), table, lens, self.bounds.block_size,
                            shared.recency_rows, shared.blocks)
 
-    def _schedules(self, selection: BlockSelection, dtype: torch.dtype, isa: str) -> list:
-        """vLLM's kernel schedule for each KV head's decode rows (one query token each)."""
-        rows = selection.seq_lens.shape[1]
-        starts = torch.arange(rows + 1, dtype=torch.int32)
-        return [ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=rows, num_heads=self.num_queries_per_kv, num_kv_heads=1, head_dim=self.head_size,
+    def _plan(self, selection: BlockSelection, dtype: torch.dtype, isa: str) -> KernelPlan:
+        """The :class:`KernelPlan` of ``selection`` (once per step, or per rescuing layer)."""
+        num_kv, rows, width = selection.tables.shape
+        head = torch.arange(num_kv, dtype=torch.int32).view(1, num_kv, 1)
+        tables = (selection.tables.transpose(0, 1) * num_kv + head).reshape(rows * num_kv, width)
+        lens = selection.seq_lens.transpose(0, 1).reshape(rows * num_kv).contiguous()
+        starts = torch.arange(rows * num_kv + 1, dtype=torch.int32)
+        schedule = ops.cpu_attn_get_scheduler_metadata(
+            num_reqs=rows * num_kv, num_heads=self.num_queries_per_kv, num_kv_heads=1, head_dim=self.head_size,
             seq_lens=lens, dtype=dtype, query_start_loc=starts, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=envs.VLLM_CPU_ATTN_SPLIT_KV, dynamic_causal=None, kv_cache_dtype=self.kv_cache_dtype)
-            for lens in selection.seq_lens]
+        return KernelPlan(tables, lens, starts, schedule)
 
-    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, selection: BlockSelection, schedules: list,
-                output: torch.Tensor) -> None:
-        """Each KV head's query heads of the decode rows (``query`` ``[rows, num_heads,
-        head_dim]``) attend with vLLM's kernel over that head's selected blocks (``schedules``:
-        vLLM's kernel schedule per KV head); written into ``output`` (the rows' slice of vLLM's
-        output)."""
+    def _decode(self, query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan, output: torch.Tensor) -> None:
+        """The decode rows (``query`` ``[rows, num_heads, head_dim]``, heads grouped by KV
+        head) attend with vLLM's kernel, in one call, each KV head over its own selected
+        blocks (``plan``); written into ``output`` (the rows' slice of vLLM's output)."""
         blocks, num_kv, block_size, _ = kv_cache.shape
-        key_cache, value_cache = kv_cache.view(blocks, num_kv, 2 * block_size, -1).chunk(2, dim=2)
+        # [blocks * kv, 1, 2 * block_size, head_dim]: view block p * kv + h is KV head h of block p
+        key_cache, value_cache = kv_cache.view(blocks * num_kv, 1, 2 * block_size, -1).chunk(2, dim=2)
         rows, group = query.shape[0], self.num_queries_per_kv
-        out = output.view(rows, self.num_heads, self.head_size)
-        starts = torch.arange(rows + 1, dtype=torch.int32)
-        for h in range(num_kv):
-            heads = slice(h * group, (h + 1) * group)
-            q = query[:, heads].contiguous()
-            o = torch.empty_like(q)
-            ops.cpu_attention_with_kv_cache(
-                query=q, key_cache=key_cache[:, h:h + 1], value_cache=value_cache[:, h:h + 1], output=o,
-                query_start_loc=starts, seq_lens=selection.seq_lens[h], scale=self.scale, causal=True,
-                alibi_slopes=None, sliding_window=-1, block_table=selection.tables[h], softcap=0.0,
-                scheduler_metadata=schedules[h], s_aux=None, kv_cache_dtype=self.kv_cache_dtype)
-            out[:, heads] = o
+        q = query.reshape(rows * num_kv, group, self.head_size)
+        out = output.view(rows * num_kv, group, self.head_size)
+        if not (q.is_contiguous() and out.is_contiguous()):
+            q, o = q.contiguous(), torch.empty((rows * num_kv, group, self.head_size), dtype=query.dtype)
+        else:
+            o = out
+        ops.cpu_attention_with_kv_cache(
+            query=q, key_cache=key_cache, value_cache=value_cache, output=o, query_start_loc=plan.starts,
+            seq_lens=plan.seq_lens, scale=self.scale, causal=True, alibi_slopes=None, sliding_window=-1,
+            block_table=plan.tables, softcap=0.0, scheduler_metadata=plan.schedule, s_aux=None,
+            kv_cache_dtype=self.kv_cache_dtype)
+        if o is not out:
+            out.copy_(o)
 
 
 class SpeContextCPUBackend(CPUAttentionBackend):
