@@ -260,10 +260,10 @@ class SpeContextImpl(CPUAttentionBackendImpl):
 
     def _plan(self, selection: BlockSelection, dtype: torch.dtype, isa: str) -> KernelPlan:
         """The :class:`KernelPlan` of ``selection`` (once per step, or per rescuing layer)."""
-        num_kv, rows, width = selection.tables.shape
+        rows, num_kv, width = selection.tables.shape
         head = torch.arange(num_kv, dtype=torch.int32).view(1, num_kv, 1)
-        tables = (selection.tables.transpose(0, 1) * num_kv + head).reshape(rows * num_kv, width)
-        lens = selection.seq_lens.transpose(0, 1).reshape(rows * num_kv).contiguous()
+        tables = (selection.tables * num_kv + head).view(rows * num_kv, width)
+        lens = selection.seq_lens.reshape(rows * num_kv)
         starts = torch.arange(rows * num_kv + 1, dtype=torch.int32)
         schedule = ops.cpu_attn_get_scheduler_metadata(
             num_reqs=rows * num_kv, num_heads=self.num_queries_per_kv, num_kv_heads=1, head_dim=self.head_size,

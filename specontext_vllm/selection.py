@@ -42,10 +42,10 @@ class BlockSelection:
     Attributes:
         logical: int64 ``[rows, num_kv_heads, blocks]`` selected logical block indices of each
             row, ascending, ``-1`` padding last.
-        tables: int32 ``[num_kv_heads, rows, blocks]`` the physical blocks of ``logical``
+        tables: int32 ``[rows, num_kv_heads, blocks]`` the physical blocks of ``logical``
             (padding: block 0, never read).
-        seq_lens: int32 ``[num_kv_heads, rows]`` tokens the kernel reads per row: whole
-            selected blocks, then the current block's written tokens.
+        seq_lens: int32 ``[rows, num_kv_heads]`` tokens the kernel reads per row and KV head:
+            whole selected blocks, then the current block's written tokens.
         recency_rows: int64 scalar, the rows ranked by recency (no usable record).
         blocks: the longest row's blocks (the step's one host read, reused by every layer).
     """
@@ -137,7 +137,7 @@ def with_blocks(logical: torch.Tensor, block_table: torch.Tensor, seq_lens: torc
     valid = logical < spare
     logical = torch.where(valid, logical, -1)
     physical = block_table.long().gather(1, logical.clamp(min=0).flatten(1)).view_as(logical)
-    tables = torch.where(valid, physical, 0).transpose(0, 1).to(torch.int32).contiguous()
+    tables = torch.where(valid, physical, 0).to(torch.int32)
     last = (seq_lens.long() - 1) % block_size + 1  # written tokens of the current (last selected) block
     lens = (valid.sum(-1) - 1) * block_size + last.view(rows, 1)  # [rows, kv]
-    return BlockSelection(logical, tables, lens.transpose(0, 1).to(torch.int32).contiguous(), recency_rows, blocks)
+    return BlockSelection(logical, tables, lens.to(torch.int32), recency_rows, blocks)

@@ -92,9 +92,9 @@ def test_each_row_selects_as_the_float64_reference(seed):
             got = got[got >= 0]
             assert set(got.tolist()) == want[h], (r, h)
             assert (got.diff() > 0).all()  # ascending: the current block last
-            assert torch.equal(selection.tables[h, r, :len(got)], table[r, got].int())
+            assert torch.equal(selection.tables[r, h, :len(got)], table[r, got].int())
             # whole blocks, then the current block's tokens (this step's included)
-            assert int(selection.seq_lens[h, r]) == (len(got) - 1) * BLOCK + (n - 1) % BLOCK + 1
+            assert int(selection.seq_lens[r, h]) == (len(got) - 1) * BLOCK + (n - 1) % BLOCK + 1
 
 
 def test_a_stale_record_ranks_by_recency():
