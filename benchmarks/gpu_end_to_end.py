@@ -55,26 +55,25 @@ TINY = dict(
 )
 
 
+def _positive_pair(text: str, what: str, form: str) -> tuple[int, int]:
+    """``"A:B"`` -> (A, B), both ints >= 1, else an argparse error naming ``what`` and ``form``."""
+    try:
+        first, second = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{what} {text!r} is not {form}") from None
+    if first < 1 or second < 1:
+        raise argparse.ArgumentTypeError(f"{what} {text!r}: both sides must be >= 1")
+    return first, second
+
+
 def parse_workload(text: str) -> tuple[int, int]:
     """``"2048:16384"`` -> (input tokens, output tokens)."""
-    try:
-        inp, out = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"workload {text!r} is not INPUT:OUTPUT") from None
-    if inp < 1 or out < 1:
-        raise argparse.ArgumentTypeError(f"workload {text!r}: both sides must be >= 1")
-    return inp, out
+    return _positive_pair(text, "workload", "INPUT:OUTPUT")
 
 
 def parse_shape(text: str) -> tuple[int, int]:
     """``"32752:8"`` -> (KV length at the timed steps, batch)."""
-    try:
-        context, batch = (int(x) for x in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"shape {text!r} is not CONTEXT:BATCH") from None
-    if context < 1 or batch < 1:
-        raise argparse.ArgumentTypeError(f"shape {text!r}: both sides must be >= 1")
-    return context, batch
+    return _positive_pair(text, "shape", "CONTEXT:BATCH")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
