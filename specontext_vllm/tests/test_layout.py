@@ -64,7 +64,8 @@ def test_a_layout_the_probe_cannot_read_is_refused(monkeypatch):
 
 @pytest.mark.parametrize("isa,dtype", ISAS)
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "torch"])
-def test_key_logits_over_packed_blocks_equal_float64(isa, dtype, use_kernel, monkeypatch):
+@pytest.mark.parametrize("group", [2, 3, 5])
+def test_key_logits_over_packed_blocks_equal_float64(isa, dtype, use_kernel, group, monkeypatch):
     """The selection's logits read straight from the packed blocks (the C++ kernel where it
     reads the form, else torch over block copies) equal float64 products of the stored keys:
     within 1e-4 of the logits' scale (float32 accumulation; the torch path rounds the query
@@ -80,9 +81,10 @@ def test_key_logits_over_packed_blocks_equal_float64(isa, dtype, use_kernel, mon
     else:
         monkeypatch.setattr(kernels, "FORM_CODES", {})
     blocks = keys.shape[2] // 32  # whole blocks only
-    query = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3))
+    query = torch.randn(1, 3 * group, 64, generator=torch.Generator().manual_seed(3))  # 3 KV heads
     got = layout.key_logits(cache, table, blocks, query, 0.125)
-    want = torch.einsum("kgd,knd->kgn", query.double().view(3, 2, 64) * 0.125, keys[0, :, :blocks * 32].double())
+    want = torch.einsum("kgd,knd->kgn", query.double().view(3, group, 64) * 0.125,
+                        keys[0, :, :blocks * 32].double())
     tol = 2e-2 if (dtype == torch.bfloat16 and not use_kernel) else 1e-4
-    assert got.shape == (1, 3, 2, blocks * 32)
+    assert got.shape == (1, 3, group, blocks * 32)
     assert float((got[0].double() - want).abs().max()) <= tol * float(want.abs().max())
