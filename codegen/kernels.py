@@ -45,10 +45,7 @@ import triton.language as tl
 # kernels call ``tl.sum``/``tl.max``: inductor copies a user kernel's jit dependencies into
 # its own module by their source (``wrap_triton``), and triton's combiners name globals of
 # triton's module (``core``) that the copy does not have.
-# True when this module chose the interpreter's reductions at import (then triton's compiler
-# front end cannot take these kernels in this process).
-INTERPRETED_REDUCTIONS = os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes")
-if INTERPRETED_REDUCTIONS:
+if os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "on", "yes"):
     from triton.language.standard import _elementwise_max, _sum_combine
 
     @triton.jit
