@@ -16,6 +16,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   '{"regional": false}'``: torch 2.13 cannot compile ``invoke_subgraph`` with it);
 * ``no-cpu-kernel``: the dense decode attention of a float32 store keeps inductor's body
   (``split_store.py``) instead of our CPU kernel (``cpu_kernels.applies`` returns False);
+* ``no-refine-kernel``: a refined site (the default's) keeps inductor's body of
+  ``aten_step.refine_and_attend`` instead of our CPU kernel (``cpu_refine.applies`` returns False);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -47,6 +49,7 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "unrealized": ("specontext_compile.runtime.sparse_attention", "logits_once", lambda logits, rows, keys: logits),
     "cpp-wrapper": ("torch._inductor.config", "cpp_wrapper", True),
     "no-cpu-kernel": ("specontext_compile.runtime.cpu_kernels", "applies", lambda *a, **k: False),
+    "no-refine-kernel": ("specontext_compile.runtime.cpu_refine", "applies", lambda *a, **k: False),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
 }
 

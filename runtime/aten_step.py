@@ -27,7 +27,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from torch.fx.node import has_side_effect
 
-from . import cpu_kernels, page_bounds
+from . import cpu_kernels, cpu_refine, page_bounds
 from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .split_store import split_chunks, split_store_attention
@@ -405,8 +405,22 @@ def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     learned sinks or the dense shortcut; ``store``: the layer's ``(key_cache, value_cache)``,
     other arguments as those two functions'. Returns
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
-    bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md)."""
+    bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md).
+
+    In a CPU decode step traced for inductor (``variant.fused_products``, which the lowering
+    sets) with one query row per head, the ranking and the attention are our C++ kernel
+    (:func:`~.cpu_refine.refine_attend`) where it applies (:func:`~.cpu_refine.applies`, a
+    static fact): the same kept set up to exactly equal ranks, float32 accumulation."""
     key_cache, value_cache = store
+    b, _, _, head_dim = query.shape
+    if (not isinstance(key_cache, tuple)
+            and fused_products(query.reshape(b, key_cache.shape[1], -1, head_dim), key_cache, variant.fused_products)
+            and cpu_refine.applies(query, store, candidates, attn_mask, variant)):
+        ranked_ones = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+        if cpu_refine.applies(query, store, ranked_ones, attn_mask, variant):
+            visible = row_visibility(attn_mask, key_cache.shape[-2])
+            return cpu_refine.refine_attend(query, store, ranked_ones, length,
+                                            None if visible is None else visible[:, 0], spec, variant)
     candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]

@@ -35,7 +35,8 @@ from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelBuildError", "applies", "available", "build_library", "cpu_decode_attention", "decode_splits", "loads"]
+__all__ = ["KernelBuildError", "applies", "available", "build_library", "check_inputs", "cpu_decode_attention", "decode_splits",
+           "loads"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
@@ -83,7 +84,7 @@ def build_library(source: Path) -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on the PATH: install g++ (Debian: apt install g++) "
                                "or set CXX; until then the CPU step uses inductor's kernels")
-    code = source.read_bytes()
+    code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # its headers
     key = hashlib.sha256(code + " ".join((compiler, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}_{key}.so"
     with _LOCK:
@@ -175,7 +176,7 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         ValueError: shapes or dtypes the kernel does not take (see :func:`applies`).
     """
     counters["specontext"]["cpu_kernel_attention_calls"] += 1
-    _check_inputs(query, key_cache, value_cache, length, visible)
+    check_inputs(query, key_cache, value_cache, length, visible)
     b, num_heads, _, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[2]
     groups = num_heads // num_kv
@@ -198,39 +199,40 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     return out
 
 
-def _check_inputs(query, key_cache, value_cache, length, visible) -> None:
-    """What :func:`cpu_decode_attention` reads, checked before the C++ kernel reads raw memory:
-    a ValueError naming the argument, never a read out of bounds or bytes of another dtype."""
+def check_inputs(query, key_cache, value_cache, length, visible, op: str = "cpu_decode_attention") -> None:
+    """What :func:`cpu_decode_attention` (or another of our kernels, ``op``, over the same
+    query, stores, length and visibility) reads, checked before the C++ kernel reads raw
+    memory: a ValueError naming the argument, never a read out of bounds or bytes of another dtype."""
     tensors = {"query": query, "key_cache": key_cache, "value_cache": value_cache}
     for name, t in tensors.items():
         dtypes = (torch.float32,) if name == "query" else _STORE_DTYPES
         if t.dim() != 4 or t.dtype not in dtypes or t.device.type != "cpu":
             kind = "float32" if name == "query" else "float32 or bfloat16"
-            raise ValueError(f"cpu_decode_attention: {name} must be a 4-d {kind} CPU tensor, got "
+            raise ValueError(f"{op}: {name} must be a 4-d {kind} CPU tensor, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if key_cache.dtype != value_cache.dtype:
-        raise ValueError(f"cpu_decode_attention: key_cache ({key_cache.dtype}) and value_cache "
+        raise ValueError(f"{op}: key_cache ({key_cache.dtype}) and value_cache "
                          f"({value_cache.dtype}) must have one dtype")
     b, num_heads, q_len, head_dim = query.shape
     kb, num_kv, capacity, kd = key_cache.shape
     if tuple(value_cache.shape) != tuple(key_cache.shape):
-        raise ValueError(f"cpu_decode_attention: value_cache {tuple(value_cache.shape)} must have the key "
+        raise ValueError(f"{op}: value_cache {tuple(value_cache.shape)} must have the key "
                          f"store's shape {tuple(key_cache.shape)}")
     if kb != b or kd != head_dim or num_kv == 0 or num_heads % num_kv:
-        raise ValueError(f"cpu_decode_attention: keys {tuple(key_cache.shape)} must have the query's batch "
+        raise ValueError(f"{op}: keys {tuple(key_cache.shape)} must have the query's batch "
                          f"({b}) and head_dim ({head_dim}), and a number of KV heads dividing its {num_heads} heads")
     if q_len != 1 or num_heads // num_kv > _MAX_GROUP or head_dim > _MAX_DIM:
-        raise ValueError(f"cpu_decode_attention takes one query row, at most {_MAX_GROUP} query heads per KV "
+        raise ValueError(f"{op} takes one query row, at most {_MAX_GROUP} query heads per KV "
                          f"head and head_dim <= {_MAX_DIM}; got query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
     for name, t in (("length", length), ("visible", visible)):
         if t is not None and t.device.type != "cpu":
-            raise ValueError(f"cpu_decode_attention: {name} must be a CPU tensor, got one on {t.device}")
+            raise ValueError(f"{op}: {name} must be a CPU tensor, got one on {t.device}")
     if length.dtype != torch.int64 or length.numel() not in (1, b):
-        raise ValueError(f"cpu_decode_attention: length must be int64 with 1 or {b} entries, got "
+        raise ValueError(f"{op}: length must be int64 with 1 or {b} entries, got "
                          f"{length.dtype} {tuple(length.shape)}")
     if visible is not None and (visible.dtype != torch.bool or visible.shape[-1] != capacity
                                 or visible.numel() not in (capacity, b * capacity)):
-        raise ValueError(f"cpu_decode_attention: visible must be bool [1 or {b}, {capacity}] (leading dims "
+        raise ValueError(f"{op}: visible must be bool [1 or {b}, {capacity}] (leading dims "
                          f"of size 1 allowed), got {visible.dtype} {tuple(visible.shape)}")
 
 

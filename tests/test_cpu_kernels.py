@@ -96,7 +96,7 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
     # tensor stands in for it: called through the op, meta dispatches to the fake kernel)
     for args in ((q, k, k, n.to("meta"), None), (q, k, k, n, torch.ones(2, 40, dtype=torch.bool, device="meta"))):
         with pytest.raises(ValueError, match="CPU tensor"):
-            cpu_kernels._check_inputs(*args)
+            cpu_kernels.check_inputs(*args)
     empty = k[:, :, :0]  # a store of no slots: zeros, with or without a mask
     for visible in (None, torch.ones(2, 0, dtype=torch.bool)):
         assert cpu_kernels.cpu_decode_attention(q, empty, empty, torch.tensor(0), visible).abs().sum() == 0

@@ -14,9 +14,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
+#include "cpu_common.h"
 
 namespace {
 
@@ -25,75 +23,9 @@ constexpr int PREFETCH = 16;   // slots ahead whose keys and values are prefetch
 constexpr int MAX_GROUP = 16;   // query heads per KV head
 constexpr int MAX_DIM = 256;    // head_dim
 
-// exp(x) for x <= 0 (logits minus their running maximum), branch-free so that the compiler
-// vectorises the loops that call it: 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], p the
-// degree-6 Taylor polynomial (relative error under 3e-7); x below -87 (and -inf) gives 0.
-inline float exp_nonpositive(float x) {
-  const float clamped = x < -87.0f ? -87.0f : x;
-  // round to nearest by the 1.5 * 2^23 trick (vectorises; |clamped * log2(e)| < 2^22)
-  const float n = (clamped * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-  const float r = clamped - n * 0.693145751953125f - n * 1.428606765330187e-06f;
-  float p = 1.0f / 720.0f;
-  p = p * r + 1.0f / 120.0f;
-  p = p * r + 1.0f / 24.0f;
-  p = p * r + 1.0f / 6.0f;
-  p = p * r + 0.5f;
-  p = p * r + 1.0f;
-  p = p * r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  __builtin_memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.0f ? 0.0f : p * scale;
-}
-
 }  // namespace
 
-// A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t).
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;
-  float f;
-  __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-}
-
-#ifdef __AVX512F__
-// 16 store elements as float32 (a bfloat16 element is the high half of a float32).
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-
-// Prefetch one store row (D elements) into L1, one request per 64-byte line: a core streams a
-// block's keys, then its values, from two places; the hardware prefetcher alone kept it at about
-// 8 GB/s a core on a 2-core Xeon (issue 51).
-template <typename T, int D_>
-inline void prefetch_row(const T* row) {
-  constexpr int LINES = (D_ * static_cast<int>(sizeof(T)) + 63) / 64;
-  for (int line = 0; line < LINES; ++line)
-    _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, _MM_HINT_T0);
-}
-inline __m512 load16(const uint16_t* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
-// out[j] = the sum of acc[j]'s 16 lanes, for 16 vectors at once: a transposing tree of 15
-// adds and 31 shuffles, where 16 horizontal sums take 16 x 8 dependent operations.
-inline __m512 sum_lanes16(const __m512* acc) {
-  __m512 c[8], e[4];
-  for (int i = 0; i < 8; ++i)  // 128-bit lanes: [a0+a2, a1+a3, b0+b2, b1+b3]
-    c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
-                         _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
-  for (int i = 0; i < 4; ++i)  // lane l of e[i]: vector 4i + l, four partial sums
-    e[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
-                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xDD));
-  const __m512 f0 = _mm512_add_ps(_mm512_unpacklo_ps(e[0], e[1]), _mm512_unpackhi_ps(e[0], e[1]));
-  const __m512 f1 = _mm512_add_ps(_mm512_unpacklo_ps(e[2], e[3]), _mm512_unpackhi_ps(e[2], e[3]));
-  const __m512d f0d = _mm512_castps_pd(f0), f1d = _mm512_castps_pd(f1);
-  const __m512 h = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(f0d, f1d)),
-                                 _mm512_castpd_ps(_mm512_unpackhi_pd(f0d, f1d)));  // h[4l + m] = vector 4m + l
-  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  return _mm512_permutexvar_ps(order, h);
-}
-#endif
+using namespace specontext_cpu;
 
 // One work item: the slots [lo, hi) of one (batch row, KV head), all G query rows.
 template <typename T, int G_, int D_>

@@ -1,0 +1,367 @@
+// Refined sparse decode attention on the CPU: a layer's refinement of the two-stage selection
+// and its attention over the tokens the refinement keeps, in one call, one query row per head.
+//
+// What it computes (runtime/aten_step.py, refine_and_attend with q_len = 1, a plain site: no
+// soft cap, no sliding window; SpeContext, arXiv 2512.00722, section 4, the GQA rule):
+//   for each (batch row b, KV head h), over the N candidate slots j (position c_j, -1 = empty):
+//   1. logits l[g][j] = q[g] . k[c_j] for the G query heads of the group (q already scaled),
+//      -inf where c_j is empty, not written yet (c_j >= length[b]) or hidden (visible[b][c_j] = 0);
+//   2. rank[j] = max_g softmax_j(l[g])[j] (a head that sees nothing gives 0); +inf for the
+//      forced slots: the first `sinks` non-empty candidates and the visible ones with
+//      length - recent <= c_j < length;
+//   3. the `budget` non-empty candidates of highest rank are kept (all of them when fewer);
+//   4. out[g] = softmax over the kept slots of l[g], times their values (zeros when a head
+//      sees none of them).
+// Each key row is read once for all G heads, each kept value row once; the candidates' and the
+// kept slots' work is split between the threads (SmolLM2 at batch 1 has 3 KV heads for 2
+// cores). float32 or bfloat16 stores (bfloat16 widened as it is loaded), float32 query,
+// accumulation and output. Written for specontext (issue 51); built and loaded by
+// runtime/cpu_refine.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <limits>
+#include <vector>
+
+#include "cpu_common.h"
+
+using namespace specontext_cpu;
+
+namespace {
+
+constexpr int PREFETCH = 16;  // candidates ahead whose key (value) rows are prefetched
+constexpr int MAX_GROUP = 16;
+constexpr int MAX_DIM = 256;
+constexpr float NEG = -std::numeric_limits<float>::infinity();
+constexpr float POS = std::numeric_limits<float>::infinity();
+
+template <typename T>
+struct Problem {
+  const float* query;          // [B, KV, G, D]
+  const T* keys;               // [B, KV, C, D]
+  const T* values;             // [B, KV, C, D]
+  const int64_t* candidates;   // [B, KV, N]
+  const int64_t* lengths;      // [B] or [1]
+  int64_t length_stride;
+  const uint8_t* visible;      // [B, C] or [1, C] (stride 0) or nullptr
+  int64_t visible_stride;
+  float* out;                  // [B, KV, G, D]
+  int64_t B, KV, G, C, D, N, budget, sinks, recent;
+  // scratch
+  float* logits;               // [B * KV, G, N]
+  float* stats;                // [B * KV, SA, G, 2]: each candidate split's logit maximum and sum of exp(l - max)
+  float* rank;                 // [B * KV, N]
+  uint64_t* order;             // [B * KV, N]
+  int32_t* kept;               // [B * KV, budget]
+  int64_t* kept_count;         // [B * KV]
+  float* kept_max;             // [B * KV, G]
+  float* partial_acc;          // [B * KV, SC, G, D]
+  float* partial_sum;          // [B * KV, SC, G]
+  int64_t SA, SC;              // splits of the candidates (phase 1) and the kept slots (phase 3)
+
+  int64_t length(int64_t b) const { return lengths[b * length_stride]; }
+  // whether candidate position c may be attended by row b
+  bool usable(int64_t b, int64_t c) const {
+    if (c < 0 || c >= C || c >= length(b)) return false;
+    return !visible || visible[b * visible_stride + c];
+  }
+};
+
+// Phase 1: the logits of candidates [lo, hi) of item bh (a (batch row, KV head) pair).
+template <typename T, int G_, int D_>
+void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo, int64_t hi) {
+  const int64_t G = G_ > 0 ? G_ : p.G;
+  const int64_t D = D_ > 0 ? D_ : p.D;
+  const int64_t b = bh / p.KV;
+  const int64_t* cand = p.candidates + bh * p.N;
+  const T* k = p.keys + bh * p.C * D;
+  const float* q = p.query + bh * G * D;
+  float* lg = p.logits + bh * G * p.N;
+  int64_t j = lo;
+#ifdef __AVX512F__
+  if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
+    for (; j + 16 <= hi; j += 16) {
+      const T* rows[16];
+      bool ok[16];
+      for (int jj = 0; jj < 16; ++jj) {
+        ok[jj] = p.usable(b, cand[j + jj]);
+        rows[jj] = ok[jj] ? k + cand[j + jj] * D_ : k;  // an unusable slot scores row 0, then -inf
+        const int64_t ahead = j + PREFETCH + jj;
+        if (ahead < hi && cand[ahead] >= 0 && cand[ahead] < p.C) prefetch_row<T, D_>(k + cand[ahead] * D_);
+      }
+      for (int g = 0; g < G_; ++g) {
+        __m512 sums[16];
+        for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_setzero_ps();
+        for (int d = 0; d < D_; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(q + g * D_ + d);
+          for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_fmadd_ps(qv, load16(rows[jj] + d), sums[jj]);
+        }
+        _mm512_storeu_ps(lg + g * p.N + j, sum_lanes16(sums));
+        for (int jj = 0; jj < 16; ++jj)
+          if (!ok[jj]) lg[g * p.N + j + jj] = NEG;
+      }
+    }
+  }
+#endif
+  for (; j < hi; ++j) {
+    const int64_t c = cand[j];
+    const bool ok = p.usable(b, c);
+    for (int64_t g = 0; g < G; ++g) {
+      float dot = 0.f;
+      if (ok) {
+        const float* qg = q + g * D;
+        const T* kr = k + c * D;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
+      }
+      lg[g * p.N + j] = ok ? dot : NEG;
+    }
+  }
+  float* st = p.stats + (bh * p.SA + split) * G * 2;
+  for (int64_t g = 0; g < G; ++g) {
+    const float* row = lg + g * p.N;
+    float m = NEG;
+    for (int64_t i = lo; i < hi; ++i) m = std::max(m, row[i]);
+    float z = 0.f;
+    if (m != NEG) {
+#pragma omp simd reduction(+ : z)
+      for (int64_t i = lo; i < hi; ++i) z += exp_nonpositive(row[i] - m);
+    }
+    st[2 * g] = m;
+    st[2 * g + 1] = z;
+  }
+}
+
+// An order-preserving unsigned key of a float (larger float, larger key; -inf the smallest).
+inline uint32_t order_key(float x) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+}
+
+// Phase 2: item bh's ranking and the `budget` slots it keeps (their maximum logit per head).
+// softmax_j(l[g])[j] = exp(l[g][j] - c[g]) with c[g] = max_j l[g][j] + log(sum_j exp(l[g][j] -
+// max)): ranking by max_g (l[g][j] - c[g]) keeps the same slots as ranking by the weights,
+// without an exponential per slot (the splits' maxima and sums come from phase 1).
+template <typename T>
+void keep_best(const Problem<T>& p, int64_t bh) {
+  const int64_t G = p.G, N = p.N;
+  const int64_t b = bh / p.KV;
+  const int64_t* cand = p.candidates + bh * N;
+  const float* lg = p.logits + bh * G * N;
+  float* rank = p.rank + bh * N;
+  for (int64_t j = 0; j < N; ++j) rank[j] = NEG;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = NEG, z = 0.f;
+    for (int64_t s = 0; s < p.SA; ++s) m = std::max(m, p.stats[((bh * p.SA + s) * G + g) * 2]);
+    if (m == NEG) continue;  // the head sees no candidate: weight 0 everywhere
+    for (int64_t s = 0; s < p.SA; ++s) {
+      const float* st = p.stats + ((bh * p.SA + s) * G + g) * 2;
+      if (st[0] != NEG) z += st[1] * exp_nonpositive(st[0] - m);
+    }
+    const float c = m + std::log(z);
+    const float* row = lg + g * N;
+#pragma omp simd
+    for (int64_t j = 0; j < N; ++j) rank[j] = std::max(rank[j], row[j] - c);
+  }
+  const int64_t recent_from = p.length(b) - p.recent;
+  uint64_t* order = p.order + bh * N;
+  int64_t count = 0, seen = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    if (cand[j] < 0) continue;  // an empty slot is never kept
+    ++seen;
+    const bool recent = cand[j] >= recent_from && p.usable(b, cand[j]);  // past the written length: not recent
+    const float r = (seen <= p.sinks || recent) ? POS : rank[j];
+    order[count++] = (static_cast<uint64_t>(order_key(r)) << 32) | static_cast<uint64_t>(j);
+  }
+  if (count > p.budget) {
+    std::nth_element(order, order + p.budget, order + count, std::greater<uint64_t>());
+    count = p.budget;
+  }
+  int32_t* kept = p.kept + bh * p.budget;
+  for (int64_t t = 0; t < count; ++t) kept[t] = static_cast<int32_t>(order[t] & 0xffffffffu);
+  p.kept_count[bh] = count;
+  for (int64_t g = 0; g < G; ++g) {
+    float m = NEG;
+    for (int64_t t = 0; t < count; ++t) m = std::max(m, lg[g * N + kept[t]]);
+    p.kept_max[bh * G + g] = m;
+  }
+}
+
+// Phase 3: item bh's kept slots [lo, hi) of its kept list: weights and values summed.
+template <typename T, int G_, int D_>
+void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
+  const int64_t G = G_ > 0 ? G_ : p.G;
+  const int64_t D = D_ > 0 ? D_ : p.D;
+  const int64_t count = p.kept_count[bh];
+  const int64_t per = (count + p.SC - 1) / p.SC;
+  const int64_t lo = std::min(split * per, count), hi = std::min(lo + per, count);
+  const int64_t* cand = p.candidates + bh * p.N;
+  const int32_t* kept = p.kept + bh * p.budget;
+  const float* lg = p.logits + bh * G * p.N;
+  const float* m = p.kept_max + bh * G;
+  const T* v = p.values + bh * p.C * D;
+  alignas(64) float acc[MAX_GROUP][MAX_DIM];
+  float sum[MAX_GROUP];
+  for (int64_t g = 0; g < G; ++g) {
+    sum[g] = 0.f;
+    for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+  }
+#ifdef __AVX512F__
+  if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0 && G_ * D_ / 16 <= 24) {
+    constexpr int C_ = D_ / 16;
+    __m512 reg[G_][C_];
+    for (int g = 0; g < G_; ++g)
+      for (int c = 0; c < C_; ++c) reg[g][c] = _mm512_setzero_ps();
+    for (int64_t t = lo; t < hi; ++t) {
+      if (t + PREFETCH < hi) prefetch_row<T, D_>(v + cand[kept[t + PREFETCH]] * D_);
+      const int64_t j = kept[t];
+      float w[G_];
+      bool any = false;
+      for (int g = 0; g < G_; ++g) {
+        w[g] = m[g] == NEG ? 0.f : exp_nonpositive(lg[g * p.N + j] - m[g]);
+        sum[g] += w[g];
+        any = any || w[g] != 0.f;
+      }
+      if (!any) continue;  // a slot no head may see: its value is never read
+      const T* row = v + cand[j] * D_;
+      __m512 r[C_];
+      for (int c = 0; c < C_; ++c) r[c] = load16(row + 16 * c);
+      for (int g = 0; g < G_; ++g) {
+        const __m512 wg = _mm512_set1_ps(w[g]);
+        for (int c = 0; c < C_; ++c) reg[g][c] = _mm512_fmadd_ps(wg, r[c], reg[g][c]);
+      }
+    }
+    for (int g = 0; g < G_; ++g)
+      for (int c = 0; c < C_; ++c) _mm512_store_ps(&acc[g][16 * c], reg[g][c]);
+  } else
+#endif
+  {
+    for (int64_t t = lo; t < hi; ++t) {
+      const int64_t j = kept[t];
+      const T* row = v + cand[j] * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const float w = m[g] == NEG ? 0.f : exp_nonpositive(lg[g * p.N + j] - m[g]);
+        sum[g] += w;
+        if (w == 0.f) continue;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) acc[g][d] += w * widen(row[d]);
+      }
+    }
+  }
+  float* pa = p.partial_acc + (bh * p.SC + split) * G * D;
+  float* ps = p.partial_sum + (bh * p.SC + split) * G;
+  for (int64_t g = 0; g < G; ++g) {
+    ps[g] = sum[g];
+    for (int64_t d = 0; d < D; ++d) pa[g * D + d] = acc[g][d];
+  }
+}
+
+template <typename T, int G_, int D_>
+void run_phases(const Problem<T>& p) {
+  const int64_t items = p.B * p.KV;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < items * p.SA; ++unit) {
+      const int64_t bh = unit / p.SA, s = unit % p.SA;
+      const int64_t per = (p.N + p.SA - 1) / p.SA;
+      const int64_t lo = std::min(s * per, p.N), hi = std::min(lo + per, p.N);
+      score_candidates<T, G_, D_>(p, bh, s, lo, hi);
+    }
+#pragma omp for schedule(static)
+    for (int64_t bh = 0; bh < items; ++bh) keep_best<T>(p, bh);
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < items * p.SC; ++unit) add_values<T, G_, D_>(p, unit / p.SC, unit % p.SC);
+#pragma omp for schedule(static)
+    for (int64_t bhg = 0; bhg < items * p.G; ++bhg) {
+      const int64_t bh = bhg / p.G, g = bhg % p.G;
+      float total = 0.f;
+      float* o = p.out + bhg * p.D;
+      for (int64_t d = 0; d < p.D; ++d) o[d] = 0.f;
+      for (int64_t s = 0; s < p.SC; ++s) {
+        total += p.partial_sum[(bh * p.SC + s) * p.G + g];
+        const float* pa = p.partial_acc + ((bh * p.SC + s) * p.G + g) * p.D;
+#pragma omp simd
+        for (int64_t d = 0; d < p.D; ++d) o[d] += pa[d];
+      }
+      if (total == 0.f) {  // a head that sees none of the kept slots: zeros
+        for (int64_t d = 0; d < p.D; ++d) o[d] = 0.f;
+        continue;
+      }
+      const float inv = 1.f / total;
+      for (int64_t d = 0; d < p.D; ++d) o[d] *= inv;
+    }
+  }
+}
+
+// splits of `n` slots of each of `items` items: at least 16 units for the threads, each of at
+// least `least` slots
+int64_t splits(int64_t items, int64_t n, int64_t least) {
+  return std::max<int64_t>(1, std::min<int64_t>((16 + items - 1) / std::max<int64_t>(items, 1), n / least));
+}
+
+template <typename T>
+int refine_attention(const float* query, const T* keys, const T* values, const int64_t* candidates,
+                     const int64_t* lengths, int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
+                     float* out, int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t N, int64_t budget,
+                     int64_t sinks, int64_t recent) {
+  if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || N < 1 || C < 1 || budget < 1 || B < 1 || KV < 1) return 1;
+  // scratch kept between calls (one layer after another reuses it; no allocation per call)
+  static thread_local std::vector<float> logits, stats, rank, kept_max, partial_acc, partial_sum;
+  static thread_local std::vector<uint64_t> order;
+  static thread_local std::vector<int32_t> kept;
+  static thread_local std::vector<int64_t> kept_count;
+  const int64_t items = B * KV;
+  Problem<T> p{query, keys, values, candidates, lengths, length_stride, visible, visible_stride, out,
+               B, KV, G, C, D, N, budget, sinks, recent};
+  p.SA = splits(items, N, 128);
+  p.SC = splits(items, std::min(N, budget), 64);
+  logits.resize(items * G * N);
+  stats.resize(items * p.SA * G * 2);
+  rank.resize(items * N);
+  order.resize(items * N);
+  kept.resize(items * budget);
+  kept_count.resize(items);
+  kept_max.resize(items * G);
+  partial_acc.resize(items * p.SC * G * D);
+  partial_sum.resize(items * p.SC * G);
+  p.logits = logits.data();
+  p.stats = stats.data();
+  p.rank = rank.data();
+  p.order = order.data();
+  p.kept = kept.data();
+  p.kept_count = kept_count.data();
+  p.kept_max = kept_max.data();
+  p.partial_acc = partial_acc.data();
+  p.partial_sum = partial_sum.data();
+  // compile-time group and head sizes for the common shapes (unrolled, vectorised loops)
+  if (G == 3 && D == 64) run_phases<T, 3, 64>(p);
+  else if (G == 4 && D == 64) run_phases<T, 4, 64>(p);
+  else if (G == 4 && D == 128) run_phases<T, 4, 128>(p);
+  else if (G == 8 && D == 128) run_phases<T, 8, 128>(p);
+  else run_phases<T, 0, 0>(p);
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int specontext_refine_attention(const float* query, const float* keys, const float* values,
+                                           const int64_t* candidates, const int64_t* lengths, int64_t length_stride,
+                                           const uint8_t* visible, int64_t visible_stride, float* out, int64_t B,
+                                           int64_t KV, int64_t G, int64_t C, int64_t D, int64_t N, int64_t budget,
+                                           int64_t sinks, int64_t recent) {
+  return refine_attention<float>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride, out,
+                                 B, KV, G, C, D, N, budget, sinks, recent);
+}
+
+// bfloat16 stores (their raw 16-bit patterns), float32 query and output.
+extern "C" int specontext_refine_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,
+                                                const int64_t* candidates, const int64_t* lengths,
+                                                int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
+                                                float* out, int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D,
+                                                int64_t N, int64_t budget, int64_t sinks, int64_t recent) {
+  return refine_attention<uint16_t>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
+                                    out, B, KV, G, C, D, N, budget, sinks, recent);
+}

@@ -1,0 +1,205 @@
+"""Our CPU kernel for a refined site (runtime/cpu_refine.py, csrc/refine_attention.cpp): values
+against a float64 refinement and attention, equality with the torch body it replaces, which
+sites it serves, and the compiled default step that calls it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _tiny import tiny_llama
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from specontext_compile.runtime import aten_step, cpu_refine
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+from test_backend_e2e import decode_logits
+from torch._dynamo.utils import counters
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import specontext_compile as sc
+
+pytestmark = pytest.mark.skipif(not cpu_refine.available(), reason="no C++ compiler to build the CPU kernel")
+
+
+def _reference(query, keys, values, candidates, length, visible, budget, sinks, recent):
+    """float64 refinement and attention, one query row per head (aten_step.ranked and
+    attend_kept's rules); also returns each (batch row, KV head)'s gap between the last kept
+    and the first dropped rank (a near tie there may keep either)."""
+    b, num_heads, _, d = query.shape
+    num_kv, capacity = keys.shape[1], keys.shape[2]
+    g = num_heads // num_kv
+    q = query.double().view(b, num_kv, g, d)
+    out = torch.zeros(b, num_kv, g, d, dtype=torch.float64)
+    gaps = []
+    for i in range(b):
+        n = int(length.reshape(-1)[i if length.numel() > 1 else 0])
+        for h in range(num_kv):
+            cand = candidates[i, h]
+            valid = cand >= 0
+            safe = cand.clamp(0, capacity - 1)
+            ok = valid & (cand < n)
+            if visible is not None:
+                ok = ok & visible.reshape(-1, capacity)[i if visible.numel() > capacity else 0][safe]
+            logits = (q[i, h] @ keys[i, h, safe].double().T).masked_fill(~ok, float("-inf"))  # [g, N]
+            probs = torch.softmax(logits, -1).nan_to_num(0.0)
+            rank = torch.where(valid, probs.amax(0), float("-inf"))
+            forced = valid & ((valid.cumsum(0) <= sinks) | (ok & (cand >= n - recent)))
+            rank = torch.where(forced, float("inf"), rank)
+            kept = min(budget, int(valid.sum()))
+            order = rank.sort(descending=True).values
+            if 0 < kept < int(valid.sum()) and order[kept] > 0:  # a tie among weightless slots changes nothing
+                gaps.append(float(order[kept - 1] - order[kept]))
+            top = rank.topk(kept).indices
+            kept_logits = logits[:, top]
+            w = torch.softmax(kept_logits, -1).nan_to_num(0.0)
+            out[i, h] = w @ values[i, h, safe[top]].double()
+    return out.view(b, num_heads, 1, d), min(gaps) if gaps else 1.0
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), num_kv=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]),
+       capacity=st.integers(1, 300), d=st.sampled_from([8, 64, 72]), slots=st.integers(1, 200),
+       budget=st.integers(1, 64), sinks=st.integers(0, 4), recent=st.integers(0, 8), hide=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_kernel_equals_float64_refinement(seed, b, num_kv, groups, capacity, d, slots, budget, sinks, recent, hide,
+                                          dtype, data):
+    """Any group size, head_dim, store and candidate count (repeats none, ``-1`` anywhere,
+    positions past the written length), budget above or below the candidates, sinks and recent
+    window, hidden slots, float32 or bfloat16 stores: within 3e-5 of float64 over the stores'
+    own values, unless two ranks at the budget's edge are within 1e-6 (then either may be kept)."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(b, num_kv * groups, 1, d, generator=gen) * 0.3
+    keys, values = (torch.randn(b, num_kv, capacity, d, generator=gen).to(dtype) for _ in range(2))
+    slots = min(slots, capacity)
+    candidates = torch.stack([torch.randperm(capacity, generator=gen)[:slots] for _ in range(b * num_kv)])
+    candidates = torch.where(torch.rand(candidates.shape, generator=gen) < 0.2, -1, candidates)
+    candidates = candidates.view(b, num_kv, slots)
+    length = torch.tensor(data.draw(st.lists(st.integers(0, capacity), min_size=b, max_size=b)))
+    visible = (torch.rand(b, capacity, generator=gen) > 0.3) if hide else None
+    recent = min(recent, budget)
+    sinks = min(sinks, budget - recent)
+    got = cpu_refine.cpu_refine_attention(query, keys, values, candidates, length, visible, budget, sinks, recent)
+    want, gap = _reference(query, keys, values, candidates, length, visible, budget, sinks, recent)
+    if gap < 1e-6:
+        return  # a near tie at the budget's edge: either slot is a correct refinement
+    torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=3e-5)
+
+
+def _spec(budget=64, slots=64, rescue=128, sinks=4, recent=8):
+    return StepSpec(budget=budget, candidate_slots=slots, sink_tokens=sinks, recent_window=recent,
+                    rescue_tokens=rescue, page_tokens=16 if rescue else 0)
+
+
+def _layer(dtype, capacity=600, num_kv=3, groups=3, d=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, num_kv * groups, 1, d, generator=gen).to(dtype)
+    keys, values = (torch.randn(1, num_kv, capacity, d, generator=gen).to(dtype) for _ in range(2))
+    candidates = torch.stack([torch.randperm(capacity - 10, generator=gen)[:64].sort().values for _ in range(num_kv)])
+    return query, keys, values, candidates.view(1, num_kv, 64)
+
+
+def _bounds(keys, length, page_tokens=16):
+    """The store's per-page key bounds over its written slots, as the runtime keeps them."""
+    b, num_kv, capacity, d = keys.shape
+    pages = -(-capacity // page_tokens)
+    padded = torch.full((b, num_kv, pages * page_tokens, d), float("nan"), dtype=torch.float32)
+    padded[:, :, :length] = keys[:, :, :length].float()
+    view = padded.view(b, num_kv, pages, page_tokens, d)
+    return view.nan_to_num(float("inf")).amin(3).to(keys.dtype), view.nan_to_num(float("-inf")).amax(3).to(keys.dtype)
+
+
+def _traced(query, store, candidates, length, mask, spec, pages, fused=True, **variant):
+    var = AttentionVariant(0.125, fused_products=fused, **variant)  # as the lowering leaves it for inductor
+    return make_fx(lambda q, k, v, c, n, m, *p: aten_step.refine_and_attend(q, (k, v), c, n, m, spec, var, list(p)))(
+        query, *store, candidates, length, mask, *pages)
+
+
+def _calls_kernel(gm) -> bool:
+    return any(n.target is torch.ops.specontext.cpu_refine_attention.default for n in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_traced_refined_site_calls_the_kernel_and_equals_the_torch_body(dtype, monkeypatch):
+    """A refined decode site with the page rescue (the default's), traced as the lowering leaves
+    it for inductor: the kernel, equal to the torch body it replaces, traced the same way (the
+    body's bfloat16 path rounds its weights and output to bfloat16: tolerance of that rounding)."""
+    query, keys, values, candidates = _layer(dtype)
+    length = torch.tensor(590)
+    page_min, page_max = _bounds(keys, 590)
+    pages = [page_min, page_max, torch.zeros(1, dtype=torch.long)]
+    mask = (torch.arange(600) >= 3).view(1, 1, 1, 600)  # left padding: 3 hidden slots
+    for m in (None, mask):
+        gm = _traced(query, (keys, values), candidates, length, m, _spec(), pages)
+        assert _calls_kernel(gm)
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_refine, "applies", lambda *a, **k: False)
+            body = _traced(query, (keys, values), candidates, length, m, _spec(), pages)
+        assert not _calls_kernel(body)
+        want = body(query, keys, values, candidates, length, m, *pages)
+        got = gm(query, keys, values, candidates, length, m, *pages)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+def test_the_kernel_is_not_traced_where_it_does_not_apply(monkeypatch):
+    """Soft cap, sliding window, an additive mask or one per head, two query rows, float16, or
+    the library unavailable: the torch body, no kernel call."""
+    query, keys, values, candidates = _layer(torch.float32)
+    length = torch.tensor(590)
+    page_min, page_max = _bounds(keys, 590)
+    pages = [page_min, page_max, torch.zeros(1, dtype=torch.long)]
+    store = (keys, values)
+    assert not _calls_kernel(_traced(query, store, candidates, length, None, _spec(), pages, soft_cap=30.0))
+    assert not _calls_kernel(_traced(query, store, candidates, length, None, _spec(), pages, sliding_window=128))
+    assert not _calls_kernel(_traced(query, store, candidates, length, torch.zeros(1, 1, 1, 600), _spec(), pages))
+    per_head = torch.ones(1, 9, 1, 600, dtype=torch.bool)
+    assert not _calls_kernel(_traced(query, store, candidates, length, per_head, _spec(), pages))
+    two_rows = torch.cat([query, query], dim=2)
+    assert not _calls_kernel(_traced(two_rows, store, candidates, length, None, _spec(), pages))
+    half = [t.half() for t in (query, keys, values)]
+    assert not _calls_kernel(_traced(half[0], tuple(half[1:]), candidates, length, None, _spec(),
+                                     [page_min.half(), page_max.half(), pages[2]]))
+    monkeypatch.setattr(cpu_refine, "available", lambda: False)
+    assert not _calls_kernel(_traced(query, store, candidates, length, None, _spec(), pages))
+
+
+def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
+    query, keys, values, candidates = _layer(torch.float32, capacity=100)
+    n = torch.tensor(90)
+    with pytest.raises(ValueError, match="candidates must be int64"):
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates.int(), n, None, 8, 0, 1)
+    with pytest.raises(ValueError, match="candidates must be int64"):
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates[:, :2], n, None, 8, 0, 1)
+    with pytest.raises(ValueError, match="budget must be >= 1"):
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, 0, 0, 1)
+    with pytest.raises(ValueError, match="one query row"):
+        cpu_refine.cpu_refine_attention(torch.cat([query, query], 2), keys, values, candidates, n, None, 8, 0, 1)
+    far = candidates.clone()
+    far[0, 0, 0] = 10**9  # a position past the store: never read, never kept as a visible slot
+    got = cpu_refine.cpu_refine_attention(query, keys, values, far, n, None, 8, 0, 1)
+    assert torch.isfinite(got).all()
+
+
+def test_the_compiled_default_step_runs_the_kernel_with_the_torch_bodys_logits(monkeypatch):
+    """The default options' step (a budget below the context, the page rescue on), compiled by
+    inductor on CPU: each decode step's refined sites run our kernel (its counter), and the
+    logits equal those of the same step compiled with the torch body."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    options = {"budget": 8, "page_rescue": 16}
+
+    def run():
+        compiled = torch.compile(model.forward, backend="specontext", options=options)
+        return decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
+
+    before = counters["specontext"]["cpu_kernel_refine_calls"]
+    got = run()
+    calls = counters["specontext"]["cpu_kernel_refine_calls"] - before
+    assert calls == 4 * model.config.num_hidden_layers
+    torch._dynamo.reset()
+    monkeypatch.setattr(cpu_refine, "applies", lambda *a, **k: False)
+    # the compile caches key on our sources and options, not on a patched function: off here
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        want = run()
+    assert counters["specontext"]["cpu_kernel_refine_calls"] - before == calls  # the torch body: no more calls
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
