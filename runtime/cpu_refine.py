@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -41,8 +42,8 @@ def _library() -> ctypes.CDLL:
     lib = cpu_kernels.build_library(_SOURCE)
     for fn in (lib.specontext_refine_attention, lib.specontext_refine_attention_bf16):
         fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                       + [ctypes.c_int64] * 9)
+        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                       + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 12)
     return lib
 
 
@@ -53,12 +54,14 @@ def available() -> bool:
 
 
 def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candidates: torch.Tensor,
-            attn_mask: torch.Tensor | None, variant) -> bool:
+            attn_mask: torch.Tensor | None, variant, pages: Sequence[torch.Tensor | None] = ()) -> bool:
     """Whether :func:`cpu_refine_attention` serves a refined site (a static fact, read at trace
     time): CPU tensors, one query row per head, a plain site (no soft cap, no sliding window),
     query and stores of one dtype, float32 or bfloat16, the group and head sizes the kernel
     holds, static shapes, no mask or a boolean one with one head (an additive mask may carry
-    a bias the kernel does not add), and the library available."""
+    a bias the kernel does not add), page bounds (when given: ``(page_min, page_max,
+    page_shift)``) of the store's dtype and ``[batch, num_kv_heads, pages, head_dim]``, and the
+    library available."""
     key_cache, value_cache = store
     if isinstance(key_cache, tuple) or key_cache.dim() != 4:  # MLA's latent pair: not this kernel's
         return False
@@ -70,26 +73,44 @@ def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candi
             and tuple(value_cache.shape) == tuple(key_cache.shape) and candidates.shape[-1] > 0
             and query.dtype in _STORE_DTYPES and key_cache.dtype == value_cache.dtype == query.dtype
             and (attn_mask is None or attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1)
-            and available())
+            and _bounds_apply(pages, key_cache) and available())
+
+
+def _bounds_apply(pages: Sequence[torch.Tensor | None], key_cache: torch.Tensor) -> bool:
+    if not pages:
+        return True
+    page_min, page_max, shift = pages
+    b, num_kv, _, head_dim = key_cache.shape
+    return (page_min.dtype == page_max.dtype == key_cache.dtype and page_min.dim() == 4
+            and tuple(page_min.shape) == tuple(page_max.shape) and tuple(page_min.shape[:2]) == (b, num_kv)
+            and page_min.shape[3] == head_dim and all(isinstance(n, int) for n in page_min.shape)
+            and (shift is None or shift.dtype == torch.int64 and shift.numel() == b))
 
 
 def refine_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candidates: torch.Tensor,
-                  length: torch.Tensor, visible: torch.Tensor | None, spec, variant) -> torch.Tensor:
-    """:func:`~.aten_step.refine_and_attend` of a site :func:`applies` to, once its candidates
-    (the page rescue's included) are known: the budget, sinks and recent window as
-    :func:`~.aten_step.ranked` derives them from ``spec`` for one query row; the query scaled
-    in float32 and rounded to the store's dtype, as :func:`~.sparse_attention.query_key_logits`
-    does. ``visible``: bool ``[batch|1, capacity]`` or None. Returns ``[batch, num_heads, 1,
-    head_dim]`` in ``query.dtype``."""
+                  length: torch.Tensor, visible: torch.Tensor | None, spec, variant,
+                  pages: Sequence[torch.Tensor | None] = ()) -> torch.Tensor:
+    """:func:`~.aten_step.refine_and_attend` of a site :func:`applies` to: ``candidates`` the
+    selection's (with ``pages``, ``(page_min, page_max, page_shift)``, the kernel adds the page
+    rescue's tokens, ``spec.rescue_pages`` pages of ``spec.page_tokens``) or the positions the
+    site ranks (no rescue); the budget, sinks and recent window as
+    :func:`~.aten_step.ranked` derives them from ``spec`` for one query row over the candidates
+    and rescued slots. ``visible``: bool ``[batch|1, capacity]`` or None. Returns ``[batch,
+    num_heads, 1, head_dim]`` in ``query.dtype``."""
     key_cache, value_cache = store
-    budget = min(spec.budget, candidates.shape[-1])
+    rescue, page_tokens = 0, 0
+    page_min = page_max = shift = None
+    if pages:
+        page_min, page_max, shift = pages
+        rescue, page_tokens = min(spec.rescue_pages, page_min.shape[2]), spec.page_tokens
+    budget = min(spec.budget, candidates.shape[-1] + rescue * page_tokens)
     if budget < 1:
         raise ValueError(f"a refined selection of {budget} tokens cannot hold the step's 1 token")
     recent = min(max(spec.recent_window, 1), budget)
     sinks = min(spec.sink_tokens, budget - recent)
-    q = (query.float() * variant.scale).to(key_cache.dtype).float()
-    out = torch.ops.specontext.cpu_refine_attention(q, key_cache, value_cache, candidates, length, visible,
-                                                    budget, sinks, recent)
+    out = torch.ops.specontext.cpu_refine_attention(query.float() * variant.scale, key_cache, value_cache, candidates,
+                                                    length, visible, page_min, page_max, shift, budget, sinks, recent,
+                                                    rescue, page_tokens)
     return out.to(query.dtype)
 
 
@@ -97,16 +118,21 @@ def refine_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor],
 # calls a step), and the kernel has no gradient to register.
 torch.library.define("specontext::cpu_refine_attention",
                      "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor candidates, Tensor length, "
-                     "Tensor? visible, int budget, int sinks, int recent) -> Tensor")
+                     "Tensor? visible, Tensor? page_min, Tensor? page_max, Tensor? page_shift, int budget, int sinks, "
+                     "int recent, int rescue_pages, int page_tokens) -> Tensor")
 
 
 def cpu_refine_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          candidates: torch.Tensor, length: torch.Tensor, visible: torch.Tensor | None,
-                         budget: int, sinks: int, recent: int) -> torch.Tensor:
+                         page_min: torch.Tensor | None, page_max: torch.Tensor | None,
+                         page_shift: torch.Tensor | None, budget: int, sinks: int, recent: int,
+                         rescue_pages: int = 0, page_tokens: int = 0) -> torch.Tensor:
     """A refined site's attention for one query row per head (the module's docstring).
 
     Args:
-        query: float32 ``[batch, num_heads, 1, head_dim]``, already multiplied by the softmax scale.
+        query: float32 ``[batch, num_heads, 1, head_dim]``, already multiplied by the softmax
+            scale (the page bounds read it as it is, the logits rounded to the store's dtype, as
+            the torch body does).
         key_cache, value_cache: float32 or bfloat16 (both the same) ``[batch, num_kv_heads,
             capacity, head_dim]``.
         candidates: int64 ``[batch, num_kv_heads, slots]``: store positions, ``-1`` = empty;
@@ -115,6 +141,11 @@ def cpu_refine_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         length: int64 ``[]`` or ``[batch]``: tokens written, this step's included; a candidate
             at or past it is not attended.
         visible: None or bool ``[batch|1, capacity]``: False hides a slot (left padding).
+        page_min, page_max: None, or the store's per-page key bounds (its dtype) ``[batch,
+            num_kv_heads, pages, head_dim]``; page ``p`` of row ``b`` holds positions ``p *
+            page_tokens - page_shift[b]`` onwards (``page_shift`` int64 ``[batch]`` or None = 0).
+        rescue_pages, page_tokens: the page rescue (``runtime/page_bounds.py``): the tokens of
+            the ``rescue_pages`` pages with the highest Quest bound join the candidates (0 = off).
         budget: candidates kept (``1 <= budget``); sinks, recent: the forced ones (the first
             ``sinks`` non-empty candidates, and the visible ones at positions ``length - recent
             .. length - 1``; the torch body also forces positions past ``length``, which a
@@ -129,25 +160,54 @@ def cpu_refine_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     """
     counters["specontext"]["cpu_kernel_refine_calls"] += 1
     _check_inputs(query, key_cache, value_cache, candidates, length, visible, budget, sinks, recent)
+    rescue_pages = _check_pages(key_cache, page_min, page_max, page_shift, rescue_pages, page_tokens)
     b, num_heads, _, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[2]
     out = torch.empty(b, num_heads, 1, head_dim, dtype=torch.float32)
     if capacity == 0:
         return out.zero_()
     q, k, v, cand, n = (t.contiguous() for t in (query, key_cache, value_cache, candidates, length))
+    lo, hi, shift = ((t.contiguous() if t is not None else None) for t in (page_min, page_max, page_shift))
     if visible is not None:
         visible = visible.reshape(-1, capacity).contiguous()
     lib = _library()
     kernel = lib.specontext_refine_attention_bf16 if k.dtype == torch.bfloat16 else lib.specontext_refine_attention
     status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), cand.data_ptr(), n.data_ptr(), 1 if n.numel() > 1 else 0,
-                    visible.data_ptr() if visible is not None else None,
-                    capacity if visible is not None and visible.shape[0] > 1 else 0,
-                    out.data_ptr(), b, num_kv, num_heads // num_kv, capacity, head_dim, cand.shape[-1],
-                    budget, sinks, recent)
+                    _pointer(visible), capacity if visible is not None and visible.shape[0] > 1 else 0,
+                    _pointer(lo), _pointer(hi), _pointer(shift), out.data_ptr(), b, num_kv, num_heads // num_kv,
+                    capacity, head_dim, cand.shape[-1], lo.shape[2] if rescue_pages else 0, rescue_pages,
+                    page_tokens, budget, sinks, recent)
     if status != 0:
         raise ValueError(f"cpu_refine_attention rejected query {tuple(query.shape)}, keys {tuple(key_cache.shape)}, "
                          f"candidates {tuple(candidates.shape)}, budget {budget}")
     return out
+
+
+def _pointer(t: torch.Tensor | None):
+    return t.data_ptr() if t is not None else None
+
+
+def _check_pages(key_cache, page_min, page_max, page_shift, rescue_pages: int, page_tokens: int) -> int:
+    """The page rescue's inputs checked (a ValueError naming the argument); returns the pages
+    rescued (0 when off)."""
+    if rescue_pages == 0:
+        return 0
+    b, num_kv, _, head_dim = key_cache.shape
+    if page_min is None or page_max is None or rescue_pages < 0 or page_tokens < 1:
+        raise ValueError(f"cpu_refine_attention: the page rescue needs page_min and page_max and rescue_pages, "
+                         f"page_tokens >= 1; got rescue_pages={rescue_pages}, page_tokens={page_tokens}")
+    for name, t in (("page_min", page_min), ("page_max", page_max)):
+        if (t.dtype != key_cache.dtype or t.device.type != "cpu" or t.dim() != 4
+                or tuple(t.shape[:2]) != (b, num_kv) or t.shape[3] != head_dim or t.shape[2] < 1
+                or tuple(t.shape) != tuple(page_min.shape)):
+            raise ValueError(f"cpu_refine_attention: {name} must be {key_cache.dtype} [batch={b}, num_kv_heads={num_kv}, "
+                             f"pages, head_dim={head_dim}] on the CPU like the other bound, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    if page_shift is not None and (page_shift.dtype != torch.int64 or page_shift.numel() != b
+                                   or page_shift.device.type != "cpu"):
+        raise ValueError(f"cpu_refine_attention: page_shift must be int64 [batch={b}] on the CPU or None, got "
+                         f"{page_shift.dtype} {tuple(page_shift.shape)}")
+    return min(rescue_pages, page_min.shape[2])
 
 
 def _check_inputs(query, key_cache, value_cache, candidates, length, visible, budget, sinks, recent) -> None:
@@ -168,5 +228,6 @@ torch.library.impl("specontext::cpu_refine_attention", "CPU")(cpu_refine_attenti
 
 
 @torch.library.register_fake("specontext::cpu_refine_attention")
-def _(query, key_cache, value_cache, candidates, length, visible, budget, sinks, recent):
+def _(query, key_cache, value_cache, candidates, length, visible, page_min, page_max, page_shift, budget, sinks, recent,
+      rescue_pages=0, page_tokens=0):
     return query.new_empty(query.shape)

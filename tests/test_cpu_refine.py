@@ -9,7 +9,7 @@ import torch
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import aten_step, cpu_refine
+from specontext_compile.runtime import aten_step, cpu_refine, page_bounds
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
@@ -27,7 +27,7 @@ def _reference(query, keys, values, candidates, length, visible, budget, sinks, 
     b, num_heads, _, d = query.shape
     num_kv, capacity = keys.shape[1], keys.shape[2]
     g = num_heads // num_kv
-    q = query.double().view(b, num_kv, g, d)
+    q = query.to(keys.dtype).double().view(b, num_kv, g, d)  # the logits' query in the store's dtype, as the body's
     out = torch.zeros(b, num_kv, g, d, dtype=torch.float64)
     gaps = []
     for i in range(b):
@@ -77,11 +77,70 @@ def test_kernel_equals_float64_refinement(seed, b, num_kv, groups, capacity, d, 
     visible = (torch.rand(b, capacity, generator=gen) > 0.3) if hide else None
     recent = min(recent, budget)
     sinks = min(sinks, budget - recent)
-    got = cpu_refine.cpu_refine_attention(query, keys, values, candidates, length, visible, budget, sinks, recent)
+    got = cpu_refine.cpu_refine_attention(query, keys, values, candidates, length, visible, None, None, None,
+                                          budget, sinks, recent)
     want, gap = _reference(query, keys, values, candidates, length, visible, budget, sinks, recent)
     if gap < 1e-6:
         return  # a near tie at the budget's edge: either slot is a correct refinement
     torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=3e-5)
+
+
+def _bounds_at(keys, length, page_tokens, shift, pages):
+    """Per-page key bounds over each row's written slots (page ``p`` of row ``b`` holds positions
+    ``p * page_tokens - shift[b]`` onwards); a page with none written keeps 0, as a new store's."""
+    b, num_kv, capacity, d = keys.shape
+    lo = torch.zeros(b, num_kv, pages, d, dtype=keys.dtype)
+    hi = torch.zeros_like(lo)
+    for i in range(b):
+        n = int(length.reshape(-1)[i if length.numel() > 1 else 0])
+        for p in range(pages):
+            first = p * page_tokens - int(shift[i])
+            rows = keys[i, :, max(first, 0):min(first + page_tokens, n, capacity)]
+            if rows.shape[1]:
+                lo[i, :, p], hi[i, :, p] = rows.amin(1), rows.amax(1)
+    return lo, hi
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), num_kv=st.integers(1, 3), groups=st.sampled_from([1, 3]),
+       capacity=st.integers(8, 200), page_tokens=st.sampled_from([1, 4, 16]), slots=st.integers(1, 40),
+       rescue=st.integers(1, 20), budget=st.integers(1, 48), shifted=st.booleans(), hide=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), data=st.data())
+def test_the_kernels_page_rescue_equals_the_torch_union(seed, b, num_kv, groups, capacity, page_tokens, slots, rescue,
+                                                        budget, shifted, hide, dtype, data):
+    """The kernel's own page rescue (Quest bounds, the best pages, their usable tokens that are
+    not candidates yet) gives what the kernel gives over the torch body's union
+    (page_bounds.page_scores and rescued_candidates): any page size, row shifts, hidden slots,
+    more pages asked than exist, unless two page bounds at the rescue's edge are within 1e-5."""
+    gen = torch.Generator().manual_seed(seed)
+    d = 16
+    query = torch.randn(b, num_kv * groups, 1, d, generator=gen).to(dtype)
+    keys, values = (torch.randn(b, num_kv, capacity, d, generator=gen).to(dtype) for _ in range(2))
+    length = torch.tensor(data.draw(st.lists(st.integers(1, capacity), min_size=b, max_size=b)))
+    shift = torch.tensor([data.draw(st.integers(0, page_tokens - 1)) if shifted else 0 for _ in range(b)])
+    pages = page_bounds.page_count(capacity, page_tokens)
+    lo, hi = _bounds_at(keys, length, page_tokens, shift, pages)
+    slots = min(slots, capacity)
+    sel = torch.stack([torch.randperm(capacity, generator=gen)[:slots].sort().values for _ in range(b * num_kv)])
+    sel = torch.where(sel < length.repeat_interleave(num_kv).view(-1, 1), sel, -1).sort(-1).values
+    sel = sel.view(b, num_kv, slots)
+    visible = (torch.rand(b, capacity, generator=gen) > 0.2) if hide else None
+    mask = None if visible is None else visible.view(b, 1, 1, capacity)
+    seen = aten_step.seen_positions(length, mask, capacity, 1, 0, torch.device("cpu"))
+    scores = page_bounds.page_scores(query, lo, hi, seen, 0.25, page_tokens, shift)
+    top = scores.sort(-1, descending=True).values
+    r = min(rescue, pages)
+    if r < pages and torch.isfinite(top[..., r]).any():
+        edge = (top[..., r - 1] - top[..., r]).abs()
+        if (torch.isfinite(top[..., r]) & (edge < 1e-5)).any():
+            return  # a near tie among the pages at the rescue's edge: either is a correct rescue
+    union = page_bounds.rescued_candidates(sel, scores, seen, r, page_tokens, shift)
+    budget = min(budget, union.shape[-1])
+    q = query.float() * 0.25
+    got = cpu_refine.cpu_refine_attention(q, keys, values, sel, length, visible, lo, hi, shift, budget, 0, 1,
+                                          rescue, page_tokens)
+    want = cpu_refine.cpu_refine_attention(q, keys, values, union, length, visible, None, None, None, budget, 0, 1)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
 def _spec(budget=64, slots=64, rescue=128, sinks=4, recent=8):
@@ -166,16 +225,24 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
     query, keys, values, candidates = _layer(torch.float32, capacity=100)
     n = torch.tensor(90)
     with pytest.raises(ValueError, match="candidates must be int64"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates.int(), n, None, 8, 0, 1)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates.int(), n, None, None, None, None, 8, 0, 1)
     with pytest.raises(ValueError, match="candidates must be int64"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates[:, :2], n, None, 8, 0, 1)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates[:, :2], n, None, None, None, None, 8, 0, 1)
     with pytest.raises(ValueError, match="budget must be >= 1"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, 0, 0, 1)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, None, None, None, 0, 0, 1)
     with pytest.raises(ValueError, match="one query row"):
-        cpu_refine.cpu_refine_attention(torch.cat([query, query], 2), keys, values, candidates, n, None, 8, 0, 1)
+        cpu_refine.cpu_refine_attention(torch.cat([query, query], 2), keys, values, candidates, n, None, None, None, None, 8, 0, 1)
+    lo = torch.zeros(1, 3, 8, 64)
+    with pytest.raises(ValueError, match="page_max must be"):
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, lo, lo[:, :2], None, 8, 0, 1, 4, 16)
+    with pytest.raises(ValueError, match="page_min must be"):
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, lo.bfloat16(), lo, None, 8, 0, 1, 4,
+                                        16)
+    with pytest.raises(ValueError, match="needs page_min and page_max"):
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, None, None, None, 8, 0, 1, 4, 16)
     far = candidates.clone()
     far[0, 0, 0] = 10**9  # a position past the store: never read, never kept as a visible slot
-    got = cpu_refine.cpu_refine_attention(query, keys, values, far, n, None, 8, 0, 1)
+    got = cpu_refine.cpu_refine_attention(query, keys, values, far, n, None, None, None, None, 8, 0, 1)
     assert torch.isfinite(got).all()
 
 

@@ -3,6 +3,10 @@
 //
 // What it computes (runtime/aten_step.py, refine_and_attend with q_len = 1, a plain site: no
 // soft cap, no sliding window; SpeContext, arXiv 2512.00722, section 4, the GQA rule):
+//   0. with the page rescue (runtime/page_bounds.py), the selection's candidates are followed by
+//      the tokens of the `rescue` pages with the highest Quest bound max_g sum_d max(q_d min_d,
+//      q_d max_d) among the pages holding a visible written token; a rescued token is kept as a
+//      candidate when it is visible, written, and not a candidate already (else -1);
 //   for each (batch row b, KV head h), over the N candidate slots j (position c_j, -1 = empty):
 //   1. logits l[g][j] = q[g] . k[c_j] for the G query heads of the group (q already scaled),
 //      -inf where c_j is empty, not written yet (c_j >= length[b]) or hidden (visible[b][c_j] = 0);
@@ -38,17 +42,27 @@ constexpr float POS = std::numeric_limits<float>::infinity();
 
 template <typename T>
 struct Problem {
-  const float* query;          // [B, KV, G, D]
+  const float* query;          // [B, KV, G, D], rounded to the store's dtype (the logits' query)
+  const float* page_query;     // [B, KV, G, D], float32 (the page bounds' query)
   const T* keys;               // [B, KV, C, D]
   const T* values;             // [B, KV, C, D]
-  const int64_t* candidates;   // [B, KV, N]
+  const int64_t* candidates;   // [B, KV, N]: the selection's then the rescued (scratch) or the input
+  const int64_t* selected;     // [B, KV, S]: the input candidates
+  const T* page_min;           // [B, KV, PG, D] or nullptr (no page rescue)
+  const T* page_max;           // [B, KV, PG, D]
+  const int64_t* page_shift;   // [B] or nullptr
   const int64_t* lengths;      // [B] or [1]
   int64_t length_stride;
   const uint8_t* visible;      // [B, C] or [1, C] (stride 0) or nullptr
   int64_t visible_stride;
   float* out;                  // [B, KV, G, D]
   int64_t B, KV, G, C, D, N, budget, sinks, recent;
+  int64_t S, PG, rescue, page_tokens;  // input candidates, pages, pages rescued, tokens per page
   // scratch
+  int64_t* rescued;            // [B * KV, N] when rescuing (the candidates above)
+  float* page_score;           // [B * KV, PG]
+  int32_t* page_order;         // [B * KV, PG]
+  uint8_t* member;             // [B * KV, C]: 1 at the input candidates' positions (cleared after use)
   float* logits;               // [B * KV, G, N]
   float* stats;                // [B * KV, SA, G, 2]: each candidate split's logit maximum and sum of exp(l - max)
   float* rank;                 // [B * KV, N]
@@ -58,7 +72,7 @@ struct Problem {
   float* kept_max;             // [B * KV, G]
   float* partial_acc;          // [B * KV, SC, G, D]
   float* partial_sum;          // [B * KV, SC, G]
-  int64_t SA, SC;              // splits of the candidates (phase 1) and the kept slots (phase 3)
+  int64_t SA, SC, SP;          // splits of the candidates (phase 1), the kept slots (phase 3), the pages (phase 0)
 
   int64_t length(int64_t b) const { return lengths[b * length_stride]; }
   // whether candidate position c may be attended by row b
@@ -67,6 +81,79 @@ struct Problem {
     return !visible || visible[b * visible_stride + c];
   }
 };
+
+// Phase 0a: the Quest bound of pages [lo, hi) of item bh (-inf for a page without a usable token).
+template <typename T, int D_>
+void score_pages(const Problem<T>& p, int64_t bh, int64_t lo, int64_t hi) {
+  const int64_t G = p.G;
+  const int64_t D = D_ > 0 ? D_ : p.D;
+  const int64_t b = bh / p.KV;
+  const int64_t shift = p.page_shift ? p.page_shift[b] : 0;
+  const int64_t limit = std::min(p.length(b), p.C);
+  const float* q = p.page_query + bh * G * D;
+  float qp[MAX_GROUP][MAX_DIM], qn[MAX_GROUP][MAX_DIM];
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t d = 0; d < D; ++d) {
+      qp[g][d] = std::max(q[g * D + d], 0.f);
+      qn[g][d] = std::min(q[g * D + d], 0.f);
+    }
+  for (int64_t page = lo; page < hi; ++page) {
+    const int64_t first = page * p.page_tokens - shift;
+    const int64_t from = std::max<int64_t>(first, 0), to = std::min(first + p.page_tokens, limit);
+    bool seen = false;
+    for (int64_t pos = from; pos < to && !seen; ++pos) seen = !p.visible || p.visible[b * p.visible_stride + pos];
+    float bound = NEG;
+    if (seen) {
+      const T* mn = p.page_min + (bh * p.PG + page) * D;
+      const T* mx = p.page_max + (bh * p.PG + page) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t d = 0; d < D; ++d) sum += qp[g][d] * widen(mx[d]) + qn[g][d] * widen(mn[d]);
+        bound = std::max(bound, sum);
+      }
+      if (!std::isfinite(bound)) bound = NEG;  // as the torch body: a non-finite bound is no page
+    }
+    p.page_score[bh * p.PG + page] = bound;
+  }
+}
+
+// Phase 0b: item bh's candidates: the selection's, then every slot of the best `rescue` pages
+// (-1 where the token is not usable or already a candidate; -1 for pages beyond those with a bound).
+template <typename T>
+void rescue_pages(const Problem<T>& p, int64_t bh) {
+  const int64_t b = bh / p.KV;
+  const int64_t shift = p.page_shift ? p.page_shift[b] : 0;
+  const float* score = p.page_score + bh * p.PG;
+  int32_t* order = p.page_order + bh * p.PG;
+  int64_t count = 0;
+  for (int64_t page = 0; page < p.PG; ++page)
+    if (score[page] != NEG) order[count++] = static_cast<int32_t>(page);
+  if (count > p.rescue) {
+    std::nth_element(order, order + p.rescue, order + count, [score](int32_t x, int32_t y) {
+      return score[x] > score[y] || (score[x] == score[y] && x < y);
+    });
+    count = p.rescue;
+  }
+  const int64_t* sel = p.selected + bh * p.S;
+  int64_t* cand = p.rescued + bh * p.N;
+  uint8_t* member = p.member + bh * p.C;
+  for (int64_t j = 0; j < p.S; ++j) {
+    cand[j] = sel[j];
+    if (sel[j] >= 0 && sel[j] < p.C) member[sel[j]] = 1;
+  }
+  for (int64_t k = 0; k < p.rescue; ++k)
+    for (int64_t t = 0; t < p.page_tokens; ++t) {
+      int64_t pos = -1;
+      if (k < count) {
+        pos = order[k] * p.page_tokens - shift + t;
+        if (!p.usable(b, pos) || member[pos]) pos = -1;
+      }
+      cand[p.S + k * p.page_tokens + t] = pos;
+    }
+  for (int64_t j = 0; j < p.S; ++j)
+    if (sel[j] >= 0 && sel[j] < p.C) member[sel[j]] = 0;
+}
 
 // Phase 1: the logits of candidates [lo, hi) of item bh (a (batch row, KV head) pair).
 template <typename T, int G_, int D_>
@@ -263,6 +350,17 @@ void run_phases(const Problem<T>& p) {
   const int64_t items = p.B * p.KV;
 #pragma omp parallel
   {
+    if (p.rescue > 0) {
+#pragma omp for schedule(static)
+      for (int64_t unit = 0; unit < items * p.SP; ++unit) {
+        const int64_t bh = unit / p.SP, s = unit % p.SP;
+        const int64_t per = (p.PG + p.SP - 1) / p.SP;
+        const int64_t lo = std::min(s * per, p.PG), hi = std::min(lo + per, p.PG);
+        score_pages<T, D_>(p, bh, lo, hi);
+      }
+#pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < items; ++bh) rescue_pages<T>(p, bh);
+    }
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < items * p.SA; ++unit) {
       const int64_t bh = unit / p.SA, s = unit % p.SA;
@@ -302,20 +400,51 @@ int64_t splits(int64_t items, int64_t n, int64_t least) {
   return std::max<int64_t>(1, std::min<int64_t>((16 + items - 1) / std::max<int64_t>(items, 1), n / least));
 }
 
+// bfloat16's rounding of a float32 (to nearest, ties to even), as a float32: the logits' query
+// of a bfloat16 store, as the torch body rounds it (sparse_attention.query_key_logits).
+inline float round_like(float x, uint16_t) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  __builtin_memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline float round_like(float x, float) { return x; }
+
 template <typename T>
 int refine_attention(const float* query, const T* keys, const T* values, const int64_t* candidates,
                      const int64_t* lengths, int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
-                     float* out, int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t N, int64_t budget,
-                     int64_t sinks, int64_t recent) {
-  if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || N < 1 || C < 1 || budget < 1 || B < 1 || KV < 1) return 1;
+                     const T* page_min, const T* page_max, const int64_t* page_shift, float* out, int64_t B,
+                     int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue,
+                     int64_t page_tokens, int64_t budget, int64_t sinks, int64_t recent) {
+  if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || S < 1 || C < 1 || budget < 1 || B < 1 || KV < 1) return 1;
+  if (rescue < 0 || (rescue > 0 && (!page_min || !page_max || PG < 1 || page_tokens < 1))) return 1;
+  rescue = std::min(rescue, PG);
   // scratch kept between calls (one layer after another reuses it; no allocation per call)
-  static thread_local std::vector<float> logits, stats, rank, kept_max, partial_acc, partial_sum;
+  static thread_local std::vector<float> rounded, logits, stats, rank, kept_max, partial_acc, partial_sum, page_score;
   static thread_local std::vector<uint64_t> order;
-  static thread_local std::vector<int32_t> kept;
-  static thread_local std::vector<int64_t> kept_count;
+  static thread_local std::vector<int32_t> kept, page_order;
+  static thread_local std::vector<int64_t> kept_count, rescued;
+  static thread_local std::vector<uint8_t> member;
   const int64_t items = B * KV;
-  Problem<T> p{query, keys, values, candidates, lengths, length_stride, visible, visible_stride, out,
-               B, KV, G, C, D, N, budget, sinks, recent};
+  const int64_t N = S + rescue * page_tokens;
+  rounded.resize(items * G * D);
+  for (int64_t i = 0; i < items * G * D; ++i) rounded[i] = round_like(query[i], T{});
+  Problem<T> p{rounded.data(), query, keys, values, candidates, candidates, page_min, page_max, page_shift, lengths,
+               length_stride, visible, visible_stride, out, B, KV, G, C, D, N, budget, sinks, recent, S, PG, rescue,
+               page_tokens};
+  if (rescue > 0) {
+    rescued.resize(items * N);
+    page_score.resize(items * PG);
+    page_order.resize(items * PG);
+    if (member.size() < static_cast<size_t>(items * C)) member.assign(items * C, 0);
+    p.rescued = rescued.data();
+    p.page_score = page_score.data();
+    p.page_order = page_order.data();
+    p.member = member.data();
+    p.candidates = rescued.data();
+  }
+  p.SP = splits(items, PG, 64);
   p.SA = splits(items, N, 128);
   p.SC = splits(items, std::min(N, budget), 64);
   logits.resize(items * G * N);
@@ -349,19 +478,25 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
 
 extern "C" int specontext_refine_attention(const float* query, const float* keys, const float* values,
                                            const int64_t* candidates, const int64_t* lengths, int64_t length_stride,
-                                           const uint8_t* visible, int64_t visible_stride, float* out, int64_t B,
-                                           int64_t KV, int64_t G, int64_t C, int64_t D, int64_t N, int64_t budget,
-                                           int64_t sinks, int64_t recent) {
-  return refine_attention<float>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride, out,
-                                 B, KV, G, C, D, N, budget, sinks, recent);
+                                           const uint8_t* visible, int64_t visible_stride, const float* page_min,
+                                           const float* page_max, const int64_t* page_shift, float* out, int64_t B,
+                                           int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S, int64_t PG,
+                                           int64_t rescue, int64_t page_tokens, int64_t budget, int64_t sinks,
+                                           int64_t recent) {
+  return refine_attention<float>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
+                                 page_min, page_max, page_shift, out, B, KV, G, C, D, S, PG, rescue, page_tokens,
+                                 budget, sinks, recent);
 }
 
-// bfloat16 stores (their raw 16-bit patterns), float32 query and output.
+// bfloat16 stores and page bounds (their raw 16-bit patterns), float32 query and output.
 extern "C" int specontext_refine_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,
                                                 const int64_t* candidates, const int64_t* lengths,
                                                 int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
-                                                float* out, int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D,
-                                                int64_t N, int64_t budget, int64_t sinks, int64_t recent) {
+                                                const uint16_t* page_min, const uint16_t* page_max,
+                                                const int64_t* page_shift, float* out, int64_t B, int64_t KV,
+                                                int64_t G, int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue,
+                                                int64_t page_tokens, int64_t budget, int64_t sinks, int64_t recent) {
   return refine_attention<uint16_t>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
-                                    out, B, KV, G, C, D, N, budget, sinks, recent);
+                                    page_min, page_max, page_shift, out, B, KV, G, C, D, S, PG, rescue, page_tokens,
+                                    budget, sinks, recent);
 }
