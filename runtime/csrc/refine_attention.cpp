@@ -66,7 +66,10 @@ struct Problem {
   float* logits;               // [B * KV, G, N]
   float* stats;                // [B * KV, SA, G, 2]: each candidate split's logit maximum and sum of exp(l - max)
   float* rank;                 // [B * KV, N]
-  uint64_t* order;             // [B * KV, N]
+  uint64_t* order;             // [B * KV, N]: the budget's edge bin (key, slot)
+  uint16_t* bins;              // [B * KV, N]: the ranks' histogram bins (0 = an empty slot)
+  uint32_t* hist;              // [B * KV, SA, BINS]
+  float* weights;              // [B * KV, G, budget]: the kept slots' softmax numerators
   int32_t* kept;               // [B * KV, budget]
   int64_t* kept_count;         // [B * KV]
   float* kept_max;             // [B * KV, G]
@@ -227,18 +230,31 @@ inline uint32_t order_key(float x) {
   return (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
 }
 
-// Phase 2: item bh's ranking and the `budget` slots it keeps (their maximum logit per head).
+// Phase 2a: the ranks of candidates [lo, hi) of item bh as histogram bins (0 for an empty slot)
+// and order keys, and the split's histogram.
 // softmax_j(l[g])[j] = exp(l[g][j] - c[g]) with c[g] = max_j l[g][j] + log(sum_j exp(l[g][j] -
-// max)): ranking by max_g (l[g][j] - c[g]) keeps the same slots as ranking by the weights,
-// without an exponential per slot (the splits' maxima and sums come from phase 1).
+// max)): ranking by r_j = max_g (l[g][j] - c[g]), a log-weight <= 0, keeps the same slots as
+// ranking by the weights, without an exponential per slot (the splits' maxima and sums come
+// from phase 1). The bins split [RANK_FLOOR, 0] evenly (a weight's relative step of 0.8%),
+// with one bin below for -inf (no head sees the slot) and one above for the forced slots.
+constexpr int BINS = 4096;
+constexpr float RANK_FLOOR = -32.f;
+
+inline uint16_t rank_bin(float r) {  // non-decreasing in r; 0 is left for an empty slot
+  if (r == POS) return BINS - 1;
+  if (!(r > NEG)) return 1;
+  const float at = (std::min(r, 0.f) - RANK_FLOOR) * (static_cast<float>(BINS - 4) / -RANK_FLOOR);
+  return static_cast<uint16_t>(2 + std::max(0, std::min(BINS - 4, static_cast<int>(at))));
+}
+
 template <typename T>
-void keep_best(const Problem<T>& p, int64_t bh) {
+void rank_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo, int64_t hi) {
   const int64_t G = p.G, N = p.N;
   const int64_t b = bh / p.KV;
   const int64_t* cand = p.candidates + bh * N;
   const float* lg = p.logits + bh * G * N;
   float* rank = p.rank + bh * N;
-  for (int64_t j = 0; j < N; ++j) rank[j] = NEG;
+  for (int64_t j = lo; j < hi; ++j) rank[j] = NEG;
   for (int64_t g = 0; g < G; ++g) {
     float m = NEG, z = 0.f;
     for (int64_t s = 0; s < p.SA; ++s) m = std::max(m, p.stats[((bh * p.SA + s) * G + g) * 2]);
@@ -250,25 +266,65 @@ void keep_best(const Problem<T>& p, int64_t bh) {
     const float c = m + std::log(z);
     const float* row = lg + g * N;
 #pragma omp simd
-    for (int64_t j = 0; j < N; ++j) rank[j] = std::max(rank[j], row[j] - c);
+    for (int64_t j = lo; j < hi; ++j) rank[j] = std::max(rank[j], row[j] - c);
   }
+  int64_t seen = 0;  // non-empty candidates before this split (the sinks are the first ones)
+  for (int64_t j = 0; j < lo; ++j) seen += cand[j] >= 0;
   const int64_t recent_from = p.length(b) - p.recent;
-  uint64_t* order = p.order + bh * N;
-  int64_t count = 0, seen = 0;
-  for (int64_t j = 0; j < N; ++j) {
-    if (cand[j] < 0) continue;  // an empty slot is never kept
+  uint16_t* bin = p.bins + bh * N;
+  uint32_t* hist = p.hist + (bh * p.SA + split) * BINS;
+  std::fill(hist, hist + BINS, 0u);
+  for (int64_t j = lo; j < hi; ++j) {
+    if (cand[j] < 0) {  // an empty slot is never kept
+      bin[j] = 0;
+      continue;
+    }
     ++seen;
     const bool recent = cand[j] >= recent_from && p.usable(b, cand[j]);  // past the written length: not recent
-    const float r = (seen <= p.sinks || recent) ? POS : rank[j];
-    order[count++] = (static_cast<uint64_t>(order_key(r)) << 32) | static_cast<uint64_t>(j);
+    if (seen <= p.sinks || recent) rank[j] = POS;
+    bin[j] = rank_bin(rank[j]);
+    ++hist[bin[j]];
   }
-  if (count > p.budget) {
-    std::nth_element(order, order + p.budget, order + count, std::greater<uint64_t>());
-    count = p.budget;
+}
+
+// Phase 2b: the `budget` slots item bh keeps (all its non-empty ones when fewer): those in the
+// bins above the bin where the count reaches the budget, then the best of that bin by rank
+// (std::nth_element over it alone); their maximum logit per head.
+template <typename T>
+void keep_best(const Problem<T>& p, int64_t bh) {
+  const int64_t G = p.G, N = p.N;
+  const uint16_t* bin = p.bins + bh * N;
+  const float* rank = p.rank + bh * N;
+  uint32_t* hist = p.hist + bh * p.SA * BINS;  // the splits' histograms summed into the first
+  for (int64_t s = 1; s < p.SA; ++s) {
+    const uint32_t* other = hist + s * BINS;
+#pragma omp simd
+    for (int64_t i = 0; i < BINS; ++i) hist[i] += other[i];
+  }
+  int64_t edge_bin = 0, above = 0;  // edge_bin 0: no more non-empty candidates than the budget
+  for (int64_t i = BINS - 1; i >= 1; --i) {
+    if (above + hist[i] >= p.budget) {
+      edge_bin = i;
+      break;
+    }
+    above += hist[i];
   }
   int32_t* kept = p.kept + bh * p.budget;
-  for (int64_t t = 0; t < count; ++t) kept[t] = static_cast<int32_t>(order[t] & 0xffffffffu);
+  int64_t count = 0;
+  uint64_t* edge = p.order + bh * N;
+  int64_t edges = 0;
+  for (int64_t j = 0; j < N; ++j) {
+    if (bin[j] > edge_bin) kept[count++] = static_cast<int32_t>(j);
+    else if (bin[j] == edge_bin && edge_bin > 0)
+      edge[edges++] = (static_cast<uint64_t>(order_key(rank[j])) << 32) | static_cast<uint64_t>(j);
+  }
+  if (edges > 0) {
+    const int64_t need = p.budget - count;
+    std::nth_element(edge, edge + need, edge + edges, std::greater<uint64_t>());
+    for (int64_t t = 0; t < need; ++t) kept[count++] = static_cast<int32_t>(edge[t] & 0xffffffffu);
+  }
   p.kept_count[bh] = count;
+  const float* lg = p.logits + bh * G * N;
   for (int64_t g = 0; g < G; ++g) {
     float m = NEG;
     for (int64_t t = 0; t < count; ++t) m = std::max(m, lg[g * N + kept[t]]);
@@ -291,9 +347,26 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
   const T* v = p.values + bh * p.C * D;
   alignas(64) float acc[MAX_GROUP][MAX_DIM];
   float sum[MAX_GROUP];
+  // the kept slots' softmax numerators first, vectorised over the slots (an exponential per
+  // slot and head in the loop below was a third of this phase)
+  float* weight = p.weights + bh * G * p.budget;
   for (int64_t g = 0; g < G; ++g) {
     sum[g] = 0.f;
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+    float* wg = weight + g * p.budget;
+    const float* row = lg + g * p.N;
+    const float mg = m[g];
+    if (mg == NEG) {
+      for (int64_t t = lo; t < hi; ++t) wg[t] = 0.f;
+      continue;
+    }
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t t = lo; t < hi; ++t) {
+      wg[t] = exp_nonpositive(row[kept[t]] - mg);
+      total += wg[t];
+    }
+    sum[g] = total;
   }
 #ifdef __AVX512F__
   if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0 && G_ * D_ / 16 <= 24) {
@@ -307,8 +380,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
       float w[G_];
       bool any = false;
       for (int g = 0; g < G_; ++g) {
-        w[g] = m[g] == NEG ? 0.f : exp_nonpositive(lg[g * p.N + j] - m[g]);
-        sum[g] += w[g];
+        w[g] = weight[g * p.budget + t];
         any = any || w[g] != 0.f;
       }
       if (!any) continue;  // a slot no head may see: its value is never read
@@ -329,8 +401,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
       const int64_t j = kept[t];
       const T* row = v + cand[j] * D;
       for (int64_t g = 0; g < G; ++g) {
-        const float w = m[g] == NEG ? 0.f : exp_nonpositive(lg[g * p.N + j] - m[g]);
-        sum[g] += w;
+        const float w = weight[g * p.budget + t];
         if (w == 0.f) continue;
 #pragma omp simd
         for (int64_t d = 0; d < D; ++d) acc[g][d] += w * widen(row[d]);
@@ -367,6 +438,13 @@ void run_phases(const Problem<T>& p) {
       const int64_t per = (p.N + p.SA - 1) / p.SA;
       const int64_t lo = std::min(s * per, p.N), hi = std::min(lo + per, p.N);
       score_candidates<T, G_, D_>(p, bh, s, lo, hi);
+    }
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < items * p.SA; ++unit) {
+      const int64_t bh = unit / p.SA, s = unit % p.SA;
+      const int64_t per = (p.N + p.SA - 1) / p.SA;
+      const int64_t lo = std::min(s * per, p.N), hi = std::min(lo + per, p.N);
+      rank_candidates<T>(p, bh, s, lo, hi);
     }
 #pragma omp for schedule(static)
     for (int64_t bh = 0; bh < items; ++bh) keep_best<T>(p, bh);
@@ -423,6 +501,9 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   // scratch kept between calls (one layer after another reuses it; no allocation per call)
   static thread_local std::vector<float> rounded, logits, stats, rank, kept_max, partial_acc, partial_sum, page_score;
   static thread_local std::vector<uint64_t> order;
+  static thread_local std::vector<uint32_t> hist;
+  static thread_local std::vector<uint16_t> bins;
+  static thread_local std::vector<float> weights;
   static thread_local std::vector<int32_t> kept, page_order;
   static thread_local std::vector<int64_t> kept_count, rescued;
   static thread_local std::vector<uint8_t> member;
@@ -451,6 +532,9 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   stats.resize(items * p.SA * G * 2);
   rank.resize(items * N);
   order.resize(items * N);
+  bins.resize(items * N);
+  hist.resize(items * p.SA * BINS);
+  weights.resize(items * G * budget);
   kept.resize(items * budget);
   kept_count.resize(items);
   kept_max.resize(items * G);
@@ -460,6 +544,9 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   p.stats = stats.data();
   p.rank = rank.data();
   p.order = order.data();
+  p.bins = bins.data();
+  p.hist = hist.data();
+  p.weights = weights.data();
   p.kept = kept.data();
   p.kept_count = kept_count.data();
   p.kept_max = kept_max.data();
