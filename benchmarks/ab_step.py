@@ -18,6 +18,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   (``split_store.py``) instead of our CPU kernel (``cpu_kernels.applies`` returns False);
 * ``no-refine-kernel``: a refined site (the default's) keeps inductor's body of
   ``aten_step.refine_and_attend`` instead of our CPU kernel (``cpu_refine.applies`` returns False);
+* ``no-selection-kernel``: the lagged-query selection keeps inductor's body of
+  ``scorers.lagged_query_score`` instead of our CPU kernel (``cpu_selection.applies`` returns False);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 
@@ -50,6 +52,7 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "cpp-wrapper": ("torch._inductor.config", "cpp_wrapper", True),
     "no-cpu-kernel": ("specontext_compile.runtime.cpu_kernels", "applies", lambda *a, **k: False),
     "no-refine-kernel": ("specontext_compile.runtime.cpu_refine", "applies", lambda *a, **k: False),
+    "no-selection-kernel": ("specontext_compile.runtime.cpu_selection", "applies", lambda *a, **k: False),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
 }
 

@@ -36,7 +36,7 @@ from .torch_private import counters
 logger = logging.getLogger(__name__)
 
 __all__ = ["KernelBuildError", "applies", "available", "build_library", "check_inputs", "cpu_decode_attention", "decode_splits",
-           "loads"]
+           "load_kernels", "loads"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
@@ -101,15 +101,23 @@ def build_library(source: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
+def load_kernels(source: Path, names: tuple[str, ...], argtypes: list) -> ctypes.CDLL:
+    """:func:`build_library` of ``source``, its functions ``names`` (float32 and bfloat16
+    entry points of one signature) typed: ``int`` status, ``argtypes``."""
+    lib = build_library(source)
+    for name in names:
+        fn = getattr(lib, name)
+        fn.restype = ctypes.c_int
+        fn.argtypes = argtypes
+    return lib
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
     """The decode attention kernel library (:func:`build_library`)."""
-    lib = build_library(_SOURCE)
-    for fn in (lib.specontext_decode_attention, lib.specontext_decode_attention_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                       + [ctypes.c_int64] * 6)
-    return lib
+    return load_kernels(_SOURCE, ("specontext_decode_attention", "specontext_decode_attention_bf16"),
+                        [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+                        + [ctypes.c_int64] * 6)
 
 
 def loads(library, what: str, instead: str) -> bool:

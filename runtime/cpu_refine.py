@@ -39,12 +39,9 @@ _STORE_DTYPES = (torch.float32, torch.bfloat16)
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = cpu_kernels.build_library(_SOURCE)
-    for fn in (lib.specontext_refine_attention, lib.specontext_refine_attention_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                       + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 12)
-    return lib
+    return cpu_kernels.load_kernels(_SOURCE, ("specontext_refine_attention", "specontext_refine_attention_bf16"),
+                                    [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
+                                    + [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 12)
 
 
 @functools.cache
@@ -65,7 +62,7 @@ def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candi
     key_cache, value_cache = store
     if isinstance(key_cache, tuple) or key_cache.dim() != 4:  # MLA's latent pair: not this kernel's
         return False
-    b, num_heads, q_len, head_dim = query.shape
+    _, num_heads, q_len, head_dim = query.shape
     num_kv = key_cache.shape[1]
     static = all(isinstance(n, int) for n in (*query.shape, *key_cache.shape, *candidates.shape))
     return (static and query.device.type == "cpu" and q_len == 1 and variant.plain

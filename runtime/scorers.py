@@ -40,6 +40,7 @@ from collections.abc import Callable
 
 import torch
 
+from . import cpu_selection
 from .aten_step import select_positions
 from .draft_retrieval import map_to_target_heads
 from .sparse_attention import masked_group_max_softmax, row_visibility
@@ -79,8 +80,11 @@ def lagged_query_score(record: tuple, stores: list, cached: torch.Tensor, q_len:
     ones: left padding is left out), the max over the query heads of each KV group (paper
     section 4, GQA), summed over the layers. ``position_bias``: ALiBi's bias, the same for
     every retrieval layer. Returns float32 ``[batch, num_kv_heads, capacity]``, 0 where not
-    scored."""
+    scored. In a CPU step traced for inductor our C++ kernel computes it where it applies
+    (:func:`~.cpu_selection.applies`: reads only the written keys)."""
     query_state, _ = record
+    if cpu_selection.applies(query_state, stores, visible, variant, position_bias):  # our CPU kernel, traced for inductor
+        return cpu_selection.lagged_scores(query_state, stores, cached, visible, variant)
     _, _, capacity = store_shape(stores[0])
     written = torch.arange(capacity, device=query_state.device) < cached
     if visible is not None:

@@ -37,20 +37,22 @@ def _step_codes(model, options, prompt=40, steps=3, capacity=64):
 def test_default_decode_graph_is_one_inductor_graph_without_our_ops():
     """fullgraph=True (a graph break would raise), inductor compiled the decode graph, and
     its generated code calls no specontext op (no Python fallback) but the one capacity
-    check before layer 0's write (a host read, free on CPU) and, where it builds, our C++
-    kernel of the refined sites (``cpu_refine_attention``, an extern call inductor keeps):
-    everything else was lowered."""
+    check before layer 0's write (a host read, free on CPU) and, where they build, our C++
+    kernels of the refined sites (``cpu_refine_attention``) and of the selection
+    (``cpu_selection_scores``), extern calls inductor keeps: everything else was lowered."""
     import re
 
-    from specontext_compile.runtime import cpu_refine
+    from specontext_compile.runtime import cpu_refine, cpu_selection
 
     model = tiny_llama(layers=3)
     codes, cache, _ = _step_codes(model, {"budget": 16, "recent_window": 4, "sink_tokens": 2})
     assert codes, "inductor compiled nothing for the decode step"
     code = "\n".join(codes)
     calls = re.findall(r"torch\.ops\.specontext\.(\w+)\.default\(", code)
-    assert calls.count("check_capacity") == 1 and set(calls) <= {"check_capacity", "cpu_refine_attention"}, calls
+    ours = {"check_capacity", "cpu_refine_attention", "cpu_selection_scores"}
+    assert calls.count("check_capacity") == 1 and set(calls) <= ours, calls
     assert ("cpu_refine_attention" in calls) == cpu_refine.available(), calls
+    assert ("cpu_selection_scores" in calls) == cpu_selection.available(), calls
     assert "cpp_fused" in code  # inductor's own C++ kernels
     assert counters["specontext"]["ops_lowered"] >= 3 + 3 + 1  # 3 writes, 3 sparse sites, 1 selection
     assert not counters["graph_break"]

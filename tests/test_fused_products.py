@@ -10,7 +10,7 @@ import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import given, settings
-from specontext_compile.runtime import aten_step, cpu_refine, page_bounds
+from specontext_compile.runtime import aten_step, cpu_refine, cpu_selection, page_bounds
 from specontext_compile.runtime.sparse_attention import (
     FUSED_PRODUCT_ROWS,
     fused_products,
@@ -25,9 +25,10 @@ _MATMULS = {torch.ops.aten.bmm.default, torch.ops.aten.mm.default}
 
 @pytest.fixture(autouse=True)
 def _torch_bodies(monkeypatch):
-    """These tests read the torch bodies' traces: our CPU kernel of a refined site
-    (tests/test_cpu_refine.py) stays out of them."""
+    """These tests read the torch bodies' traces: our CPU kernels of a refined site and of the
+    selection (tests/test_cpu_refine.py, tests/test_cpu_selection.py) stay out of them."""
     monkeypatch.setattr(cpu_refine, "applies", lambda *a, **k: False)
+    monkeypatch.setattr(cpu_selection, "applies", lambda *a, **k: False)
 
 
 def _matmul_calls(fn, *args) -> int:

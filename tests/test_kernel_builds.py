@@ -7,10 +7,11 @@ import os
 import shutil
 
 import pytest
-from specontext_compile.runtime import cpu_kernels, cpu_refine
+from specontext_compile.runtime import cpu_kernels, cpu_refine, cpu_selection
 
 
 @pytest.mark.skipif(shutil.which(os.environ.get("CXX") or "g++") is None, reason="no C++ compiler on the PATH")
-@pytest.mark.parametrize("library", [cpu_kernels._library, cpu_refine._library], ids=["decode", "refine"])
+@pytest.mark.parametrize("library", [cpu_kernels._library, cpu_refine._library, cpu_selection._library],
+                         ids=["decode", "refine", "selection"])
 def test_every_kernel_builds_where_a_compiler_is(library):
     library.__wrapped__()  # a KernelBuildError (with the compiler's message) fails this test

@@ -4,6 +4,7 @@
 // source, so a change here rebuilds both.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -30,6 +31,34 @@ inline float exp_nonpositive(float x) {
   float scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return x < -87.0f ? 0.0f : p * scale;
+}
+
+// The softmax statistics of row[lo, hi): st[0] = its maximum (-inf when every entry is -inf),
+// st[1] = the sum of exp(row[i] - max) (0 then). Splits of a row merge as
+// M = max_s m_s, Z = sum_s z_s exp(m_s - M).
+inline void split_stats(const float* row, int64_t lo, int64_t hi, float* st) {
+  float m = -__builtin_inff();
+  for (int64_t i = lo; i < hi; ++i) m = m > row[i] ? m : row[i];
+  float z = 0.f;
+  if (m != -__builtin_inff()) {
+#pragma omp simd reduction(+ : z)
+    for (int64_t i = lo; i < hi; ++i) z += exp_nonpositive(row[i] - m);
+  }
+  st[0] = m;
+  st[1] = z;
+}
+
+// fn(std::integral_constant<int, G>, std::integral_constant<int, D>) with compile-time group
+// and head sizes for the common shapes (unrolled, vectorised loops), 0 and 0 (run-time sizes)
+// for the others.
+template <typename Fn>
+inline void with_shape(int64_t G, int64_t D, Fn&& fn) {
+  using std::integral_constant;
+  if (G == 3 && D == 64) fn(integral_constant<int, 3>{}, integral_constant<int, 64>{});
+  else if (G == 4 && D == 64) fn(integral_constant<int, 4>{}, integral_constant<int, 64>{});
+  else if (G == 4 && D == 128) fn(integral_constant<int, 4>{}, integral_constant<int, 128>{});
+  else if (G == 8 && D == 128) fn(integral_constant<int, 8>{}, integral_constant<int, 128>{});
+  else fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
 }
 
 // A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t).

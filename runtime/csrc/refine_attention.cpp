@@ -209,18 +209,7 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
     }
   }
   float* st = p.stats + (bh * p.SA + split) * G * 2;
-  for (int64_t g = 0; g < G; ++g) {
-    const float* row = lg + g * p.N;
-    float m = NEG;
-    for (int64_t i = lo; i < hi; ++i) m = std::max(m, row[i]);
-    float z = 0.f;
-    if (m != NEG) {
-#pragma omp simd reduction(+ : z)
-      for (int64_t i = lo; i < hi; ++i) z += exp_nonpositive(row[i] - m);
-    }
-    st[2 * g] = m;
-    st[2 * g + 1] = z;
-  }
+  for (int64_t g = 0; g < G; ++g) split_stats(lg + g * p.N, lo, hi, st + 2 * g);
 }
 
 // An order-preserving unsigned key of a float (larger float, larger key; -inf the smallest).
@@ -552,12 +541,7 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   p.kept_max = kept_max.data();
   p.partial_acc = partial_acc.data();
   p.partial_sum = partial_sum.data();
-  // compile-time group and head sizes for the common shapes (unrolled, vectorised loops)
-  if (G == 3 && D == 64) run_phases<T, 3, 64>(p);
-  else if (G == 4 && D == 64) run_phases<T, 4, 64>(p);
-  else if (G == 4 && D == 128) run_phases<T, 4, 128>(p);
-  else if (G == 8 && D == 128) run_phases<T, 8, 128>(p);
-  else run_phases<T, 0, 0>(p);
+  with_shape(G, D, [&p](auto g, auto d) { run_phases<T, decltype(g)::value, decltype(d)::value>(p); });
   return 0;
 }
 

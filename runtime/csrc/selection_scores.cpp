@@ -1,0 +1,188 @@
+// The default selection head's scores on the CPU: lagged queries of the retrieval layers over
+// their written keys, one call per step.
+//
+// What it computes (runtime/scorers.py, lagged_query_score; SpeContext, arXiv 2512.00722,
+// section 4, the GQA rule): for each (batch row b, KV head h) and position p of the store,
+//   out[b][h][p] = sum over the L retrieval layers l of max over the G query heads g of the
+//                  group of softmax_p(q_l[g] . k_l[p]), over the positions p < length[b] that
+//                  are visible (visible[b][p]); 0 elsewhere.
+// Only the written positions' keys are read (the store's capacity may be far larger). Phase 1
+// splits (layer, batch row, KV head, positions) between the threads: each key row read once
+// for the group's heads, 16 rows at a time, the next 16 prefetched, logits written to scratch
+// with each split's maximum and sum of exponentials; phase 2 splits (batch row, KV head,
+// positions): each layer's log-sum-exp merged from its splits, then the weights summed.
+// float32 or bfloat16 stores (widened as loaded), float32 query (the caller rounds it to the
+// store's dtype, as the torch body does), accumulation and output. Written for specontext
+// (issue 51); built and loaded by runtime/cpu_selection.py.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpu_common.h"
+
+using namespace specontext_cpu;
+
+namespace {
+
+constexpr int PREFETCH = 16;
+constexpr int MAX_GROUP = 16;
+constexpr int MAX_DIM = 256;
+constexpr int MAX_LAYERS = 64;
+constexpr float NEG = -std::numeric_limits<float>::infinity();
+
+template <typename T>
+struct Scores {
+  const float* query;        // [L, B, KV, G, D], scaled
+  const T* const* keys;      // L stores [B, KV, C, D]
+  const int64_t* lengths;    // [B] or [1] (stride 0)
+  int64_t length_stride;
+  const uint8_t* visible;    // [B, C] or [1, C] (stride 0) or nullptr
+  int64_t visible_stride;
+  float* out;                // [B, KV, C]
+  int64_t L, B, KV, G, C, D, S;
+  float* logits;             // [L, B * KV, G, C]
+  float* stats;              // [L, B * KV, S, G, 2]: each split's maximum and sum of exp(l - max)
+
+  int64_t limit(int64_t b) const { return std::min(std::max<int64_t>(lengths[b * length_stride], 0), C); }
+  bool hidden(int64_t b, int64_t pos) const { return visible && !visible[b * visible_stride + pos]; }
+};
+
+// Phase 1: layer l's logits of positions [lo, hi) for item bh, and the split's statistics.
+template <typename T, int G_, int D_>
+void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int64_t lo, int64_t hi) {
+  const int64_t G = G_ > 0 ? G_ : p.G;
+  const int64_t D = D_ > 0 ? D_ : p.D;
+  const int64_t b = bh / p.KV, items = p.B * p.KV;
+  const T* k = p.keys[l] + bh * p.C * D;
+  const float* q = p.query + (l * items + bh) * G * D;
+  float* lg = p.logits + (l * items + bh) * G * p.C;
+  int64_t j = lo;
+#ifdef __AVX512F__
+  if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
+    for (; j + 16 <= hi; j += 16) {
+      for (int jj = 0; jj < 16; ++jj)
+        if (j + PREFETCH + jj < hi) prefetch_row<T, D_>(k + (j + PREFETCH + jj) * D_);
+      for (int g = 0; g < G_; ++g) {
+        __m512 sums[16];
+        for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_setzero_ps();
+        for (int d = 0; d < D_; d += 16) {
+          const __m512 qv = _mm512_loadu_ps(q + g * D_ + d);
+          for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_fmadd_ps(qv, load16(k + (j + jj) * D_ + d), sums[jj]);
+        }
+        _mm512_storeu_ps(lg + g * p.C + j, sum_lanes16(sums));
+      }
+    }
+  }
+#endif
+  for (; j < hi; ++j) {
+    const T* kr = k + j * D;
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = q + g * D;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
+      lg[g * p.C + j] = dot;
+    }
+  }
+  if (p.visible)
+    for (int64_t i = lo; i < hi; ++i)
+      if (p.hidden(b, i))
+        for (int64_t g = 0; g < G; ++g) lg[g * p.C + i] = NEG;
+  float* st = p.stats + ((l * items + bh) * p.S + split) * G * 2;
+  for (int64_t g = 0; g < G; ++g) split_stats(lg + g * p.C, lo, hi, st + 2 * g);
+}
+
+// Phase 2: the scores of positions [lo, hi) of item bh (0 past the written length).
+template <typename T>
+void sum_weights(const Scores<T>& p, int64_t bh, int64_t lo, int64_t hi, int64_t limit) {
+  const int64_t G = p.G, items = p.B * p.KV;
+  float* o = p.out + bh * p.C;
+  for (int64_t i = lo; i < hi; ++i) o[i] = 0.f;
+  const int64_t end = std::min(hi, limit);
+  std::vector<float> best(std::max<int64_t>(end - lo, 0));
+  for (int64_t l = 0; l < p.L; ++l) {
+    std::fill(best.begin(), best.end(), 0.f);
+    for (int64_t g = 0; g < G; ++g) {
+      float m = NEG, z = 0.f;
+      const float* st = p.stats + (l * items + bh) * p.S * G * 2;
+      for (int64_t s = 0; s < p.S; ++s) m = std::max(m, st[(s * G + g) * 2]);
+      if (m == NEG) continue;  // the head sees no position: weight 0 everywhere
+      for (int64_t s = 0; s < p.S; ++s)
+        if (st[(s * G + g) * 2] != NEG) z += st[(s * G + g) * 2 + 1] * exp_nonpositive(st[(s * G + g) * 2] - m);
+      const float inv = 1.f / z;
+      const float* row = p.logits + ((l * items + bh) * G + g) * p.C;
+      float* bp = best.data() - lo;
+#pragma omp simd
+      for (int64_t i = lo; i < end; ++i) bp[i] = std::max(bp[i], exp_nonpositive(row[i] - m) * inv);
+    }
+    const float* bp = best.data() - lo;
+#pragma omp simd
+    for (int64_t i = lo; i < end; ++i) o[i] += bp[i];
+  }
+}
+
+// splits of `n` positions of each of `units` (layer, item) pairs: at least 16 units for the
+// threads, each of at least `least` positions
+int64_t splits(int64_t units, int64_t n, int64_t least) {
+  return std::max<int64_t>(1, std::min<int64_t>((16 + units - 1) / std::max<int64_t>(units, 1), n / least));
+}
+
+template <typename T, int G_, int D_>
+void run(const Scores<T>& p) {
+  const int64_t items = p.B * p.KV;
+#pragma omp parallel
+  {
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < p.L * items * p.S; ++unit) {
+      const int64_t s = unit % p.S, bh = (unit / p.S) % items, l = unit / (p.S * items);
+      const int64_t limit = p.limit(bh / p.KV);
+      const int64_t per = (limit + p.S - 1) / p.S;
+      const int64_t lo = std::min(s * per, limit), hi = std::min(lo + per, limit);
+      layer_logits<T, G_, D_>(p, l, bh, s, lo, hi);
+    }
+#pragma omp for schedule(static)
+    for (int64_t unit = 0; unit < items * p.S; ++unit) {
+      const int64_t s = unit % p.S, bh = unit / p.S;
+      const int64_t per = (p.C + p.S - 1) / p.S;
+      const int64_t lo = std::min(s * per, p.C), hi = std::min(lo + per, p.C);
+      sum_weights<T>(p, bh, lo, hi, p.limit(bh / p.KV));
+    }
+  }
+}
+
+template <typename T>
+int selection_scores(const float* query, const T* const* keys, const int64_t* lengths, int64_t length_stride,
+                     const uint8_t* visible, int64_t visible_stride, float* out, int64_t L, int64_t B, int64_t KV,
+                     int64_t G, int64_t C, int64_t D) {
+  if (L < 1 || L > MAX_LAYERS || G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || C < 1 || B < 1 || KV < 1) return 1;
+  static thread_local std::vector<float> logits, stats;  // kept between steps: no allocation per call
+  int64_t longest = 0;
+  for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(std::max<int64_t>(lengths[b * length_stride], 0), C));
+  const int64_t S = splits(L * B * KV, std::max<int64_t>(longest, 1), 256);
+  logits.resize(L * B * KV * G * C);
+  stats.resize(L * B * KV * S * G * 2);
+  Scores<T> p{query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D, S,
+              logits.data(), stats.data()};
+  with_shape(G, D, [&p](auto g, auto d) { run<T, decltype(g)::value, decltype(d)::value>(p); });
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int specontext_selection_scores(const float* query, const float* const* keys, const int64_t* lengths,
+                                           int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
+                                           float* out, int64_t L, int64_t B, int64_t KV, int64_t G, int64_t C,
+                                           int64_t D) {
+  return selection_scores<float>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D);
+}
+
+// bfloat16 stores (their raw 16-bit patterns), float32 query and output.
+extern "C" int specontext_selection_scores_bf16(const float* query, const uint16_t* const* keys,
+                                                const int64_t* lengths, int64_t length_stride, const uint8_t* visible,
+                                                int64_t visible_stride, float* out, int64_t L, int64_t B, int64_t KV,
+                                                int64_t G, int64_t C, int64_t D) {
+  return selection_scores<uint16_t>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C,
+                                    D);
+}
