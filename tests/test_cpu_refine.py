@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_steps import with_and_without
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import aten_step, cpu_refine, page_bounds
+from specontext_compile.runtime import aten_step, cpu_refine, cpu_selection, page_bounds
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
+from test_backend_e2e import decode_logits
+from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
+
+import specontext_compile as sc
 
 pytestmark = pytest.mark.skipif(not cpu_refine.available(), reason="no C++ compiler to build the CPU kernel")
 
@@ -243,11 +246,30 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
     assert torch.isfinite(got).all()
 
 
-def test_the_compiled_default_step_runs_the_kernel_with_the_torch_bodys_logits(monkeypatch):
+def test_the_compiled_default_step_runs_our_kernels_with_the_torch_bodies_logits(monkeypatch):
     """The default options' step (a budget below the context, the page rescue on), compiled by
-    inductor on CPU: each decode step's refined sites run our kernel (its counter), and the
-    logits equal those of the same step compiled with the torch body."""
-    calls, got, want = with_and_without(cpu_refine, "cpu_kernel_refine_calls", monkeypatch)
-    assert calls == 4 * tiny_llama().config.num_hidden_layers
+    inductor on CPU: each decode step's refined sites run our refine kernel and its selection
+    our selection kernel (their counters: one call per layer, one per step), and the logits
+    equal those of the same step compiled with the torch bodies (both ``applies`` patched
+    False; the compile caches off for it, since they key on our sources and options, not on a
+    patched function)."""
+    model = tiny_llama()
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(0))
+    names = ("cpu_kernel_refine_calls", "cpu_kernel_selection_calls")
+
+    def run():
+        compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8, "page_rescue": 16})
+        return decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
+
+    before = [counters["specontext"][n] for n in names]
+    got = run()
+    calls = [counters["specontext"][n] - b for n, b in zip(names, before)]
+    assert calls == [4 * model.config.num_hidden_layers, 4]
+    torch._dynamo.reset()
+    for module in (cpu_refine, cpu_selection):
+        monkeypatch.setattr(module, "applies", lambda *a, **k: False)
+    with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
+        want = run()
+    assert [counters["specontext"][n] - b for n, b in zip(names, before)] == calls  # the torch bodies: no more calls
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

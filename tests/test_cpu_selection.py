@@ -1,12 +1,12 @@
 """Our CPU kernel for the lagged-query head's scores (runtime/cpu_selection.py,
 csrc/selection_scores.cpp): values against float64, equality with the torch body it replaces,
-which selections it serves, and the compiled default step that calls it once per step."""
+which selections it serves (the compiled default step that calls it once per step:
+tests/test_cpu_refine.py, with the refine kernel)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _kernel_steps import with_and_without
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from specontext_compile.runtime import cpu_selection, scorers
@@ -116,12 +116,3 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
         cpu_selection.cpu_selection_scores(q, stores, cached, torch.ones(1, 499, dtype=torch.bool))
     far = cpu_selection.cpu_selection_scores(q, stores, torch.tensor(10**9), None)  # past the store: its capacity
     assert torch.isfinite(far).all()
-
-
-def test_the_compiled_default_step_runs_the_kernel_once_per_step(monkeypatch):
-    """The default options' step compiled by inductor on CPU: one selection per decode step
-    through our kernel (its counter), and the logits of the same step compiled with the torch body."""
-    calls, got, want = with_and_without(cpu_selection, "cpu_kernel_selection_calls", monkeypatch)
-    assert calls == 4
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
