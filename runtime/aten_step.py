@@ -412,24 +412,22 @@ def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     (:func:`~.cpu_refine.refine_attend`) where it applies (:func:`~.cpu_refine.applies`, a
     static fact): the same kept set up to exactly equal ranks, float32 accumulation."""
     key_cache, value_cache = store
-    if _refine_kernel(query, store, candidates, attn_mask, spec, variant, pages):
-        rescue = spec.rescue_pages > 0 and bool(pages) and not known(candidates.shape[-1] >= key_cache.shape[-2])
-        if not rescue:  # the positions ranked as they are, or every seen one (a selection covering the store)
-            candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant)
-        visible = row_visibility(attn_mask, key_cache.shape[-2])
-        return cpu_refine.refine_attend(query, store, candidates, length, None if visible is None else visible[:, 0],
-                                        spec, variant, pages if rescue else ())
+    if refine_kernel(query, store, candidates, attn_mask, spec, variant, pages):
+        candidates, pages = kernel_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+        return cpu_refine.refine_attend(query, store, candidates, length, kernel_visible(attn_mask, key_cache),
+                                        spec, variant, pages)
     candidates, keys = refine_inputs(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)
     rows = _gather_tokens(value_cache, candidates.gather(-1, top).clamp(min=0))  # [b, kv, kept, dv]
     return attend_kept(query, logits, values, top, rows)
 
 
-def _refine_kernel(query, store, candidates, attn_mask, spec: StepSpec, variant: AttentionVariant, pages) -> bool:
+def refine_kernel(query, store, candidates, attn_mask, spec: StepSpec, variant: AttentionVariant, pages) -> bool:
     """Whether :func:`refine_and_attend` runs our CPU kernel (a static fact): a CPU decode
     step traced for inductor (:func:`fused_products`: ``variant.fused_products``, a few query
     rows per KV head) at a site :func:`~.cpu_refine.applies` to, with the page bounds it reads
-    when the page rescue is on."""
+    when the page rescue is on. An offloaded layer decides the same way
+    (:func:`~.offload_step.refine_and_attend`), so both run the same arithmetic."""
     key_cache = store[0]
     if isinstance(key_cache, tuple):  # MLA's latent pair
         return False
@@ -437,6 +435,23 @@ def _refine_kernel(query, store, candidates, attn_mask, spec: StepSpec, variant:
     rescue = pages if spec.rescue_pages > 0 and pages else ()
     return (fused_products(query.reshape(b, key_cache.shape[1], -1, head_dim), key_cache, variant.fused_products)
             and cpu_refine.applies(query, store, candidates, attn_mask, variant, rescue))
+
+
+def kernel_candidates(query, key_cache, candidates, length, attn_mask, spec: StepSpec, variant: AttentionVariant,
+                      pages) -> tuple[torch.Tensor, Sequence[torch.Tensor | None]]:
+    """What the refine kernel is given at a site :func:`refine_kernel` chose: ``(candidates,
+    pages)``, the selection's candidates and the page bounds when the kernel rescues pages
+    itself; else the positions ranked as they are (or every seen one, for a selection that
+    covers the store) and no bounds."""
+    if spec.rescue_pages > 0 and pages and not known(candidates.shape[-1] >= key_cache.shape[-2]):
+        return candidates, pages
+    return refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant), ()
+
+
+def kernel_visible(attn_mask: torch.Tensor | None, key_cache: torch.Tensor) -> torch.Tensor | None:
+    """The refine kernel's ``visible``: bool ``[batch|1, capacity]`` from the site's mask, or None."""
+    visible = row_visibility(attn_mask, key_cache.shape[-2])
+    return None if visible is None else visible[:, 0]
 
 
 def attend_kept(query: torch.Tensor, logits: torch.Tensor, values: torch.Tensor, top: torch.Tensor,

@@ -26,10 +26,18 @@ from collections.abc import Sequence
 
 import torch
 
-from . import offload_ops  # noqa: F401  (registers specontext::offload_rows)
-from .aten_step import attend_kept, ranked, refine_candidates, refine_gathered
-from .spec import AttentionVariant, StepSpec
+from . import cpu_refine, offload_ops  # noqa: F401  (offload_ops registers specontext::offload_rows)
+from .aten_step import (
+    attend_kept,
+    kernel_candidates,
+    kernel_visible,
+    ranked,
+    refine_candidates,
+    refine_gathered,
+    refine_kernel,
+)
 from .sparse_attention import attend_gathered
+from .spec import AttentionVariant, StepSpec
 
 __all__ = ["attention", "refine", "refine_and_attend"]
 
@@ -73,8 +81,20 @@ def refine_and_attend(rows, query: torch.Tensor, candidates: torch.Tensor, lengt
     lowering makes of a :func:`refine` whose kept tokens only :func:`attention` reads): one
     read of the candidates' keys and values (one slot-map lookup per layer and step), then
     the kept tokens' value rows picked from those. Arguments as :func:`refine`; returns
-    ``[batch, num_heads, q_len, head_dim_v]``."""
+    ``[batch, num_heads, q_len, head_dim_v]``. Where a resident layer runs our CPU kernel
+    (:func:`~.aten_step.refine_kernel`) this one does too, on the rows it read: the kernel's
+    page rescue alone first (:func:`~.cpu_refine.rescue`), then the kernel over the loaded
+    rows, the same arithmetic on the same values as the resident layer's (bit-identical)."""
     key_cache = rows[2]
+    store = (key_cache, rows[3])
+    if refine_kernel(query, store, candidates, attn_mask, spec, variant, pages):  # as a resident layer decides
+        candidates, pages = kernel_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
+        visible = kernel_visible(attn_mask, key_cache)
+        if pages:  # the kernel's own page rescue, alone: the candidates whose rows the buffer loads
+            candidates = cpu_refine.rescue(query, key_cache, candidates, length, visible, spec, variant, pages)
+        keys, values_all = _read(rows, candidates, length, values=True)
+        return cpu_refine.refine_attend(query, store, candidates, length, visible, spec, variant,
+                                        gathered=(keys, values_all))
     candidates = refine_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
     keys, values_all = _read(rows, candidates, length, values=True)
     logits, _, values, top = ranked(query, keys, candidates, length, attn_mask, spec, variant)

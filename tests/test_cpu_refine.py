@@ -78,7 +78,7 @@ def test_kernel_equals_float64_refinement(seed, b, num_kv, groups, capacity, d, 
     recent = min(recent, budget)
     sinks = min(sinks, budget - recent)
     got = cpu_refine.cpu_refine_attention(query, keys, values, candidates, length, visible, None, None, None,
-                                          budget, sinks, recent)
+                                          None, None, budget, sinks, recent)
     want, gap = _reference(query, keys, values, candidates, length, visible, budget, sinks, recent)
     if gap < 1e-6:
         return  # a near tie at the budget's edge: either slot is a correct refinement
@@ -137,9 +137,10 @@ def test_the_kernels_page_rescue_equals_the_torch_union(seed, b, num_kv, groups,
     union = page_bounds.rescued_candidates(sel, scores, seen, r, page_tokens, shift)
     budget = min(budget, union.shape[-1])
     q = query.float() * 0.25
-    got = cpu_refine.cpu_refine_attention(q, keys, values, sel, length, visible, lo, hi, shift, budget, 0, 1,
-                                          rescue, page_tokens)
-    want = cpu_refine.cpu_refine_attention(q, keys, values, union, length, visible, None, None, None, budget, 0, 1)
+    got = cpu_refine.cpu_refine_attention(q, keys, values, sel, length, visible, lo, hi, shift, None, None, budget,
+                                          0, 1, rescue, page_tokens)
+    want = cpu_refine.cpu_refine_attention(q, keys, values, union, length, visible, None, None, None, None, None,
+                                           budget, 0, 1)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
@@ -200,8 +201,8 @@ def test_the_traced_refined_site_calls_the_kernel_and_equals_the_torch_body(dtyp
 
 
 def test_the_kernel_is_not_traced_where_it_does_not_apply(monkeypatch):
-    """Soft cap, sliding window, an additive mask or one per head, two query rows, float16, or
-    the library unavailable: the torch body, no kernel call."""
+    """Soft cap, sliding window, an additive mask or one per head, two query rows, float16, a
+    query that needs a gradient, or the library unavailable: the torch body, no kernel call."""
     query, keys, values, candidates = _layer(torch.float32)
     length = torch.tensor(590)
     page_min, page_max = _bounds(keys, 590)
@@ -217,6 +218,10 @@ def test_the_kernel_is_not_traced_where_it_does_not_apply(monkeypatch):
     half = [t.half() for t in (query, keys, values)]
     assert not _calls_kernel(_traced(half[0], tuple(half[1:]), candidates, length, None, _spec(),
                                      [page_min.half(), page_max.half(), pages[2]]))
+    variant = AttentionVariant(0.125, fused_products=True)
+    assert cpu_refine.applies(query, store, candidates, None, variant)
+    with torch.enable_grad():  # the op has no backward (field case grad_enabled_decode_step)
+        assert not cpu_refine.applies(query.clone().requires_grad_(), store, candidates, None, variant)
     monkeypatch.setattr(cpu_refine, "available", lambda: False)
     assert not _calls_kernel(_traced(query, store, candidates, length, None, _spec(), pages))
 
@@ -225,24 +230,26 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
     query, keys, values, candidates = _layer(torch.float32, capacity=100)
     n = torch.tensor(90)
     with pytest.raises(ValueError, match="candidates must be int64"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates.int(), n, None, None, None, None, 8, 0, 1)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates.int(), n, None, None, None, None, None, None, 8, 0, 1)
     with pytest.raises(ValueError, match="candidates must be int64"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates[:, :2], n, None, None, None, None, 8, 0, 1)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates[:, :2], n, None, None, None, None, None, None, 8, 0, 1)
     with pytest.raises(ValueError, match="budget must be >= 1"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, None, None, None, 0, 0, 1)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, None, None, None, None, None, 0, 0, 1)
     with pytest.raises(ValueError, match="one query row"):
-        cpu_refine.cpu_refine_attention(torch.cat([query, query], 2), keys, values, candidates, n, None, None, None, None, 8, 0, 1)
+        cpu_refine.cpu_refine_attention(torch.cat([query, query], 2), keys, values, candidates, n, None, None, None, None, None, None, 8, 0, 1)
     lo = torch.zeros(1, 3, 8, 64)
     with pytest.raises(ValueError, match="page_max must be"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, lo, lo[:, :2], None, 8, 0, 1, 4, 16)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, lo, lo[:, :2], None, None, None, 8, 0,
+                                        1, 4, 16)
     with pytest.raises(ValueError, match="page_min must be"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, lo.bfloat16(), lo, None, 8, 0, 1, 4,
-                                        16)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, lo.bfloat16(), lo, None, None, None, 8,
+                                        0, 1, 4, 16)
     with pytest.raises(ValueError, match="needs page_min and page_max"):
-        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, None, None, None, 8, 0, 1, 4, 16)
+        cpu_refine.cpu_refine_attention(query, keys, values, candidates, n, None, None, None, None, None, None, 8, 0,
+                                        1, 4, 16)
     far = candidates.clone()
     far[0, 0, 0] = 10**9  # a position past the store: never read, never kept as a visible slot
-    got = cpu_refine.cpu_refine_attention(query, keys, values, far, n, None, None, None, None, 8, 0, 1)
+    got = cpu_refine.cpu_refine_attention(query, keys, values, far, n, None, None, None, None, None, None, 8, 0, 1)
     assert torch.isfinite(got).all()
 
 

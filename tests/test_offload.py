@@ -17,7 +17,7 @@ import specontext_compile as sc
 from specontext_compile.runtime.offload import OffloadCopyError, enable_offload
 from specontext_compile.passes.schedule import CostModel
 from specontext_compile.passes.sites import is_op
-from specontext_compile.runtime import cpu_refine, offload_step
+from specontext_compile.runtime import offload_step
 from specontext_compile.runtime.protocol import op_arguments
 from _tiny import tiny_llama
 
@@ -544,9 +544,8 @@ def test_offloaded_step_compiles_with_inductor_and_equals_resident_bit_for_bit(r
     bit-identical, as layers leave the device one by one, and after a beam reorder. The
     layer index reaches the ops as a tensor, so regional compilation shares the repeated
     layer's code: with 4 layers, the middle two (the first layer also plans the step's
-    transfers and the last prefetches no next layer, so 3 layers repeat none). The resident
-    step keeps the torch body of its refined sites (an offloaded site's arithmetic), not our
-    CPU kernel (tests/test_cpu_refine.py), whose float32 sums run in another order."""
+    transfers and the last prefetches no next layer, so 3 layers repeat none). Where our CPU
+    refine kernel builds, both steps run it (an offloaded layer over the rows it loaded)."""
     layers = 4
     model, ids = tiny_llama(layers=layers), torch.cat([_ids(), _ids(1)])
     perm = torch.tensor([1, 0])
@@ -559,10 +558,7 @@ def test_offloaded_step_compiles_with_inductor_and_equals_resident_bit_for_bit(r
 
     forward = torch.compile(model.forward, backend="specontext", options=COMPILED)
     cache = sc.SpeContextCache(model.config, max_cache_len=CAP, chunk_tokens=CAP)
-    with pytest.MonkeyPatch.context() as patch, torch._inductor.config.patch(fx_graph_cache=False), \
-            torch._functorch.config.patch(enable_autograd_cache=False):
-        patch.setattr(cpu_refine, "applies", lambda *a, **k: False)
-        ref = _run(forward, cache, ids, 12, after(cache))
+    ref = _run(forward, cache, ids, 12, after(cache))
     resident_counts = cache.path_counts()
     torch._dynamo.reset()
     counters.clear()

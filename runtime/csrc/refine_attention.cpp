@@ -48,6 +48,9 @@ struct Problem {
   const T* values;             // [B, KV, C, D]
   const int64_t* candidates;   // [B, KV, N]: the selection's then the rescued (scratch) or the input
   const int64_t* selected;     // [B, KV, S]: the input candidates
+  const T* gathered_keys;      // [B, KV, N, D] or nullptr: candidate j's key row (an offloaded layer's buffer)
+  const T* gathered_values;    // [B, KV, N, D] or nullptr: candidate j's value row
+  int64_t* union_out;          // [B, KV, N] or nullptr: write the candidates after the page rescue, then stop
   const T* page_min;           // [B, KV, PG, D] or nullptr (no page rescue)
   const T* page_max;           // [B, KV, PG, D]
   const int64_t* page_shift;   // [B] or nullptr
@@ -78,6 +81,14 @@ struct Problem {
   int64_t SA, SC, SP;          // splits of the candidates (phase 1), the kept slots (phase 3), the pages (phase 0)
 
   int64_t length(int64_t b) const { return lengths[b * length_stride]; }
+  // candidate j (store position c) of item bh: its key and value rows, from the gathered
+  // buffers when given, else from the stores
+  const T* key_row(int64_t bh, int64_t j, int64_t c) const {
+    return gathered_keys ? gathered_keys + (bh * N + j) * D : keys + (bh * C + c) * D;
+  }
+  const T* value_row(int64_t bh, int64_t j, int64_t c) const {
+    return gathered_values ? gathered_values + (bh * N + j) * D : values + (bh * C + c) * D;
+  }
   // whether candidate position c may be attended by row b
   bool usable(int64_t b, int64_t c) const {
     if (c < 0 || c >= C || c >= length(b)) return false;
@@ -165,7 +176,6 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
   const int64_t D = D_ > 0 ? D_ : p.D;
   const int64_t b = bh / p.KV;
   const int64_t* cand = p.candidates + bh * p.N;
-  const T* k = p.keys + bh * p.C * D;
   const float* q = p.query + bh * G * D;
   float* lg = p.logits + bh * G * p.N;
   int64_t j = lo;
@@ -176,9 +186,10 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
       bool ok[16];
       for (int jj = 0; jj < 16; ++jj) {
         ok[jj] = p.usable(b, cand[j + jj]);
-        rows[jj] = ok[jj] ? k + cand[j + jj] * D_ : k;  // an unusable slot scores row 0, then -inf
+        rows[jj] = p.key_row(bh, j + jj, ok[jj] ? cand[j + jj] : 0);  // an unusable slot scores row 0, then -inf
         const int64_t ahead = j + PREFETCH + jj;
-        if (ahead < hi && cand[ahead] >= 0 && cand[ahead] < p.C) prefetch_row<T, D_>(k + cand[ahead] * D_);
+        if (ahead < hi && (p.gathered_keys || (cand[ahead] >= 0 && cand[ahead] < p.C)))
+          prefetch_row<T, D_>(p.key_row(bh, ahead, cand[ahead]));
       }
       for (int g = 0; g < G_; ++g) {
         __m512 sums[16];
@@ -201,7 +212,7 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
       float dot = 0.f;
       if (ok) {
         const float* qg = q + g * D;
-        const T* kr = k + c * D;
+        const T* kr = p.key_row(bh, j, c);
 #pragma omp simd reduction(+ : dot)
         for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
       }
@@ -333,7 +344,6 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
   const int32_t* kept = p.kept + bh * p.budget;
   const float* lg = p.logits + bh * G * p.N;
   const float* m = p.kept_max + bh * G;
-  const T* v = p.values + bh * p.C * D;
   alignas(64) float acc[MAX_GROUP][MAX_DIM];
   float sum[MAX_GROUP];
   // the kept slots' softmax numerators first, vectorised over the slots (an exponential per
@@ -364,7 +374,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
     for (int g = 0; g < G_; ++g)
       for (int c = 0; c < C_; ++c) reg[g][c] = _mm512_setzero_ps();
     for (int64_t t = lo; t < hi; ++t) {
-      if (t + PREFETCH < hi) prefetch_row<T, D_>(v + cand[kept[t + PREFETCH]] * D_);
+      if (t + PREFETCH < hi) prefetch_row<T, D_>(p.value_row(bh, kept[t + PREFETCH], cand[kept[t + PREFETCH]]));
       const int64_t j = kept[t];
       float w[G_];
       bool any = false;
@@ -373,7 +383,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
         any = any || w[g] != 0.f;
       }
       if (!any) continue;  // a slot no head may see: its value is never read
-      const T* row = v + cand[j] * D_;
+      const T* row = p.value_row(bh, j, cand[j]);
       __m512 r[C_];
       for (int c = 0; c < C_; ++c) r[c] = load16(row + 16 * c);
       for (int g = 0; g < G_; ++g) {
@@ -388,7 +398,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
   {
     for (int64_t t = lo; t < hi; ++t) {
       const int64_t j = kept[t];
-      const T* row = v + cand[j] * D;
+      const T* row = p.value_row(bh, j, cand[j]);
       for (int64_t g = 0; g < G; ++g) {
         const float w = weight[g * p.budget + t];
         if (w == 0.f) continue;
@@ -421,7 +431,12 @@ void run_phases(const Problem<T>& p) {
 #pragma omp for schedule(static)
       for (int64_t bh = 0; bh < items; ++bh) rescue_pages<T>(p, bh);
     }
+if (p.union_out) {  // the candidates only (an offloaded layer loads their rows, then calls again)
 #pragma omp for schedule(static)
+      for (int64_t bh = 0; bh < items; ++bh)
+        std::copy(p.candidates + bh * p.N, p.candidates + (bh + 1) * p.N, p.union_out + bh * p.N);
+    } else {
+    #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < items * p.SA; ++unit) {
       const int64_t bh = unit / p.SA, s = unit % p.SA;
       const int64_t per = (p.N + p.SA - 1) / p.SA;
@@ -458,6 +473,7 @@ void run_phases(const Problem<T>& p) {
       const float inv = 1.f / total;
       for (int64_t d = 0; d < p.D; ++d) o[d] *= inv;
     }
+    }
   }
 }
 
@@ -481,9 +497,10 @@ inline float round_like(float x, float) { return x; }
 template <typename T>
 int refine_attention(const float* query, const T* keys, const T* values, const int64_t* candidates,
                      const int64_t* lengths, int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
-                     const T* page_min, const T* page_max, const int64_t* page_shift, float* out, int64_t B,
-                     int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue,
-                     int64_t page_tokens, int64_t budget, int64_t sinks, int64_t recent) {
+                     const T* page_min, const T* page_max, const int64_t* page_shift, const T* gathered_keys,
+                     const T* gathered_values, int64_t* union_out, float* out, int64_t B, int64_t KV, int64_t G,
+                     int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue, int64_t page_tokens, int64_t budget,
+                     int64_t sinks, int64_t recent) {
   if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || S < 1 || C < 1 || budget < 1 || B < 1 || KV < 1) return 1;
   if (rescue < 0 || (rescue > 0 && (!page_min || !page_max || PG < 1 || page_tokens < 1))) return 1;
   rescue = std::min(rescue, PG);
@@ -500,7 +517,8 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   const int64_t N = S + rescue * page_tokens;
   rounded.resize(items * G * D);
   for (int64_t i = 0; i < items * G * D; ++i) rounded[i] = round_like(query[i], T{});
-  Problem<T> p{rounded.data(), query, keys, values, candidates, candidates, page_min, page_max, page_shift, lengths,
+  Problem<T> p{rounded.data(), query, keys, values, candidates, candidates, gathered_keys, gathered_values, union_out,
+               page_min, page_max, page_shift, lengths,
                length_stride, visible, visible_stride, out, B, KV, G, C, D, N, budget, sinks, recent, S, PG, rescue,
                page_tokens};
   if (rescue > 0) {
@@ -547,27 +565,33 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
 
 }  // namespace
 
+// Arguments as refine_attention: gathered_keys / gathered_values ([B, KV, S + rescue * page_tokens, D]
+// or null) hold candidate j's rows where the stores are not read (an offloaded layer's buffer);
+// union_out (or null) takes the candidates after the page rescue and the call stops there.
 extern "C" int specontext_refine_attention(const float* query, const float* keys, const float* values,
                                            const int64_t* candidates, const int64_t* lengths, int64_t length_stride,
                                            const uint8_t* visible, int64_t visible_stride, const float* page_min,
-                                           const float* page_max, const int64_t* page_shift, float* out, int64_t B,
-                                           int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S, int64_t PG,
-                                           int64_t rescue, int64_t page_tokens, int64_t budget, int64_t sinks,
-                                           int64_t recent) {
+                                           const float* page_max, const int64_t* page_shift,
+                                           const float* gathered_keys, const float* gathered_values,
+                                           int64_t* union_out, float* out, int64_t B, int64_t KV, int64_t G,
+                                           int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue,
+                                           int64_t page_tokens, int64_t budget, int64_t sinks, int64_t recent) {
   return refine_attention<float>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
-                                 page_min, page_max, page_shift, out, B, KV, G, C, D, S, PG, rescue, page_tokens,
-                                 budget, sinks, recent);
+                                 page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B, KV,
+                                 G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
 }
 
-// bfloat16 stores and page bounds (their raw 16-bit patterns), float32 query and output.
+// bfloat16 stores, page bounds and gathered rows (their raw 16-bit patterns), float32 query and output.
 extern "C" int specontext_refine_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,
                                                 const int64_t* candidates, const int64_t* lengths,
                                                 int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
                                                 const uint16_t* page_min, const uint16_t* page_max,
-                                                const int64_t* page_shift, float* out, int64_t B, int64_t KV,
-                                                int64_t G, int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue,
-                                                int64_t page_tokens, int64_t budget, int64_t sinks, int64_t recent) {
+                                                const int64_t* page_shift, const uint16_t* gathered_keys,
+                                                const uint16_t* gathered_values, int64_t* union_out, float* out,
+                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S,
+                                                int64_t PG, int64_t rescue, int64_t page_tokens, int64_t budget,
+                                                int64_t sinks, int64_t recent) {
   return refine_attention<uint16_t>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
-                                    page_min, page_max, page_shift, out, B, KV, G, C, D, S, PG, rescue, page_tokens,
-                                    budget, sinks, recent);
+                                    page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B,
+                                    KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
 }
