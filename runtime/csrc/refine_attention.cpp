@@ -494,6 +494,13 @@ inline float round_like(float x, uint16_t) {
 }
 inline float round_like(float x, float) { return x; }
 
+// v resized to n elements (kept between calls: grown once, never shrunk), its data
+template <typename V>
+typename V::value_type* sized(V& v, int64_t n) {
+  v.resize(static_cast<size_t>(n));
+  return v.data();
+}
+
 template <typename T>
 int refine_attention(const float* query, const T* keys, const T* values, const int64_t* candidates,
                      const int64_t* lengths, int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
@@ -522,43 +529,28 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
                length_stride, visible, visible_stride, out, B, KV, G, C, D, N, budget, sinks, recent, S, PG, rescue,
                page_tokens};
   if (rescue > 0) {
-    rescued.resize(items * N);
-    page_score.resize(items * PG);
-    page_order.resize(items * PG);
-    if (member.size() < static_cast<size_t>(items * C)) member.assign(items * C, 0);
-    p.rescued = rescued.data();
-    p.page_score = page_score.data();
-    p.page_order = page_order.data();
+    p.rescued = sized(rescued, items * N);
+    p.page_score = sized(page_score, items * PG);
+    p.page_order = sized(page_order, items * PG);
+    if (member.size() < static_cast<size_t>(items * C)) member.assign(items * C, 0);  // kept all zero between calls
     p.member = member.data();
-    p.candidates = rescued.data();
+    p.candidates = p.rescued;
   }
   p.SP = splits(items, PG, 64);
   p.SA = splits(items, N, 128);
   p.SC = splits(items, std::min(N, budget), 64);
-  logits.resize(items * G * N);
-  stats.resize(items * p.SA * G * 2);
-  rank.resize(items * N);
-  order.resize(items * N);
-  bins.resize(items * N);
-  hist.resize(items * p.SA * BINS);
-  weights.resize(items * G * budget);
-  kept.resize(items * budget);
-  kept_count.resize(items);
-  kept_max.resize(items * G);
-  partial_acc.resize(items * p.SC * G * D);
-  partial_sum.resize(items * p.SC * G);
-  p.logits = logits.data();
-  p.stats = stats.data();
-  p.rank = rank.data();
-  p.order = order.data();
-  p.bins = bins.data();
-  p.hist = hist.data();
-  p.weights = weights.data();
-  p.kept = kept.data();
-  p.kept_count = kept_count.data();
-  p.kept_max = kept_max.data();
-  p.partial_acc = partial_acc.data();
-  p.partial_sum = partial_sum.data();
+  p.logits = sized(logits, items * G * N);
+  p.stats = sized(stats, items * p.SA * G * 2);
+  p.rank = sized(rank, items * N);
+  p.order = sized(order, items * N);
+  p.bins = sized(bins, items * N);
+  p.hist = sized(hist, items * p.SA * BINS);
+  p.weights = sized(weights, items * G * budget);
+  p.kept = sized(kept, items * budget);
+  p.kept_count = sized(kept_count, items);
+  p.kept_max = sized(kept_max, items * G);
+  p.partial_acc = sized(partial_acc, items * p.SC * G * D);
+  p.partial_sum = sized(partial_sum, items * p.SC * G);
   with_shape(G, D, [&p](auto g, auto d) { run_phases<T, decltype(g)::value, decltype(d)::value>(p); });
   return 0;
 }
