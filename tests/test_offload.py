@@ -17,7 +17,7 @@ import specontext_compile as sc
 from specontext_compile.runtime.offload import OffloadCopyError, enable_offload
 from specontext_compile.passes.schedule import CostModel
 from specontext_compile.passes.sites import is_op
-from specontext_compile.runtime import offload_step
+from specontext_compile.runtime import cpu_refine, offload_step
 from specontext_compile.runtime.protocol import op_arguments
 from _tiny import tiny_llama
 
@@ -571,6 +571,8 @@ def test_offloaded_step_compiles_with_inductor_and_equals_resident_bit_for_bit(r
     # each offloaded site refines and attends from one read of its buffer (the lowering fused
     # them: offload_step.refine_and_attend); layers left one by one
     assert c["offloaded_refine_calls"] == 0 and 12 < c["offloaded_attention_calls"] < layers * 12
+    # the offloaded sites ran our refine kernel over their loaded rows, as the resident ones did
+    assert (c["cpu_kernel_refine_calls"] > 0) == cpu_refine.available()
     decode = [r for r in sc.compile_reports() if r.result.phase == "decode"][-1]
     assert decode.lowered is not None and decode.lowered.fused == layers  # inductor ran, one body per site
     assert set(decode.lowered.kept) == {"specontext::offload_*", "specontext::check_capacity"}
