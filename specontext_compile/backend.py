@@ -28,7 +28,7 @@ from .passes.model_counts import add_model_counts
 from .passes.sparse_rewrite import RewriteResult, SparseAttentionPass
 from .regional import compile_regions
 from .runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
-from .runtime import torch_private
+from .runtime import cpu_kernels, torch_private
 from .runtime.aten_step import record_query
 from .runtime.ops_store import CacheCapacityError
 from .runtime.protocol import is_op
@@ -563,4 +563,11 @@ def inductor_patches(config: SpeContextConfig, mode: str, example_inputs: list[A
     freezing = config.compile.freezing if config.compile.freezing is not None else not on_cuda
     if freezing:
         patches["freezing"] = True
+    if not on_cuda and cpu_kernels.available():
+        # Inductor proves each vector ISA it may use by building a probe library and loading it in
+        # a new Python process, at every process's first CPU compile (about 1.2 s of a warm
+        # restart's first step here, issue 51). Our kernels just built with -march=native with
+        # the same compiler (``CXX`` or g++), and inductor still keeps only the ISAs the CPU's
+        # flags list: the probe cannot fail where they built.
+        patches["cpp.vec_isa_ok"] = True
     return patches

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from specontext_compile import compile_cache
 
@@ -91,3 +92,26 @@ def test_no_region_bypasses_aot_autograds_cache():
     assert aot.get("autograd_cache_bypass", 0) == 0, dict(aot)
     assert counters["specontext"]["regions_compiled"] >= 3  # the regional path ran
     assert aot.get("autograd_cache_hit", 0) + aot.get("autograd_cache_miss", 0) >= 1
+
+
+def test_cpu_graphs_skip_inductors_isa_probe_only_where_our_kernels_built(monkeypatch):
+    """Inductor's vector-ISA probe (a build and a new Python process per ISA, about 1.2 s of a
+    warm restart's first step) is skipped for CPU graphs only where our own -march=native kernels
+    built with the same compiler; a CUDA graph, or a machine where they did not build, keeps it."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from specontext_compile import backend
+    from specontext_compile.config import SpeContextConfig
+    from specontext_compile.runtime import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip("no C++ compiler here: the probe stays, nothing to check")
+    config = SpeContextConfig.from_options({"budget": 64})
+    cpu_patches = backend.inductor_patches(config, "default", [torch.zeros(2)])
+    assert cpu_patches.get("cpp.vec_isa_ok") is True
+    assert cpu_patches.get("freezing") is True  # the other CPU default still there
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_cuda = torch.empty(2, device="cuda")
+    assert "cpp.vec_isa_ok" not in backend.inductor_patches(config, "default", [on_cuda])
+    monkeypatch.setattr(backend.cpu_kernels, "available", lambda: False)
+    assert "cpp.vec_isa_ok" not in backend.inductor_patches(config, "default", [torch.zeros(2)])
