@@ -73,9 +73,15 @@ def _cpu_flags() -> str:
     return platform.machine() + platform.processor()
 
 
-def build_library(source: Path) -> ctypes.CDLL:
-    """Build ``source`` (once per source, flags, compiler and CPU) into the kernel cache and
-    load it (``ctypes``); another package's C++ kernels (the vLLM plugin's) build the same way.
+#: the folder of this package's C++ sources and shared header (``cpu_common.h``): another
+#: package's kernel that includes the header passes it to :func:`build_library`
+CSRC = _SOURCE.parent
+
+
+def build_library(source: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
+    """Build ``source`` (once per source, its headers, flags, compiler and CPU) into the kernel
+    cache and load it (``ctypes``); another package's C++ kernels (the vLLM plugin's) build the
+    same way, with ``includes`` (e.g. :data:`CSRC`) searched for headers and hashed with them.
 
     Raises:
         KernelBuildError: no compiler on the PATH, or the build failed (its stderr included).
@@ -84,15 +90,17 @@ def build_library(source: Path) -> ctypes.CDLL:
     if shutil.which(compiler) is None:
         raise KernelBuildError(f"no C++ compiler {compiler!r} on the PATH: install g++ (Debian: apt install g++) "
                                "or set CXX; until then the CPU step uses inductor's kernels")
-    code = source.read_bytes() + b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # its headers
-    key = hashlib.sha256(code + " ".join((compiler, *_FLAGS, _cpu_flags())).encode()).hexdigest()[:16]
+    folders = (source.parent, *includes)
+    code = source.read_bytes() + b"".join(h.read_bytes() for f in folders for h in sorted(f.glob("*.h")))  # its headers
+    flags = (*_FLAGS, *(f"-I{f}" for f in includes))
+    key = hashlib.sha256(code + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}_{key}.so"
     with _LOCK:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [compiler, *_FLAGS, str(source), "-o", str(built)]
+                cmd = [compiler, *flags, str(source), "-o", str(built)]
                 result = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if result.returncode != 0:
                     raise KernelBuildError(f"building {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")

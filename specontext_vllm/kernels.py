@@ -11,9 +11,9 @@ import functools
 from pathlib import Path
 
 import torch
-from specontext_compile.runtime.cpu_kernels import build_library, loads
+from specontext_compile.runtime.cpu_kernels import CSRC, build_library, loads
 
-__all__ = ["FORM_CODES", "available", "paged_key_logits", "paged_quest_bounds"]
+__all__ = ["FORM_CODES", "available", "paged_key_logits", "paged_lagged_scores", "paged_quest_bounds"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_key_logits.cpp"
 #: the key forms the kernel reads (layout.FORMS names) and the dtypes it reads them in
@@ -23,7 +23,11 @@ FORM_CODES = {("transposed", torch.float32): 0, ("transposed", torch.bfloat16): 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = build_library(_SOURCE)
+    lib = build_library(_SOURCE, includes=(CSRC,))  # runtime/csrc/cpu_common.h: the exponential
+    for fn in (lib.specontext_paged_lagged_scores_f32, lib.specontext_paged_lagged_scores_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [
+            ctypes.c_int64] * 6 + [ctypes.c_int]
     for fn in (lib.specontext_paged_key_logits_f32, lib.specontext_paged_key_logits_bf16):
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [
@@ -64,6 +68,47 @@ def paged_key_logits(kv_cache: torch.Tensor, block_table: torch.Tensor, blocks: 
                 groups, blocks, bs, d, code)
     if status != 0:
         raise ValueError(f"paged_key_logits rejected block size {bs}, head_dim {d}, form {form}")
+    return out
+
+
+def paged_lagged_scores(caches: list[torch.Tensor], block_table: torch.Tensor, blocks: int, queries: torch.Tensor,
+                        past: torch.Tensor, form: str) -> torch.Tensor:
+    """float32 ``[rows, num_kv_heads, blocks * block_size]``: the lagged-query head's scores of
+    each row's past tokens over several layers in one call, ``sum_i max_g softmax(q_i . k_i)``
+    over positions ``< past[r]`` (0 elsewhere), as
+    :func:`~specontext_compile.runtime.sparse_attention.group_max_probs` of
+    :func:`paged_key_logits` summed over the layers (float32; summation order apart), without
+    writing any layer's logits to memory.
+
+    Args:
+        caches: the layers' caches ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``,
+            one dtype and shape, contiguous, keys in ``form``.
+        block_table: int ``[rows, >= blocks]``.
+        queries: float32 ``[layers, rows, num_kv_heads, groups, head_dim]``, already scaled.
+        past: int ``[rows]``: positions weighed per row (``<= blocks * block_size``).
+
+    Raises:
+        ValueError: a form, dtype or shape the kernel does not take (:data:`FORM_CODES`)."""
+    first = caches[0]
+    code = FORM_CODES.get((form, first.dtype))
+    layers, rows, num_kv, groups, d = queries.shape
+    _, _, bs, two_d = first.shape
+    if (code is None or layers != len(caches) or two_d != 2 * d or block_table.shape[1] < blocks
+            or any(c.dtype != first.dtype or c.shape != first.shape or not c.is_contiguous() for c in caches)
+            or past.shape != (rows,) or (rows and int(past.max()) > blocks * bs)):
+        raise ValueError(f"paged_lagged_scores: no kernel for {len(caches)} {form} caches in {first.dtype} "
+                         f"{tuple(first.shape)} with queries {tuple(queries.shape)}, past {tuple(past.shape)}")
+    addresses = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64)
+    table = block_table.to(torch.int32).contiguous()
+    q = queries.to(torch.float32).contiguous()
+    lengths = past.to(torch.int64).contiguous()
+    out = torch.empty(rows, num_kv, blocks * bs, dtype=torch.float32)
+    lib = _library()
+    fn = lib.specontext_paged_lagged_scores_f32 if first.dtype == torch.float32 else lib.specontext_paged_lagged_scores_bf16
+    status = fn(addresses.data_ptr(), layers, table.data_ptr(), table.shape[1], q.data_ptr(), lengths.data_ptr(),
+                out.data_ptr(), rows, num_kv, groups, blocks, bs, d, code)
+    if status != 0:
+        raise ValueError(f"paged_lagged_scores rejected block size {bs}, head_dim {d}, form {form}")
     return out
 
 

@@ -97,6 +97,18 @@ class BlockLayout:
             return areas.view(-1, d // 16, bs // 2, 16, 2)[area, :, row // 2, :, row % 2].flatten(-2)
         return areas.view(-1)[(area * bs * d)[..., None] + offsets[row]]
 
+    def lagged_scores(self, caches: list[torch.Tensor], block_table: torch.Tensor, blocks: int,
+                      queries: list[torch.Tensor], scale: float, past: torch.Tensor) -> torch.Tensor | None:
+        """The lagged-query scores of several layers in one call of the plugin's C++ kernel
+        (:func:`~.kernels.paged_lagged_scores`; ``queries``: each layer's ``[rows, num_heads,
+        head_dim]``; ``past``: int ``[rows]``), or None where it does not read this packing
+        (then :meth:`key_logits` per layer)."""
+        if (self.key_form, caches[0].dtype) not in kernels.FORM_CODES or not kernels.available():
+            return None
+        rows, num_kv = block_table.shape[0], caches[0].shape[1]
+        q = torch.stack([(query.float() * scale).view(rows, num_kv, -1, self.head_dim) for query in queries])
+        return kernels.paged_lagged_scores(caches, block_table, blocks, q, past, self.key_form)
+
     def key_logits(self, kv_cache: torch.Tensor, block_table: torch.Tensor, blocks: int, query: torch.Tensor,
                    scale: float) -> torch.Tensor:
         """float32 ``(query * scale) . key`` of every token of each row's first ``blocks``

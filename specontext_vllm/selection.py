@@ -89,13 +89,14 @@ def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks)
     if records is None:
         return recency, torch.zeros(rows, dtype=torch.bool, device=seq_lens.device)
     slots = previous_slots(block_table, seq_lens, layout.block_size)
-    past = pos < seq_lens.long().view(rows, 1, 1) - 1  # the row's past tokens
-    total, ready = None, torch.ones(rows, dtype=torch.bool, device=seq_lens.device)
-    for record, cache in zip(records, caches):
-        query, ok = record.read(slots)
-        probs = group_max_probs(layout.key_logits(cache, block_table, blocks, query, scale), past)
-        total = probs if total is None else total + probs
-        ready &= ok
+    reads = [record.read(slots) for record in records]
+    ready = torch.stack([ok for _, ok in reads]).all(0)
+    total = layout.lagged_scores(caches, block_table, blocks, [query for query, _ in reads], scale,
+                                 (seq_lens.long() - 1).clamp(min=0))  # one call, logits never written
+    if total is None:  # a packing the kernel does not read: per layer, torch
+        past = pos < seq_lens.long().view(rows, 1, 1) - 1  # the row's past tokens
+        total = sum(group_max_probs(layout.key_logits(cache, block_table, blocks, query, scale), past)
+                    for (query, _), cache in zip(reads, caches))
     return torch.where(ready.view(rows, 1, 1), total, recency), ready
 
 

@@ -14,8 +14,19 @@
 //   b = block_table[r][n]
 //
 // low, high: float32 [num_blocks][kv][d] (each block's key minimum and maximum).
+//
+// And the lagged-query head's scores over several layers in one call (specontext_vllm/selection.py):
+//
+//   out[r][h][t] = sum_i max_g softmax_{t' < past[r]}(l_i[r][h][g][t'])[t] for t < past[r], else 0,
+//   l_i = layer i's logits above (caches[i], q[i]),
+//
+// each (row, KV head)'s logits kept in a per-thread buffer (never written to memory whole).
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
+
+#include "cpu_common.h"  // runtime/csrc: exp_nonpositive
 
 namespace {
 
@@ -71,8 +82,8 @@ void tiled_block(const uint16_t* keys, const float* q, float* out, int64_t group
 // The same two forms with the block size and the query heads per pass (up to kGroupTile)
 // compile-time constants: every key row (or pair of rows) is loaded and widened once for all
 // of them. In the plugin's bf16 step this took the selection's logits from 25.4 to 18.4 ms a
-// step (8 rows x 7680 tokens x 8 layers, scratch timing); fp32 did not move (~27 ms, about
-// 1.2 GB/s of keys: not bound by this arithmetic; what bounds it is not found yet).
+// step (8 rows x 7680 tokens x 8 layers, scratch timing); fp32 did not move (~27 ms for the
+// 377 MB of fp32 keys those layers hold: 14 GB/s, bound by the bytes, not this arithmetic).
 constexpr int64_t kGroupTile = 4;
 
 template <typename T, int64_t BS, int64_t NG>
@@ -209,4 +220,98 @@ extern "C" int specontext_paged_key_logits_bf16(const uint16_t* cache, const int
                                                 const float* q, float* out, int64_t rows, int64_t kv, int64_t groups,
                                                 int64_t blocks, int64_t bs, int64_t d, int form) {
   return run(cache, table, table_stride, q, out, rows, kv, groups, blocks, bs, d, form);
+}
+
+namespace {
+
+// Layer after layer for each (row, KV head): its logits over the row's past blocks into
+// `logits` [groups][width], then each head's softmax statistics over the past positions, the
+// exponentials written over the logits (one per position and head), the group maximum of the
+// normalised weights added to the row's scores.
+template <typename T>
+void lagged_unit(const int64_t* caches, int64_t layers, const int32_t* table_row, const float* q_unit,
+                 int64_t q_layer_stride, int64_t n, float* out, float* logits, int64_t kv, int64_t h,
+                 int64_t groups, int64_t bs, int64_t d, int64_t width, int form) {
+  const int64_t area = bs * d, used = (n + bs - 1) / bs;
+  std::vector<float> inv(groups);
+  for (int64_t i = 0; i < layers; ++i) {
+    const T* cache = reinterpret_cast<const T*>(caches[i]);
+    const float* qh = q_unit + i * q_layer_stride;
+    for (int64_t blk = 0; blk < used; ++blk)
+      one_block(cache + (static_cast<int64_t>(table_row[blk]) * kv + h) * 2 * area, qh, logits + blk * bs, groups,
+                bs, d, width, form);
+    for (int64_t g = 0; g < groups; ++g) {
+      float* row = logits + g * width;
+      float m = -__builtin_inff();
+      for (int64_t t = 0; t < n; ++t) m = std::max(m, row[t]);
+      float z = 0.f;
+#pragma omp simd reduction(+ : z)
+      for (int64_t t = 0; t < n; ++t) {
+        row[t] = specontext_cpu::exp_nonpositive(row[t] - m);
+        z += row[t];
+      }
+      inv[g] = 1.f / z;  // z >= 1: the maximum's own term
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* row = logits + g * width;
+      const float s = inv[g];
+      if (g == 0) {
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) logits[t] = row[t] * s;  // head 0's weights in place
+      } else {
+#pragma omp simd
+        for (int64_t t = 0; t < n; ++t) logits[t] = std::max(logits[t], row[t] * s);
+      }
+    }
+#pragma omp simd
+    for (int64_t t = 0; t < n; ++t) out[t] += logits[t];
+  }
+}
+
+template <typename T>
+int lagged_scores(const int64_t* caches, int64_t layers, const int32_t* table, int64_t table_stride,
+                  const float* q, const int64_t* past, float* out, int64_t rows, int64_t kv, int64_t groups,
+                  int64_t blocks, int64_t bs, int64_t d, int form) {
+  if (bs > kMaxBlock || bs <= 0 || d <= 0 || groups <= 0 || layers <= 0 ||
+      (form == 1 && (bs % 16 != 0 || d % 2 != 0)))
+    return 1;
+  const int64_t width = blocks * bs;
+  for (int64_t r = 0; r < rows; ++r)
+    if (past[r] > width) return 1;  // a past position outside the blocks read
+#pragma omp parallel
+  {
+    std::vector<float> logits(groups * width);
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t h = 0; h < kv; ++h) {
+        float* o = out + (r * kv + h) * width;
+        std::fill(o, o + width, 0.f);
+        if (past[r] <= 0) continue;  // nothing to weigh: zeros, as the torch softmax's masked rows
+        lagged_unit<T>(caches, layers, table + r * table_stride, q + (r * kv + h) * groups * d, rows * kv * groups * d,
+                       past[r], o, logits.data(), kv, h, groups, bs, d, width, form);
+      }
+  }
+  return 0;
+}
+
+}  // namespace
+
+// caches: `layers` addresses of [num_blocks][kv][2][bs * d] caches (one dtype, one shape); q: float32
+// [layers][rows][kv][groups][d] (scaled); past: int64 [rows] (positions < past[r] weighed,
+// past[r] <= blocks * bs); out: float32 [rows][kv][blocks * bs].
+extern "C" int specontext_paged_lagged_scores_f32(const int64_t* caches, int64_t layers, const int32_t* table,
+                                                  int64_t table_stride, const float* q, const int64_t* past,
+                                                  float* out, int64_t rows, int64_t kv, int64_t groups,
+                                                  int64_t blocks, int64_t bs, int64_t d, int form) {
+  if (form != 0) return 1;
+  return lagged_scores<float>(caches, layers, table, table_stride, q, past, out, rows, kv, groups, blocks, bs, d,
+                              form);
+}
+
+extern "C" int specontext_paged_lagged_scores_bf16(const int64_t* caches, int64_t layers, const int32_t* table,
+                                                   int64_t table_stride, const float* q, const int64_t* past,
+                                                   float* out, int64_t rows, int64_t kv, int64_t groups,
+                                                   int64_t blocks, int64_t bs, int64_t d, int form) {
+  return lagged_scores<uint16_t>(caches, layers, table, table_stride, q, past, out, rows, kv, groups, blocks, bs,
+                                 d, form);
 }

@@ -88,3 +88,55 @@ def test_key_logits_over_packed_blocks_equal_float64(isa, dtype, use_kernel, gro
     tol = 2e-2 if (dtype == torch.bfloat16 and not use_kernel) else 1e-4
     assert got.shape == (1, 3, group, blocks * 32)
     assert float((got[0].double() - want).abs().max()) <= tol * float(want.abs().max())
+
+
+@pytest.mark.parametrize("isa,dtype", ISAS)
+@pytest.mark.parametrize("group", [1, 3, 5])
+def test_lagged_scores_in_one_call_equal_the_layers_softmaxes_summed(isa, dtype, group):
+    """The selection's scores of several layers in one kernel call (each layer's logits kept in
+    the thread's buffer) equal the per-layer path, ``group_max_probs`` of the torch logits
+    summed, in float64: within 1e-5 of the scores' scale (the kernel's exponential: relative
+    error under 3e-7); 0 at and past each row's ``past`` positions, rows with nothing past
+    (past 0) all zero."""
+    from specontext_compile.runtime.sparse_attention import group_max_probs
+
+    from specontext_vllm import kernels
+
+    if torch.cpu._is_amx_tile_supported():
+        torch.cpu._init_amx()
+    layout = probe_layout(isa, dtype, 32, 64)
+    if (layout.key_form, dtype) not in kernels.FORM_CODES:
+        pytest.skip(f"the kernel does not read {layout.key_form} keys")
+    assert kernels.available()
+    layers = [_written(isa, dtype, 32, seed) for seed in range(3)]  # same table (seeded), other keys
+    caches, table = [c for c, *_ in layers], layers[0][1]
+    blocks = layers[0][2].shape[2] // 32 + 1
+    rows = 5
+    table = table[:, :blocks].expand(rows, -1).contiguous()
+    past = torch.tensor([0, 1, 33, 150, 97])
+    gen = torch.Generator().manual_seed(7)
+    queries = [torch.randn(rows, 3 * group, 64, generator=gen) * 3 for _ in layers]
+    got = layout.lagged_scores(caches, table, blocks, queries, 0.125, past)
+    positions = torch.arange(blocks * 32)
+    allowed = positions < past.view(rows, 1, 1)
+    want = sum(group_max_probs(layout.key_logits(c, table, blocks, q, 0.125).double(), allowed)
+               for c, q in zip(caches, queries))
+    assert got.shape == (rows, 3, blocks * 32) and got.dtype == torch.float32
+    assert float((got.double() - want).abs().max()) <= 1e-5 * len(layers)
+    assert bool((got[~allowed.expand(-1, 3, -1)] == 0).all()) and bool((got[0] == 0).all())
+    mass = got[1:].sum(-1)  # per layer, the group maximum of distributions: between 1 and group
+    assert bool((mass >= len(layers) - 1e-4).all()) and bool((mass <= len(layers) * group + 1e-4).all())
+    assert torch.allclose(got[1], torch.nn.functional.one_hot(torch.tensor(0), blocks * 32).float() * len(layers))
+
+
+def test_lagged_scores_refuse_what_they_cannot_read():
+    """Caches of two dtypes, or a past beyond the blocks read, are refused before any read."""
+    from specontext_vllm import kernels
+
+    cache, table, keys, _ = _written("vec", torch.float32, 32, 0)
+    blocks = keys.shape[2] // 32
+    q = torch.zeros(2, 1, 3, 1, 64)
+    with pytest.raises(ValueError, match="paged_lagged_scores"):
+        kernels.paged_lagged_scores([cache, cache.bfloat16()], table, blocks, q, torch.tensor([5]), "transposed")
+    with pytest.raises(ValueError, match="paged_lagged_scores"):
+        kernels.paged_lagged_scores([cache, cache], table, blocks, q, torch.tensor([blocks * 32 + 1]), "transposed")

@@ -78,12 +78,23 @@ def _reference(keys, queries, r, n, scale):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_each_row_selects_as_the_float64_reference(seed):
+@pytest.mark.parametrize("path", ["one-call", "per-layer"])
+def test_each_row_selects_as_the_float64_reference(seed, path, monkeypatch):
+    """Both scoring paths: the C++ kernel's one call over the layers, and the per-layer torch
+    path (a packing the kernel does not read); the counted calls say which ran."""
+    from specontext_vllm import kernels
+
+    calls = []
+    real = kernels.paged_lagged_scores
+    monkeypatch.setattr(kernels, "paged_lagged_scores", lambda *a, **k: calls.append(1) or real(*a, **k))
+    if path == "per-layer":
+        monkeypatch.setattr(kernels, "FORM_CODES", {})
     lengths = [297, 40, 450, 128]  # rows of 10, 2, 15 and 4 blocks (kept: 4 blocks)
     caches, records, table, keys, queries = _paged(lengths, 3, seed)
     seq_lens = torch.tensor(lengths, dtype=torch.int32)
     layout = probe_layout("vec", torch.float32, BLOCK, D)
     selection = select_blocks(records, caches, table, seq_lens, layout, OPTIONS, D**-0.5)
+    assert len(calls) == (1 if path == "one-call" else 0)
     assert int(selection.recency_rows) == 0 and selection.logical.shape == (4, KV, 4)
     for r, n in enumerate(lengths):
         want = _reference(keys, queries, r, n, D**-0.5)
