@@ -23,8 +23,10 @@ class LaggedQueries:
     """One retrieval layer's record.
 
     Attributes:
-        queries: ``[num_blocks, num_heads, head_dim]``, the last query row written per block.
-        stamps: int64 ``[num_blocks]``, the physical KV row (``block * block_size + offset``)
+        queries: ``[num_blocks + 1, num_heads, head_dim]``, the last query row written per
+            block; the last row is a spare that takes the writes of padding slots (so a write
+            needs no host read to drop them) and is never read.
+        stamps: int64 ``[num_blocks + 1]``, the physical KV row (``block * block_size + offset``)
             of that query's token; ``-1`` = none.
         block_size: tokens per block.
     """
@@ -38,17 +40,18 @@ class LaggedQueries:
         """An empty record for a layer's cache ``[num_blocks, num_kv_heads, block_size, 2 *
         head_dim]`` (queries kept in the cache's dtype)."""
         blocks, _, block_size, _ = kv_cache.shape
-        return cls(kv_cache.new_zeros(blocks, num_heads, head_dim),
-                   torch.full((blocks,), -1, dtype=torch.long, device=kv_cache.device), block_size)
+        return cls(kv_cache.new_zeros(blocks + 1, num_heads, head_dim),
+                   torch.full((blocks + 1,), -1, dtype=torch.long, device=kv_cache.device), block_size)
 
     def write(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Record query rows ``[n, num_heads, head_dim]`` of tokens written at KV rows ``slots``
-        (int ``[n]``, at most one per block; negative slots, vLLM's padding, are skipped)."""
-        keep = slots >= 0
-        slots = slots[keep].long()
-        blocks = slots // self.block_size
-        self.queries.index_copy_(0, blocks, rows[keep].to(self.queries.dtype))
-        self.stamps.index_copy_(0, blocks, slots)
+        (int ``[n]``, at most one per block; negative slots, vLLM's padding, land in the spare
+        row: no boolean indexing, no host read)."""
+        slots = slots.long()
+        padding = slots < 0
+        blocks = torch.where(padding, self.stamps.shape[0] - 1, slots // self.block_size)
+        self.queries.index_copy_(0, blocks, rows.to(self.queries.dtype))
+        self.stamps.index_copy_(0, blocks, slots.masked_fill(padding, -1))
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The recorded query rows ``[n, num_heads, head_dim]`` of the tokens at KV rows

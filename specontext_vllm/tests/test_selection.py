@@ -130,3 +130,17 @@ def test_a_reused_block_never_lends_its_query():
     record.write(torch.ones(1, HEADS, D), torch.tensor([2 * BLOCK + 5]))
     query, ok = record.read(torch.tensor([2 * BLOCK + 5, 2 * BLOCK + 6, -1]))
     assert ok.tolist() == [True, False, False] and torch.equal(query[0], torch.ones(HEADS, D))
+
+
+def test_padding_slots_never_record_a_query():
+    """vLLM's padding rows (negative slots) in a write land in the record's spare row: no block
+    takes their query or stamp, and a read of any real slot never sees them."""
+    cache = torch.zeros(4, KV, BLOCK, 2 * D)
+    record = LaggedQueries.for_cache(cache, HEADS, D)
+    rows = torch.arange(3 * HEADS * D, dtype=torch.float32).view(3, HEADS, D)
+    record.write(rows, torch.tensor([-1, BLOCK + 3, -1]))
+    assert record.stamps[:4].tolist() == [-1, BLOCK + 3, -1, -1]
+    assert torch.equal(record.queries[1], rows[1]) and bool((record.queries[[0, 2, 3]] == 0).all())
+    every_slot = torch.arange(4 * BLOCK)
+    _, ok = record.read(every_slot)
+    assert ok.nonzero().flatten().tolist() == [BLOCK + 3]
