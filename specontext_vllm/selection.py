@@ -80,8 +80,9 @@ def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks)
     ready) and the bool ``[rows]`` readiness. The scores are the lagged-query head's
     (:func:`specontext_compile.runtime.scorers.lagged_query_score`): per retrieval layer the
     group-max softmax (:func:`~specontext_compile.runtime.sparse_attention.group_max_probs`)
-    of its recorded query's logits over the row's past tokens, summed; the logits come from
-    the packed blocks (:meth:`~.layout.BlockLayout.key_logits`)."""
+    of its recorded query's logits over the row's past tokens, summed; one kernel call over
+    every layer where it reads the packing (:meth:`~.layout.BlockLayout.lagged_scores`), else
+    per layer from the packed blocks (:meth:`~.layout.BlockLayout.key_logits`)."""
     rows, length = seq_lens.shape[0], blocks * layout.block_size
     pos = torch.arange(length, device=seq_lens.device)
     num_kv = caches[0].shape[1]
