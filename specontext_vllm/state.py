@@ -51,7 +51,7 @@ class LaggedQueries:
         padding = slots < 0
         blocks = torch.where(padding, self.stamps.shape[0] - 1, slots // self.block_size)
         self.queries.index_copy_(0, blocks, rows.to(self.queries.dtype))
-        self.stamps.index_copy_(0, blocks, slots.masked_fill(padding, -1))
+        self.stamps.index_copy_(0, blocks, slots)  # the spare row's stamp is never read
 
     def read(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The recorded query rows ``[n, num_heads, head_dim]`` of the tokens at KV rows

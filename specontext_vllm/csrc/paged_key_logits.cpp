@@ -230,10 +230,9 @@ namespace {
 // normalised weights added to the row's scores.
 template <typename T>
 void lagged_unit(const int64_t* caches, int64_t layers, const int32_t* table_row, const float* q_unit,
-                 int64_t q_layer_stride, int64_t n, float* out, float* logits, int64_t kv, int64_t h,
+                 int64_t q_layer_stride, int64_t n, float* out, float* logits, float* inv, int64_t kv, int64_t h,
                  int64_t groups, int64_t bs, int64_t d, int64_t width, int form) {
   const int64_t area = bs * d, used = (n + bs - 1) / bs;
-  std::vector<float> inv(groups);
   for (int64_t i = 0; i < layers; ++i) {
     const T* cache = reinterpret_cast<const T*>(caches[i]);
     const float* qh = q_unit + i * q_layer_stride;
@@ -280,7 +279,7 @@ int lagged_scores(const int64_t* caches, int64_t layers, const int32_t* table, i
     if (past[r] > width) return 1;  // a past position outside the blocks read
 #pragma omp parallel
   {
-    std::vector<float> logits(groups * width);
+    std::vector<float> logits(groups * width), inv(groups);  // per thread, once per call
 #pragma omp for collapse(2) schedule(static)
     for (int64_t r = 0; r < rows; ++r)
       for (int64_t h = 0; h < kv; ++h) {
@@ -288,7 +287,7 @@ int lagged_scores(const int64_t* caches, int64_t layers, const int32_t* table, i
         std::fill(o, o + width, 0.f);
         if (past[r] <= 0) continue;  // nothing to weigh: zeros, as the torch softmax's masked rows
         lagged_unit<T>(caches, layers, table + r * table_stride, q + (r * kv + h) * groups * d, rows * kv * groups * d,
-                       past[r], o, logits.data(), kv, h, groups, bs, d, width, form);
+                       past[r], o, logits.data(), inv.data(), kv, h, groups, bs, d, width, form);
       }
   }
   return 0;
