@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import fallbacks
+from . import fallbacks, stack_room
 from . import logs as _logs
 from .config import MODES as _MODES
 from .config import SpeContextConfig
@@ -181,7 +181,7 @@ def specontext_backend(
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
         _lower(gm, config, on_cuda, fuse=False)
-        return extra.wrap(inner(gm) if callable(inner) else gm.forward)  # a runner: e.g. the recall probe
+        return stack_room.with_stack_room(extra.wrap(inner(gm) if callable(inner) else gm.forward))  # a runner: e.g. the recall probe
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
     unlowered = _copy(gm) if _may_take_kernel(on_cuda) else None  # for a lowering without the kernel
@@ -206,7 +206,7 @@ def specontext_backend(
         _warn_kernel_fallback(err, first, _graph_label(result))
     if keep is not None:
         compiled = drop_folded(compiled, keep)
-    return extra.wrap(_checked_backward(compiled))
+    return stack_room.with_stack_room(extra.wrap(_checked_backward(compiled)))  # its Python off chunk boundaries
 
 
 #: our Triton kernels' names (codegen/kernels.py), as inductor's compile errors name them
