@@ -22,6 +22,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   ``scorers.lagged_query_score`` instead of our CPU kernel (``cpu_selection.applies`` returns False);
 * ``selection``: a step whose sites all take the dense shortcut still makes the selection
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
+* ``no-gemv-kernel``: a one-row bfloat16 linear keeps inductor's reduction instead of our kernel
+  (``cpu_gemv.applies`` returns False);
 * ``no-stack-room``: the compiled step is called directly, not through the frame that gives its
   Python a fresh data-stack chunk (``stack_room.with_stack_room`` returns the step itself).
 
@@ -56,6 +58,7 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "no-refine-kernel": ("specontext_compile.runtime.cpu_refine", "applies", lambda *a, **k: False),
     "no-selection-kernel": ("specontext_compile.runtime.cpu_selection", "applies", lambda *a, **k: False),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
+    "no-gemv-kernel": ("specontext_compile.runtime.cpu_gemv", "applies", lambda *a, **k: False),
     "no-stack-room": ("specontext_compile.stack_room", "with_stack_room", lambda fn: fn),
 }
 

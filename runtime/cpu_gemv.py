@@ -1,0 +1,112 @@
+"""Our CPU kernel for a one-row bfloat16 linear layer: the decode step's weights read near the copy rate.
+
+A decode step of batch 1 multiplies one activation row by every weight matrix, so its cost is
+reading the weights. ``passes/gemv.py`` turns each one-row ``linear`` into inductor's fused
+multiply-and-sum, which reads float32 weights near the copy rate but bfloat16 ones at about
+11 GB/s on a 2-core Xeon whose copy runs at 26 (``aten::mm`` no faster; ``python -m
+benchmarks.linear_bandwidth bfloat16``). ``specontext::cpu_gemv_bf16``
+(``csrc/gemv_bf16.cpp``) computes the same product with AVX512_BF16's ``vdpbf16ps``, four
+output rows per load of the input row: float32 accumulation, the sum rounded to bfloat16 once,
+as inductor's reduction rounds it (the additions' order differs; bfloat16 denormals read as
+zero). The pass uses it only where it is the faster path: CPU bfloat16 weights and input row,
+and a library built with AVX512_BF16 (:func:`applies`); elsewhere inductor's reduction stays.
+Built like the other CPU kernels (:func:`.cpu_kernels.build_library`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from . import cpu_kernels
+from .torch_private import counters
+
+__all__ = ["applies", "available", "cpu_gemv_bf16", "native"]
+
+_SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    lib = cpu_kernels.load_kernels(_SOURCE, ("specontext_gemv_bf16",), [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
+    lib.specontext_gemv_bf16_native.restype = ctypes.c_int
+    lib.specontext_gemv_bf16_native.argtypes = []
+    return lib
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the kernel library builds and loads here (the reason logged once if not)."""
+    return cpu_kernels.loads(_library, "the CPU bfloat16 one-row linear kernel",
+                             "bfloat16 one-row linear layers keep inductor's reduction")
+
+
+@functools.cache
+def native() -> bool:
+    """Whether the library was built with AVX512_BF16 (``vdpbf16ps``): only then is it faster
+    than inductor's reduction, so only then does :func:`applies` say yes."""
+    return available() and bool(_library().specontext_gemv_bf16_native())
+
+
+def applies(input: torch.Tensor, weight: torch.Tensor) -> bool:  # noqa: A002 (linear's names)
+    """Whether ``passes/gemv.py`` sends a one-row ``linear(input, weight)`` here (a static fact,
+    read from the traced example values): CPU bfloat16 input and weight, the weight 2-D, row
+    major and contiguous with static sizes, no gradient to carry (the op has no backward: a
+    graph traced with gradients keeps inductor's reduction), and :func:`native`."""
+    grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
+    return (not grad and input.device.type == "cpu" and weight.device.type == "cpu" and input.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and all(isinstance(n, int) for n in (*weight.shape, *weight.stride()))
+            and weight.is_contiguous() and weight.shape[0] > 0 and weight.shape[1] > 0 and native())
+
+
+def one_row_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 (linear's names)
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(input, weight, bias)`` for a one-row bfloat16 ``input`` ``[..., in_features]``
+    through :func:`cpu_gemv_bf16`; returns ``[..., out_features]`` bfloat16."""
+    out = torch.ops.specontext.cpu_gemv_bf16(input.reshape(-1), weight).reshape(*input.shape[:-1], weight.shape[0])
+    return out if bias is None else out + bias
+
+
+# A plain torch.library op (as the other CPU kernels: a cheaper dispatch than custom_op's; no
+# backward: the pass rewrites only graphs compiled for inference, see passes/gemv.py).
+torch.library.define("specontext::cpu_gemv_bf16", "(Tensor input, Tensor weight) -> Tensor")
+
+
+def cpu_gemv_bf16(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # noqa: A002 (linear's names)
+    """``weight @ input`` for one bfloat16 row.
+
+    Args:
+        input: bfloat16 ``[in_features]`` on the CPU (copied when not contiguous).
+        weight: bfloat16 ``[out_features, in_features]`` on the CPU, contiguous.
+
+    Returns:
+        bfloat16 ``[out_features]``: each output the float32 sum of its products, rounded once.
+
+    Raises:
+        KernelBuildError: the library cannot be built here (see :func:`available`).
+        ValueError: another dtype, device, layout or size, named before any read.
+    """
+    if (input.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or input.device.type != "cpu"
+            or weight.device.type != "cpu" or input.dim() != 1 or weight.dim() != 2
+            or weight.shape[1] != input.shape[0] or not weight.is_contiguous() or 0 in weight.shape):
+        raise ValueError(f"cpu_gemv_bf16 takes a bfloat16 CPU input [in_features] and a contiguous bfloat16 CPU "
+                         f"weight [out_features, in_features], sizes >= 1; got input {input.dtype} "
+                         f"{tuple(input.shape)} on {input.device}, weight {weight.dtype} {tuple(weight.shape)} on "
+                         f"{weight.device} (contiguous: {weight.is_contiguous()})")
+    counters["specontext"]["cpu_kernel_gemv_calls"] += 1
+    x = input.contiguous()
+    out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
+    _library().specontext_gemv_bf16(weight.data_ptr(), x.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1])
+    return out
+
+
+torch.library.impl("specontext::cpu_gemv_bf16", "CPU")(cpu_gemv_bf16)
+
+
+@torch.library.register_fake("specontext::cpu_gemv_bf16")
+def _(input, weight):  # noqa: A002 (linear's names)
+    return input.new_empty(weight.shape[0])

@@ -1,0 +1,88 @@
+// One-row bfloat16 linear layer on the CPU: y = W x, the weights read once at close to the
+// copy rate (issue 51: inductor's fused reduction and aten::mm read SmolLM2's bf16 weights at
+// about 11 GB/s on a 2-core Xeon where a copy runs at 26).
+//
+// What it computes (passes/gemv.py, one_row_linear, for a bfloat16 input row):
+//   y[o] = bf16( sum_i float(W[o, i]) * float(x[i]) ), float32 accumulation, the sum rounded
+//   to bfloat16 once (to nearest, ties to even), as inductor's reduction rounds it; only the
+//   order of the float32 additions differs.
+// With AVX512_BF16 (vdpbf16ps: 32 products of bfloat16 pairs summed into 16 float32 lanes per
+// instruction; bfloat16 denormals read as zero) four output rows share each load of x;
+// without it the rows are widened to float32 and summed with FMAs (AVX-512F) or scalar code.
+// The output rows are split between the threads (OpenMP), four at a time. Written for
+// specontext; built and loaded by runtime/cpu_gemv.py.
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_common.h"
+
+using namespace specontext_cpu;
+
+namespace {
+
+constexpr int ROWS = 4;  // output rows per block: they share each load of x
+constexpr int AHEAD = 2 * ROWS;  // rows ahead whose same columns are prefetched: 20 -> 23 GB/s in a scratch
+                                 // timing against 1 KiB ahead in the same row (2-core Xeon)
+
+inline uint16_t round_bf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u && (bits & 0x007fffffu)) return static_cast<uint16_t>((bits >> 16) | 0x40u);  // NaN stays NaN
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+#if defined(__AVX512BF16__)
+template <int R>
+void rows_bf16(const uint16_t* w, const uint16_t* x, uint16_t* y, int64_t in) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= in; i += 32) {
+    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_loadu_si512(x + i));
+    for (int r = 0; r < R; ++r) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + (r + AHEAD) * in + i), _MM_HINT_T0);  // two blocks on (never faults)
+      acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_loadu_si512(w + r * in + i)), xv);
+    }
+  }
+  if (i < in) {  // the last in % 32 elements: masked loads (zeros add nothing)
+    const __mmask32 mask = (in - i) >= 32 ? ~0u : ((1u << (in - i)) - 1u);
+    const __m512bh xv = reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, x + i));
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm512_dpbf16_ps(acc[r], reinterpret_cast<__m512bh>(_mm512_maskz_loadu_epi16(mask, w + r * in + i)), xv);
+  }
+  for (int r = 0; r < R; ++r) y[r] = round_bf16(_mm512_reduce_add_ps(acc[r]));
+}
+#else
+template <int R>
+void rows_bf16(const uint16_t* w, const uint16_t* x, uint16_t* y, int64_t in) {
+  for (int r = 0; r < R; ++r) {
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < in; ++i) sum += widen(w[r * in + i]) * widen(x[i]);
+    y[r] = round_bf16(sum);
+  }
+}
+#endif
+
+}  // namespace
+
+// 1 when the library was built with AVX512_BF16 (the fast path), else 0.
+extern "C" int specontext_gemv_bf16_native() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// y [out] = w [out, in] x [in], all bfloat16 (raw 16-bit patterns), w row-major and contiguous.
+// Returns 0, or 1 for sizes it does not take (out < 1 or in < 1).
+extern "C" int specontext_gemv_bf16(const uint16_t* w, const uint16_t* x, uint16_t* y, int64_t out, int64_t in) {
+  if (out < 1 || in < 1) return 1;
+  const int64_t blocks = out / ROWS;
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) rows_bf16<ROWS>(w + b * ROWS * in, x, y + b * ROWS, in);
+  for (int64_t o = blocks * ROWS; o < out; ++o) rows_bf16<1>(w + o * in, x, y + o, in);
+  return 0;
+}
