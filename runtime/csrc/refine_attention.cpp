@@ -268,8 +268,8 @@ void rank_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo,
 #pragma omp simd
     for (int64_t j = lo; j < hi; ++j) rank[j] = std::max(rank[j], row[j] - c);
   }
-  int64_t seen = 0;  // non-empty candidates before this split (the sinks are the first ones)
-  for (int64_t j = 0; j < lo; ++j) seen += cand[j] >= 0;
+  int64_t seen = 0;  // non-empty candidates before this split, counted up to `sinks` (the sinks are the first ones)
+  for (int64_t j = 0; j < lo && seen < p.sinks; ++j) seen += cand[j] >= 0;
   const int64_t recent_from = p.length(b) - p.recent;
   uint16_t* bin = p.bins + bh * N;
   uint32_t* hist = p.hist + (bh * p.SA + split) * BINS;
