@@ -106,6 +106,33 @@ inline __m512 sum_lanes16(const __m512* acc) {
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, h);
 }
+
+// out[g * stride + jj] = q[g] . rows[jj] for the G_ query heads of a KV group (q: [G_, D_]
+// float32) and 16 key rows of D_ store elements: each row chunk is loaded (and, for bfloat16,
+// widened) once for all G_ heads, R rows at a time so that the G_ x R accumulators stay in
+// registers (looping over the heads outside reloaded each row G_ times: for bfloat16 stores
+// that widening was most of the selection kernel's time, issue 51).
+template <typename T, int G_, int D_>
+inline void group_logits16(const float* q, const T* const* rows, float* out, int64_t stride) {
+  constexpr int R = G_ <= 3 ? 8 : (G_ <= 6 ? 4 : (G_ <= 12 ? 2 : 1));
+  __m512 sums[G_][16];
+  for (int r0 = 0; r0 < 16; r0 += R) {
+    __m512 acc[G_][R];
+    for (int g = 0; g < G_; ++g)
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+    for (int d = 0; d < D_; d += 16) {
+      __m512 qv[G_];
+      for (int g = 0; g < G_; ++g) qv[g] = _mm512_loadu_ps(q + g * D_ + d);
+      for (int r = 0; r < R; ++r) {
+        const __m512 kv = load16(rows[r0 + r] + d);
+        for (int g = 0; g < G_; ++g) acc[g][r] = _mm512_fmadd_ps(qv[g], kv, acc[g][r]);
+      }
+    }
+    for (int g = 0; g < G_; ++g)
+      for (int r = 0; r < R; ++r) sums[g][r0 + r] = acc[g][r];
+  }
+  for (int g = 0; g < G_; ++g) _mm512_storeu_ps(out + g * stride, sum_lanes16(sums[g]));
+}
 #endif
 
 }  // namespace specontext_cpu

@@ -191,17 +191,10 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
         if (ahead < hi && (p.gathered_keys || (cand[ahead] >= 0 && cand[ahead] < p.C)))
           prefetch_row<T, D_>(p.key_row(bh, ahead, cand[ahead]));
       }
-      for (int g = 0; g < G_; ++g) {
-        __m512 sums[16];
-        for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_setzero_ps();
-        for (int d = 0; d < D_; d += 16) {
-          const __m512 qv = _mm512_loadu_ps(q + g * D_ + d);
-          for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_fmadd_ps(qv, load16(rows[jj] + d), sums[jj]);
-        }
-        _mm512_storeu_ps(lg + g * p.N + j, sum_lanes16(sums));
+      group_logits16<T, G_, D_>(q, rows, lg + j, p.N);
+      for (int g = 0; g < G_; ++g)
         for (int jj = 0; jj < 16; ++jj)
           if (!ok[jj]) lg[g * p.N + j + jj] = NEG;
-      }
     }
   }
 #endif

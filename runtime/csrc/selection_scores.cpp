@@ -62,17 +62,12 @@ void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int6
 #ifdef __AVX512F__
   if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
     for (; j + 16 <= hi; j += 16) {
-      for (int jj = 0; jj < 16; ++jj)
+      const T* rows[16];
+      for (int jj = 0; jj < 16; ++jj) {
+        rows[jj] = k + (j + jj) * D_;
         if (j + PREFETCH + jj < hi) prefetch_row<T, D_>(k + (j + PREFETCH + jj) * D_);
-      for (int g = 0; g < G_; ++g) {
-        __m512 sums[16];
-        for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_setzero_ps();
-        for (int d = 0; d < D_; d += 16) {
-          const __m512 qv = _mm512_loadu_ps(q + g * D_ + d);
-          for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_fmadd_ps(qv, load16(k + (j + jj) * D_ + d), sums[jj]);
-        }
-        _mm512_storeu_ps(lg + g * p.C + j, sum_lanes16(sums));
       }
+      group_logits16<T, G_, D_>(q, rows, lg + j, p.C);
     }
   }
 #endif
