@@ -24,6 +24,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   (``SparseAttentionPass._selection_unused`` returns False: the code before issue 51 left it out).
 * ``no-gemv-kernel``: a one-row bfloat16 linear keeps inductor's reduction instead of our kernel
   (``cpu_gemv.applies`` returns False);
+* ``unshared-rows``: the bf16 linears of one input row (query, key and value; gate and up) keep
+  a kernel call each instead of one (``passes.gemv._share_row`` does nothing);
 * ``no-stack-room``: the compiled step is called directly, not through the frame that gives its
   Python a fresh data-stack chunk (``stack_room.with_stack_room`` returns the step itself).
 
@@ -59,6 +61,7 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "no-selection-kernel": ("specontext_compile.runtime.cpu_selection", "applies", lambda *a, **k: False),
     "selection": ("specontext_compile.passes.sparse_rewrite:SparseAttentionPass", "_selection_unused", lambda *a, **k: False),
     "no-gemv-kernel": ("specontext_compile.runtime.cpu_gemv", "applies", lambda *a, **k: False),
+    "unshared-rows": ("specontext_compile.passes.gemv", "_share_row", lambda *a, **k: None),
     "no-stack-room": ("specontext_compile.stack_room", "with_stack_room", lambda fn: fn),
 }
 

@@ -10,6 +10,8 @@ output rows per load of the input row: float32 accumulation, the sum rounded to 
 as inductor's reduction rounds it (the additions' order differs; bfloat16 denormals read as
 zero). The pass uses it only where it is the faster path: CPU bfloat16 weights and input row,
 and a library built with AVX512_BF16 (:func:`applies`); elsewhere inductor's reduction stays.
+One call takes every weight of one input row (a layer's query, key and value projections):
+one dispatch and one parallel region for them (:func:`one_row_linears`).
 Built like the other CPU kernels (:func:`.cpu_kernels.build_library`).
 """
 
@@ -24,14 +26,14 @@ import torch
 from . import cpu_kernels
 from .torch_private import counters
 
-__all__ = ["applies", "available", "cpu_gemv_bf16", "native"]
+__all__ = ["applies", "available", "cpu_gemv_bf16", "native", "one_row_linear", "one_row_linears"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = cpu_kernels.load_kernels(_SOURCE, ("specontext_gemv_bf16",), [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
+    lib = cpu_kernels.load_kernels(_SOURCE, ("specontext_gemv_bf16",), [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2)
     lib.specontext_gemv_bf16_native.restype = ctypes.c_int
     lib.specontext_gemv_bf16_native.argtypes = []
     return lib
@@ -67,46 +69,65 @@ def one_row_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 (lin
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(input, weight, bias)`` for a one-row bfloat16 ``input`` ``[..., in_features]``
     through :func:`cpu_gemv_bf16`; returns ``[..., out_features]`` bfloat16."""
-    out = torch.ops.specontext.cpu_gemv_bf16(input.reshape(-1), weight).reshape(*input.shape[:-1], weight.shape[0])
+    out = torch.ops.specontext.cpu_gemv_bf16(input.reshape(-1), [weight])[0].reshape(*input.shape[:-1], weight.shape[0])
     return out if bias is None else out + bias
+
+
+def one_row_linears(input: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # noqa: A002
+    """``linear(input, w)`` for each of ``weights`` (bias-free, one input row: a layer's query,
+    key and value projections) in one call of :func:`cpu_gemv_bf16`; each ``[...,
+    out_features]`` bfloat16."""
+    outs = torch.ops.specontext.cpu_gemv_bf16(input.reshape(-1), list(weights))
+    return tuple(out.reshape(*input.shape[:-1], w.shape[0]) for out, w in zip(outs, weights))
 
 
 # A plain torch.library op (as the other CPU kernels: a cheaper dispatch than custom_op's; no
 # backward: the pass rewrites only graphs compiled for inference, see passes/gemv.py).
-torch.library.define("specontext::cpu_gemv_bf16", "(Tensor input, Tensor weight) -> Tensor")
+torch.library.define("specontext::cpu_gemv_bf16", "(Tensor input, Tensor[] weights) -> Tensor[]")
+
+_MAX_WEIGHTS = 16  # csrc/gemv_bf16.cpp
 
 
-def cpu_gemv_bf16(input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # noqa: A002 (linear's names)
-    """``weight @ input`` for one bfloat16 row.
+def cpu_gemv_bf16(input: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:  # noqa: A002
+    """``w @ input`` for one bfloat16 row and each of ``weights``, in one kernel call.
 
     Args:
         input: bfloat16 ``[in_features]`` on the CPU (copied when not contiguous).
-        weight: bfloat16 ``[out_features, in_features]`` on the CPU, contiguous.
+        weights: 1 to 16 contiguous bfloat16 CPU tensors ``[out_features_k, in_features]``.
 
     Returns:
-        bfloat16 ``[out_features]``: each output the float32 sum of its products, rounded once.
+        bfloat16 ``[out_features_k]`` per weight: each output the float32 sum of its products,
+        rounded once.
 
     Raises:
         KernelBuildError: the library cannot be built here (see :func:`available`).
         ValueError: another dtype, device, layout or size, named before any read.
     """
-    if (input.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or input.device.type != "cpu"
-            or weight.device.type != "cpu" or input.dim() != 1 or weight.dim() != 2
-            or weight.shape[1] != input.shape[0] or not weight.is_contiguous() or 0 in weight.shape):
-        raise ValueError(f"cpu_gemv_bf16 takes a bfloat16 CPU input [in_features] and a contiguous bfloat16 CPU "
-                         f"weight [out_features, in_features], sizes >= 1; got input {input.dtype} "
-                         f"{tuple(input.shape)} on {input.device}, weight {weight.dtype} {tuple(weight.shape)} on "
-                         f"{weight.device} (contiguous: {weight.is_contiguous()})")
+    if (input.dtype != torch.bfloat16 or input.device.type != "cpu" or input.dim() != 1 or input.shape[0] == 0
+            or not 1 <= len(weights) <= _MAX_WEIGHTS):
+        raise ValueError(f"cpu_gemv_bf16 takes a bfloat16 CPU input [in_features >= 1] and 1 to {_MAX_WEIGHTS} "
+                         f"weights; got input {input.dtype} {tuple(input.shape)} on {input.device}, "
+                         f"{len(weights)} weights")
+    for weight in weights:
+        if (weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.dim() != 2
+                or weight.shape[1] != input.shape[0] or not weight.is_contiguous() or weight.shape[0] == 0):
+            raise ValueError(f"cpu_gemv_bf16 takes contiguous bfloat16 CPU weights [out_features >= 1, "
+                             f"in_features={input.shape[0]}]; got weight {weight.dtype} {tuple(weight.shape)} on "
+                             f"{weight.device} (contiguous: {weight.is_contiguous()})")
     counters["specontext"]["cpu_kernel_gemv_calls"] += 1
     x = input.contiguous()
-    out = torch.empty(weight.shape[0], dtype=torch.bfloat16)
-    _library().specontext_gemv_bf16(weight.data_ptr(), x.data_ptr(), out.data_ptr(), weight.shape[0], weight.shape[1])
-    return out
+    outs = [torch.empty(w.shape[0], dtype=torch.bfloat16) for w in weights]
+    count = len(weights)
+    pointers = ctypes.c_void_p * count
+    _library().specontext_gemv_bf16(pointers(*(w.data_ptr() for w in weights)), x.data_ptr(),
+                                    pointers(*(o.data_ptr() for o in outs)),
+                                    (ctypes.c_int64 * count)(*(w.shape[0] for w in weights)), count, x.shape[0])
+    return outs
 
 
 torch.library.impl("specontext::cpu_gemv_bf16", "CPU")(cpu_gemv_bf16)
 
 
 @torch.library.register_fake("specontext::cpu_gemv_bf16")
-def _(input, weight):  # noqa: A002 (linear's names)
-    return input.new_empty(weight.shape[0])
+def _(input, weights):  # noqa: A002 (linear's names)
+    return [input.new_empty(w.shape[0]) for w in weights]

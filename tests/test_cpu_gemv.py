@@ -37,23 +37,38 @@ def test_products_equal_float64_within_one_bfloat16_rounding(out_features, in_fe
     gen = torch.Generator().manual_seed(seed)
     weight = (torch.randn(out_features, in_features, generator=gen) * scale).bfloat16()
     x = torch.randn(in_features, generator=gen).bfloat16()
-    got = cpu_gemv.cpu_gemv_bf16(x, weight)
+    got, = cpu_gemv.cpu_gemv_bf16(x, [weight])
     assert got.dtype == torch.bfloat16 and got.shape == (out_features,)
     want = weight.double() @ x.double()
     assert ((got.double() - want).abs() <= _bound(weight, x)).all()
 
 
 @needs_kernel
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=4), st.integers(1, 130), st.integers(0, 2**16))
+def test_several_weights_of_one_row_in_one_call(outs, in_features, seed):
+    """One call over several weights (a layer's query, key and value projections): each output
+    as its own product, the four-row blocks of every weight shared out between the threads."""
+    gen = torch.Generator().manual_seed(seed)
+    weights = [torch.randn(o, in_features, generator=gen).bfloat16() for o in outs]
+    x = torch.randn(in_features, generator=gen).bfloat16()
+    for weight, got in zip(weights, cpu_gemv.cpu_gemv_bf16(x, weights), strict=True):
+        assert ((got.double() - weight.double() @ x.double()).abs() <= _bound(weight, x)).all()
+
+
+@needs_kernel
 def test_bad_inputs_are_named_before_any_read():
     w, x = torch.randn(4, 8).bfloat16(), torch.randn(8).bfloat16()
     with pytest.raises(ValueError, match="bfloat16 CPU input"):
-        cpu_gemv.cpu_gemv_bf16(x.float(), w)
+        cpu_gemv.cpu_gemv_bf16(x.float(), [w])
     with pytest.raises(ValueError, match="contiguous: False"):
-        cpu_gemv.cpu_gemv_bf16(torch.randn(4).bfloat16(), w.t())
+        cpu_gemv.cpu_gemv_bf16(torch.randn(4).bfloat16(), [w.t()])
     with pytest.raises(ValueError, match="weight torch.bfloat16 \\(4, 8\\)"):
-        cpu_gemv.cpu_gemv_bf16(torch.randn(7).bfloat16(), w)
-    with pytest.raises(ValueError, match="sizes >= 1"):
-        cpu_gemv.cpu_gemv_bf16(torch.randn(0).bfloat16(), torch.randn(4, 0).bfloat16())
+        cpu_gemv.cpu_gemv_bf16(torch.randn(7).bfloat16(), [w])
+    with pytest.raises(ValueError, match="in_features >= 1"):
+        cpu_gemv.cpu_gemv_bf16(torch.randn(0).bfloat16(), [torch.randn(4, 0).bfloat16()])
+    with pytest.raises(ValueError, match="1 to 16 weights"):
+        cpu_gemv.cpu_gemv_bf16(x, [])
 
 
 def _linear_graph(x: torch.Tensor, w: torch.Tensor) -> torch.fx.GraphModule:
@@ -99,8 +114,9 @@ def test_the_rewritten_graph_computes_the_linear():
 @needs_native
 def test_a_compiled_bfloat16_step_runs_the_kernel_with_inductors_logits():
     """The default options' bfloat16 step on CPU: every one-row linear of each decode step runs
-    the kernel (7 per layer and the LM head), and the logits equal those of the same step with
-    inductor's reduction (``applies`` patched False) within bfloat16 rounding of the sums."""
+    the kernel, in 4 calls per layer (query, key and value in one; output; gate and up in one;
+    down) and one for the LM head, and the logits equal those of the same step with inductor's
+    reduction (``applies`` patched False) within bfloat16 rounding of the sums."""
     model = tiny_llama().to(torch.bfloat16)
     ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
 
@@ -111,10 +127,34 @@ def test_a_compiled_bfloat16_step_runs_the_kernel_with_inductors_logits():
 
     before = counters["specontext"]["cpu_kernel_gemv_calls"]
     got = run()
-    assert counters["specontext"]["cpu_kernel_gemv_calls"] - before == 3 * (7 * model.config.num_hidden_layers + 1)
+    assert counters["specontext"]["cpu_kernel_gemv_calls"] - before == 3 * (4 * model.config.num_hidden_layers + 1)
     with pytest.MonkeyPatch.context() as patch, torch._inductor.config.patch(fx_graph_cache=False), \
             torch._functorch.config.patch(enable_autograd_cache=False):
         patch.setattr(cpu_gemv, "applies", lambda *a, **k: False)
         want = run()
     for a, b in zip(got, want):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
+
+
+@needs_native
+def test_the_linears_of_one_row_share_one_call_and_a_biased_one_keeps_its_own():
+    """Three bias-free linears of one input row (query, key, value) become one call of the
+    kernel; a fourth with a bias stays a call of its own; the graph computes the four linears."""
+    def f(x, wq, wk, wv, wo, bo):
+        return F.linear(x, wq), F.linear(x, wk), F.linear(x, wv), F.linear(x, wo, bo)
+
+    gm = torch.fx.symbolic_trace(f)
+    x = torch.randn(1, 1, 64).bfloat16()
+    args = (x, *(torch.randn(o, 64).bfloat16() for o in (32, 8, 8, 16)), torch.randn(16).bfloat16())
+    for node, value in zip(list(gm.graph.nodes)[:6], args):
+        node.meta["example_value"] = value
+    assert rewrite_one_row_linears(gm.graph) == 4
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(cpu_gemv.one_row_linears) == 1 and targets.count(cpu_gemv.one_row_linear) == 1
+    gm.recompile()
+    before = counters["specontext"]["cpu_kernel_gemv_calls"]
+    got = gm(*args)
+    assert counters["specontext"]["cpu_kernel_gemv_calls"] == before + 2
+    for out, weight, bias in zip(got, args[1:5], (None, None, None, args[5])):
+        want = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+        assert ((out.double() - want).abs() <= _bound(weight, x[0, 0]) + 2.0**-7 * want.abs()).all()

@@ -9,7 +9,8 @@
 // With AVX512_BF16 (vdpbf16ps: 32 products of bfloat16 pairs summed into 16 float32 lanes per
 // instruction; bfloat16 denormals read as zero) four output rows share each load of x;
 // without it the rows are widened to float32 and summed with FMAs (AVX-512F) or scalar code.
-// The output rows are split between the threads (OpenMP), four at a time. Written for
+// The output rows of one or several weights (one input row) are split between the threads
+// (OpenMP), four at a time. Written for
 // specontext; built and loaded by runtime/cpu_gemv.py.
 #include <cstdint>
 #include <cstring>
@@ -76,13 +77,27 @@ extern "C" int specontext_gemv_bf16_native() {
 #endif
 }
 
-// y [out] = w [out, in] x [in], all bfloat16 (raw 16-bit patterns), w row-major and contiguous.
-// Returns 0, or 1 for sizes it does not take (out < 1 or in < 1).
-extern "C" int specontext_gemv_bf16(const uint16_t* w, const uint16_t* x, uint16_t* y, int64_t out, int64_t in) {
-  if (out < 1 || in < 1) return 1;
-  const int64_t blocks = out / ROWS;
+// y[k] [out[k]] = w[k] [out[k], in] x [in] for the `count` weights of one input row (a layer's
+// query, key and value projections; its gate and up projections), all bfloat16 (raw 16-bit
+// patterns), each weight row-major and contiguous: one parallel region over every weight's
+// four-row blocks. Returns 0, or 1 for sizes it does not take (count < 1, in < 1, out[k] < 1).
+extern "C" int specontext_gemv_bf16(const uint16_t* const* w, const uint16_t* x, uint16_t* const* y,
+                                    const int64_t* out, int64_t count, int64_t in) {
+  constexpr int64_t MAX_WEIGHTS = 16;
+  if (count < 1 || count > MAX_WEIGHTS || in < 1) return 1;
+  int64_t first[MAX_WEIGHTS + 1] = {0};  // first[k]: weight k's first block among all of them
+  for (int64_t k = 0; k < count; ++k) {
+    if (out[k] < 1) return 1;
+    first[k + 1] = first[k] + out[k] / ROWS;
+  }
 #pragma omp parallel for schedule(static)
-  for (int64_t b = 0; b < blocks; ++b) rows_bf16<ROWS>(w + b * ROWS * in, x, y + b * ROWS, in);
-  for (int64_t o = blocks * ROWS; o < out; ++o) rows_bf16<1>(w + o * in, x, y + o, in);
+  for (int64_t b = 0; b < first[count]; ++b) {
+    int64_t k = 0;
+    while (b >= first[k + 1]) ++k;
+    const int64_t row = (b - first[k]) * ROWS;
+    rows_bf16<ROWS>(w[k] + row * in, x, y[k] + row, in);
+  }
+  for (int64_t k = 0; k < count; ++k)
+    for (int64_t o = (out[k] / ROWS) * ROWS; o < out[k]; ++o) rows_bf16<1>(w[k] + o * in, x, y[k] + o, in);
   return 0;
 }
