@@ -53,7 +53,7 @@ def native() -> bool:
     return available() and bool(_library().specontext_gemv_bf16_native())
 
 
-def applies(input: torch.Tensor, weight: torch.Tensor) -> bool:  # noqa: A002 (linear's names)
+def applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``passes/gemv.py`` sends a one-row ``linear(input, weight)`` here (a static fact,
     read from the traced example values): CPU bfloat16 input and weight, the weight 2-D, row
     major and contiguous with static sizes, no gradient to carry (the op has no backward: a
@@ -65,7 +65,7 @@ def applies(input: torch.Tensor, weight: torch.Tensor) -> bool:  # noqa: A002 (l
             and weight.is_contiguous() and weight.shape[0] > 0 and weight.shape[1] > 0 and native())
 
 
-def one_row_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 (linear's names)
+def one_row_linear(input: torch.Tensor, weight: torch.Tensor,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """``linear(input, weight, bias)`` for a one-row bfloat16 ``input`` ``[..., in_features]``
     through :func:`cpu_gemv_bf16`; returns ``[..., out_features]`` bfloat16."""
@@ -73,7 +73,7 @@ def one_row_linear(input: torch.Tensor, weight: torch.Tensor,  # noqa: A002 (lin
     return out if bias is None else out + bias
 
 
-def one_row_linears(input: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:  # noqa: A002
+def one_row_linears(input: torch.Tensor, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
     """``linear(input, w)`` for each of ``weights`` (bias-free, one input row: a layer's query,
     key and value projections) in one call of :func:`cpu_gemv_bf16`; each ``[...,
     out_features]`` bfloat16."""
@@ -88,7 +88,7 @@ torch.library.define("specontext::cpu_gemv_bf16", "(Tensor input, Tensor[] weigh
 _MAX_WEIGHTS = 16  # csrc/gemv_bf16.cpp
 
 
-def cpu_gemv_bf16(input: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:  # noqa: A002
+def cpu_gemv_bf16(input: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """``w @ input`` for one bfloat16 row and each of ``weights``, in one kernel call.
 
     Args:
@@ -129,5 +129,5 @@ torch.library.impl("specontext::cpu_gemv_bf16", "CPU")(cpu_gemv_bf16)
 
 
 @torch.library.register_fake("specontext::cpu_gemv_bf16")
-def _(input, weights):  # noqa: A002 (linear's names)
+def _(input, weights):
     return [input.new_empty(w.shape[0]) for w in weights]

@@ -181,7 +181,8 @@ def specontext_backend(
             logger.info("specontext: mode %r applies to graphs compiled by inductor; this %s runs "
                         "eager", mode, _graph_label(result))
         _lower(gm, config, on_cuda, fuse=False)
-        return stack_room.with_stack_room(extra.wrap(inner(gm) if callable(inner) else gm.forward))  # a runner: e.g. the recall probe
+        runner = inner(gm) if callable(inner) else gm.forward  # a runner: e.g. the recall probe
+        return stack_room.with_stack_room(extra.wrap(runner))
     if config.compile.gemv if config.compile.gemv is not None else not on_cuda:
         counters["specontext"]["one_row_linears"] += rewrite_one_row_linears(gm.graph)
     unlowered = _copy(gm) if _may_take_kernel(on_cuda) else None  # for a lowering without the kernel

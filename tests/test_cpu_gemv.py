@@ -10,12 +10,12 @@ import torch.nn.functional as F
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from specontext_compile.passes.gemv import one_row_linear, rewrite_one_row_linears
+from specontext_compile.runtime import cpu_gemv
 from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
 
 import specontext_compile as sc
-from specontext_compile.passes.gemv import one_row_linear, rewrite_one_row_linears
-from specontext_compile.runtime import cpu_gemv
 
 needs_kernel = pytest.mark.skipif(not cpu_gemv.available(), reason="no C++ compiler builds the kernel here")
 needs_native = pytest.mark.skipif(not cpu_gemv.native(), reason="this CPU has no AVX512_BF16: the pass keeps inductor's")

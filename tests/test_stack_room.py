@@ -33,7 +33,6 @@ def _empty():
         _c0 = _c1 = _c2 = _c3 = _c4 = _c5 = _c6 = _c7 = _c8 = _c9 = None
         _d0 = _d1 = _d2 = _d3 = _d4 = _d5 = _d6 = _d7 = _d8 = _d9 = None
         _e0 = _e1 = _e2 = _e3 = _e4 = _e5 = _e6 = _e7 = _e8 = _e9 = None
-    return None
 
 
 def _burst():

@@ -111,8 +111,6 @@ void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int6
   for (int64_t g = 0; g < G; ++g) split_exponentials(lg + g * p.C, lo, hi, st + 2 * g);
 }
 
-
-
 // Phase 2: the scores of positions [lo, hi) of item bh (0 past the written length): each
 // layer's softmax weight of position i is its phase-1 exponential exp(l_i - m_s) times
 // exp(m_s - M) / Z, one factor per phase-1 split s (M, Z: the layer's maximum and sum over
