@@ -5,7 +5,8 @@ the changes measured here. This compiles SmolLM2-135M's decode step twice (same 
 random KV of ``--context`` tokens, each with its own cache): ``A``, the current code, and
 ``B``, the same code with one trace-time name swapped (``--swap``):
 
-* ``sdpa``: the dense shortcut keeps SDPA (``aten_step.fused_products`` returns False);
+* ``sdpa``: the dense shortcut keeps SDPA (``aten_step.fused_products`` returns False) at
+  the sites the pass left off our CPU kernel (``StepSpec.cpu_kernel`` False);
 * ``unsplit``: the dense shortcut keeps the fused products over every slot, not the split
   store attention (``aten_step.split_chunks`` returns 1);
 * ``unchunked``: fused query-key products (the refinement's, the gather path's) keep one
@@ -15,7 +16,8 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
 * ``cpp-wrapper``: inductor's C++ wrapper instead of its Python one (with ``--options
   '{"regional": false}'``: torch 2.13 cannot compile ``invoke_subgraph`` with it);
 * ``no-cpu-kernel``: the dense decode attention of a float32 store keeps inductor's body
-  (``split_store.py``) instead of our CPU kernel (``cpu_kernels.applies`` returns False);
+  (``split_store.py``) instead of our CPU kernel (``cpu_kernels.applies``, which the pass asks,
+  returns False);
 * ``no-refine-kernel``: a refined site (the default's) keeps inductor's body of
   ``aten_step.refine_and_attend`` instead of our CPU kernel (``cpu_refine.applies`` returns False);
 * ``no-selection-kernel``: the lagged-query selection keeps inductor's body of

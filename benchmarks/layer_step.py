@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import aten_step, routes
 from specontext_compile.runtime.page_bounds import PAGE_TOKENS, page_count, update_page_bounds
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 
@@ -72,6 +72,13 @@ def _spec(budget: int, rescue_tokens: int) -> StepSpec:
                     page_tokens=PAGE_TOKENS)
 
 
+def _as_the_pass_decides(spec: StepSpec, variant: AttentionVariant, query, store, **site) -> StepSpec:
+    """``spec`` with our CPU kernel where the pass would give it to this site in a step
+    inductor compiles (``routes.cpu_kernel``, from the traced values)."""
+    compiled = dataclasses.replace(spec, compiled=True)
+    return dataclasses.replace(compiled, cpu_kernel=routes.cpu_kernel(query, store, None, compiled, variant, **site))
+
+
 def variants(budget: int, rescue_tokens: int, scale: float):
     spec, variant = _spec(budget, rescue_tokens), AttentionVariant(scale, fused_products=True)  # as lowered
 
@@ -84,12 +91,16 @@ def variants(budget: int, rescue_tokens: int, scale: float):
         return aten_step.sparse_attention(query, key, value, kept, length, None, spec, variant)
 
     def fused(query, key, value, length, page_min, page_max, candidates):
-        return aten_step.refine_and_attend(query, (key, value), candidates, length, None, spec, variant,
-                                           (page_min, page_max, None))
+        pages = (page_min, page_max, None)
+        mine = _as_the_pass_decides(spec, variant, query, (key, value), dense=False, slots=candidates.shape[-1],
+                                    pages=pages)
+        return aten_step.refine_and_attend(query, (key, value), candidates, length, None, mine, variant, pages)
 
     def dense(query, key, value, length, page_min, page_max, candidates):
+        mine = dataclasses.replace(spec, dense_shortcut=True, route="dense")
+        mine = _as_the_pass_decides(mine, variant, query, (key, value), dense=True, slots=None)
         return aten_step.sparse_attention(query, key, value, torch.arange(key.shape[2]).expand(1, key.shape[1], -1),
-                                          length, None, dataclasses.replace(spec, dense_shortcut=True, route="dense"), variant)
+                                          length, None, mine, variant)
 
     return {"attend": attend, "refine+attend": refine_attend, "refine_and_attend": fused, "dense": dense}
 

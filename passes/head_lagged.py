@@ -8,11 +8,12 @@ from __future__ import annotations
 from torch import fx
 
 from ..config import default_retrieval_layers
-from ..runtime import aten_step, rollback
+from ..runtime import aten_step, rollback, routes
 from ..runtime.protocol import RetrievalAnchor
+from ..runtime.spec import StepSpec
 from .heads import ScoreInputs, SelectionHead
 from .site_nodes import bias_4d, selection_query
-from .sites import AttentionSite
+from .sites import AttentionSite, example_value
 
 __all__ = ["LaggedQueryHead"]
 
@@ -88,6 +89,14 @@ class LaggedQueryHead(SelectionHead):
             self.restored = True
         return ScoreInputs(after, (self.anchored.query_state, self.anchored.query_valid),
                            [_store(d) for d in self.drivers], first.length, first.q_len, first.scale, bias)
+
+    def cpu_kernel(self, inputs: ScoreInputs, spec: StepSpec) -> bool:
+        """Our CPU selection kernel where :func:`~..runtime.routes.selection_kernel` says so,
+        from the recorded queries' and key stores' example values (none: the torch body)."""
+        values = [example_value(n) if isinstance(n, fx.Node) else None for n in (inputs.record[0], *inputs.stores)]
+        if any(v is None for v in values):
+            return False
+        return routes.selection_kernel(values[0], values[1:], spec, inputs.position_bias is not None)
 
     def _pick(self, num_layers: int) -> list[int]:
         layers = self.layers or default_retrieval_layers(num_layers)

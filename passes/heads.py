@@ -33,6 +33,7 @@ Adding a head is its scorer (:mod:`~..runtime.scorers`), one module with a subcl
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import NamedTuple
 
 from torch import fx
@@ -102,10 +103,17 @@ class SelectionHead(abc.ABC):
         inputs = self.score_inputs(graph, anchor, mask, decode)
         # the variant carries the window (and, once lowered for inductor, the products' form)
         variant = AttentionVariant(inputs.scale, sliding_window=window)
+        spec = dataclasses.replace(spec, cpu_kernel=self.cpu_kernel(inputs, spec))  # decided once, here
         with graph.inserting_after(inputs.after):
             return graph.call_function(scorers.head_select, (
                 self.scorer, inputs.record, inputs.stores, inputs.length, inputs.q_len, spec, variant, mask,
                 inputs.position_bias))
+
+    def cpu_kernel(self, inputs: ScoreInputs, spec: StepSpec) -> bool:
+        """Whether the head's scores run its CPU kernel (the selection node's
+        ``StepSpec.cpu_kernel``), decided from ``inputs``' example values; a head without a
+        kernel keeps False."""
+        return False
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
         """Insert, after ``selection`` (a node :meth:`select` returned), the bool scalar tensor

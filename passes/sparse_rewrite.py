@@ -71,6 +71,7 @@ class RewriteResult:
     # and why sites were passed over for a faster route: reason -> sites
     routes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     route_reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    cpu_kernel_sites: int = 0  # rewritten sites our C++ CPU kernel computes (StepSpec.cpu_kernel)
 
     @property
     def total(self) -> int:
@@ -221,6 +222,7 @@ class SparseAttentionPass(CustomGraphPass):
         self.retrieval_head, self.dense_layers = retrieval_head, tuple(dense_layers)
         self.rescue_layers = rescue_layers
         self._rescued: frozenset[int] | None = None  # rescue_layers resolved against the model's layer count
+        self._specs: dict[int, StepSpec] = {}  # each site's spec, decided once per graph (id of the site)
 
     @classmethod
     def from_config(cls, config) -> SparseAttentionPass:
@@ -237,6 +239,7 @@ class SparseAttentionPass(CustomGraphPass):
         return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
     def __call__(self, graph: fx.Graph) -> RewriteResult:
+        self._specs = {}
         decide_query_lengths(graph, self.max_sparse_q_len)
         sites = find_attention_sites(graph)
         result = RewriteResult(sites=sites)
@@ -420,10 +423,40 @@ class SparseAttentionPass(CustomGraphPass):
 
     def _site_spec(self, site: AttentionSite) -> StepSpec:
         """The step's spec at this site: its store's page size (0 = no page bounds, or the
-        rescue does not apply here) and the dense shortcut where the site takes it."""
+        rescue does not apply here), the dense shortcut where the site takes it, and whether
+        our CPU kernel computes it; decided once per site (its refinement and its attention
+        read the same spec)."""
+        if id(site) not in self._specs:
+            self._specs[id(site)] = self._decide_spec(site)
+        return self._specs[id(site)]
+
+    def _decide_spec(self, site: AttentionSite) -> StepSpec:
         rescue = self._rescue_of(site)
         spec = self.step.for_store(rescue[1] if rescue is not None else 0)
-        return dataclasses.replace(spec, dense_shortcut=self._dense_store(site))
+        spec = dataclasses.replace(spec, dense_shortcut=self._dense_store(site))
+        return dataclasses.replace(spec, cpu_kernel=self._cpu_kernel(site, spec, rescue))
+
+    def _cpu_kernel(self, site: AttentionSite, spec: StepSpec, rescue: tuple[list, int] | None) -> bool:
+        """Whether our C++ CPU kernel computes the site (``StepSpec.cpu_kernel``, decided here
+        by :func:`~..runtime.routes.cpu_kernel` from the site's example values): on the dense
+        route (the dense shortcut without offload) the dense kernel; at a refined site without
+        the guard or learned sinks (the lowering makes its refinement and attention one body)
+        the refine kernel. A site with ALiBi's bias (an additive mask), an MLA site, or a value
+        the pass cannot see keeps the torch bodies."""
+        dense = spec.dense_shortcut and not spec.offload
+        refined = self._refines(site) and spec.min_coverage == 0 and site.sinks is None
+        if not (dense or refined) or site.mla is not None or site.position_bias is not None:
+            return False
+        query, key_cache, value_cache = (example_value(n) for n in (site.query, site.key_cache, site.value_cache))
+        attn_mask = example_value(site.attn_mask)
+        pages = [example_value(n) for n in rescue[0]] if rescue is not None else []
+        if (any(v is None for v in (query, key_cache, value_cache)) or (site.attn_mask is not None and attn_mask is None)
+                or any(v is None for n, v in zip(rescue[0] if rescue else [], pages) if n is not None)):
+            return False
+        capacity = static_capacity(site)
+        slots = max(site.q_len or 1, min(self.step.candidate_slots, capacity)) if refined and capacity else None
+        return routes.cpu_kernel(query, (key_cache, value_cache), attn_mask, spec, _variant(site), dense=dense,
+                                 slots=slots, pages=tuple(pages))
 
     def _refines(self, site: AttentionSite) -> bool:
         """Whether the site keeps its own ``budget`` of the step's candidates: the candidate
@@ -532,6 +565,7 @@ class SparseAttentionPass(CustomGraphPass):
             decision = routes.decide(query, key_cache, attn_mask, spec.dense_shortcut, spec,
                                      _variant(site, latent=site.mla is not None))
         result.routes[decision.route] += 1
+        result.cpu_kernel_sites += spec.cpu_kernel
         if decision.reason is not None:
             result.route_reasons[decision.reason] += 1
         return dataclasses.replace(spec, route=decision.route), (mask if decision.route == "kernel" else original)

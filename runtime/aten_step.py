@@ -27,7 +27,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true as known
 from torch.fx.node import has_side_effect
 
-from . import cpu_kernels, cpu_refine, page_bounds
+from . import cpu_kernels, cpu_refine, page_bounds  # noqa: F401 - cpu_kernels registers specontext::cpu_decode_attention
 from .protocol import FALLBACK_STAT, GUARD_STAT
 from .spec import AttentionVariant, StepSpec
 from .split_store import split_chunks, split_store_attention
@@ -407,12 +407,12 @@ def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``. Its cost against the two
     bodies: ``python -m benchmarks.layer_step`` (docs/benchmarks.md).
 
-    In a CPU decode step traced for inductor (``variant.fused_products``, which the lowering
-    sets) with one query row per head, the ranking and the attention are our C++ kernel
-    (:func:`~.cpu_refine.refine_attend`) where it applies (:func:`~.cpu_refine.applies`, a
-    static fact): the same kept set up to exactly equal ranks, float32 accumulation."""
+    Where the pass chose our C++ kernel (``spec.cpu_kernel``: a CPU decode step inductor
+    compiles, one query row per head, a site :func:`~.cpu_refine.applies` to), the ranking
+    and the attention are :func:`~.cpu_refine.refine_attend`: the same kept set up to exactly
+    equal ranks, float32 accumulation."""
     key_cache, value_cache = store
-    if refine_kernel(query, store, candidates, attn_mask, spec, variant, pages):
+    if spec.cpu_kernel:  # the pass's decision (routes.cpu_kernel), read, never re-made
         candidates, pages = kernel_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
         return cpu_refine.refine_attend(query, store, candidates, length, kernel_visible(attn_mask, key_cache),
                                         spec, variant, pages)
@@ -422,24 +422,9 @@ def refine_and_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tens
     return attend_kept(query, logits, values, top, rows)
 
 
-def refine_kernel(query, store, candidates, attn_mask, spec: StepSpec, variant: AttentionVariant, pages) -> bool:
-    """Whether :func:`refine_and_attend` runs our CPU kernel (a static fact): a CPU decode
-    step traced for inductor (:func:`fused_products`: ``variant.fused_products``, a few query
-    rows per KV head) at a site :func:`~.cpu_refine.applies` to, with the page bounds it reads
-    when the page rescue is on. An offloaded layer decides the same way
-    (:func:`~.offload_step.refine_and_attend`), so both run the same arithmetic."""
-    key_cache = store[0]
-    if isinstance(key_cache, tuple):  # MLA's latent pair
-        return False
-    b, _, _, head_dim = query.shape
-    rescue = pages if spec.rescue_pages > 0 and pages else ()
-    return (fused_products(query.reshape(b, key_cache.shape[1], -1, head_dim), key_cache, variant.fused_products)
-            and cpu_refine.applies(query, store, candidates, attn_mask, variant, rescue))
-
-
 def kernel_candidates(query, key_cache, candidates, length, attn_mask, spec: StepSpec, variant: AttentionVariant,
                       pages) -> tuple[torch.Tensor, Sequence[torch.Tensor | None]]:
-    """What the refine kernel is given at a site :func:`refine_kernel` chose: ``(candidates,
+    """What the refine kernel is given at a site the pass chose it for (``spec.cpu_kernel``): ``(candidates,
     pages)``, the selection's candidates and the page bounds when the kernel rescues pages
     itself; else the positions ranked as they are (or every seen one, for a selection that
     covers the store) and no bounds."""
@@ -486,15 +471,16 @@ def covers_store(indices: torch.Tensor, key_cache: torch.Tensor) -> bool:
 
 
 def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant: AttentionVariant,
-                           fused: bool = True):
+                           fused: bool = True, kernel: bool = False):
     """Exact attention over the whole store of a plain site (``variant.plain``) with the
     causal limit ``p <= length - q_len + r`` as a mask (unwritten slots hidden without
     reading ``length`` on the host).
 
-    SDPA, except for a CPU decode step traced for inductor (``variant.fused_products``, which
-    the lowering sets, and :func:`fused_products`: a few query rows per KV head): there, for one float32 or bfloat16 query row per head, our CPU kernel
+    ``kernel`` (the pass's ``spec.cpu_kernel``, :func:`~.routes.cpu_kernel`): our CPU kernel
     (:func:`~.cpu_kernels.cpu_decode_attention`: each key and value loaded once for the
-    group's rows) where it builds and the mask is boolean or absent; else, when the store is worth splitting for the threads
+    group's rows). Else SDPA, except for a CPU decode step traced for inductor
+    (``variant.fused_products``, which the lowering sets, and :func:`fused_products`: a few
+    query rows per KV head): there, when the store is worth splitting for the threads
     (:func:`~.split_store.split_chunks`: a float32 store, few ``batch * num_kv_heads`` rows),
     :func:`~.split_store.split_store_attention`; else the gather path's body over every slot, read in place
     (:func:`attend_gathered` with the positions ``0 .. capacity-1``), which inductor compiles
@@ -506,12 +492,12 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     branch) dynamo cannot trace the fused body's casts of functional tensors."""
     b, num_heads, q_len, head_dim = query.shape
     num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
+    if kernel:
+        visible = row_visibility(attn_mask, capacity)
+        return torch.ops.specontext.cpu_decode_attention(
+            query.float() * variant.scale, key_cache, value_cache, length,
+            None if visible is None else visible[:, 0]).to(query.dtype)
     if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache, variant.fused_products):
-        if cpu_kernels.applies(query, key_cache, value_cache, attn_mask):
-            visible = row_visibility(attn_mask, capacity)
-            return torch.ops.specontext.cpu_decode_attention(
-                query.float() * variant.scale, key_cache, value_cache, length,
-                None if visible is None else visible[:, 0]).to(query.dtype)
         chunks = split_chunks(b * num_kv, capacity, key_cache.dtype)
         if chunks > 1:
             return split_store_attention(query, key_cache, value_cache, length, attn_mask, variant, chunks)
@@ -607,5 +593,6 @@ def sparse_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         if not (variant.plain and covers_store(indices, key_cache)):
             raise ValueError("StepSpec.route='dense' needs a plain site (no soft cap, no sliding window) whose "
                              "selection has a slot for every store position; use route='gather'")
-        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant)
+        return _dense_store_attention(query, key_cache, value_cache, length, attn_mask, variant,
+                                      kernel=spec.cpu_kernel)
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, attn_mask, variant)

@@ -50,14 +50,15 @@ def available() -> bool:
     return cpu_kernels.loads(_library, "the CPU refined attention kernel", "refined CPU sites keep inductor's kernels")
 
 
-def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candidates: torch.Tensor,
+def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], slots: int,
             attn_mask: torch.Tensor | None, variant, pages: Sequence[torch.Tensor | None] = ()) -> bool:
-    """Whether :func:`cpu_refine_attention` serves a refined site (a static fact, read at trace
-    time): CPU tensors, one query row per head, a plain site (no soft cap, no sliding window),
-    query and stores of one dtype, float32 or bfloat16, the group and head sizes the kernel
-    holds, static shapes, no gradient to carry (the op has no backward: a step traced with
-    gradients keeps the torch body), no mask or a boolean one with one head (an additive mask
-    may carry a bias the kernel does not add), page bounds (when given: ``(page_min, page_max,
+    """Whether :func:`cpu_refine_attention` serves a refined site ranking ``slots`` candidates
+    per KV head (a static fact, asked once by the pass: :func:`~.routes.cpu_kernel`): CPU
+    tensors, one query row per head, a plain site (no soft cap, no sliding window), query and
+    stores of one dtype, float32 or bfloat16, the group and head sizes the kernel holds,
+    static shapes, no gradient to carry (the op has no backward: a step traced with gradients
+    keeps the torch body), no mask or a boolean one with one head (an additive mask may carry
+    a bias the kernel does not add), page bounds (when given: ``(page_min, page_max,
     page_shift)``) of the store's dtype and ``[batch, num_kv_heads, pages, head_dim]``, and the
     library available."""
     key_cache, value_cache = store
@@ -65,11 +66,11 @@ def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], candi
         return False
     _, num_heads, q_len, head_dim = query.shape
     num_kv = key_cache.shape[1]
-    static = all(isinstance(n, int) for n in (*query.shape, *key_cache.shape, *candidates.shape))
+    static = all(isinstance(n, int) for n in (*query.shape, *key_cache.shape, slots))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key_cache, value_cache))
     return (static and not grad and query.device.type == "cpu" and q_len == 1 and variant.plain
             and num_heads % num_kv == 0 and num_heads // num_kv <= _MAX_GROUP and head_dim <= _MAX_DIM
-            and tuple(value_cache.shape) == tuple(key_cache.shape) and candidates.shape[-1] > 0
+            and tuple(value_cache.shape) == tuple(key_cache.shape) and slots > 0
             and query.dtype in _STORE_DTYPES and key_cache.dtype == value_cache.dtype == query.dtype
             and (attn_mask is None or attn_mask.dtype == torch.bool and attn_mask.shape[1] == 1)
             and _bounds_apply(pages, key_cache) and available())

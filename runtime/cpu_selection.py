@@ -42,15 +42,14 @@ def available() -> bool:
     return cpu_kernels.loads(_library, "the CPU selection scores kernel", "the selection keeps inductor's kernels")
 
 
-def applies(query_state: torch.Tensor, stores: list, visible: torch.Tensor | None, variant,
-            position_bias: torch.Tensor | None) -> bool:
-    """Whether :func:`lagged_scores` serves a lagged-query selection (a static fact, read at
-    trace time): a CPU step traced for inductor (``variant.fused_products``), plain key stores
-    (not MLA's latent pairs) of one dtype, float32 or bfloat16, and one shape ``[batch,
-    num_kv_heads, capacity, head_dim]`` with static sizes, the recorded queries ``[slots >=
-    layers, batch, num_heads, 1, head_dim]`` of that dtype, no ALiBi bias, the group, head and
-    layer counts the kernel holds, and the library available."""
-    if not (variant.fused_products and stores and position_bias is None) or query_state.device.type != "cpu":
+def applies(query_state: torch.Tensor, stores: list) -> bool:
+    """Whether :func:`lagged_scores` serves a lagged-query selection (a static fact, asked once
+    by the pass: :func:`~.routes.selection_kernel`): CPU tensors, plain key stores (not MLA's
+    latent pairs) of one dtype, float32 or bfloat16, and one shape ``[batch, num_kv_heads,
+    capacity, head_dim]`` with static sizes, the recorded queries ``[slots >= layers, batch,
+    num_heads, 1, head_dim]`` of that dtype, the group, head and layer counts the kernel
+    holds, and the library available."""
+    if not stores or query_state.device.type != "cpu":
         return False
     if any(not isinstance(s, torch.Tensor) or s.dim() != 4 for s in stores):
         return False
@@ -62,13 +61,12 @@ def applies(query_state: torch.Tensor, stores: list, visible: torch.Tensor | Non
     return (static and dtype in _STORE_DTYPES and query_state.dtype == dtype and query_state.dim() == 5
             and query_state.shape[0] >= len(stores) <= _MAX_LAYERS and query_state.shape[1] == b
             and query_state.shape[3] == 1 and query_state.shape[4] == head_dim and query_state.shape[2] % num_kv == 0
-            and query_state.shape[2] // num_kv <= _MAX_GROUP and head_dim <= _MAX_DIM
-            and (visible is None or visible.dtype == torch.bool) and available())
+            and query_state.shape[2] // num_kv <= _MAX_GROUP and head_dim <= _MAX_DIM and available())
 
 
 def lagged_scores(query_state: torch.Tensor, stores: list, cached: torch.Tensor, visible: torch.Tensor | None,
                   variant) -> torch.Tensor:
-    """:func:`~.scorers.lagged_query_score` where :func:`applies`: ``visible`` bool ``[batch|1,
+    """:func:`~.scorers.lagged_query_score` where the pass chose the kernel (``StepSpec.cpu_kernel``): ``visible`` bool ``[batch|1,
     1, capacity]`` or None; returns float32 ``[batch, num_kv_heads, capacity]``."""
     query = (query_state[: len(stores)].float() * variant.scale).to(stores[0].dtype).float()
     return torch.ops.specontext.cpu_selection_scores(query, list(stores), cached,

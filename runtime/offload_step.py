@@ -34,7 +34,6 @@ from .aten_step import (
     ranked,
     refine_candidates,
     refine_gathered,
-    refine_kernel,
 )
 from .sparse_attention import attend_gathered
 from .spec import AttentionVariant, StepSpec
@@ -81,13 +80,14 @@ def refine_and_attend(rows, query: torch.Tensor, candidates: torch.Tensor, lengt
     lowering makes of a :func:`refine` whose kept tokens only :func:`attention` reads): one
     read of the candidates' keys and values (one slot-map lookup per layer and step), then
     the kept tokens' value rows picked from those. Arguments as :func:`refine`; returns
-    ``[batch, num_heads, q_len, head_dim_v]``. Where a resident layer runs our CPU kernel
-    (:func:`~.aten_step.refine_kernel`) this one does too, on the rows it read: the kernel's
+    ``[batch, num_heads, q_len, head_dim_v]``. Where the pass chose our CPU kernel for the
+    site (``spec.cpu_kernel``, :func:`~.routes.cpu_kernel`, as for a resident layer) it runs,
+    on the rows it read: the kernel's
     page rescue alone first (:func:`~.cpu_refine.rescue`), then the kernel over the loaded
     rows, the same arithmetic on the same values as the resident layer's (bit-identical)."""
     key_cache = rows[2]
     store = (key_cache, rows[3])
-    if refine_kernel(query, store, candidates, attn_mask, spec, variant, pages):  # as a resident layer decides
+    if spec.cpu_kernel:  # the pass's decision, as a resident layer reads it
         candidates, pages = kernel_candidates(query, key_cache, candidates, length, attn_mask, spec, variant, pages)
         visible = kernel_visible(attn_mask, key_cache)
         if pages:  # the kernel's own page rescue, alone: the candidates whose rows the buffer loads

@@ -15,6 +15,11 @@ devices, dtypes and shapes are read) and stores the answer as the site's ``StepS
 - the offload schedule (``passes/schedule.py``) moves the ``"offload"`` sites, and only
   those, to :func:`.offload_step.attention` (rows read through the offload manager).
 
+Within its route, whether our C++ CPU kernel computes a site is decided by the pass too, once,
+here (:func:`cpu_kernel`; the selection node's :func:`selection_kernel`), and stored as
+``StepSpec.cpu_kernel``: :func:`.aten_step.refine_and_attend` (and its offloaded twin),
+the dense body and the lagged-query scorer read that flag and ask nothing else.
+
 Sites the op does not serve are decided by the pass too, by the function it calls: the
 fidelity guard's :func:`.aten_step.guarded_attention`, learned sinks'
 :func:`.aten_step.sinks_attention`, MLA with either of those :func:`.mla.attend_latent`.
@@ -40,7 +45,7 @@ import torch
 
 from .spec import AttentionVariant, StepSpec
 
-__all__ = ["Decision", "decide", "kernel_allowed"]
+__all__ = ["Decision", "cpu_kernel", "decide", "kernel_allowed", "selection_kernel"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,3 +117,68 @@ def decide(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor
 
         reason = (latent_kernel_reason if latent else kernel_reason)(query, key_cache, attn_mask)
     return Decision("gather", reason) if reason is not None else Decision("kernel")
+
+
+def _few_rows(query: torch.Tensor, key_cache: torch.Tensor) -> bool:
+    """A few decode rows per KV head on CPU tensors (:func:`.sparse_attention.fused_products`
+    of a compiled step): the rows our CPU kernels are written for."""
+    from .sparse_attention import fused_products
+
+    b, _, _, head_dim = query.shape
+    return fused_products(query.reshape(b, key_cache.shape[1], -1, head_dim), key_cache, True)
+
+
+def cpu_kernel(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], attn_mask: torch.Tensor | None,
+               spec: StepSpec, variant: AttentionVariant, *, dense: bool, slots: int | None,
+               pages: tuple = ()) -> bool:
+    """Whether our C++ CPU kernel computes one site (``StepSpec.cpu_kernel``), decided once by
+    the pass from the site's example values (fake or real: devices, dtypes, shapes and
+    ``requires_grad`` are read).
+
+    Args:
+        query: ``[batch, num_heads, q_len, head_dim]``.
+        store: the layer's ``(key_cache, value_cache)``, each ``[batch, num_kv_heads,
+            capacity, head_dim]`` (MLA's latent pair: never a CPU kernel's).
+        attn_mask: the mask the site's attention reads (example value) or None.
+        spec: the site's spec (``compiled``, ``rescue_pages`` read).
+        variant: the site's :class:`~.spec.AttentionVariant`.
+        dense: the site attends over the whole store (route ``"dense"``):
+            :func:`.cpu_kernels.cpu_decode_attention` where :func:`.cpu_kernels.applies`.
+        slots: for a refined site lowered as one refinement-and-attention body, the
+            candidates it ranks per KV head; :func:`.cpu_refine.cpu_refine_attention` where
+            :func:`.cpu_refine.applies`. None: the site does not refine (or is guarded).
+        pages: the store's page bounds ``(page_min, page_max, page_shift)`` (example values)
+            when the site rescues pages, else empty.
+
+    Returns:
+        True only for a step inductor compiles (``spec.compiled``: an eager step keeps the
+        torch bodies), a few decode rows per KV head on CPU, no gradient to carry (the
+        kernels have no backward), and a site the kernel serves exactly.
+    """
+    key_cache, value_cache = store
+    if not spec.compiled or isinstance(key_cache, tuple) or key_cache.dim() != 4 or not _few_rows(query, key_cache):
+        return False
+    if any(t.requires_grad for t in (query, key_cache, value_cache)):
+        return False
+    from . import cpu_kernels, cpu_refine
+
+    if dense:
+        return cpu_kernels.applies(query, key_cache, value_cache, attn_mask)
+    if slots is None:
+        return False
+    rescue = tuple(pages) if spec.rescue_pages > 0 and pages else ()
+    return cpu_refine.applies(query, store, slots, attn_mask, variant, rescue)
+
+
+def selection_kernel(query_state: torch.Tensor, stores: list, spec: StepSpec, position_bias: bool) -> bool:
+    """Whether the lagged-query head's scores are our C++ CPU kernel's
+    (:func:`.cpu_selection.cpu_selection_scores`; the selection node's
+    ``StepSpec.cpu_kernel``), decided once by the pass from example values: a step inductor
+    compiles (``spec.compiled``), no ALiBi ``position_bias``, no gradient to carry, and
+    recorded queries ``[slots, batch, num_heads, 1, head_dim]`` and key stores the kernel
+    serves (:func:`.cpu_selection.applies`)."""
+    if not spec.compiled or position_bias or query_state.requires_grad:
+        return False
+    from . import cpu_selection
+
+    return cpu_selection.applies(query_state, stores)

@@ -4,7 +4,9 @@ A selection head (SpeContext section 4) is, at run time, two plain-torch functio
 it recorded in earlier steps (issue 53, item 4):
 
 * ``score(record, stores, cached, q_len, visible, variant, position_bias)`` -> float32
-  ``[batch, num_kv_heads, capacity]``, higher = keep; 0 at positions the step may not see;
+  ``[batch, num_kv_heads, capacity]``, higher = keep; 0 at positions the step may not see (a
+  head with a CPU kernel of its own also takes ``kernel=True`` where the pass chose it,
+  ``StepSpec.cpu_kernel``: :meth:`~specontext_compile.passes.heads.SelectionHead.cpu_kernel`);
 * ``ready(record, stores, cached, q_len)`` -> bool scalar tensor: the record covers the
   context (a record from before a crop, a reset, or a step run without the backend does not).
 
@@ -74,16 +76,16 @@ def lagged_query_ready(record: tuple, stores: list, cached: torch.Tensor, q_len:
 
 def lagged_query_score(record: tuple, stores: list, cached: torch.Tensor, q_len: int,
                        visible: torch.Tensor | None, variant: AttentionVariant,
-                       position_bias: torch.Tensor | None = None) -> torch.Tensor:
+                       position_bias: torch.Tensor | None = None, kernel: bool = False) -> torch.Tensor:
     """The lagged-query head's scores: per retrieval layer ``i``, ``softmax(q_i . K_i *
     scale)`` of its recorded query over the written positions ``< cached`` (and ``visible``
     ones: left padding is left out), the max over the query heads of each KV group (paper
     section 4, GQA), summed over the layers. ``position_bias``: ALiBi's bias, the same for
     every retrieval layer. Returns float32 ``[batch, num_kv_heads, capacity]``, 0 where not
-    scored. In a CPU step traced for inductor our C++ kernel computes it where it applies
-    (:func:`~.cpu_selection.applies`: reads only the written keys)."""
+    scored. ``kernel`` (the pass's choice, :func:`~.routes.selection_kernel`): our C++ kernel
+    computes it (:func:`~.cpu_selection.lagged_scores`: reads only the written keys)."""
     query_state, _ = record
-    if cpu_selection.applies(query_state, stores, visible, variant, position_bias):  # our CPU kernel, traced for inductor
+    if kernel:
         return cpu_selection.lagged_scores(query_state, stores, cached, visible, variant)
     _, _, capacity = store_shape(stores[0])
     written = torch.arange(capacity, device=query_state.device) < cached
@@ -153,7 +155,8 @@ def head_select(head: str, record: tuple, stores: list, length: torch.Tensor, q_
         record, stores: the head's inputs (module docstring).
         length: int64 scalar tensor, tokens written before this step.
         q_len: tokens in this step (always selected; the pass keeps longer steps dense).
-        spec: ``candidate_slots``, ``sink_tokens``, ``recent_window``.
+        spec: ``candidate_slots``, ``sink_tokens``, ``recent_window``, and ``cpu_kernel``
+            (the pass's choice of the head's CPU kernel, :func:`~.routes.selection_kernel`).
         variant: the retrieval layers' scale, sliding window and products' form.
         attn_mask: a site's Hugging Face mask (padding-aware selection:
             :func:`~.sparse_attention.row_visibility`), or None.
@@ -170,7 +173,8 @@ def head_select(head: str, record: tuple, stores: list, length: torch.Tensor, q_
     scorer = _scorer(head)
     b, num_kv, capacity = store_shape(stores[0])
     visible = row_visibility(attn_mask, capacity)
-    scores = scorer.score(record, stores, length, q_len, visible, variant, position_bias)
+    kernel = {"kernel": True} if spec.cpu_kernel else {}  # only a head with a CPU kernel is ever given one
+    scores = scorer.score(record, stores, length, q_len, visible, variant, position_bias, **kernel)
     recency = torch.arange(capacity, device=scores.device).to(torch.float32).expand(b, num_kv, capacity)
     scores = torch.where(scorer.ready(record, stores, length, q_len), scores, recency)
     slots = torch.sym_max(q_len, torch.sym_min(spec.candidate_slots, capacity))

@@ -138,6 +138,11 @@ class StepSpec(_Opaque):
             option; an input of the route decision, read by nothing else).
         offload: the KV cache may keep layers in host memory (option ``device_memory_bytes``);
             an input of the route decision, read by nothing else.
+        compiled: the rewritten step is lowered to aten and compiled by inductor (options
+            ``inner`` ``"auto"``/``"inductor"`` and ``lower``): only then are our CPU kernels
+            taken (an eager step keeps the torch bodies, the reference the kernels are checked
+            against). An input of the kernel decision (:func:`.routes.cpu_kernel`), read by
+            nothing else.
         route: what this site's attention runs, one of :data:`ROUTES`, decided once per site
             by the rewrite pass (:func:`.routes.decide`) and only read after: ``"gather"``
             (the torch body over the selected positions), ``"dense"`` (exact attention over
@@ -148,6 +153,12 @@ class StepSpec(_Opaque):
             these sites to :func:`.offload_step.attention`; where it does not run, the gather
             path). The op, its aten body, the lowering, the kernel wrapper and the schedule
             dispatch on it and never decide again.
+        cpu_kernel: our C++ CPU kernel computes this site (decided once by the pass,
+            :func:`.routes.cpu_kernel`, :func:`.routes.selection_kernel`, and only read after):
+            at a ``"dense"`` site :func:`.cpu_kernels.cpu_decode_attention` over the store; at
+            a refined site whose refinement and attention are lowered as one body (and on its
+            offloaded twin) :func:`.cpu_refine.cpu_refine_attention`; in the selection node's
+            spec the lagged-query head's :func:`.cpu_selection.cpu_selection_scores`.
 
     Raises:
         ValueError: for a value out of range, naming the field.
@@ -163,7 +174,9 @@ class StepSpec(_Opaque):
     dense_shortcut: bool = False
     kernel: str = "torch"
     offload: bool = False
+    compiled: bool = False
     route: str = "gather"
+    cpu_kernel: bool = False
 
     def __post_init__(self) -> None:
         _check_int("StepSpec.budget", self.budget, 1)
@@ -174,7 +187,7 @@ class StepSpec(_Opaque):
         if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
             raise ValueError(f"StepSpec.min_coverage must be a number in [0, 1), got {g!r}")
         object.__setattr__(self, "min_coverage", float(g))
-        for name in ("dense_shortcut", "offload"):
+        for name in ("dense_shortcut", "offload", "compiled", "cpu_kernel"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"StepSpec.{name} must be True or False, got {getattr(self, name)!r}")
         if self.kernel not in KERNELS:
@@ -191,7 +204,8 @@ class StepSpec(_Opaque):
                    sink_tokens=select.sink_tokens, recent_window=select.recent_window,
                    min_coverage=select.min_coverage, rescue_tokens=select.page_rescue,
                    dense_shortcut=select.dense_shortcut, kernel=config.compile.kernel,
-                   offload=config.offload.device_memory_bytes is not None)
+                   offload=config.offload.device_memory_bytes is not None,
+                   compiled=config.compile.lower and config.compile.inner in ("auto", "inductor"))
 
     @property
     def rescue_pages(self) -> int:

@@ -140,6 +140,8 @@ def _step_calls(index: int, report: CompileReport) -> str:
     if report.result.routes:  # the pass's one decision per site (runtime/routes.py)
         text += "; routes: " + ", ".join(f"{route} x{n}" for route, n in sorted(report.result.routes.items()))
         text += "".join(f" ({n} not on the kernel: {why})" for why, n in sorted(report.result.route_reasons.items()))
+        if report.result.cpu_kernel_sites:
+            text += f"; our CPU kernel at {report.result.cpu_kernel_sites} site(s)"
     lowered = report.lowered
     if lowered is not None:
         text += (f"; lowered to aten: {sum(lowered.lowered.values())} op nodes, {lowered.fused} refine+attend "

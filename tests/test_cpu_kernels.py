@@ -8,8 +8,8 @@ import torch
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import aten_step, cpu_kernels
-from specontext_compile.runtime.spec import AttentionVariant
+from specontext_compile.runtime import aten_step, cpu_kernels, routes
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -128,8 +128,12 @@ def test_a_missing_compiler_is_a_clear_error(monkeypatch, tmp_path):
 
 
 def _traced_dense(query, keys, values, length, attn_mask):
+    """The dense body traced as inductor gets it: the variant as the lowering leaves it, the
+    kernel as the pass decides it for these values (``routes.cpu_kernel`` on the dense route)."""
     variant = AttentionVariant(0.25, fused_products=True)  # as the lowering leaves it for inductor
-    return make_fx(lambda q, k, v, n, m: aten_step._dense_store_attention(q, k, v, n, m, variant))(
+    spec = StepSpec(8, 8, dense_shortcut=True, compiled=True)
+    kernel = routes.cpu_kernel(query, (keys, values), attn_mask, spec, variant, dense=True, slots=None)
+    return make_fx(lambda q, k, v, n, m: aten_step._dense_store_attention(q, k, v, n, m, variant, kernel=kernel))(
         query, keys, values, length, attn_mask)
 
 

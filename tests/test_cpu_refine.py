@@ -4,12 +4,14 @@ sites it serves, and the compiled default step that calls it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import aten_step, cpu_refine, cpu_selection, page_bounds
+from specontext_compile.runtime import aten_step, cpu_refine, cpu_selection, page_bounds, routes
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
@@ -168,7 +170,12 @@ def _bounds(keys, length, page_tokens=16):
 
 
 def _traced(query, store, candidates, length, mask, spec, pages, fused=True, **variant):
+    """The fused body traced as inductor gets it: the variant as the lowering leaves it, the
+    spec with the pass's kernel decision (``routes.cpu_kernel``) for these values."""
     var = AttentionVariant(0.125, fused_products=fused, **variant)  # as the lowering leaves it for inductor
+    spec = dataclasses.replace(spec, compiled=fused)
+    spec = dataclasses.replace(spec, cpu_kernel=routes.cpu_kernel(query, store, mask, spec, var, dense=False,
+                                                                  slots=candidates.shape[-1], pages=tuple(pages)))
     return make_fx(lambda q, k, v, c, n, m, *p: aten_step.refine_and_attend(q, (k, v), c, n, m, spec, var, list(p)))(
         query, *store, candidates, length, mask, *pages)
 
@@ -219,9 +226,12 @@ def test_the_kernel_is_not_traced_where_it_does_not_apply(monkeypatch):
     assert not _calls_kernel(_traced(half[0], tuple(half[1:]), candidates, length, None, _spec(),
                                      [page_min.half(), page_max.half(), pages[2]]))
     variant = AttentionVariant(0.125, fused_products=True)
-    assert cpu_refine.applies(query, store, candidates, None, variant)
+    assert cpu_refine.applies(query, store, candidates.shape[-1], None, variant)
     with torch.enable_grad():  # the op has no backward (field case grad_enabled_decode_step)
-        assert not cpu_refine.applies(query.clone().requires_grad_(), store, candidates, None, variant)
+        assert not cpu_refine.applies(query.clone().requires_grad_(), store, candidates.shape[-1], None, variant)
+        grad_spec = dataclasses.replace(_spec(), compiled=True)
+        assert not routes.cpu_kernel(query.clone().requires_grad_(), store, None, grad_spec, variant, dense=False,
+                                     slots=64, pages=tuple(pages))
     monkeypatch.setattr(cpu_refine, "available", lambda: False)
     assert not _calls_kernel(_traced(query, store, candidates, length, None, _spec(), pages))
 

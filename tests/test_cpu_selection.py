@@ -9,8 +9,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import cpu_selection, scorers
-from specontext_compile.runtime.spec import AttentionVariant
+from specontext_compile.runtime import cpu_selection, routes, scorers
+from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from torch.fx.experimental.proxy_tensor import make_fx
 
 pytestmark = pytest.mark.skipif(not cpu_selection.available(), reason="no C++ compiler to build the CPU kernel")
@@ -56,9 +56,12 @@ def test_kernel_equals_float64_scores(seed, layers, b, num_kv, groups, capacity,
 
 
 def _site(query_state, stores, cached, visible, fused=True, bias=None):
+    """The scorer traced as inductor gets it: the variant as the lowering leaves it, the
+    kernel as the pass decides it for these values (``routes.selection_kernel``)."""
     variant = AttentionVariant(0.125, fused_products=fused)  # as the lowering leaves it for inductor
-    return make_fx(lambda q, n, *s: scorers.lagged_query_score((q, None), list(s), n, 1, visible, variant, bias))(
-        query_state, cached, *stores)
+    kernel = routes.selection_kernel(query_state, list(stores), StepSpec(8, 8, compiled=fused), bias is not None)
+    return make_fx(lambda q, n, *s: scorers.lagged_query_score((q, None), list(s), n, 1, visible, variant, bias,
+                                                               kernel))(query_state, cached, *stores)
 
 
 def _calls_kernel(gm) -> bool:
@@ -94,8 +97,7 @@ def test_the_kernel_is_not_traced_where_it_does_not_apply(monkeypatch):
     query_state, stores, cached = _inputs(torch.float32)
     assert not _calls_kernel(_site(query_state, stores, cached, None, fused=False))
     assert not _calls_kernel(_site(query_state, stores, cached, None, bias=torch.zeros(1, 9, 1, 500)))
-    assert not cpu_selection.applies(query_state, [(s, s[..., :8]) for s in stores], None,
-                                     AttentionVariant(0.125, fused_products=True), None)
+    assert not cpu_selection.applies(query_state, [(s, s[..., :8]) for s in stores])
     half = [s.half() for s in stores]
     assert not _calls_kernel(_site(query_state.half(), half, cached, None))
     assert not _calls_kernel(_site(query_state.bfloat16(), stores, cached, None))

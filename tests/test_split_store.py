@@ -5,7 +5,7 @@ by the dense shortcut's traced body when (and only when) the store is worth spli
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import aten_step, cpu_kernels
+from specontext_compile.runtime import aten_step
 from specontext_compile.runtime.spec import AttentionVariant
 from specontext_compile.runtime.split_store import UNROLL, split_chunks, split_store_attention
 from test_sparse_attention import cases as attention_cases
@@ -132,9 +132,8 @@ def _traced(capacity, monkeypatch, dtype=torch.float32):
         return real(*args)
 
     monkeypatch.setattr(aten_step, "split_store_attention", spy)
-    # the split's own routing: our CPU kernel, which serves float32 decode rows first where it
-    # builds, is left out here (tests/test_cpu_kernels.py routes to it)
-    monkeypatch.setattr(cpu_kernels, "applies", lambda *args: False)
+    # the split's own routing: our CPU kernel runs only where the pass chose it (``kernel``,
+    # False here; tests/test_cpu_kernels.py routes to it)
     gen = torch.Generator().manual_seed(1)
     query = torch.randn(1, 6, 1, 16, generator=gen).to(dtype)
     key_cache, value_cache = (torch.randn(1, 2, capacity, 16, generator=gen).to(dtype) for _ in range(2))
