@@ -82,9 +82,8 @@ def refine_and_attend(rows, query: torch.Tensor, candidates: torch.Tensor, lengt
     the kept tokens' value rows picked from those. Arguments as :func:`refine`; returns
     ``[batch, num_heads, q_len, head_dim_v]``. Where the pass chose our CPU kernel for the
     site (``spec.cpu_kernel``, :func:`~.routes.cpu_kernel`, as for a resident layer) it runs,
-    on the rows it read: the kernel's
-    page rescue alone first (:func:`~.cpu_refine.rescue`), then the kernel over the loaded
-    rows, the same arithmetic on the same values as the resident layer's (bit-identical)."""
+    on the rows it read: the kernel's page rescue alone first (:func:`~.cpu_refine.rescue`),
+    then the kernel over the loaded rows, the same arithmetic on the same values as the resident layer's (bit-identical)."""
     key_cache = rows[2]
     store = (key_cache, rows[3])
     if spec.cpu_kernel:  # the pass's decision, as a resident layer reads it
