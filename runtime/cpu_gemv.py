@@ -9,7 +9,8 @@ benchmarks.linear_bandwidth bfloat16``). ``specontext::cpu_gemv_bf16``
 output rows per load of the input row: float32 accumulation, the sum rounded to bfloat16 once,
 as inductor's reduction rounds it (the additions' order differs; bfloat16 denormals read as
 zero). The pass uses it only where it is the faster path: CPU bfloat16 weights and input row,
-and a library built with AVX512_BF16 (:func:`applies`); elsewhere inductor's reduction stays.
+a library built with AVX512_BF16, and a CPU of the kind where it was measured faster in the
+compiled step (:func:`faster_here`); elsewhere inductor's reduction stays (:func:`applies`).
 One call takes every weight of one input row (a layer's query, key and value projections):
 one dispatch and one parallel region for them (:func:`one_row_linears`).
 Built like the other CPU kernels (:func:`.cpu_kernels.build_library`).
@@ -24,9 +25,9 @@ from pathlib import Path
 import torch
 
 from . import cpu_kernels
-from .torch_private import counters
+from .torch_private import counters, cpu_has_amx
 
-__all__ = ["applies", "available", "cpu_gemv_bf16", "native", "one_row_linear", "one_row_linears"]
+__all__ = ["applies", "available", "cpu_gemv_bf16", "faster_here", "native", "one_row_linear", "one_row_linears"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
 
@@ -48,21 +49,35 @@ def available() -> bool:
 
 @functools.cache
 def native() -> bool:
-    """Whether the library was built with AVX512_BF16 (``vdpbf16ps``): only then is it faster
-    than inductor's reduction, so only then does :func:`applies` say yes."""
+    """Whether the library was built with AVX512_BF16 (``vdpbf16ps``): without it the kernel
+    is no faster than inductor's reduction, so :func:`applies` says no."""
     return available() and bool(_library().specontext_gemv_bf16_native())
+
+
+@functools.cache
+def faster_here() -> bool:
+    """Whether this CPU is of the kind where the kernel made the compiled bfloat16 step faster
+    than inductor's reduction: one with AMX (Intel Sapphire Rapids and later; a proxy, not a
+    cause). Measured with ``python -m benchmarks.ab_step --swap no-gemv-kernel --dtype
+    bfloat16`` (docs/benchmarks.md): on a 2-core Xeon with AMX the step without the kernel took
+    1.103x as long; on a 2-core AMD EPYC (Zen 4: AVX512_BF16, no AMX) 0.80x, the kernel the
+    slower path there (not traced further: Zen 4 runs 512-bit instructions as two halves, and
+    inductor's reduction read the weights about as fast as the kernel did alone)."""
+    return cpu_has_amx()
 
 
 def applies(input: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``passes/gemv.py`` sends a one-row ``linear(input, weight)`` here (a static fact,
     read from the traced example values): CPU bfloat16 input and weight, the weight 2-D, row
     major and contiguous with static sizes, no gradient to carry (the op has no backward: a
-    graph traced with gradients keeps inductor's reduction), and :func:`native`."""
+    graph traced with gradients keeps inductor's reduction), :func:`native`, and
+    :func:`faster_here`."""
     grad = torch.is_grad_enabled() and (input.requires_grad or weight.requires_grad)
     return (not grad and input.device.type == "cpu" and weight.device.type == "cpu" and input.dtype == torch.bfloat16
             and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and all(isinstance(n, int) for n in (*weight.shape, *weight.stride()))
-            and weight.is_contiguous() and weight.shape[0] > 0 and weight.shape[1] > 0 and native())
+            and weight.is_contiguous() and weight.shape[0] > 0 and weight.shape[1] > 0 and native()
+            and faster_here())
 
 
 def one_row_linear(input: torch.Tensor, weight: torch.Tensor,

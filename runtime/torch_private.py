@@ -18,7 +18,7 @@ from torch._dynamo.utils import counters  # noqa: F401  (re-exported)
 from torch._ops import OpOverload, OpOverloadPacket  # noqa: F401  (re-exported)
 
 __all__ = ["CHECKED_AGAINST", "C_LINEAR", "C_SDPA", "OpOverload", "OpOverloadPacket", "compile_fx", "compile_id",
-           "counters", "custom_graph_pass", "effect_of", "force_stride_order", "inductor_config",
+           "counters", "cpu_has_amx", "custom_graph_pass", "effect_of", "force_stride_order", "inductor_config",
            "mark_static_address", "mode_options", "opaque_base", "ordered_effect", "recompile_limit",
            "placeholder_symbol", "register_opaque_type", "set_recompile_limit"]
 
@@ -35,6 +35,13 @@ CHECKED_AGAINST = "2.13.0"
 #: functions (the pass matches both spellings; no public name for the C ones)
 C_LINEAR = torch._C._nn.linear
 C_SDPA = torch._C._nn.scaled_dot_product_attention
+
+
+def cpu_has_amx() -> bool:
+    """Whether this CPU has AMX tiles (Intel Sapphire Rapids and later): torch asks cpuinfo
+    (``torch.cpu._is_amx_tile_supported``); no public API says it. False if the probe is gone."""
+    probe = getattr(torch.cpu, "_is_amx_tile_supported", None)
+    return bool(probe()) if callable(probe) else False
 
 
 def force_stride_order(t: torch.Tensor, stride) -> torch.Tensor:

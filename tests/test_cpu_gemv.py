@@ -11,7 +11,7 @@ from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from specontext_compile.passes.gemv import one_row_linear, rewrite_one_row_linears
-from specontext_compile.runtime import cpu_gemv
+from specontext_compile.runtime import cpu_gemv, torch_private
 from test_backend_e2e import decode_logits
 from torch._dynamo.utils import counters
 
@@ -19,6 +19,13 @@ import specontext_compile as sc
 
 needs_kernel = pytest.mark.skipif(not cpu_gemv.available(), reason="no C++ compiler builds the kernel here")
 needs_native = pytest.mark.skipif(not cpu_gemv.native(), reason="this CPU has no AVX512_BF16: the pass keeps inductor's")
+
+
+@pytest.fixture
+def gate_open(monkeypatch):
+    """The kernel's mechanics on any AVX512_BF16 CPU: the machine gate (``faster_here``, AMX
+    as the proxy for where it was measured faster) opened, whatever CPU runs the test."""
+    monkeypatch.setattr(cpu_gemv, "faster_here", lambda: True)
 
 
 def _bound(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -85,6 +92,7 @@ def _target(x: torch.Tensor, w: torch.Tensor):
 
 
 @needs_native
+@pytest.mark.usefixtures("gate_open")
 def test_the_pass_sends_bfloat16_rows_to_the_kernel_and_nothing_else():
     """A one-row bfloat16 linear goes to the kernel; float32, a transposed weight, and a weight
     that carries a gradient (the op has no backward) keep inductor's reduction."""
@@ -99,6 +107,21 @@ def test_the_pass_sends_bfloat16_rows_to_the_kernel_and_nothing_else():
 
 
 @needs_native
+def test_a_cpu_where_the_kernel_measured_slower_keeps_inductors_reduction(monkeypatch):
+    """The machine gate closed (a CPU without AMX, where the kernel made the step slower): the
+    pass keeps inductor's reduction for the same bfloat16 row it otherwise sends to the
+    kernel; the gate follows the AMX probe."""
+    x, w = torch.randn(1, 1, 64).bfloat16(), torch.randn(32, 64).bfloat16()
+    monkeypatch.setattr(cpu_gemv, "faster_here", lambda: False)
+    assert _target(x, w) is one_row_linear
+    monkeypatch.setattr(cpu_gemv, "faster_here", lambda: True)
+    assert _target(x, w) is cpu_gemv.one_row_linear
+    monkeypatch.undo()
+    assert cpu_gemv.faster_here() == torch_private.cpu_has_amx()
+
+
+@needs_native
+@pytest.mark.usefixtures("gate_open")
 def test_the_rewritten_graph_computes_the_linear():
     x, w = torch.randn(1, 1, 96).bfloat16(), torch.randn(40, 96).bfloat16()
     gm = _linear_graph(x, w)
@@ -112,6 +135,7 @@ def test_the_rewritten_graph_computes_the_linear():
 
 
 @needs_native
+@pytest.mark.usefixtures("gate_open")
 def test_a_compiled_bfloat16_step_runs_the_kernel_with_inductors_logits():
     """The default options' bfloat16 step on CPU: every one-row linear of each decode step runs
     the kernel, in 4 calls per layer (query, key and value in one; output; gate and up in one;
@@ -137,6 +161,7 @@ def test_a_compiled_bfloat16_step_runs_the_kernel_with_inductors_logits():
 
 
 @needs_native
+@pytest.mark.usefixtures("gate_open")
 def test_the_linears_of_one_row_share_one_call_and_a_biased_one_keeps_its_own():
     """Three bias-free linears of one input row (query, key, value) become one call of the
     kernel; a fourth with a bias stays a call of its own; the graph computes the four linears."""
