@@ -494,9 +494,11 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     num_kv, capacity = key_cache.shape[1], key_cache.shape[-2]
     if kernel:
         visible = row_visibility(attn_mask, capacity)
-        return torch.ops.specontext.cpu_decode_attention(
-            query.float() * variant.scale, key_cache, value_cache, length,
-            None if visible is None else visible[:, 0]).to(query.dtype)
+        scaled, visible = query.float() * variant.scale, None if visible is None else visible[:, 0]
+        # checked once here, on the traced values (the op's C++ kernel checks what guards memory)
+        cpu_kernels.check_inputs(scaled, key_cache, value_cache, length, visible)
+        return torch.ops.specontext.cpu_decode_attention(scaled, key_cache, value_cache, length,
+                                                         visible).to(query.dtype)
     if fused and fused_products(query.reshape(b, num_kv, -1, head_dim), key_cache, variant.fused_products):
         chunks = split_chunks(b * num_kv, capacity, key_cache.dtype)
         if chunks > 1:

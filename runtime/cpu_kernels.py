@@ -36,7 +36,7 @@ from .torch_private import counters
 logger = logging.getLogger(__name__)
 
 __all__ = ["KernelBuildError", "applies", "available", "build_library", "check_inputs", "cpu_decode_attention", "decode_splits",
-           "load_kernels", "loads"]
+           "kernel_calls", "load_kernels", "loads", "torch_op_flags"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
@@ -78,10 +78,23 @@ def _cpu_flags() -> str:
 CSRC = _SOURCE.parent
 
 
-def build_library(source: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
-    """Build ``source`` (once per source, its headers, flags, compiler and CPU) into the kernel
-    cache and load it (``ctypes``); another package's C++ kernels (the vLLM plugin's) build the
-    same way, with ``includes`` (e.g. :data:`CSRC`) searched for headers and hashed with them.
+def torch_op_flags() -> tuple[str, ...] | None:
+    """The flags that build a kernel library's torch operator kernels (``csrc/torch_op.h``,
+    ``-DSPECONTEXT_TORCH_OPS``: torch's stable C ABI headers, linked against this torch), or
+    None where this torch does not ship the stable headers (the Python kernels serve then)."""
+    root = Path(torch.__file__).parent
+    if not (root / "include" / "torch" / "csrc" / "stable" / "library.h").exists():
+        return None
+    lib = root / "lib"
+    return ("-DSPECONTEXT_TORCH_OPS", f"-I{root / 'include'}", f"-L{lib}", "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{lib}")
+
+
+def build_library(source: Path, includes: tuple[Path, ...] = (), extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Build ``source`` (once per source, its headers, flags, compiler, CPU and torch version)
+    into the kernel cache and load it (``ctypes``); another package's C++ kernels (the vLLM
+    plugin's) build the same way, with ``includes`` (e.g. :data:`CSRC`) searched for headers
+    and hashed with them. ``extra_flags``: e.g. :func:`torch_op_flags` (loading such a library
+    registers its operator kernels with torch's dispatcher).
 
     Raises:
         KernelBuildError: no compiler on the PATH, or the build failed (its stderr included).
@@ -92,15 +105,18 @@ def build_library(source: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
                                "or set CXX; until then the CPU step uses inductor's kernels")
     folders = (source.parent, *includes)
     code = source.read_bytes() + b"".join(h.read_bytes() for f in folders for h in sorted(f.glob("*.h")))  # its headers
-    flags = (*_FLAGS, *(f"-I{f}" for f in includes))
-    key = hashlib.sha256(code + " ".join((compiler, *flags, _cpu_flags())).encode()).hexdigest()[:16]
+    flags = (*_FLAGS, *(f"-I{f}" for f in includes), *extra_flags)
+    link = tuple(f for f in flags if f.startswith(("-l", "-L", "-Wl,")))  # after the source (the linker's --as-needed)
+    compile_flags = tuple(f for f in flags if f not in link)
+    described = " ".join((compiler, *compile_flags, "SOURCE", *link, _cpu_flags(), torch.__version__))
+    key = hashlib.sha256(code + described.encode()).hexdigest()[:16]
     target = _cache_dir() / f"{source.stem}_{key}.so"
     with _LOCK:
         if not target.exists():
             target.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
                 built = Path(tmp) / target.name
-                cmd = [compiler, *flags, str(source), "-o", str(built)]
+                cmd = [compiler, *compile_flags, str(source), *link, "-o", str(built)]
                 result = subprocess.run(cmd, capture_output=True, text=True, check=False)
                 if result.returncode != 0:
                     raise KernelBuildError(f"building {source.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
@@ -109,10 +125,26 @@ def build_library(source: Path, includes: tuple[Path, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(target))
 
 
-def load_kernels(source: Path, names: tuple[str, ...], argtypes: list) -> ctypes.CDLL:
+def load_kernels(source: Path, names: tuple[str, ...], argtypes: list, op_calls: str | None = None) -> ctypes.CDLL:
     """:func:`build_library` of ``source``, its functions ``names`` (float32 and bfloat16
-    entry points of one signature) typed: ``int`` status, ``argtypes``."""
-    lib = build_library(source)
+    entry points of one signature) typed: ``int`` status, ``argtypes``. With ``op_calls`` (the
+    counter a kernel's calls are counted under, e.g. ``"cpu_kernel_refine_calls"``) the library
+    is built with its torch operator kernel where this torch allows (:func:`torch_op_flags`;
+    a failed build of that kind is logged and the plain library built instead), and its C++
+    calls are counted into :func:`kernel_calls` (``specontext_<source stem>_op_calls``)."""
+    lib = None
+    flags = torch_op_flags() if op_calls else None
+    if flags:
+        try:
+            lib = build_library(source, extra_flags=flags)
+            counter = getattr(lib, f"specontext_{source.stem}_op_calls")
+            counter.restype, counter.argtypes = ctypes.c_int64, []
+            _OP_CALLS[op_calls] = counter
+        except (KernelBuildError, OSError, AttributeError) as err:
+            logger.warning("specontext: %s's torch operator kernel did not build (%s); its operator keeps the Python "
+                           "kernel (the same arithmetic through ctypes, about 50 us more a call)", source.name, err)
+            lib = None
+    lib = lib or build_library(source)
     for name in names:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
@@ -120,12 +152,25 @@ def load_kernels(source: Path, names: tuple[str, ...], argtypes: list) -> ctypes
     return lib
 
 
+#: counter name -> the C++ call count of a kernel's operator kernel (registered as its library loads)
+_OP_CALLS: dict = {}
+
+
+def kernel_calls() -> dict[str, int]:
+    """Calls of our CPU kernels in this process by counter name (``cpu_kernel_attention_calls``,
+    ``cpu_kernel_refine_calls``, ``cpu_kernel_selection_calls``): those through the Python
+    kernels (``counters["specontext"]``) plus those through the C++ operator kernels."""
+    names = ("cpu_kernel_attention_calls", "cpu_kernel_refine_calls", "cpu_kernel_selection_calls")
+    return {name: counters["specontext"][name] + (_OP_CALLS[name]() if name in _OP_CALLS else 0) for name in names}
+
+
 @functools.cache
 def _library() -> ctypes.CDLL:
-    """The decode attention kernel library (:func:`build_library`)."""
+    """The decode attention kernel library (:func:`build_library`; with the operator's C++
+    kernel where this torch allows)."""
     return load_kernels(_SOURCE, ("specontext_decode_attention", "specontext_decode_attention_bf16"),
                         [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-                        + [ctypes.c_int64] * 6)
+                        + [ctypes.c_int64] * 6, op_calls="cpu_kernel_attention_calls")
 
 
 def loads(library, what: str, instead: str) -> bool:
@@ -169,7 +214,12 @@ def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Ten
             and available())
 
 
-@torch.library.custom_op("specontext::cpu_decode_attention", mutates_args=())
+# A plain torch.library op, as cpu_refine_attention: its CPU kernel is C++ where the library is
+# built with it (csrc/torch_op.h), else the Python kernel below (CompositeExplicitAutograd).
+torch.library.define("specontext::cpu_decode_attention",
+                     "(Tensor query, Tensor key_cache, Tensor value_cache, Tensor length, Tensor? visible) -> Tensor")
+
+
 def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                          length: torch.Tensor, visible: torch.Tensor | None) -> torch.Tensor:
     """Exact attention of one query row per head over slots ``0 .. length-1`` of the stores.
@@ -252,6 +302,9 @@ def check_inputs(query, key_cache, value_cache, length, visible, op: str = "cpu_
                          f"of size 1 allowed), got {visible.dtype} {tuple(visible.shape)}")
 
 
-@cpu_decode_attention.register_fake
+torch.library.impl("specontext::cpu_decode_attention", "CompositeExplicitAutograd")(cpu_decode_attention)
+
+
+@torch.library.register_fake("specontext::cpu_decode_attention")
 def _(query, key_cache, value_cache, length, visible):
     return query.new_empty(query.shape)

@@ -41,7 +41,7 @@ _STORE_DTYPES = (torch.float32, torch.bfloat16)
 def _library() -> ctypes.CDLL:
     return cpu_kernels.load_kernels(_SOURCE, ("specontext_refine_attention", "specontext_refine_attention_bf16"),
                                     [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-                                    + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12)
+                                    + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12, op_calls="cpu_kernel_refine_calls")
 
 
 @functools.cache
@@ -118,9 +118,14 @@ def refine_attend(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor],
     recent = min(max(spec.recent_window, 1), budget)
     sinks = min(spec.sink_tokens, budget - recent)
     keys, values = gathered if gathered is not None else (None, None)
-    out = torch.ops.specontext.cpu_refine_attention(query.float() * variant.scale, key_cache, value_cache, candidates,
-                                                    length, visible, page_min, page_max, shift, keys, values, budget,
-                                                    sinks, recent, rescue, page_tokens)
+    scaled = query.float() * variant.scale
+    # checked once here, on the traced values (the op's C++ kernel checks what guards memory)
+    _check_inputs(scaled, key_cache, value_cache, candidates, length, visible, budget, sinks, recent)
+    _check_gathered(key_cache, candidates, keys, values, _check_pages(key_cache, page_min, page_max, shift, rescue,
+                                                                      page_tokens))
+    out = torch.ops.specontext.cpu_refine_attention(scaled, key_cache, value_cache, candidates, length, visible,
+                                                    page_min, page_max, shift, keys, values, budget, sinks, recent,
+                                                    rescue, page_tokens)
     return out.to(query.dtype)
 
 
@@ -296,7 +301,9 @@ def _check_inputs(query, key_cache, value_cache, candidates, length, visible, bu
                          f"sinks={sinks}, recent={recent}")
 
 
-torch.library.impl("specontext::cpu_refine_attention", "CPU")(cpu_refine_attention)
+# cpu_refine_attention's CPU kernel is C++ where the library is built with it (csrc/torch_op.h);
+# this Python kernel serves it elsewhere
+torch.library.impl("specontext::cpu_refine_attention", "CompositeExplicitAutograd")(cpu_refine_attention)
 torch.library.impl("specontext::cpu_rescue_candidates", "CPU")(cpu_rescue_candidates)
 
 

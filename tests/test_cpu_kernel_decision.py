@@ -18,7 +18,6 @@ from _tiny import tiny_llama
 from specontext_compile.backend import clear_compile_reports
 from specontext_compile.runtime import cpu_kernels, cpu_refine, cpu_selection, routes, scorers
 from specontext_compile.runtime.spec import StepSpec
-from torch._dynamo.utils import counters
 
 import specontext_compile as sc
 
@@ -42,7 +41,7 @@ def _run(model, steps: int = 3, **options) -> dict[str, int]:
     """Compile, prefill 30 tokens, decode ``steps``; the kernel counters' increments."""
     torch._dynamo.reset()
     clear_compile_reports()
-    before = {n: counters["specontext"][n] for n in _KERNEL_CALLS}
+    before = cpu_kernels.kernel_calls()  # the Python and the C++ operator kernels' calls
     forward = torch.compile(model.forward, backend="specontext", options=options)
     cache = sc.SpeContextCache(model.config, max_cache_len=48)
     ids = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(0))
@@ -50,7 +49,8 @@ def _run(model, steps: int = 3, **options) -> dict[str, int]:
         out = forward(input_ids=ids, cache=cache, use_cache=True)
         for _ in range(steps):
             out = forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
-    return {n: counters["specontext"][n] - before[n] for n in _KERNEL_CALLS}
+    after = cpu_kernels.kernel_calls()
+    return {n: after[n] - before[n] for n in _KERNEL_CALLS}
 
 
 def _counting(monkeypatch, module, calls: list):

@@ -11,7 +11,6 @@ from hypothesis import strategies as st
 from specontext_compile.runtime import aten_step, cpu_kernels, routes
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import decode_logits
-from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import specontext_compile as sc
@@ -172,9 +171,9 @@ def test_the_compiled_dense_step_runs_the_kernel_with_eager_logits():
     model = tiny_llama()
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(0))
     eager = decode_logits(model, model.forward, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
-    before = counters["specontext"]["cpu_kernel_attention_calls"]
+    before = cpu_kernels.kernel_calls()["cpu_kernel_attention_calls"]  # Python and C++ operator kernels
     compiled = torch.compile(model.forward, backend="specontext", options={"budget": 4096})
     got = decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
-    assert counters["specontext"]["cpu_kernel_attention_calls"] - before == 4 * model.config.num_hidden_layers
+    assert cpu_kernels.kernel_calls()["cpu_kernel_attention_calls"] - before == 4 * model.config.num_hidden_layers
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

@@ -11,10 +11,9 @@ import torch
 from _tiny import tiny_llama
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import aten_step, cpu_refine, cpu_selection, page_bounds, routes
+from specontext_compile.runtime import aten_step, cpu_kernels, cpu_refine, cpu_selection, page_bounds, routes
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from test_backend_e2e import decode_logits
-from torch._dynamo.utils import counters
 from torch.fx.experimental.proxy_tensor import make_fx
 
 import specontext_compile as sc
@@ -278,15 +277,15 @@ def test_the_compiled_default_step_runs_our_kernels_with_the_torch_bodies_logits
         compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8, "page_rescue": 16})
         return decode_logits(model, compiled, ids, 4, sc.SpeContextCache(model.config, max_cache_len=64))
 
-    before = [counters["specontext"][n] for n in names]
+    before = [cpu_kernels.kernel_calls()[n] for n in names]  # Python and C++ operator kernels
     got = run()
-    calls = [counters["specontext"][n] - b for n, b in zip(names, before)]
+    calls = [cpu_kernels.kernel_calls()[n] - b for n, b in zip(names, before)]
     assert calls == [4 * model.config.num_hidden_layers, 4]
     torch._dynamo.reset()
     for module in (cpu_refine, cpu_selection):
         monkeypatch.setattr(module, "applies", lambda *a, **k: False)
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         want = run()
-    assert [counters["specontext"][n] - b for n, b in zip(names, before)] == calls  # the torch bodies: no more calls
+    assert [cpu_kernels.kernel_calls()[n] - b for n, b in zip(names, before)] == calls  # the torch bodies: no more calls
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

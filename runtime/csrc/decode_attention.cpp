@@ -18,8 +18,9 @@
 
 namespace {
 
-constexpr int BLOCK = 32;       // slots scored before their values are added
-constexpr int PREFETCH = 16;   // slots ahead whose keys and values are prefetched (16 and 32 on par)
+constexpr int BLOCK = 128;      // slots scored before their values are added (32 before the far prefetch)
+constexpr int PREFETCH = 16;   // slots ahead whose keys and values are prefetched into L1 (16 and 32 on par)
+constexpr int FAR = 128;       // slots ahead prefetched into L2 (64 to 192 on par, cpu_common.h)
 constexpr int MAX_GROUP = 16;   // query heads per KV head
 constexpr int MAX_DIM = 256;    // head_dim
 
@@ -64,8 +65,10 @@ void attend_item(int64_t item, const float* query, const T* keys, const T* value
     // fp32 dense step: issue 51, docs/benchmarks.md, 2026-12-06)
     if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
       for (; j + 16 <= n; j += 16) {
-        for (int jj = 0; jj < 16; ++jj)
+        for (int jj = 0; jj < 16; ++jj) {
           if (start + PREFETCH + j + jj < hi) prefetch_row<T, D_>(k + (start + PREFETCH + j + jj) * D_);
+          if (start + FAR + j + jj < hi) prefetch_row_l2<T, D_>(k + (start + FAR + j + jj) * D_);
+        }
         for (int g = 0; g < G_; ++g) {
           __m512 sums[16];
           for (int jj = 0; jj < 16; ++jj) sums[jj] = _mm512_setzero_ps();
@@ -130,6 +133,7 @@ void attend_item(int64_t item, const float* query, const T* keys, const T* value
           any = any || p[g] != 0.f;
         }
         if (start + PREFETCH + j < hi) prefetch_row<T, D_>(v + (start + PREFETCH + j) * D_);
+        if (start + FAR + j < hi) prefetch_row_l2<T, D_>(v + (start + FAR + j) * D_);
         if (!any) continue;  // a hidden slot (or no weight): its value is never read
         __m512 row[C_];
         for (int c = 0; c < C_; ++c) row[c] = load16(v + (start + j) * D_ + 16 * c);
@@ -236,3 +240,54 @@ extern "C" int specontext_decode_attention_bf16(const float* query, const uint16
   return decode_attention<uint16_t>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV,
                                     G, C, D, S);
 }
+
+#ifdef SPECONTEXT_TORCH_OPS
+#include "torch_op.h"
+
+namespace {
+
+std::atomic<int64_t> op_calls{0};
+
+// specontext::cpu_decode_attention's CPU kernel (schema and Python kernel: runtime/cpu_kernels.py).
+specontext_op::Tensor decode_attention_op(specontext_op::Tensor query, specontext_op::Tensor key_cache,
+                                          specontext_op::Tensor value_cache, specontext_op::Tensor length,
+                                          std::optional<specontext_op::Tensor> visible) {
+  using namespace specontext_op;
+  check_store_inputs("cpu_decode_attention", query, key_cache, value_cache, length, visible, MAX_GROUP, MAX_DIM);
+  op_calls.fetch_add(1, std::memory_order_relaxed);  // a call the kernel serves
+  const int64_t b = query.size(0), heads = query.size(1), d = query.size(3);
+  const int64_t kv = key_cache.size(1), capacity = key_cache.size(2);
+  Tensor out = torch::stable::new_empty(query, {b, heads, 1, d}, ScalarType::Float);
+  if (capacity == 0) {  // nothing to attend to: zeros, as for a row that sees no slot
+    torch::stable::zero_(out);
+    return out;
+  }
+  const Tensor q = dense(query), k = dense(key_cache), v = dense(value_cache), n = dense(length);
+  std::optional<Tensor> vis;
+  if (visible.has_value()) vis = dense(*visible);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((32 + b * kv - 1) / std::max<int64_t>(b * kv, 1),
+                                                                capacity / 256));  // cpu_kernels.decode_splits
+  const auto* lengths = static_cast<const int64_t*>(n.data_ptr());
+  const auto* mask = static_cast<const uint8_t*>(pointer(vis));
+  int status;
+  if (k.scalar_type() == ScalarType::BFloat16)
+    status = decode_attention<uint16_t>(static_cast<const float*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
+                                        static_cast<const uint16_t*>(v.data_ptr()), lengths, n.numel() > 1 ? 1 : 0, mask,
+                                        visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv,
+                                        heads / kv, capacity, d, splits);
+  else
+    status = decode_attention<float>(static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),
+                                     static_cast<const float*>(v.data_ptr()), lengths, n.numel() > 1 ? 1 : 0, mask,
+                                     visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv,
+                                     heads / kv, capacity, d, splits);
+  STD_TORCH_CHECK(status == 0, "cpu_decode_attention rejected its inputs");
+  return out;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(specontext, CPU, m) { m.impl("cpu_decode_attention", TORCH_BOX(&decode_attention_op)); }
+
+// Calls of the operator's C++ kernel in this process (runtime/cpu_kernels.py kernel_calls).
+extern "C" int64_t specontext_decode_attention_op_calls() { return op_calls.load(std::memory_order_relaxed); }
+#endif

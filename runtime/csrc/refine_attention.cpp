@@ -34,7 +34,8 @@ using namespace specontext_cpu;
 
 namespace {
 
-constexpr int PREFETCH = 16;  // candidates ahead whose key (value) rows are prefetched
+constexpr int PREFETCH = 16;  // candidates ahead whose key (value) rows are prefetched into L1
+constexpr int FAR = 48;       // candidates ahead prefetched into L2 (32 to 64 on par, cpu_common.h)
 constexpr int MAX_GROUP = 16;
 constexpr int MAX_DIM = 256;
 constexpr float NEG = -std::numeric_limits<float>::infinity();
@@ -190,6 +191,9 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
         const int64_t ahead = j + PREFETCH + jj;
         if (ahead < hi && (p.gathered_keys || (cand[ahead] >= 0 && cand[ahead] < p.C)))
           prefetch_row<T, D_>(p.key_row(bh, ahead, cand[ahead]));
+        const int64_t far = j + FAR + jj;
+        if (far < hi && (p.gathered_keys || (cand[far] >= 0 && cand[far] < p.C)))
+          prefetch_row_l2<T, D_>(p.key_row(bh, far, cand[far]));
       }
       group_logits16<T, G_, D_>(q, rows, lg + j, p.N);
       for (int g = 0; g < G_; ++g)
@@ -368,6 +372,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
       for (int c = 0; c < C_; ++c) reg[g][c] = _mm512_setzero_ps();
     for (int64_t t = lo; t < hi; ++t) {
       if (t + PREFETCH < hi) prefetch_row<T, D_>(p.value_row(bh, kept[t + PREFETCH], cand[kept[t + PREFETCH]]));
+      if (t + FAR < hi) prefetch_row_l2<T, D_>(p.value_row(bh, kept[t + FAR], cand[kept[t + FAR]]));
       const int64_t j = kept[t];
       float w[G_];
       bool any = false;
@@ -580,3 +585,107 @@ extern "C" int specontext_refine_attention_bf16(const float* query, const uint16
                                     page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B,
                                     KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
 }
+
+#ifdef SPECONTEXT_TORCH_OPS
+#include "torch_op.h"
+
+namespace {
+
+std::atomic<int64_t> op_calls{0};
+
+using specontext_op::ScalarType;
+using specontext_op::Tensor;
+using OptionalTensor = std::optional<specontext_op::Tensor>;
+
+// The page rescue's and the gathered rows' inputs (runtime/cpu_refine.py _check_pages and
+// _check_gathered); returns the pages rescued (0 when off).
+int64_t check_rescue(const Tensor& keys, const Tensor& candidates, const OptionalTensor& page_min,
+                     const OptionalTensor& page_max, const OptionalTensor& page_shift, const OptionalTensor& gathered_keys,
+                     const OptionalTensor& gathered_values, int64_t rescue_pages, int64_t page_tokens) {
+  const int64_t b = keys.size(0), kv = keys.size(1), d = keys.size(3);
+  if (gathered_keys.has_value() || gathered_values.has_value()) {
+    STD_TORCH_CHECK(rescue_pages == 0, "cpu_refine_attention: gathered rows take the rescued candidates, not the page rescue again");
+    for (const OptionalTensor* t : {&gathered_keys, &gathered_values}) {
+      STD_TORCH_CHECK(t->has_value() && (*t)->is_cpu() && (*t)->scalar_type() == keys.scalar_type() && (*t)->dim() == 4 &&
+                          (*t)->size(0) == b && (*t)->size(1) == kv && (*t)->size(2) == candidates.size(2) &&
+                          (*t)->size(3) == d,
+                      "cpu_refine_attention: gathered_keys and gathered_values must both be [batch, num_kv_heads, slots, "
+                      "head_dim] CPU tensors of the stores' dtype");
+    }
+  }
+  if (rescue_pages == 0) return 0;
+  STD_TORCH_CHECK(rescue_pages > 0 && page_tokens >= 1 && page_min.has_value() && page_max.has_value(),
+                  "cpu_refine_attention: the page rescue needs page_min and page_max and rescue_pages, page_tokens >= 1");
+  for (const OptionalTensor* t : {&page_min, &page_max}) {
+    STD_TORCH_CHECK((*t)->is_cpu() && (*t)->scalar_type() == keys.scalar_type() && (*t)->dim() == 4 && (*t)->size(0) == b &&
+                        (*t)->size(1) == kv && (*t)->size(2) >= 1 && (*t)->size(3) == d &&
+                        (*t)->size(2) == page_min->size(2),
+                    "cpu_refine_attention: page_min and page_max must be [batch, num_kv_heads, pages, head_dim] CPU "
+                    "tensors of the stores' dtype, one shape");
+  }
+  STD_TORCH_CHECK(!page_shift.has_value() || (page_shift->is_cpu() && page_shift->scalar_type() == ScalarType::Long &&
+                                              page_shift->numel() == b),
+                  "cpu_refine_attention: page_shift must be int64 [batch] on the CPU or None");
+  return std::min(rescue_pages, page_min->size(2));
+}
+
+template <typename T>
+int run_refine(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cand, const Tensor& n,
+               const OptionalTensor& vis, const OptionalTensor& lo, const OptionalTensor& hi, const OptionalTensor& shift,
+               const OptionalTensor& gk, const OptionalTensor& gv, Tensor& out, int64_t rescue, int64_t page_tokens,
+               int64_t budget, int64_t sinks, int64_t recent) {
+  const int64_t capacity = k.size(2), kv = k.size(1);
+  return refine_attention<T>(
+      static_cast<const float*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()), static_cast<const T*>(v.data_ptr()),
+      static_cast<const int64_t*>(cand.data_ptr()), static_cast<const int64_t*>(n.data_ptr()), n.numel() > 1 ? 1 : 0,
+      static_cast<const uint8_t*>(specontext_op::pointer(vis)), specontext_op::visible_stride(vis, capacity),
+      static_cast<const T*>(specontext_op::pointer(lo)), static_cast<const T*>(specontext_op::pointer(hi)),
+      static_cast<const int64_t*>(specontext_op::pointer(shift)), static_cast<const T*>(specontext_op::pointer(gk)),
+      static_cast<const T*>(specontext_op::pointer(gv)), nullptr, static_cast<float*>(out.data_ptr()), q.size(0), kv,
+      q.size(1) / kv, capacity, q.size(3), cand.size(2), rescue ? lo->size(2) : 0, rescue, page_tokens, budget, sinks,
+      recent);
+}
+
+OptionalTensor dense_or_none(const OptionalTensor& t) {
+  return t.has_value() ? OptionalTensor(specontext_op::dense(*t)) : std::nullopt;
+}
+
+// specontext::cpu_refine_attention's CPU kernel (schema and Python kernel: runtime/cpu_refine.py).
+Tensor refine_attention_op(Tensor query, Tensor key_cache, Tensor value_cache, Tensor candidates, Tensor length,
+                           OptionalTensor visible, OptionalTensor page_min, OptionalTensor page_max,
+                           OptionalTensor page_shift, OptionalTensor gathered_keys, OptionalTensor gathered_values,
+                           int64_t budget, int64_t sinks, int64_t recent, int64_t rescue_pages, int64_t page_tokens) {
+  using namespace specontext_op;
+  check_store_inputs("cpu_refine_attention", query, key_cache, value_cache, length, visible, MAX_GROUP, MAX_DIM);
+  STD_TORCH_CHECK(candidates.is_cpu() && candidates.scalar_type() == ScalarType::Long && candidates.dim() == 3 &&
+                      candidates.size(0) == key_cache.size(0) && candidates.size(1) == key_cache.size(1) &&
+                      candidates.size(2) > 0,
+                  "cpu_refine_attention: candidates must be int64 [batch, num_kv_heads, slots > 0] on the CPU");
+  STD_TORCH_CHECK(budget >= 1 && sinks >= 0 && recent >= 0,
+                  "cpu_refine_attention: budget must be >= 1 and sinks, recent >= 0");
+  const int64_t rescue = check_rescue(key_cache, candidates, page_min, page_max, page_shift, gathered_keys,
+                                      gathered_values, rescue_pages, page_tokens);
+  op_calls.fetch_add(1, std::memory_order_relaxed);  // a call the kernel serves
+  Tensor out = torch::stable::new_empty(query, {query.size(0), query.size(1), 1, query.size(3)}, ScalarType::Float);
+  if (key_cache.size(2) == 0) {
+    torch::stable::zero_(out);
+    return out;
+  }
+  const Tensor q = dense(query), k = dense(key_cache), v = dense(value_cache), cand = dense(candidates), n = dense(length);
+  const OptionalTensor vis = dense_or_none(visible), lo = dense_or_none(page_min), hi = dense_or_none(page_max),
+                       shift = dense_or_none(page_shift), gk = dense_or_none(gathered_keys),
+                       gv = dense_or_none(gathered_values);
+  const int status = k.scalar_type() == ScalarType::BFloat16
+      ? run_refine<uint16_t>(q, k, v, cand, n, vis, lo, hi, shift, gk, gv, out, rescue, page_tokens, budget, sinks, recent)
+      : run_refine<float>(q, k, v, cand, n, vis, lo, hi, shift, gk, gv, out, rescue, page_tokens, budget, sinks, recent);
+  STD_TORCH_CHECK(status == 0, "cpu_refine_attention rejected its inputs (budget ", budget, ")");
+  return out;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(specontext, CPU, m) { m.impl("cpu_refine_attention", TORCH_BOX(&refine_attention_op)); }
+
+// Calls of the operator's C++ kernel in this process (runtime/cpu_kernels.py kernel_calls).
+extern "C" int64_t specontext_refine_attention_op_calls() { return op_calls.load(std::memory_order_relaxed); }
+#endif
