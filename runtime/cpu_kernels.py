@@ -35,7 +35,7 @@ from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelBuildError", "applies", "available", "build_library", "check_inputs", "cpu_decode_attention", "decode_splits",
+__all__ = ["KernelBuildError", "applies", "available", "build_library", "check_inputs", "cpu_decode_attention",
            "kernel_calls", "load_kernels", "loads", "torch_op_flags"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
@@ -190,13 +190,6 @@ def available() -> bool:
     return loads(_library, "the CPU decode attention kernel", "the CPU dense step keeps inductor's kernels")
 
 
-def decode_splits(rows: int, capacity: int) -> int:
-    """Work items per ``batch * num_kv_heads`` row: the slots are split so that there are at
-    least 32 items for the threads (11 splits for SmolLM2's 3 KV heads at batch 1), each of
-    at least 256 slots (fewer splits for a short store)."""
-    return max(1, min(-(-32 // max(rows, 1)), capacity // 256))
-
-
 def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             attn_mask: torch.Tensor | None) -> bool:
     """Whether :func:`cpu_decode_attention` serves a dense decode site (a static fact): CPU
@@ -259,7 +252,7 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         q.data_ptr(), k.data_ptr(), v.data_ptr(), length.data_ptr(), 1 if length.numel() > 1 else 0,
         visible.data_ptr() if visible is not None else None,
         capacity if visible is not None and visible.shape[0] > 1 else 0,
-        out.data_ptr(), b, num_kv, groups, capacity, head_dim, decode_splits(b * num_kv, capacity))
+        out.data_ptr(), b, num_kv, groups, capacity, head_dim, 0)  # 0: the kernel's default split
     if status != 0:
         raise ValueError(f"cpu_decode_attention rejected query {tuple(query.shape)}, keys {tuple(key_cache.shape)}")
     return out

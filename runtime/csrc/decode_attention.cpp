@@ -176,8 +176,11 @@ int decode_attention(
     const uint8_t* visible,  // bool [B, C] (or [1, C] with visible_stride 0), or nullptr: 0 hides a slot
     int64_t visible_stride,
     float* out,              // [B, KV, G, D]
-    int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {
-  if (G > MAX_GROUP || D > MAX_DIM || S < 1) return 1;
+    int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {  // S: splits per row, < 1 = the default
+  if (G > MAX_GROUP || D > MAX_DIM) return 1;
+  // S < 1: the default split of each (batch row, KV head)'s slots: at least 32 work items for
+  // the threads (11 splits for SmolLM2's 3 KV heads at batch 1), each of at least 256 slots
+  if (S < 1) S = std::max<int64_t>(1, std::min<int64_t>((32 + B * KV - 1) / std::max<int64_t>(B * KV, 1), C / 256));
   std::vector<float> partial_acc(B * KV * S * G * D);  // [B, KV, S, G, D]
   std::vector<float> partial_stats(B * KV * S * G * 2);  // [B, KV, S, G, 2]: max, sum
   std::vector<int64_t> limits(B);
@@ -265,8 +268,6 @@ specontext_op::Tensor decode_attention_op(specontext_op::Tensor query, specontex
   const Tensor q = dense(query), k = dense(key_cache), v = dense(value_cache), n = dense(length);
   std::optional<Tensor> vis;
   if (visible.has_value()) vis = dense(*visible);
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((32 + b * kv - 1) / std::max<int64_t>(b * kv, 1),
-                                                                capacity / 256));  // cpu_kernels.decode_splits
   const auto* lengths = static_cast<const int64_t*>(n.data_ptr());
   const auto* mask = static_cast<const uint8_t*>(pointer(vis));
   int status;
@@ -274,12 +275,12 @@ specontext_op::Tensor decode_attention_op(specontext_op::Tensor query, specontex
     status = decode_attention<uint16_t>(static_cast<const float*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
                                         static_cast<const uint16_t*>(v.data_ptr()), lengths, n.numel() > 1 ? 1 : 0, mask,
                                         visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv,
-                                        heads / kv, capacity, d, splits);
+                                        heads / kv, capacity, d, 0);
   else
     status = decode_attention<float>(static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),
                                      static_cast<const float*>(v.data_ptr()), lengths, n.numel() > 1 ? 1 : 0, mask,
                                      visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv,
-                                     heads / kv, capacity, d, splits);
+                                     heads / kv, capacity, d, 0);
   STD_TORCH_CHECK(status == 0, "cpu_decode_attention rejected its inputs");
   return out;
 }
