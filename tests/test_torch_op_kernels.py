@@ -98,6 +98,8 @@ def test_operators_refuse_what_would_read_out_of_bounds():
                        ((query, keys, values, length, visible[:, :7]), "visible")):
         with pytest.raises(RuntimeError, match=word):
             dense(*args)
+    with pytest.raises(RuntimeError, match=r"one query row.*got query \[2, 9, 2, 64\], key_cache \[2, 3, 300, 64\]"):
+        dense(torch.cat([query, query], 2), keys, values, length, None)  # the message names what was given
     query, keys, values, candidates, length, page_min, page_max = _refine_inputs(torch.float32)
     refine = torch.ops.specontext.cpu_refine_attention
     base = (query, keys, values, candidates, length, None, page_min, page_max, None, None, None, 24, 2, 8)

@@ -660,9 +660,11 @@ Tensor refine_attention_op(Tensor query, Tensor key_cache, Tensor value_cache, T
   STD_TORCH_CHECK(candidates.is_cpu() && candidates.scalar_type() == ScalarType::Long && candidates.dim() == 3 &&
                       candidates.size(0) == key_cache.size(0) && candidates.size(1) == key_cache.size(1) &&
                       candidates.size(2) > 0,
-                  "cpu_refine_attention: candidates must be int64 [batch, num_kv_heads, slots > 0] on the CPU");
+                  "cpu_refine_attention: candidates must be int64 [batch, num_kv_heads, slots > 0] on the CPU (got ",
+                  specontext_op::shape(candidates), ", keys ", specontext_op::shape(key_cache), ")");
   STD_TORCH_CHECK(budget >= 1 && sinks >= 0 && recent >= 0,
-                  "cpu_refine_attention: budget must be >= 1 and sinks, recent >= 0");
+                  "cpu_refine_attention: budget must be >= 1 and sinks, recent >= 0 (got budget ", budget, ", sinks ",
+                  sinks, ", recent ", recent, ")");
   const int64_t rescue = check_rescue(key_cache, candidates, page_min, page_max, page_shift, gathered_keys,
                                       gathered_values, rescue_pages, page_tokens);
   op_calls.fetch_add(1, std::memory_order_relaxed);  // a call the kernel serves
