@@ -88,7 +88,7 @@ inline void prefetch_row(const T* row) {
     _mm_prefetch(reinterpret_cast<const char*>(row) + 64 * line, _MM_HINT_T0);
 }
 
-// Prefetch one store row into L2, for a row far ahead (FAR_ROWS below): with the L1 requests
+// Prefetch one store row into L2, for a row far ahead (each kernel's FAR rows): with the L1 requests
 // alone (16 rows ahead) a core loaded a block, then computed on it, then loaded the next (the
 // kernels ran at their in-cache compute time plus the store's read time); requests this far
 // ahead keep the reads running under the compute. Measured alone on an AMD EPYC (Zen 4, 2 cores,

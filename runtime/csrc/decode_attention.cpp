@@ -268,19 +268,15 @@ specontext_op::Tensor decode_attention_op(specontext_op::Tensor query, specontex
   const Tensor q = dense(query), k = dense(key_cache), v = dense(value_cache), n = dense(length);
   std::optional<Tensor> vis;
   if (visible.has_value()) vis = dense(*visible);
-  const auto* lengths = static_cast<const int64_t*>(n.data_ptr());
-  const auto* mask = static_cast<const uint8_t*>(pointer(vis));
-  int status;
-  if (k.scalar_type() == ScalarType::BFloat16)
-    status = decode_attention<uint16_t>(static_cast<const float*>(q.data_ptr()), static_cast<const uint16_t*>(k.data_ptr()),
-                                        static_cast<const uint16_t*>(v.data_ptr()), lengths, n.numel() > 1 ? 1 : 0, mask,
-                                        visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv,
-                                        heads / kv, capacity, d, 0);
-  else
-    status = decode_attention<float>(static_cast<const float*>(q.data_ptr()), static_cast<const float*>(k.data_ptr()),
-                                     static_cast<const float*>(v.data_ptr()), lengths, n.numel() > 1 ? 1 : 0, mask,
-                                     visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv,
-                                     heads / kv, capacity, d, 0);
+  auto run = [&](auto element) {  // the store's element type: float, or uint16_t for bfloat16
+    using T = decltype(element);
+    return decode_attention<T>(static_cast<const float*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
+                               static_cast<const T*>(v.data_ptr()), static_cast<const int64_t*>(n.data_ptr()),
+                               n.numel() > 1 ? 1 : 0, static_cast<const uint8_t*>(pointer(vis)),
+                               visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv, heads / kv,
+                               capacity, d, 0);
+  };
+  const int status = k.scalar_type() == ScalarType::BFloat16 ? run(uint16_t{}) : run(float{});
   STD_TORCH_CHECK(status == 0, "cpu_decode_attention rejected its inputs");
   return out;
 }

@@ -9,7 +9,8 @@
 //
 // The checks here guard memory (a std::runtime_error naming the argument, never a read out of
 // bounds); the Python entry points check the same with ValueErrors, and the step's traced bodies
-// check the example values once, at the decision (runtime/routes.py).
+// check the example values once, while the step is traced (runtime/aten_step.py
+// _dense_store_attention, runtime/cpu_refine.py refine_attend).
 #pragma once
 #ifdef SPECONTEXT_TORCH_OPS
 #include <torch/csrc/stable/library.h>
