@@ -38,6 +38,7 @@ inline float exp_nonpositive(float x) {
 // M = max_s m_s, Z = sum_s z_s exp(m_s - M).
 inline void split_stats(const float* row, int64_t lo, int64_t hi, float* st) {
   float m = -__builtin_inff();
+#pragma omp simd reduction(max : m)
   for (int64_t i = lo; i < hi; ++i) m = m > row[i] ? m : row[i];
   float z = 0.f;
   if (m != -__builtin_inff()) {
@@ -59,6 +60,15 @@ inline void with_shape(int64_t G, int64_t D, Fn&& fn) {
   else if (G == 4 && D == 128) fn(integral_constant<int, 4>{}, integral_constant<int, 128>{});
   else if (G == 8 && D == 128) fn(integral_constant<int, 8>{}, integral_constant<int, 128>{});
   else fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
+}
+
+// A hint to the core that this thread spins waiting for another (x86 PAUSE, Arm YIELD).
+inline void pause_cpu() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
 }
 
 // A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t).

@@ -26,9 +26,11 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "cpu_common.h"
+#include <omp.h>
 
 using namespace specontext_cpu;
 
@@ -97,28 +99,75 @@ struct Problem {
   }
 };
 
+// Whether page `page` of row b holds a token row b may attend (visible and written).
+template <typename T>
+bool page_seen(const Problem<T>& p, int64_t b, int64_t page, int64_t shift, int64_t limit) {
+  const int64_t first = page * p.page_tokens - shift;
+  const int64_t from = std::max<int64_t>(first, 0), to = std::min(first + p.page_tokens, limit);
+  if (!p.visible) return from < to;
+  for (int64_t pos = from; pos < to; ++pos)
+    if (p.visible[b * p.visible_stride + pos]) return true;
+  return false;
+}
+
 // Phase 0a: the Quest bound of pages [lo, hi) of item bh (-inf for a page without a usable token).
-template <typename T, int D_>
+template <typename T, int G_, int D_>
 void score_pages(const Problem<T>& p, int64_t bh, int64_t lo, int64_t hi) {
-  const int64_t G = p.G;
+  const int64_t G = G_ > 0 ? G_ : p.G;
   const int64_t D = D_ > 0 ? D_ : p.D;
   const int64_t b = bh / p.KV;
   const int64_t shift = p.page_shift ? p.page_shift[b] : 0;
   const int64_t limit = std::min(p.length(b), p.C);
   const float* q = p.page_query + bh * G * D;
+  float* score = p.page_score + bh * p.PG;
+  int64_t page = lo;
+#ifdef __AVX512F__
+  // 16 pages at a time: each page's G_ sums in vectors over the head dimension (the bounds'
+  // rows widened once for all G_ heads), their lanes summed 16 pages at once (the scalar lane
+  // sums per page and head were most of this phase for bfloat16 bounds)
+  if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
+    constexpr int CH = D_ / 16;
+    __m512 qp[G_][CH], qn[G_][CH];
+    for (int g = 0; g < G_; ++g)
+      for (int c = 0; c < CH; ++c) {
+        const __m512 v = _mm512_loadu_ps(q + g * D_ + 16 * c);
+        qp[g][c] = _mm512_max_ps(v, _mm512_setzero_ps());
+        qn[g][c] = _mm512_min_ps(v, _mm512_setzero_ps());
+      }
+    for (; page + 16 <= hi; page += 16) {
+      __m512 sums[G_][16];
+      for (int pp = 0; pp < 16; ++pp) {
+        const T* mn = p.page_min + (bh * p.PG + page + pp) * D_;
+        const T* mx = p.page_max + (bh * p.PG + page + pp) * D_;
+        __m512 acc[G_];
+        for (int g = 0; g < G_; ++g) acc[g] = _mm512_setzero_ps();
+        for (int c = 0; c < CH; ++c) {
+          const __m512 hi_v = load16(mx + 16 * c), lo_v = load16(mn + 16 * c);
+          for (int g = 0; g < G_; ++g)
+            acc[g] = _mm512_fmadd_ps(qn[g][c], lo_v, _mm512_fmadd_ps(qp[g][c], hi_v, acc[g]));
+        }
+        for (int g = 0; g < G_; ++g) sums[g][pp] = acc[g];
+      }
+      __m512 bound = sum_lanes16(sums[0]);
+      for (int g = 1; g < G_; ++g) bound = _mm512_max_ps(bound, sum_lanes16(sums[g]));
+      alignas(64) float out[16];
+      _mm512_store_ps(out, bound);
+      for (int pp = 0; pp < 16; ++pp) {
+        const bool ok = std::isfinite(out[pp]) && page_seen(p, b, page + pp, shift, limit);
+        score[page + pp] = ok ? out[pp] : NEG;  // as the torch body: a non-finite bound is no page
+      }
+    }
+  }
+#endif
   float qp[MAX_GROUP][MAX_DIM], qn[MAX_GROUP][MAX_DIM];
   for (int64_t g = 0; g < G; ++g)
     for (int64_t d = 0; d < D; ++d) {
       qp[g][d] = std::max(q[g * D + d], 0.f);
       qn[g][d] = std::min(q[g * D + d], 0.f);
     }
-  for (int64_t page = lo; page < hi; ++page) {
-    const int64_t first = page * p.page_tokens - shift;
-    const int64_t from = std::max<int64_t>(first, 0), to = std::min(first + p.page_tokens, limit);
-    bool seen = false;
-    for (int64_t pos = from; pos < to && !seen; ++pos) seen = !p.visible || p.visible[b * p.visible_stride + pos];
+  for (; page < hi; ++page) {
     float bound = NEG;
-    if (seen) {
+    if (page_seen(p, b, page, shift, limit)) {
       const T* mn = p.page_min + (bh * p.PG + page) * D;
       const T* mx = p.page_max + (bh * p.PG + page) * D;
       for (int64_t g = 0; g < G; ++g) {
@@ -129,7 +178,7 @@ void score_pages(const Problem<T>& p, int64_t bh, int64_t lo, int64_t hi) {
       }
       if (!std::isfinite(bound)) bound = NEG;  // as the torch body: a non-finite bound is no page
     }
-    p.page_score[bh * p.PG + page] = bound;
+    score[page] = bound;
   }
 }
 
@@ -413,64 +462,98 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
   }
 }
 
+// The output rows of item bh: its splits' sums merged, divided by their weights (zeros for a
+// head that sees none of the kept slots).
+template <typename T>
+void merge_splits(const Problem<T>& p, int64_t bh, int64_t g) {
+  float total = 0.f;
+  float* o = p.out + (bh * p.G + g) * p.D;
+  for (int64_t d = 0; d < p.D; ++d) o[d] = 0.f;
+  for (int64_t s = 0; s < p.SC; ++s) {
+    total += p.partial_sum[(bh * p.SC + s) * p.G + g];
+    const float* pa = p.partial_acc + ((bh * p.SC + s) * p.G + g) * p.D;
+#pragma omp simd
+    for (int64_t d = 0; d < p.D; ++d) o[d] += pa[d];
+  }
+  if (total == 0.f) {
+    for (int64_t d = 0; d < p.D; ++d) o[d] = 0.f;
+    return;
+  }
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < p.D; ++d) o[d] *= inv;
+}
+
+// The phases' order: a unit of a phase waits for every unit of the phase before it (of its item
+// only: an item's phases depend on nothing of another item).
+enum Phase { PAGES, RESCUE, UNION, SCORE, RANK, KEEP, VALUES, MERGE, PHASES };
+
+// The units of one phase, unit = bh * per + s (s < per), taken in that order by whichever
+// thread is free (a shared count per phase), each after the units of phase `after` of its item
+// are done (`done[after][bh]` == `need`), counted done in done[phase][bh]. No barrier between
+// phases and no fixed share per thread: with SmolLM2's 3 KV heads on 2 threads, a phase with one
+// unit per item (the page rescue, the ranking's cut) left a thread idle for a third of it, and
+// the barriers after the 7 phases were a fifth of the kernel's time (perf, issue 51); here a
+// thread goes on to the next phase's units of the items that are ready. Deadlock-free: every
+// thread takes the phases in the same order and a phase's units in order, so a unit waits only
+// for units of earlier phases that some thread has already taken and will finish.
+template <typename Fn>
+void run_phase(int32_t* done, int32_t* next, int64_t items, Phase phase, int64_t per, int after, int64_t need,
+               Fn&& fn) {
+  const int64_t units = items * per;
+  for (int64_t unit = __atomic_fetch_add(next + phase, 1, __ATOMIC_RELAXED); unit < units;
+       unit = __atomic_fetch_add(next + phase, 1, __ATOMIC_RELAXED)) {
+    const int64_t bh = unit / per;
+    if (after >= 0) {
+      const int32_t* ready = done + after * items + bh;
+      for (int spins = 0; __atomic_load_n(ready, __ATOMIC_ACQUIRE) < need; ++spins) {
+        if (spins < 4096) pause_cpu();
+        else std::this_thread::yield();  // the other thread was descheduled: give it the core
+      }
+    }
+    fn(bh, unit % per);
+    __atomic_fetch_add(done + phase * items + bh, 1, __ATOMIC_RELEASE);
+  }
+}
+
 template <typename T, int G_, int D_>
-void run_phases(const Problem<T>& p) {
+void run_phases(const Problem<T>& p, int32_t* done) {
   const int64_t items = p.B * p.KV;
+  int32_t* next = done + PHASES * items;  // each phase's next unit
+  const auto span = [](int64_t s, int64_t splits, int64_t n) {
+    const int64_t per = (n + splits - 1) / splits;
+    const int64_t lo = std::min(s * per, n);
+    return std::make_pair(lo, std::min(lo + per, n));
+  };
 #pragma omp parallel
   {
+    int last = -1;  // the phase the next one waits for
+    int64_t last_units = 0;
     if (p.rescue > 0) {
-#pragma omp for schedule(static)
-      for (int64_t unit = 0; unit < items * p.SP; ++unit) {
-        const int64_t bh = unit / p.SP, s = unit % p.SP;
-        const int64_t per = (p.PG + p.SP - 1) / p.SP;
-        const int64_t lo = std::min(s * per, p.PG), hi = std::min(lo + per, p.PG);
-        score_pages<T, D_>(p, bh, lo, hi);
-      }
-#pragma omp for schedule(static)
-      for (int64_t bh = 0; bh < items; ++bh) rescue_pages<T>(p, bh);
+      run_phase(done, next, items, PAGES, p.SP, -1, 0, [&](int64_t bh, int64_t s) {
+        const auto [lo, hi] = span(s, p.SP, p.PG);
+        score_pages<T, G_, D_>(p, bh, lo, hi);
+      });
+      run_phase(done, next, items, RESCUE, 1, PAGES, p.SP, [&](int64_t bh, int64_t) { rescue_pages<T>(p, bh); });
+      last = RESCUE;
+      last_units = 1;
     }
-if (p.union_out) {  // the candidates only (an offloaded layer loads their rows, then calls again)
-#pragma omp for schedule(static)
-      for (int64_t bh = 0; bh < items; ++bh)
+    if (p.union_out) {  // the candidates only (an offloaded layer loads their rows, then calls again)
+      run_phase(done, next, items, UNION, 1, last, last_units, [&](int64_t bh, int64_t) {
         std::copy(p.candidates + bh * p.N, p.candidates + (bh + 1) * p.N, p.union_out + bh * p.N);
+      });
     } else {
-    #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < items * p.SA; ++unit) {
-      const int64_t bh = unit / p.SA, s = unit % p.SA;
-      const int64_t per = (p.N + p.SA - 1) / p.SA;
-      const int64_t lo = std::min(s * per, p.N), hi = std::min(lo + per, p.N);
-      score_candidates<T, G_, D_>(p, bh, s, lo, hi);
-    }
-#pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < items * p.SA; ++unit) {
-      const int64_t bh = unit / p.SA, s = unit % p.SA;
-      const int64_t per = (p.N + p.SA - 1) / p.SA;
-      const int64_t lo = std::min(s * per, p.N), hi = std::min(lo + per, p.N);
-      rank_candidates<T>(p, bh, s, lo, hi);
-    }
-#pragma omp for schedule(static)
-    for (int64_t bh = 0; bh < items; ++bh) keep_best<T>(p, bh);
-#pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < items * p.SC; ++unit) add_values<T, G_, D_>(p, unit / p.SC, unit % p.SC);
-#pragma omp for schedule(static)
-    for (int64_t bhg = 0; bhg < items * p.G; ++bhg) {
-      const int64_t bh = bhg / p.G, g = bhg % p.G;
-      float total = 0.f;
-      float* o = p.out + bhg * p.D;
-      for (int64_t d = 0; d < p.D; ++d) o[d] = 0.f;
-      for (int64_t s = 0; s < p.SC; ++s) {
-        total += p.partial_sum[(bh * p.SC + s) * p.G + g];
-        const float* pa = p.partial_acc + ((bh * p.SC + s) * p.G + g) * p.D;
-#pragma omp simd
-        for (int64_t d = 0; d < p.D; ++d) o[d] += pa[d];
-      }
-      if (total == 0.f) {  // a head that sees none of the kept slots: zeros
-        for (int64_t d = 0; d < p.D; ++d) o[d] = 0.f;
-        continue;
-      }
-      const float inv = 1.f / total;
-      for (int64_t d = 0; d < p.D; ++d) o[d] *= inv;
-    }
+      run_phase(done, next, items, SCORE, p.SA, last, last_units, [&](int64_t bh, int64_t s) {
+        const auto [lo, hi] = span(s, p.SA, p.N);
+        score_candidates<T, G_, D_>(p, bh, s, lo, hi);
+      });
+      run_phase(done, next, items, RANK, p.SA, SCORE, p.SA, [&](int64_t bh, int64_t s) {
+        const auto [lo, hi] = span(s, p.SA, p.N);
+        rank_candidates<T>(p, bh, s, lo, hi);
+      });
+      run_phase(done, next, items, KEEP, 1, RANK, p.SA, [&](int64_t bh, int64_t) { keep_best<T>(p, bh); });
+      run_phase(done, next, items, VALUES, p.SC, KEEP, 1,
+                [&](int64_t bh, int64_t s) { add_values<T, G_, D_>(p, bh, s); });
+      run_phase(done, next, items, MERGE, p.G, VALUES, p.SC, [&](int64_t bh, int64_t g) { merge_splits<T>(p, bh, g); });
     }
   }
 }
@@ -518,6 +601,7 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   static thread_local std::vector<int32_t> kept, page_order;
   static thread_local std::vector<int64_t> kept_count, rescued;
   static thread_local std::vector<uint8_t> member;
+  static thread_local std::vector<int32_t> done;  // the units done per phase and item, then each phase's next unit (run_phase)
   const int64_t items = B * KV;
   const int64_t N = S + rescue * page_tokens;
   rounded.resize(items * G * D);
@@ -549,7 +633,8 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   p.kept_max = sized(kept_max, items * G);
   p.partial_acc = sized(partial_acc, items * p.SC * G * D);
   p.partial_sum = sized(partial_sum, items * p.SC * G);
-  with_shape(G, D, [&p](auto g, auto d) { run_phases<T, decltype(g)::value, decltype(d)::value>(p); });
+  done.assign(static_cast<size_t>(PHASES * items + PHASES), 0);
+  with_shape(G, D, [&p](auto g, auto d) { run_phases<T, decltype(g)::value, decltype(d)::value>(p, done.data()); });
   return 0;
 }
 
