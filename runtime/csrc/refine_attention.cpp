@@ -30,7 +30,6 @@
 #include <vector>
 
 #include "cpu_common.h"
-#include <omp.h>
 
 using namespace specontext_cpu;
 
