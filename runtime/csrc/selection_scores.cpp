@@ -45,7 +45,8 @@ struct Scores {
   const uint8_t* visible;    // [B, C] or [1, C] (stride 0) or nullptr
   int64_t visible_stride;
   float* out;                // [B, KV, C]
-  int64_t L, B, KV, G, C, D, S;
+  int64_t L, B, KV, G, C, D, S;  // S: phase 1's splits of the written positions
+  int64_t S2;                  // phase 2's splits of the capacity (its own: phase 1 has L x more units)
   float* logits;             // [L, B * KV, G, C]
   float* stats;              // [L, B * KV, S, G, 2]: each split's maximum and sum of exp(l - max)
 
@@ -58,7 +59,8 @@ struct Scores {
 // taking an exponential per position again.
 inline void split_exponentials(float* row, int64_t lo, int64_t hi, float* st) {
   float m = NEG;
-  for (int64_t i = lo; i < hi; ++i) m = std::max(m, row[i]);
+#pragma omp simd reduction(max : m)
+  for (int64_t i = lo; i < hi; ++i) m = m > row[i] ? m : row[i];
   float z = 0.f;
   if (m == NEG) {
     for (int64_t i = lo; i < hi; ++i) row[i] = 0.f;
@@ -172,9 +174,9 @@ void run(const Scores<T>& p) {
       layer_logits<T, G_, D_>(p, l, bh, s, lo, hi);
     }
 #pragma omp for schedule(static)
-    for (int64_t unit = 0; unit < items * p.S; ++unit) {
-      const int64_t s = unit % p.S, bh = unit / p.S;
-      const int64_t per = (p.C + p.S - 1) / p.S;
+    for (int64_t unit = 0; unit < items * p.S2; ++unit) {
+      const int64_t s = unit % p.S2, bh = unit / p.S2;
+      const int64_t per = (p.C + p.S2 - 1) / p.S2;
       const int64_t lo = std::min(s * per, p.C), hi = std::min(lo + per, p.C);
       sum_weights<T>(p, bh, lo, hi, p.limit(bh / p.KV));
     }
@@ -192,7 +194,11 @@ int selection_scores(const float* query, const T* const* keys, const int64_t* le
   const int64_t S = splits(L * B * KV, std::max<int64_t>(longest, 1), 256);
   logits.resize(L * B * KV * G * C);
   stats.resize(L * B * KV * S * G * 2);
-  Scores<T> p{query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D, S,
+  // phase 2 splits the capacity for itself: with phase 1's splits (one per item when the
+  // layers give the threads enough units), SmolLM2's 3 KV heads left one of 2 threads idle for
+  // a third of it (issue 51)
+  const int64_t S2 = splits(B * KV, C, 256);
+  Scores<T> p{query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D, S, S2,
               logits.data(), stats.data()};
   with_shape(G, D, [&p](auto g, auto d) { run<T, decltype(g)::value, decltype(d)::value>(p); });
   return 0;
