@@ -313,6 +313,7 @@ def test_the_kernels_output_is_the_same_on_any_number_of_threads(dtype):
     page_max = keys.view(b, kv, pages, page_tokens, dim).amax(3).contiguous()
     args = (query, keys, values, candidates, length, None, page_min, page_max, None, None, None, 96, 4, 16, 20, 16)
     threads = torch.get_num_threads()
+    calls = cpu_kernels.kernel_calls()["cpu_kernel_refine_calls"]
     try:
         outputs = []
         for n in (1, 2, 5):
@@ -320,6 +321,7 @@ def test_the_kernels_output_is_the_same_on_any_number_of_threads(dtype):
             outputs.append(cpu_refine.cpu_refine_attention(*args))
     finally:
         torch.set_num_threads(threads)
+    assert cpu_kernels.kernel_calls()["cpu_kernel_refine_calls"] == calls + 3  # our kernel ran each time
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
     union = cpu_refine.cpu_rescue_candidates(query, keys, candidates, length, None, page_min, page_max, None, 20, 16)
     want, gap = _reference(query, keys, values, union, length, None, 96, 4, 16)

@@ -1,0 +1,104 @@
+// A standalone driver of our refine kernel (runtime/csrc/refine_attention.cpp) for perf: the
+// kernel called for 30 layers a "step" with the default options' shapes at 8K (SmolLM2: 3 KV
+// heads, 3 query heads each, head_dim 64; 1024 selected candidates and 128 rescued pages of 16
+// tokens per KV head, budget 1024, 4 sinks, 64 recent), bfloat16 stores; prints the median
+// milliseconds of a step. Where issue 51 found the kernel's barriers (docs/benchmarks.md,
+// "The refine kernel without barriers"):
+//
+//   g++ -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -g -Iruntime/csrc \
+//       benchmarks/refine_kernel_driver.cpp -o /tmp/refine_driver
+//   OMP_NUM_THREADS=2 /tmp/refine_driver 50            # median ms of 50 steps, stores from memory
+//   SAME=1 OMP_NUM_THREADS=2 /tmp/refine_driver 50     # one layer's stores 30 times: in cache
+//   OMP_NUM_THREADS=2 perf record -o /tmp/refine.data /tmp/refine_driver 200 && perf report -i /tmp/refine.data
+//
+// The kernel's source is included (its symbols are then this program's, which perf names).
+#include "../runtime/csrc/refine_attention.cpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+namespace driver {
+
+uint16_t to_bf16(float x) {  // truncation: the driver needs bfloat16 values, not torch's rounding
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+struct Layer {
+  std::vector<uint16_t> keys, values, page_min, page_max;  // [KV, C, D], [KV, C, D], [KV, PG, D] x 2
+  std::vector<int64_t> candidates;                          // [KV, S]
+};
+
+constexpr int LAYERS = 30, KV = 3, G = 3, D = 64, CONTEXT = 8192, C = 8320, S = 1024, BUDGET = 1024, PAGE = 16,
+              RESCUE = 128, SINKS = 4, RECENT = 64, PG = C / PAGE;
+
+Layer make_layer(std::mt19937& rng) {
+  std::normal_distribution<float> normal;
+  Layer l;
+  l.keys.resize(size_t(KV) * C * D);
+  l.values.resize(size_t(KV) * C * D);
+  for (auto& x : l.keys) x = to_bf16(normal(rng));
+  for (auto& x : l.values) x = to_bf16(normal(rng));
+  l.page_min.resize(size_t(KV) * PG * D);
+  l.page_max.resize(size_t(KV) * PG * D);
+  for (int h = 0; h < KV; ++h)
+    for (int page = 0; page < PG; ++page)
+      for (int d = 0; d < D; ++d) {
+        float lo = widen(l.keys[(size_t(h) * C + page * PAGE) * D + d]), hi = lo;
+        for (int t = 1; t < PAGE; ++t) {
+          const float v = widen(l.keys[(size_t(h) * C + page * PAGE + t) * D + d]);
+          lo = std::min(lo, v);
+          hi = std::max(hi, v);
+        }
+        l.page_min[(size_t(h) * PG + page) * D + d] = to_bf16(lo);
+        l.page_max[(size_t(h) * PG + page) * D + d] = to_bf16(hi);
+      }
+  for (int h = 0; h < KV; ++h) {  // the sinks, the recent window, sorted random positions between
+    std::vector<int64_t> middle(CONTEXT - SINKS - RECENT);
+    for (size_t i = 0; i < middle.size(); ++i) middle[i] = SINKS + int64_t(i);
+    std::shuffle(middle.begin(), middle.end(), rng);
+    std::vector<int64_t> row(middle.begin(), middle.begin() + (S - SINKS - RECENT));
+    for (int i = 0; i < SINKS; ++i) row.push_back(i);
+    for (int i = CONTEXT - RECENT; i < CONTEXT; ++i) row.push_back(i);
+    std::sort(row.begin(), row.end());
+    l.candidates.insert(l.candidates.end(), row.begin(), row.end());
+  }
+  return l;
+}
+
+}  // namespace driver
+
+int main(int argc, char** argv) {
+  using namespace driver;
+  const int steps = argc > 1 ? std::atoi(argv[1]) : 50;
+  const bool same = std::getenv("SAME") != nullptr;
+  std::mt19937 rng(0);
+  std::vector<Layer> layers;
+  for (int i = 0; i < (same ? 1 : LAYERS); ++i) layers.push_back(make_layer(rng));
+  std::normal_distribution<float> normal;
+  std::vector<float> query(KV * G * D), out(KV * G * D);
+  for (auto& x : query) x = normal(rng) * 0.125f;
+  const int64_t length = CONTEXT;
+  std::vector<double> ms;
+  double checksum = 0;
+  for (int step = 0; step < steps; ++step) {
+    const auto start = std::chrono::steady_clock::now();
+    for (int i = 0; i < LAYERS; ++i) {
+      const Layer& l = layers[same ? 0 : i];
+      specontext_refine_attention_bf16(query.data(), l.keys.data(), l.values.data(), l.candidates.data(), &length, 0,
+                                       nullptr, 0, l.page_min.data(), l.page_max.data(), nullptr, nullptr, nullptr,
+                                       nullptr, out.data(), 1, KV, G, C, D, S, PG, driver::RESCUE, PAGE, BUDGET, SINKS, RECENT);
+      checksum += out[0];
+    }
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::sort(ms.begin(), ms.end());
+  std::printf("median %.3f ms a step of %d layers (checksum %g)\n", ms[ms.size() / 2], LAYERS, checksum);
+  return 0;
+}
