@@ -33,13 +33,19 @@ inline float exp_nonpositive(float x) {
   return x < -87.0f ? 0.0f : p * scale;
 }
 
+// The maximum of row[lo, hi) (-inf when empty), vectorised (std::max in the loop was not).
+inline float row_max(const float* row, int64_t lo, int64_t hi) {
+  float m = -__builtin_inff();
+#pragma omp simd reduction(max : m)
+  for (int64_t i = lo; i < hi; ++i) m = m > row[i] ? m : row[i];
+  return m;
+}
+
 // The softmax statistics of row[lo, hi): st[0] = its maximum (-inf when every entry is -inf),
 // st[1] = the sum of exp(row[i] - max) (0 then). Splits of a row merge as
 // M = max_s m_s, Z = sum_s z_s exp(m_s - M).
 inline void split_stats(const float* row, int64_t lo, int64_t hi, float* st) {
-  float m = -__builtin_inff();
-#pragma omp simd reduction(max : m)
-  for (int64_t i = lo; i < hi; ++i) m = m > row[i] ? m : row[i];
+  const float m = row_max(row, lo, hi);
   float z = 0.f;
   if (m != -__builtin_inff()) {
 #pragma omp simd reduction(+ : z)

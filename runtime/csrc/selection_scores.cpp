@@ -58,9 +58,7 @@ struct Scores {
 // exp(l - split maximum) (0 for -inf): phase 2 scales them by one factor per split instead of
 // taking an exponential per position again.
 inline void split_exponentials(float* row, int64_t lo, int64_t hi, float* st) {
-  float m = NEG;
-#pragma omp simd reduction(max : m)
-  for (int64_t i = lo; i < hi; ++i) m = m > row[i] ? m : row[i];
+  const float m = row_max(row, lo, hi);
   float z = 0.f;
   if (m == NEG) {
     for (int64_t i = lo; i < hi; ++i) row[i] = 0.f;
