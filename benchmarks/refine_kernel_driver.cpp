@@ -7,8 +7,10 @@
 //
 //   g++ -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -g -Iruntime/csrc \
 //       benchmarks/refine_kernel_driver.cpp -o /tmp/refine_driver
-//   OMP_NUM_THREADS=2 /tmp/refine_driver 50            # median ms of 50 steps, stores from memory
+//   OMP_NUM_THREADS=2 /tmp/refine_driver 50            # median (fastest) ms of 50 steps, stores from memory
 //   SAME=1 OMP_NUM_THREADS=2 /tmp/refine_driver 50     # one layer's stores 30 times: in cache
+//   F32=1 OMP_NUM_THREADS=2 /tmp/refine_driver 50      # float32 stores (the same values widened)
+//   JSON=1 ...                                         # a JSON line of the figures too
 //   OMP_NUM_THREADS=2 perf record -o /tmp/refine.data /tmp/refine_driver 200 && perf report -i /tmp/refine.data
 //
 // The kernel's source is included (its symbols are then this program's, which perf names).
@@ -72,6 +74,19 @@ Layer make_layer(std::mt19937& rng) {
   return l;
 }
 
+struct Wide {  // a layer's stores as float32
+  std::vector<float> keys, values, page_min, page_max;
+};
+
+Wide widen_layer(const Layer& l) {
+  const auto f = [](const std::vector<uint16_t>& v) {
+    std::vector<float> out(v.size());
+    for (size_t i = 0; i < v.size(); ++i) out[i] = widen(v[i]);
+    return out;
+  };
+  return Wide{f(l.keys), f(l.values), f(l.page_min), f(l.page_max)};
+}
+
 }  // namespace driver
 
 int main(int argc, char** argv) {
@@ -85,20 +100,37 @@ int main(int argc, char** argv) {
   std::vector<float> query(KV * G * D), out(KV * G * D);
   for (auto& x : query) x = normal(rng) * 0.125f;
   const int64_t length = CONTEXT;
+  const bool f32 = std::getenv("F32") != nullptr;
+  std::vector<Wide> wide;
+  if (f32)
+    for (const Layer& l : layers) wide.push_back(widen_layer(l));
   std::vector<double> ms;
   double checksum = 0;
   for (int step = 0; step < steps; ++step) {
     const auto start = std::chrono::steady_clock::now();
     for (int i = 0; i < LAYERS; ++i) {
       const Layer& l = layers[same ? 0 : i];
-      specontext_refine_attention_bf16(query.data(), l.keys.data(), l.values.data(), l.candidates.data(), &length, 0,
-                                       nullptr, 0, l.page_min.data(), l.page_max.data(), nullptr, nullptr, nullptr,
-                                       nullptr, out.data(), 1, KV, G, C, D, S, PG, driver::RESCUE, PAGE, BUDGET, SINKS, RECENT);
+      if (f32) {
+        const Wide& w = wide[same ? 0 : i];
+        specontext_refine_attention(query.data(), w.keys.data(), w.values.data(), l.candidates.data(), &length, 0,
+                                    nullptr, 0, w.page_min.data(), w.page_max.data(), nullptr, nullptr, nullptr,
+                                    nullptr, out.data(), 1, KV, G, C, D, S, PG, driver::RESCUE, PAGE, BUDGET, SINKS,
+                                    RECENT);
+      } else {
+        specontext_refine_attention_bf16(query.data(), l.keys.data(), l.values.data(), l.candidates.data(), &length,
+                                         0, nullptr, 0, l.page_min.data(), l.page_max.data(), nullptr, nullptr,
+                                         nullptr, nullptr, out.data(), 1, KV, G, C, D, S, PG, driver::RESCUE, PAGE,
+                                         BUDGET, SINKS, RECENT);
+      }
       checksum += out[0];
     }
     ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   std::sort(ms.begin(), ms.end());
-  std::printf("median %.3f ms a step of %d layers (checksum %g)\n", ms[ms.size() / 2], LAYERS, checksum);
+  std::printf("median %.3f ms a step of %d layers, fastest %.3f (checksum %g)\n", ms[ms.size() / 2], LAYERS, ms[0],
+              checksum);
+  if (std::getenv("JSON"))  // one JSON line more, for the results files
+    std::printf("{\"dtype\": \"%s\", \"in_cache\": %s, \"steps\": %d, \"median_ms\": %.4f, \"fastest_ms\": %.4f}\n",
+                f32 ? "float32" : "bfloat16", same ? "true" : "false", steps, ms[ms.size() / 2], ms[0]);
   return 0;
 }

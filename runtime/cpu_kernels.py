@@ -35,8 +35,8 @@ from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelBuildError", "applies", "available", "build_library", "check_inputs", "cpu_decode_attention",
-           "kernel_calls", "load_kernels", "loads", "torch_op_flags"]
+__all__ = ["KernelBuildError", "applies", "available", "bf16_dot_calls", "build_library", "check_inputs",
+           "cpu_decode_attention", "has_bf16_dot_products", "kernel_calls", "load_kernels", "loads", "torch_op_flags"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
@@ -162,6 +162,21 @@ def kernel_calls() -> dict[str, int]:
     kernels (``counters["specontext"]``) plus those through the C++ operator kernels."""
     names = ("cpu_kernel_attention_calls", "cpu_kernel_refine_calls", "cpu_kernel_selection_calls")
     return {name: counters["specontext"][name] + (_OP_CALLS[name]() if name in _OP_CALLS else 0) for name in names}
+
+
+def has_bf16_dot_products() -> bool:
+    """Whether this CPU has AVX-512 BF16 (``VDPBF16PS``): our kernels built for it
+    (``-march=native``) compute a bfloat16 store's key logits with bfloat16 dot products."""
+    return "avx512_bf16" in _cpu_flags().split()
+
+
+def bf16_dot_calls(lib: ctypes.CDLL, source_stem: str) -> int:
+    """Calls of the kernel library ``lib`` (source ``csrc/<source_stem>.cpp``) in this process
+    that computed key logits with the CPU's bfloat16 dot products (the other calls widened the
+    keys to float32 first): the path a test asserts."""
+    fn = getattr(lib, f"specontext_{source_stem}_bf16_dot_calls")
+    fn.restype, fn.argtypes = ctypes.c_int64, []
+    return int(fn())
 
 
 @functools.cache

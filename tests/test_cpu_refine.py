@@ -314,6 +314,7 @@ def test_the_kernels_output_is_the_same_on_any_number_of_threads(dtype):
     args = (query, keys, values, candidates, length, None, page_min, page_max, None, None, None, 96, 4, 16, 20, 16)
     threads = torch.get_num_threads()
     calls = cpu_kernels.kernel_calls()["cpu_kernel_refine_calls"]
+    dots = cpu_kernels.bf16_dot_calls(cpu_refine._library(), "refine_attention")
     try:
         outputs = []
         for n in (1, 2, 5):
@@ -322,6 +323,9 @@ def test_the_kernels_output_is_the_same_on_any_number_of_threads(dtype):
     finally:
         torch.set_num_threads(threads)
     assert cpu_kernels.kernel_calls()["cpu_kernel_refine_calls"] == calls + 3  # our kernel ran each time
+    # bfloat16 keys' logits through the CPU's bfloat16 dot products where it has them
+    took_dots = dtype == torch.bfloat16 and cpu_kernels.has_bf16_dot_products()
+    assert cpu_kernels.bf16_dot_calls(cpu_refine._library(), "refine_attention") == dots + (3 if took_dots else 0)
     assert all(torch.equal(out, outputs[0]) for out in outputs[1:])
     union = cpu_refine.cpu_rescue_candidates(query, keys, candidates, length, None, page_min, page_max, None, 20, 16)
     want, gap = _reference(query, keys, values, union, length, None, 96, 4, 16)

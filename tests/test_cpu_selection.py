@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specontext_compile.runtime import cpu_selection, routes, scorers
+from specontext_compile.runtime import cpu_kernels, cpu_selection, routes, scorers
 from specontext_compile.runtime.spec import AttentionVariant, StepSpec
 from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -53,6 +53,25 @@ def test_kernel_equals_float64_scores(seed, layers, b, num_kv, groups, capacity,
     visible = (torch.rand(b, capacity, generator=gen) > 0.3) if hide else None
     got = cpu_selection.cpu_selection_scores(query, stores, length, visible)
     torch.testing.assert_close(got.double(), _reference(query, stores, length, visible), atol=2e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rounded", [True, False])
+def test_bfloat16_keys_take_the_dot_products_only_with_a_bfloat16_query(rounded):
+    """bfloat16 keys' logits go through the CPU's bfloat16 dot products (VDPBF16PS, where it has
+    them) when the query holds bfloat16 values, as the step passes it (rounded like the torch
+    body); a float32 query the caller did not round keeps the widening path, so the kernel
+    takes its query as given either way: within 2e-6 + 1e-4 relative of float64."""
+    gen = torch.Generator().manual_seed(3)
+    query = torch.randn(2, 1, 9, 1, 64, generator=gen) * 0.3
+    if rounded:
+        query = query.bfloat16().float()
+    stores = [torch.randn(1, 3, 700, 64, generator=gen).bfloat16() for _ in range(2)]
+    length = torch.tensor(650)
+    before = cpu_kernels.bf16_dot_calls(cpu_selection._library(), "selection_scores")
+    got = cpu_selection.cpu_selection_scores(query, stores, length, None)
+    took = cpu_kernels.bf16_dot_calls(cpu_selection._library(), "selection_scores") - before
+    assert took == (1 if rounded and cpu_kernels.has_bf16_dot_products() else 0)
+    torch.testing.assert_close(got.double(), _reference(query, stores, length, None), atol=2e-6, rtol=1e-4)
 
 
 def _site(query_state, stores, cached, visible, fused=True, bias=None):

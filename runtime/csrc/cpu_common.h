@@ -86,6 +86,30 @@ inline float widen(uint16_t x) {
   return f;
 }
 
+// bfloat16's rounding of a float32 (to nearest, ties to even), as a float32: the logits' query
+// of a bfloat16 store, as the torch bodies round it (sparse_attention.query_key_logits); the
+// bfloat16 dot products (group_logits16_bf16) take it exactly.
+inline float round_like(float x, uint16_t) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &x, sizeof(bits));
+  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
+  __builtin_memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+inline float round_like(float x, float) { return x; }
+
+// Whether q[0, n) holds values of the store's dtype only (for bfloat16: the low 16 bits zero).
+inline bool holds_store_values(const float* q, int64_t n, uint16_t) {
+  uint32_t low = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    __builtin_memcpy(&bits, q + i, sizeof(bits));
+    low |= bits & 0xffffu;
+  }
+  return low == 0;
+}
+inline bool holds_store_values(const float*, int64_t, float) { return true; }
+
 #ifdef __AVX512F__
 // 16 store elements as float32 (a bfloat16 element is the high half of a float32).
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
@@ -136,13 +160,64 @@ inline __m512 sum_lanes16(const __m512* acc) {
   return _mm512_permutexvar_ps(order, h);
 }
 
+// Whether group_logits16<T, G_, D_, true> takes the bfloat16 dot products (the kernels count
+// the calls that did: tests assert the path that ran).
+template <typename T, int G_, int D_>
+constexpr bool uses_bf16_dot() {
+#ifdef __AVX512BF16__
+  return std::is_same_v<T, uint16_t> && G_ > 0 && D_ > 0 && D_ % 32 == 0;
+#else
+  return false;
+#endif
+}
+
+#ifdef __AVX512BF16__
+// group_logits16 for bfloat16 key rows with the CPU's bfloat16 dot products (VDPBF16PS: each
+// lane adds the products of a pair of elements, exact in float32, to a float32 sum; inputs below
+// 2^-126 count as 0): no widening of the rows, half the multiply-adds. q must hold bfloat16
+// values (the callers round the logits' query to the store's dtype, as the torch bodies do), so
+// its conversion here is exact; only the order of the float32 additions differs from the
+// widening path.
+template <int G_, int D_>
+inline void group_logits16_bf16(const float* q, const uint16_t* const* rows, float* out, int64_t stride) {
+  constexpr int CH = D_ / 32;  // 32 elements a vector
+  constexpr int R = G_ <= 3 ? 8 : (G_ <= 6 ? 4 : (G_ <= 12 ? 2 : 1));
+  __m512bh qv[G_][CH];
+  for (int g = 0; g < G_; ++g)
+    for (int c = 0; c < CH; ++c)
+      qv[g][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + g * D_ + 32 * c + 16), _mm512_loadu_ps(q + g * D_ + 32 * c));
+  __m512 sums[G_][16];
+  for (int r0 = 0; r0 < 16; r0 += R) {
+    __m512 acc[G_][R];
+    for (int g = 0; g < G_; ++g)
+      for (int r = 0; r < R; ++r) acc[g][r] = _mm512_setzero_ps();
+    for (int c = 0; c < CH; ++c)
+      for (int r = 0; r < R; ++r) {
+        const __m512bh kv = (__m512bh)_mm512_loadu_si512(rows[r0 + r] + 32 * c);
+        for (int g = 0; g < G_; ++g) acc[g][r] = _mm512_dpbf16_ps(acc[g][r], qv[g][c], kv);
+      }
+    for (int g = 0; g < G_; ++g)
+      for (int r = 0; r < R; ++r) sums[g][r0 + r] = acc[g][r];
+  }
+  for (int g = 0; g < G_; ++g) _mm512_storeu_ps(out + g * stride, sum_lanes16(sums[g]));
+}
+#endif
+
 // out[g * stride + jj] = q[g] . rows[jj] for the G_ query heads of a KV group (q: [G_, D_]
 // float32) and 16 key rows of D_ store elements: each row chunk is loaded (and, for bfloat16,
 // widened) once for all G_ heads, R rows at a time so that the G_ x R accumulators stay in
 // registers (looping over the heads outside reloaded each row G_ times: for bfloat16 stores
 // that widening was most of the selection kernel's time, issue 51).
-template <typename T, int G_, int D_>
+// DOT: q holds bfloat16 values (holds_store_values), so a bfloat16 store may take the bfloat16
+// dot products.
+template <typename T, int G_, int D_, bool DOT = false>
 inline void group_logits16(const float* q, const T* const* rows, float* out, int64_t stride) {
+#ifdef __AVX512BF16__
+  if constexpr (DOT && uses_bf16_dot<T, G_, D_>()) {
+    group_logits16_bf16<G_, D_>(q, rows, out, stride);
+    return;
+  }
+#endif
   constexpr int R = G_ <= 3 ? 8 : (G_ <= 6 ? 4 : (G_ <= 12 ? 2 : 1));
   __m512 sums[G_][16];
   for (int r0 = 0; r0 < 16; r0 += R) {

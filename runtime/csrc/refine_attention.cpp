@@ -18,10 +18,11 @@
 //      sees none of them).
 // Each key row is read once for all G heads, each kept value row once; the candidates' and the
 // kept slots' work is split between the threads (SmolLM2 at batch 1 has 3 KV heads for 2
-// cores). float32 or bfloat16 stores (bfloat16 widened as it is loaded), float32 query,
-// accumulation and output. Written for specontext (issue 51); built and loaded by
+// cores). float32 or bfloat16 stores (bfloat16 keys through the CPU's bfloat16 dot products
+// where it has them, values widened as loaded), float32 query, accumulation and output. Written for specontext (issue 51); built and loaded by
 // runtime/cpu_refine.py.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -243,7 +244,7 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
         if (far < hi && (p.gathered_keys || (cand[far] >= 0 && cand[far] < p.C)))
           prefetch_row_l2<T, D_>(p.key_row(bh, far, cand[far]));
       }
-      group_logits16<T, G_, D_>(q, rows, lg + j, p.N);
+      group_logits16<T, G_, D_, true>(q, rows, lg + j, p.N);  // p.query is rounded to the store's dtype
       for (int g = 0; g < G_; ++g)
         for (int jj = 0; jj < 16; ++jj)
           if (!ok[jj]) lg[g * p.N + j + jj] = NEG;
@@ -285,11 +286,16 @@ inline uint32_t order_key(float x) {
 constexpr int BINS = 4096;
 constexpr float RANK_FLOOR = -32.f;
 
-inline uint16_t rank_bin(float r) {  // non-decreasing in r; 0 is left for an empty slot
-  if (r == POS) return BINS - 1;
-  if (!(r > NEG)) return 1;
-  const float at = (std::min(r, 0.f) - RANK_FLOOR) * (static_cast<float>(BINS - 4) / -RANK_FLOOR);
-  return static_cast<uint16_t>(2 + std::max(0, std::min(BINS - 4, static_cast<int>(at))));
+// Non-decreasing in r; 0 is left for an empty slot. Branch-free (selects and a clamp before
+// the conversion), so that the loop over a split's slots vectorises: the branchy form with
+// std::min/max was a tenth of the kernel's in-cache time (perf, issue 51).
+inline uint16_t rank_bin(float r) {
+  const float top = r < 0.f ? r : 0.f;
+  float at = (top - RANK_FLOOR) * (static_cast<float>(BINS - 4) / -RANK_FLOOR);
+  at = at > 0.f ? at : 0.f;  // -inf and ranks below the floor: the lowest bin of a seen slot
+  at = at < static_cast<float>(BINS - 4) ? at : static_cast<float>(BINS - 4);
+  const int bin = 2 + static_cast<int>(at);
+  return static_cast<uint16_t>(r == POS ? BINS - 1 : (r > NEG ? bin : 1));
 }
 
 template <typename T>
@@ -311,25 +317,44 @@ void rank_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo,
     const float c = m + std::log(z);
     const float* row = lg + g * N;
 #pragma omp simd
-    for (int64_t j = lo; j < hi; ++j) rank[j] = std::max(rank[j], row[j] - c);
+    for (int64_t j = lo; j < hi; ++j) {
+      const float r = row[j] - c;
+      rank[j] = rank[j] > r ? rank[j] : r;  // not std::max: that loop did not vectorise
+    }
   }
   int64_t seen = 0;  // non-empty candidates before this split, counted up to `sinks` (the sinks are the first ones)
   for (int64_t j = 0; j < lo && seen < p.sinks; ++j) seen += cand[j] >= 0;
   const int64_t recent_from = p.length(b) - p.recent;
   uint16_t* bin = p.bins + bh * N;
-  uint32_t* hist = p.hist + (bh * p.SA + split) * BINS;
-  std::fill(hist, hist + BINS, 0u);
-  for (int64_t j = lo; j < hi; ++j) {
+  int64_t j = lo;
+  for (; j < hi && seen < p.sinks; ++j) {  // the split's slots up to the last sink, one by one
     if (cand[j] < 0) {  // an empty slot is never kept
       bin[j] = 0;
       continue;
     }
     ++seen;
-    const bool recent = cand[j] >= recent_from && p.usable(b, cand[j]);  // past the written length: not recent
-    if (seen <= p.sinks || recent) rank[j] = POS;
-    bin[j] = rank_bin(rank[j]);
-    ++hist[bin[j]];
+    rank[j] = POS;
+    bin[j] = rank_bin(POS);
   }
+  if (!p.visible) {  // the rest without a branch per slot: a recent slot is one written and in the window
+    const int64_t written = std::min(p.length(b), p.C);
+#pragma omp simd
+    for (int64_t i = j; i < hi; ++i) {
+      const int64_t c = cand[i];
+      const float r = c >= recent_from && c < written ? POS : rank[i];
+      rank[i] = c >= 0 ? r : rank[i];
+      bin[i] = c >= 0 ? rank_bin(r) : 0;
+    }
+  } else {
+    for (int64_t i = j; i < hi; ++i) {
+      const int64_t c = cand[i];
+      if (c >= recent_from && p.usable(b, c)) rank[i] = POS;  // past the written length or hidden: not recent
+      bin[i] = c >= 0 ? rank_bin(rank[i]) : 0;
+    }
+  }
+  uint32_t* hist = p.hist + (bh * p.SA + split) * BINS;
+  std::fill(hist, hist + BINS, 0u);
+  for (int64_t i = lo; i < hi; ++i) ++hist[bin[i]];  // bin 0 (empty slots) is never read
 }
 
 // Phase 2b: the `budget` slots item bh keeps (all its non-empty ones when fewer): those in the
@@ -372,7 +397,9 @@ void keep_best(const Problem<T>& p, int64_t bh) {
   const float* lg = p.logits + bh * G * N;
   for (int64_t g = 0; g < G; ++g) {
     float m = NEG;
-    for (int64_t t = 0; t < count; ++t) m = std::max(m, lg[g * N + kept[t]]);
+    const float* row = lg + g * N;
+#pragma omp simd reduction(max : m)
+    for (int64_t t = 0; t < count; ++t) m = m > row[kept[t]] ? m : row[kept[t]];
     p.kept_max[bh * G + g] = m;
   }
 }
@@ -514,8 +541,13 @@ void run_phase(int32_t* done, int32_t* next, int64_t items, Phase phase, int64_t
   }
 }
 
+std::atomic<int64_t> dot_calls{0};  // calls that took the bfloat16 dot products
+
 template <typename T, int G_, int D_>
 void run_phases(const Problem<T>& p, int32_t* done) {
+  if constexpr (uses_bf16_dot<T, G_, D_>()) {
+    if (!p.union_out) dot_calls.fetch_add(1, std::memory_order_relaxed);
+  }
   const int64_t items = p.B * p.KV;
   int32_t* next = done + PHASES * items;  // each phase's next unit
   const auto span = [](int64_t s, int64_t splits, int64_t n) {
@@ -562,17 +594,6 @@ void run_phases(const Problem<T>& p, int32_t* done) {
 int64_t splits(int64_t items, int64_t n, int64_t least) {
   return std::max<int64_t>(1, std::min<int64_t>((16 + items - 1) / std::max<int64_t>(items, 1), n / least));
 }
-
-// bfloat16's rounding of a float32 (to nearest, ties to even), as a float32: the logits' query
-// of a bfloat16 store, as the torch body rounds it (sparse_attention.query_key_logits).
-inline float round_like(float x, uint16_t) {
-  uint32_t bits;
-  __builtin_memcpy(&bits, &x, sizeof(bits));
-  bits = (bits + 0x7fffu + ((bits >> 16) & 1u)) & 0xffff0000u;
-  __builtin_memcpy(&x, &bits, sizeof(x));
-  return x;
-}
-inline float round_like(float x, float) { return x; }
 
 // v resized to n elements (kept between calls: grown once, never shrunk), its data
 template <typename V>
@@ -654,6 +675,9 @@ extern "C" int specontext_refine_attention(const float* query, const float* keys
                                  page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B, KV,
                                  G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
 }
+
+// Calls in this process that took the bfloat16 dot products for the candidates' logits.
+extern "C" int64_t specontext_refine_attention_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }
 
 // bfloat16 stores, page bounds and gathered rows (their raw 16-bit patterns), float32 query and output.
 extern "C" int specontext_refine_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,

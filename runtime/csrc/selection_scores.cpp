@@ -14,10 +14,13 @@
 // splits (batch row, KV head, positions): each layer's log-sum-exp merged from its splits, the
 // exponentials scaled by one factor per split (no second exponential per position: 2.5 -> 1.7
 // ms a step for 8 layers of 8K fp32 keys, 2.2 -> 1.4 bf16, scratch timing), then summed.
-// float32 or bfloat16 stores (widened as loaded), float32 query (the caller rounds it to the
-// store's dtype, as the torch body does), accumulation and output. Written for specontext
+// float32 or bfloat16 stores, float32 query taken as given (the callers round it to the store's
+// dtype, as the torch body does; a bfloat16 store's keys then go through the CPU's bfloat16 dot
+// products where it has them, else they are widened as loaded), float32 accumulation and
+// output. Written for specontext
 // (issue 51); built and loaded by runtime/cpu_selection.py.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -74,7 +77,7 @@ inline void split_exponentials(float* row, int64_t lo, int64_t hi, float* st) {
 }
 
 // Phase 1: layer l's logits of positions [lo, hi) for item bh, as exponentials, and the split's statistics.
-template <typename T, int G_, int D_>
+template <typename T, int G_, int D_, bool DOT>
 void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int64_t lo, int64_t hi) {
   const int64_t G = G_ > 0 ? G_ : p.G;
   const int64_t D = D_ > 0 ? D_ : p.D;
@@ -92,7 +95,7 @@ void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int6
         if (j + PREFETCH + jj < hi) prefetch_row<T, D_>(k + (j + PREFETCH + jj) * D_);
         if (j + FAR + jj < hi) prefetch_row_l2<T, D_>(k + (j + FAR + jj) * D_);
       }
-      group_logits16<T, G_, D_>(q, rows, lg + j, p.C);
+      group_logits16<T, G_, D_, DOT>(q, rows, lg + j, p.C);
     }
   }
 #endif
@@ -158,8 +161,11 @@ int64_t splits(int64_t units, int64_t n, int64_t least) {
   return std::max<int64_t>(1, std::min<int64_t>((16 + units - 1) / std::max<int64_t>(units, 1), n / least));
 }
 
-template <typename T, int G_, int D_>
+std::atomic<int64_t> dot_calls{0};  // calls that took the bfloat16 dot products
+
+template <typename T, int G_, int D_, bool DOT>
 void run(const Scores<T>& p) {
+  if constexpr (DOT && uses_bf16_dot<T, G_, D_>()) dot_calls.fetch_add(1, std::memory_order_relaxed);
   const int64_t items = p.B * p.KV;
 #pragma omp parallel
   {
@@ -169,7 +175,7 @@ void run(const Scores<T>& p) {
       const int64_t limit = p.limit(bh / p.KV);
       const int64_t per = (limit + p.S - 1) / p.S;
       const int64_t lo = std::min(s * per, limit), hi = std::min(lo + per, limit);
-      layer_logits<T, G_, D_>(p, l, bh, s, lo, hi);
+      layer_logits<T, G_, D_, DOT>(p, l, bh, s, lo, hi);
     }
 #pragma omp for schedule(static)
     for (int64_t unit = 0; unit < items * p.S2; ++unit) {
@@ -198,7 +204,11 @@ int selection_scores(const float* query, const T* const* keys, const int64_t* le
   const int64_t S2 = splits(B * KV, C, 256);
   Scores<T> p{query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D, S, S2,
               logits.data(), stats.data()};
-  with_shape(G, D, [&p](auto g, auto d) { run<T, decltype(g)::value, decltype(d)::value>(p); });
+  // the bfloat16 dot products take the query only where it holds bfloat16 values already
+  if (holds_store_values(query, L * B * KV * G * D, T{}))
+    with_shape(G, D, [&p](auto g, auto d) { run<T, decltype(g)::value, decltype(d)::value, true>(p); });
+  else
+    with_shape(G, D, [&p](auto g, auto d) { run<T, decltype(g)::value, decltype(d)::value, false>(p); });
   return 0;
 }
 
@@ -210,6 +220,9 @@ extern "C" int specontext_selection_scores(const float* query, const float* cons
                                            int64_t D) {
   return selection_scores<float>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D);
 }
+
+// Calls in this process that took the bfloat16 dot products (the rest widened the keys).
+extern "C" int64_t specontext_selection_scores_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }
 
 // bfloat16 stores (their raw 16-bit patterns), float32 query and output.
 extern "C" int specontext_selection_scores_bf16(const float* query, const uint16_t* const* keys,
