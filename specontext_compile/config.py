@@ -49,56 +49,165 @@ def _layer_set(name: str, layers: Any, none_ok: bool = True) -> tuple[int, ...] 
     return tuple(sorted(set(layers)))
 
 
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ValueError(f"specontext option {name!r} must be an int >= {low}, got {value!r}")
+
+
+def _check_flag(name: str, value: Any, none_ok: bool = False) -> None:
+    if not (isinstance(value, bool) or (none_ok and value is None)):
+        takes = "None, True or False" if none_ok else "True or False"
+        raise ValueError(f"specontext option {name!r} must be {takes}, got {value!r}")
+
+
+def _retrieval_layers(layers: Any) -> tuple[int, ...] | None:
+    given = layers
+    if isinstance(layers, list):
+        layers = tuple(layers)
+    if isinstance(layers, int) and not isinstance(layers, bool):
+        layers = (layers,)
+    if layers is not None and (
+        not isinstance(layers, tuple) or not layers or len(layers) > MAX_RETRIEVAL_LAYERS
+        or any(not isinstance(j, int) or isinstance(j, bool) for j in layers)
+    ):
+        raise ValueError(f"specontext option 'retrieval_layers' must be None, an int or 1..{MAX_RETRIEVAL_LAYERS} "
+                         f"ints, got {given!r}")
+    return layers
+
+
 @dataclasses.dataclass(frozen=True)
 class SelectionOptions:
     """What a decode step selects and how (SpeContext, arXiv 2512.00722, section 4): the
-    fields of the same names of :class:`SpeContextConfig`, read by the rewrite pass and
-    :meth:`~specontext_compile.runtime.spec.StepSpec.from_config`."""
+    options of the same names documented on :class:`SpeContextConfig`, validated here (read by
+    the rewrite pass and :meth:`~specontext_compile.runtime.spec.StepSpec.from_config`).
 
-    budget: int
-    sink_tokens: int
-    recent_window: int
-    retrieval_layers: tuple[int, ...] | None
-    retrieval_head: str | None
-    candidates: float
-    page_rescue: int
-    rescue_layers: tuple[int, ...] | None
-    dense_layers: tuple[int, ...] | int
-    min_coverage: float
-    max_sparse_q_len: int
-    dense_shortcut: bool
-    dense_below: int
+    Raises:
+        ValueError: a value out of range, naming the option and what it takes."""
+
+    budget: int = 1024
+    sink_tokens: int = 4
+    recent_window: int = 64
+    retrieval_layers: tuple[int, ...] | int | None = None
+    retrieval_head: str | None = None
+    candidates: float = 1.0
+    page_rescue: int | None = None
+    rescue_layers: tuple[int, ...] | int | None = None
+    dense_layers: tuple[int, ...] | int = ()
+    min_coverage: float = 0.0
+    max_sparse_q_len: int = 1
+    dense_shortcut: bool = True
+    dense_below: int = 0
+
+    def __post_init__(self) -> None:
+        _check_int("budget", self.budget, 1)
+        _check_int("max_sparse_q_len", self.max_sparse_q_len, 1)
+        _check_int("sink_tokens", self.sink_tokens, 0)
+        _check_int("recent_window", self.recent_window, 0)
+        object.__setattr__(self, "retrieval_layers", _retrieval_layers(self.retrieval_layers))
+        object.__setattr__(self, "dense_layers", _layer_set("dense_layers", self.dense_layers, none_ok=False))
+        object.__setattr__(self, "rescue_layers", _layer_set("rescue_layers", self.rescue_layers))
+        if self.retrieval_head is not None:
+            from .runtime.draft_retrieval import head_spec
+
+            object.__setattr__(self, "retrieval_head", head_spec(self.retrieval_head).path)  # ValueError naming the fix
+        below = self.dense_below
+        if not isinstance(below, int) or isinstance(below, bool) or below < 0:
+            raise ValueError(f"specontext option 'dense_below' must be an int >= 0 (store tokens at or below which "
+                             f"attention stays dense; 0 = never), got {below!r}")
+        _check_flag("dense_shortcut", self.dense_shortcut)
+        c = self.candidates
+        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0:
+            raise ValueError(f"specontext option 'candidates' must be a number >= 1 (candidate tokens as a "
+                             f"multiple of the budget; 1 = one shared selection; inf = every cached token), "
+                             f"got {c!r}")
+        object.__setattr__(self, "candidates", float(c))
+        g = self.min_coverage
+        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
+            raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
+                             f"got {g!r}")
+        object.__setattr__(self, "min_coverage", float(g))
+        r = self.page_rescue
+        if r is None:  # the default: the rescue that keeps the text (with or without offload: same text)
+            r = 2 * self.budget
+            object.__setattr__(self, "page_rescue", r)
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"specontext option 'page_rescue' must be None (the default: 2 x budget) or an "
+                             f"int >= 0 (tokens of rescued pages per layer; 0 = off), got {r!r}")
+        if g > 0 and self.candidates <= 1 and r == 0:
+            raise ValueError("specontext option 'min_coverage' needs a refinement to estimate from: "
+                             "'candidates' > 1 or 'page_rescue' > 0 (the guard's estimate is the share of "
+                             "the ranked tokens' attention that each layer keeps); set candidates=2 or leave "
+                             "page_rescue at its default")
 
 
 @dataclasses.dataclass(frozen=True)
 class CompileOptions:
-    """How the rewritten graph is compiled (the backend's business): the fields of the same
-    names of :class:`SpeContextConfig`."""
+    """How the rewritten graph is compiled (the backend's business): the options of the same
+    names documented on :class:`SpeContextConfig`, validated here.
 
-    inner: str | Callable
-    kernel: str
-    mode: str | None
-    lower: bool
-    freezing: bool | None
-    gemv: bool | None
-    regional: bool | None
+    Raises:
+        ValueError: a value out of range, naming the option and what it takes."""
+
+    inner: str | Callable = "auto"
+    kernel: str = "auto"
+    mode: str | None = None
+    lower: bool = True
+    freezing: bool | None = None
+    gemv: bool | None = None
+    regional: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"specontext option 'kernel' must be one of {KERNELS}, got {self.kernel!r}")
+        if self.mode is not None and self.mode not in MODES:
+            raise ValueError(f"specontext option 'mode' must be None or one of {MODES}, got {self.mode!r}")
+        _check_flag("lower", self.lower)
+        for name in ("freezing", "gemv", "regional"):
+            _check_flag(name, getattr(self, name), none_ok=True)
+        if not callable(self.inner) and self.inner not in _INNER:
+            raise ValueError(f"specontext option 'inner' must be one of {_INNER} or a runner (a callable taking "
+                             f"the lowered graph module, as specontext_compile.recall.RecallProbe.runner), "
+                             f"got {self.inner!r}")
 
 
 @dataclasses.dataclass(frozen=True)
 class OffloadOptions:
-    """KV offload to a host tier (section 5-6; docs/offload.md): the fields of the same names
-    of :class:`SpeContextConfig` (``device_memory_bytes`` None = off)."""
+    """KV offload to a host tier (section 5-6; docs/offload.md): the options of the same names
+    documented on :class:`SpeContextConfig` (``device_memory_bytes`` None = off), validated here.
 
-    device_memory_bytes: int | str | None
-    copy_bandwidth: float | None
-    offload_trace: str | None
+    Raises:
+        ValueError: a value out of range, or ``offload_trace`` without offload."""
+
+    device_memory_bytes: int | str | None = None
+    copy_bandwidth: float | None = None
+    offload_trace: str | None = None
+
+    def __post_init__(self) -> None:
+        dm = self.device_memory_bytes
+        if dm is not None and dm != "auto" and (not isinstance(dm, int) or isinstance(dm, bool) or dm < 1):
+            raise ValueError(
+                f"specontext option 'device_memory_bytes' must be None, an int >= 1 (bytes of "
+                f"the device tier) or 'auto' (free device memory), got {dm!r}")
+        bw = self.copy_bandwidth
+        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf):
+            raise ValueError(f"specontext option 'copy_bandwidth' must be None or a positive number of bytes/s "
+                             f"(the offload schedule's host-to-device copy rate), got {bw!r}")
+        if bw is not None:
+            object.__setattr__(self, "copy_bandwidth", float(bw))
+        if self.offload_trace is not None and (dm is None or not isinstance(self.offload_trace, str)):
+            raise ValueError("specontext option 'offload_trace' must be a file path (str) and needs "
+                             "device_memory_bytes (offload) to be set")
 
 
 @dataclasses.dataclass(frozen=True)
 class DebugOptions:
     """What the backend writes for a person to read: graph dumps (``dump_dir``)."""
 
-    dump_dir: str | None
+    dump_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            raise ValueError(f"specontext option 'dump_dir' must be None or a folder path (str), got {self.dump_dir!r}")
 
 
 #: group name -> its dataclass; every option of :class:`SpeContextConfig` is in exactly one
@@ -108,6 +217,10 @@ OPTION_GROUPS = {"selection": SelectionOptions, "compile": CompileOptions, "offl
 
 def _group_fields(group: type) -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(group))
+
+
+#: option name -> the name of the group that holds it
+_GROUP_OF = {field: name for name, group in OPTION_GROUPS.items() for field in _group_fields(group)}
 
 
 def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -141,9 +254,13 @@ def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, init=False)
 class SpeContextConfig:
-    """Options of ``backend="specontext"``.
+    """Options of ``backend="specontext"``, stored as their four groups (:data:`OPTION_GROUPS`:
+    ``config.selection``, ``config.compile``, ``config.offload``, ``config.debug``; each group
+    validates its own fields, this class the rules across groups) and read by their flat names
+    too (``config.budget``). Built from flat names, groups, or both
+    (``SpeContextConfig(budget=512)``, :meth:`from_options`).
 
     Attributes:
         budget: tokens selected per KV head per decode step (int >= 1); SpeContext
@@ -301,154 +418,59 @@ class SpeContextConfig:
             for CPU graphs unless ``freezing=True``; off on CUDA (not yet measured there).
     """
 
-    budget: int = 1024
-    sink_tokens: int = 4
-    recent_window: int = 64
-    retrieval_layers: tuple[int, ...] | int | None = None
-    max_sparse_q_len: int = 1
-    inner: str | Callable = "auto"
-    kernel: str = "auto"
-    device_memory_bytes: int | str | None = None
-    copy_bandwidth: float | None = None
-    offload_trace: str | None = None
-    retrieval_head: str | None = None
-    dump_dir: str | None = None
-    mode: str | None = None
-    lower: bool = True
-    dense_shortcut: bool = True
-    dense_below: int = 0
-    candidates: float = 1.0
-    min_coverage: float = 0.0
-    page_rescue: int | None = None
-    rescue_layers: tuple[int, ...] | int | None = None
-    dense_layers: tuple[int, ...] | int = ()
-    freezing: bool | None = None
-    gemv: bool | None = None
-    regional: bool | None = None
+    selection: SelectionOptions = dataclasses.field(default_factory=SelectionOptions)
+    compile: CompileOptions = dataclasses.field(default_factory=CompileOptions)
+    offload: OffloadOptions = dataclasses.field(default_factory=OffloadOptions)
+    debug: DebugOptions = dataclasses.field(default_factory=DebugOptions)
 
-    def __post_init__(self) -> None:
-        for name in ("budget", "max_sparse_q_len"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"specontext option {name!r} must be an int >= 1, got {value!r}")
-        for name in ("sink_tokens", "recent_window"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"specontext option {name!r} must be an int >= 0, got {value!r}")
-        layers = self.retrieval_layers
-        if isinstance(layers, list):
-            layers = tuple(layers)
-        if isinstance(layers, int) and not isinstance(layers, bool):
-            layers = (layers,)
-        if layers is not None and (
-            not isinstance(layers, tuple) or not layers or len(layers) > MAX_RETRIEVAL_LAYERS
-            or any(not isinstance(j, int) or isinstance(j, bool) for j in layers)
-        ):
-            raise ValueError(
-                f"specontext option 'retrieval_layers' must be None, an int or 1..{MAX_RETRIEVAL_LAYERS} "
-                f"ints, got {self.retrieval_layers!r}"
-            )
-        object.__setattr__(self, "retrieval_layers", layers)
-        object.__setattr__(self, "dense_layers", _layer_set("dense_layers", self.dense_layers, none_ok=False))
-        object.__setattr__(self, "rescue_layers", _layer_set("rescue_layers", self.rescue_layers))
-        if self.kernel not in KERNELS:
-            raise ValueError(f"specontext option 'kernel' must be one of {KERNELS}, got {self.kernel!r}")
-        dm = self.device_memory_bytes
-        if dm is not None and dm != "auto" and (not isinstance(dm, int) or isinstance(dm, bool) or dm < 1):
-            raise ValueError(
-                f"specontext option 'device_memory_bytes' must be None, an int >= 1 (bytes of "
-                f"the device tier) or 'auto' (free device memory), got {dm!r}")
-        bw = self.copy_bandwidth
-        if bw is not None and (isinstance(bw, bool) or not isinstance(bw, (int, float)) or not 0 < bw < math.inf):
-            raise ValueError(f"specontext option 'copy_bandwidth' must be None or a positive number of bytes/s "
-                             f"(the offload schedule's host-to-device copy rate), got {bw!r}")
-        if bw is not None:
-            object.__setattr__(self, "copy_bandwidth", float(bw))
-        if self.offload_trace is not None and (dm is None or not isinstance(self.offload_trace, str)):
-            raise ValueError("specontext option 'offload_trace' must be a file path (str) and needs "
-                             "device_memory_bytes (offload) to be set")
-        if self.retrieval_head is not None:
-            from .runtime.draft_retrieval import head_spec
+    def __init__(self, selection: SelectionOptions | None = None, compile: CompileOptions | None = None,
+                 offload: OffloadOptions | None = None, debug: DebugOptions | None = None, **options: Any) -> None:
+        """The options stored as their groups; flat names (``budget=512``) go to their group, on
+        top of a group given whole (as ``dataclasses.replace`` passes them).
 
-            spec = head_spec(self.retrieval_head)  # ValueError naming the fix
-            object.__setattr__(self, "retrieval_head", spec.path)
-            if dm is not None:
-                raise ValueError("specontext options 'retrieval_head' and 'device_memory_bytes' cannot be "
-                                 "combined yet (the offload schedule reads the lagged-query selection); "
-                                 "unset one of them")
-        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
-            raise ValueError(f"specontext option 'dump_dir' must be None or a folder path (str), got {self.dump_dir!r}")
-        if self.mode is not None and self.mode not in MODES:
-            raise ValueError(f"specontext option 'mode' must be None or one of {MODES}, got {self.mode!r}")
-        below = self.dense_below
-        if not isinstance(below, int) or isinstance(below, bool) or below < 0:
-            raise ValueError(f"specontext option 'dense_below' must be an int >= 0 (store tokens at or below which "
-                             f"attention stays dense; 0 = never), got {below!r}")
-        for name in ("lower", "dense_shortcut"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"specontext option {name!r} must be True or False, got {getattr(self, name)!r}")
-        for name in ("freezing", "gemv", "regional"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"specontext option {name!r} must be None, True or False, "
-                                 f"got {getattr(self, name)!r}")
-        c = self.candidates
-        if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0:
-            raise ValueError(f"specontext option 'candidates' must be a number >= 1 (candidate tokens as a "
-                             f"multiple of the budget; 1 = one shared selection; inf = every cached token), "
-                             f"got {c!r}")
-        object.__setattr__(self, "candidates", float(c))
-        if c == math.inf and dm is not None:
+        Raises:
+            ValueError: an unknown name (the message lists the valid ones), a bad value (from
+                the group that holds it), or options of two groups that cannot be combined."""
+        unknown = sorted(set(options) - set(_GROUP_OF))
+        if unknown:
+            raise ValueError(f"unknown specontext option(s) {unknown}; valid options are {list(_GROUP_OF)}")
+        given = {"selection": selection, "compile": compile, "offload": offload, "debug": debug}
+        for name, group in OPTION_GROUPS.items():
+            mine = {k: v for k, v in options.items() if _GROUP_OF[k] == name}
+            if given[name] is not None and not isinstance(given[name], group):
+                raise ValueError(f"specontext option group {name!r} must be a {group.__name__}, "
+                                 f"got {type(given[name]).__name__}")
+            if given[name] is None:
+                value = group(**mine)  # flat names build their group (its defaults derived from them)
+            else:
+                value = dataclasses.replace(given[name], **mine) if mine else given[name]
+            object.__setattr__(self, name, value)
+        self._check_combinations()
+
+    def _check_combinations(self) -> None:
+        """The rules across groups (each group checks its own fields)."""
+        dm = self.offload.device_memory_bytes
+        if dm is None:
+            return
+        if self.selection.retrieval_head is not None:
+            raise ValueError("specontext options 'retrieval_head' and 'device_memory_bytes' cannot be "
+                             "combined yet (the offload schedule reads the lagged-query selection); "
+                             "unset one of them")
+        if self.selection.candidates == math.inf:
             raise ValueError("specontext options candidates=inf and 'device_memory_bytes' cannot be combined: "
                              "every layer would read every cached key, so nothing can stay on the host tier; "
                              "set a finite candidates (e.g. 4) or unset device_memory_bytes")
-        g = self.min_coverage
-        if isinstance(g, bool) or not isinstance(g, (int, float)) or not 0.0 <= g < 1.0:
-            raise ValueError(f"specontext option 'min_coverage' must be a number in [0, 1) (0 = guard off), "
-                             f"got {g!r}")
-        object.__setattr__(self, "min_coverage", float(g))
-        if g > 0 and dm is not None:
+        if self.selection.min_coverage > 0:
             raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
                              "yet (the guard's dense fallback would read an offloaded layer's host tier); set "
                              "min_coverage=0 or unset device_memory_bytes")
-        r = self.page_rescue
-        if r is None:  # the default: the rescue that keeps the text (with or without offload: same text)
-            r = 2 * self.budget
-            object.__setattr__(self, "page_rescue", r)
-        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
-            raise ValueError(f"specontext option 'page_rescue' must be None (the default: 2 x budget) or an "
-                             f"int >= 0 (tokens of rescued pages per layer; 0 = off), got {r!r}")
-        if g > 0 and self.candidates <= 1 and r == 0:
-            raise ValueError("specontext option 'min_coverage' needs a refinement to estimate from: "
-                             "'candidates' > 1 or 'page_rescue' > 0 (the guard's estimate is the share of "
-                             "the ranked tokens' attention that each layer keeps); set candidates=2 or leave "
-                             "page_rescue at its default")
-        if not callable(self.inner) and self.inner not in _INNER:
-            raise ValueError(f"specontext option 'inner' must be one of {_INNER} or a runner (a callable taking "
-                             f"the lowered graph module, as specontext_compile.recall.RecallProbe.runner), "
-                             f"got {self.inner!r}")
 
-    @property
-    def selection(self) -> SelectionOptions:
-        """The selection options (:class:`SelectionOptions`), normalised as here."""
-        return self._group(SelectionOptions)
-
-    @property
-    def compile(self) -> CompileOptions:
-        """The compile options (:class:`CompileOptions`)."""
-        return self._group(CompileOptions)
-
-    @property
-    def offload(self) -> OffloadOptions:
-        """The KV-offload options (:class:`OffloadOptions`)."""
-        return self._group(OffloadOptions)
-
-    @property
-    def debug(self) -> DebugOptions:
-        """The debugging options (:class:`DebugOptions`)."""
-        return self._group(DebugOptions)
-
-    def _group(self, group: type):
-        return group(**{name: getattr(self, name) for name in _group_fields(group)})
+    def __getattr__(self, name: str) -> Any:
+        """An option by its flat name (``config.budget``), read from the group that holds it."""
+        group = _GROUP_OF.get(name)
+        if group is None:  # not an option (also while unpickling, before the groups are set)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
 
     @property
     def prefetch_tokens(self) -> int:
@@ -476,9 +498,4 @@ class SpeContextConfig:
             ValueError: for an unknown option (the message lists the valid names), an option
                 in the wrong group or given twice (:func:`flatten_options`), or a bad value.
         """
-        options = flatten_options(dict(options or {}))
-        valid = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(options) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown specontext option(s) {unknown}; valid options are {valid}")
-        return cls(**options)
+        return cls(**flatten_options(dict(options or {})))

@@ -70,9 +70,11 @@ def test_options_come_in_four_groups_flat_or_nested():
 
     from specontext_compile.config import OPTION_GROUPS, CompileOptions, SelectionOptions
 
-    fields = [f.name for f in dataclasses.fields(SpeContextConfig)]
+    assert [f.name for f in dataclasses.fields(SpeContextConfig)] == list(OPTION_GROUPS)  # stored as the groups
     grouped = [f.name for group in OPTION_GROUPS.values() for f in dataclasses.fields(group)]
-    assert sorted(grouped) == sorted(fields) and len(grouped) == len(set(grouped))
+    assert len(grouped) == len(set(grouped)) == 24
+    assert all(getattr(SpeContextConfig(), name) == getattr(getattr(SpeContextConfig(), group), name)
+               for group, cls in OPTION_GROUPS.items() for name in (f.name for f in dataclasses.fields(cls)))
     flat = SpeContextConfig.from_options({"budget": 512, "page_rescue": 0, "inner": "eager", "dump_dir": "x"})
     nested = SpeContextConfig.from_options({"selection": {"budget": 512, "page_rescue": 0},
                                             "compile": {"inner": "eager"}, "debug": {"dump_dir": "x"}})
@@ -88,6 +90,31 @@ def test_options_come_in_four_groups_flat_or_nested():
         SpeContextConfig.from_options({"budget": 8, "selection": {"budget": 16}})
     with pytest.raises(ValueError, match="must be a dict or a CompileOptions"):
         SpeContextConfig.from_options({"compile": "eager"})
+
+
+def test_each_group_validates_its_own_fields_and_the_config_the_rules_across_them():
+    """Issue 53 item 5: the options are stored as their groups; a group built alone checks its
+    fields (the same messages as the flat names), the config only the rules across groups; a
+    flat name given with its group goes on top of it (as ``dataclasses.replace`` passes it)."""
+    from specontext_compile.config import CompileOptions, OffloadOptions, SelectionOptions
+
+    with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
+        SelectionOptions(budget=0)
+    with pytest.raises(ValueError, match="'kernel' must be one of"):
+        CompileOptions(kernel="cuda")
+    with pytest.raises(ValueError, match="needs device_memory_bytes"):
+        OffloadOptions(offload_trace="step.json")
+    assert SelectionOptions(budget=100).page_rescue == 200  # the default rescue, normalised in its group
+    offload = OffloadOptions(device_memory_bytes=1 << 20)
+    assert SpeContextConfig(offload=offload).device_memory_bytes == 1 << 20
+    with pytest.raises(ValueError, match="'min_coverage' > 0 and 'device_memory_bytes'"):
+        SpeContextConfig(offload=offload, selection=SelectionOptions(min_coverage=0.5))
+    config = SpeContextConfig(selection=SelectionOptions(budget=64, sink_tokens=2), budget=32)
+    assert config.budget == config.selection.budget == 32 and config.sink_tokens == 2
+    with pytest.raises(ValueError, match="must be a CompileOptions"):
+        SpeContextConfig(compile=SelectionOptions())
+    with pytest.raises(AttributeError):
+        config.not_an_option
 
 
 def test_grouped_options_reach_the_backend():
