@@ -206,15 +206,26 @@ void rescue_pages(const Problem<T>& p, int64_t bh) {
     cand[j] = sel[j];
     if (sel[j] >= 0 && sel[j] < p.C) member[sel[j]] = 1;
   }
-  for (int64_t k = 0; k < p.rescue; ++k)
-    for (int64_t t = 0; t < p.page_tokens; ++t) {
-      int64_t pos = -1;
-      if (k < count) {
-        pos = order[k] * p.page_tokens - shift + t;
-        if (!p.usable(b, pos) || member[pos]) pos = -1;
+  const int64_t written = std::min(p.length(b), p.C);
+  for (int64_t k = 0; k < p.rescue; ++k) {
+    int64_t* out = cand + p.S + k * p.page_tokens;
+    const int64_t first = order[k < count ? k : 0] * p.page_tokens - shift;
+    if (k >= count) {
+      std::fill(out, out + p.page_tokens, int64_t{-1});
+    } else if (!p.visible) {  // without a branch per token: written and not a candidate already
+#pragma omp simd
+      for (int64_t t = 0; t < p.page_tokens; ++t) {
+        const int64_t pos = first + t;
+        const bool in = pos >= 0 && pos < written;
+        out[t] = in && !member[in ? pos : 0] ? pos : -1;
       }
-      cand[p.S + k * p.page_tokens + t] = pos;
+    } else {
+      for (int64_t t = 0; t < p.page_tokens; ++t) {
+        const int64_t pos = first + t;
+        out[t] = p.usable(b, pos) && !member[pos] ? pos : -1;
+      }
     }
+  }
   for (int64_t j = 0; j < p.S; ++j)
     if (sel[j] >= 0 && sel[j] < p.C) member[sel[j]] = 0;
 }
@@ -231,23 +242,36 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
   int64_t j = lo;
 #ifdef __AVX512F__
   if constexpr (G_ > 0 && D_ > 0 && D_ % 16 == 0) {
+    // the rows 16 candidates at a time: which are usable as a vector mask (an unusable slot
+    // scores row 0, then -inf by a masked store), the prefetch addresses without a branch per
+    // row (a position clamped into the store: a prefetch of an empty slot's row 0 is harmless).
+    // The per-row tests and stores were a fifth of this phase in cache (perf, issue 51).
+    const int64_t written = std::min(p.length(b), p.C);
+    const __m512i zero = _mm512_setzero_si512(), limit = _mm512_set1_epi64(written);
+    const T* base = p.gathered_keys ? p.gathered_keys + bh * p.N * D_ : p.keys + bh * p.C * D_;
+    const auto row_of = [&](int64_t slot) -> const T* {  // slot's row, any slot (clamped)
+      if (p.gathered_keys) return base + slot * D_;
+      const int64_t c = cand[slot];
+      return base + std::min(std::max<int64_t>(c, 0), p.C - 1) * D_;
+    };
+    const int64_t last = hi - 1;
     for (; j + 16 <= hi; j += 16) {
+      const __m512i c0 = _mm512_loadu_si512(cand + j), c1 = _mm512_loadu_si512(cand + j + 8);
+      __mmask16 ok = static_cast<__mmask16>(
+          (_mm512_cmpge_epi64_mask(c0, zero) & _mm512_cmplt_epi64_mask(c0, limit)) |
+          ((_mm512_cmpge_epi64_mask(c1, zero) & _mm512_cmplt_epi64_mask(c1, limit)) << 8));
+      if (p.visible)
+        for (int jj = 0; jj < 16; ++jj)
+          if ((ok >> jj) & 1u && !p.visible[b * p.visible_stride + cand[j + jj]]) ok &= static_cast<__mmask16>(~(1u << jj));
       const T* rows[16];
-      bool ok[16];
       for (int jj = 0; jj < 16; ++jj) {
-        ok[jj] = p.usable(b, cand[j + jj]);
-        rows[jj] = p.key_row(bh, j + jj, ok[jj] ? cand[j + jj] : 0);  // an unusable slot scores row 0, then -inf
-        const int64_t ahead = j + PREFETCH + jj;
-        if (ahead < hi && (p.gathered_keys || (cand[ahead] >= 0 && cand[ahead] < p.C)))
-          prefetch_row<T, D_>(p.key_row(bh, ahead, cand[ahead]));
-        const int64_t far = j + FAR + jj;
-        if (far < hi && (p.gathered_keys || (cand[far] >= 0 && cand[far] < p.C)))
-          prefetch_row_l2<T, D_>(p.key_row(bh, far, cand[far]));
+        rows[jj] = (ok >> jj) & 1u ? row_of(j + jj) : base;
+        prefetch_row<T, D_>(row_of(std::min(j + PREFETCH + jj, last)));
+        prefetch_row_l2<T, D_>(row_of(std::min(j + FAR + jj, last)));
       }
       group_logits16<T, G_, D_, true>(q, rows, lg + j, p.N);  // p.query is rounded to the store's dtype
-      for (int g = 0; g < G_; ++g)
-        for (int jj = 0; jj < 16; ++jj)
-          if (!ok[jj]) lg[g * p.N + j + jj] = NEG;
+      const __m512 neg = _mm512_set1_ps(NEG);
+      for (int g = 0; g < G_; ++g) _mm512_mask_storeu_ps(lg + g * p.N + j, static_cast<__mmask16>(~ok), neg);
     }
   }
 #endif
@@ -383,7 +407,29 @@ void keep_best(const Problem<T>& p, int64_t bh) {
   int64_t count = 0;
   uint64_t* edge = p.order + bh * N;
   int64_t edges = 0;
-  for (int64_t j = 0; j < N; ++j) {
+  int64_t j = 0;
+#ifdef __AVX512F__
+  // 16 slots at a time: those above the edge bin compressed into the kept list, those in it
+  // (a few) one by one (the branch per slot was a third of this phase in cache, issue 51)
+  const __m512i above_edge = _mm512_set1_epi32(static_cast<int>(edge_bin));
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (; j + 16 <= N; j += 16) {
+    const __m512i bins16 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(bin + j)));
+    const __mmask16 up = _mm512_cmpgt_epi32_mask(bins16, above_edge);
+    // compressed in a register, then a masked store (the compressing store to memory is
+    // microcoded and slow on Zen 4); the mask keeps it within the list
+    const int n = __builtin_popcount(up);
+    const __m512i slots = _mm512_maskz_compress_epi32(up, _mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int>(j))));
+    _mm512_mask_storeu_epi32(kept + count, static_cast<__mmask16>((1u << n) - 1u), slots);
+    count += n;
+    if (edge_bin > 0)
+      for (unsigned at = _mm512_cmpeq_epi32_mask(bins16, above_edge); at; at &= at - 1) {
+        const int64_t slot = j + __builtin_ctz(at);
+        edge[edges++] = (static_cast<uint64_t>(order_key(rank[slot])) << 32) | static_cast<uint64_t>(slot);
+      }
+  }
+#endif
+  for (; j < N; ++j) {
     if (bin[j] > edge_bin) kept[count++] = static_cast<int32_t>(j);
     else if (bin[j] == edge_bin && edge_bin > 0)
       edge[edges++] = (static_cast<uint64_t>(order_key(rank[j])) << 32) | static_cast<uint64_t>(j);
