@@ -17,8 +17,7 @@ with, the two interleaved (this machine's rate moves from minute to minute). Ker
 * ``selection``: ``specontext::cpu_selection_scores`` (``runtime/csrc/selection_scores.cpp``),
   the default head's scores once per step: the keys of the 8 retrieval layers (of the 30 stores).
 
-Source of the "alone" figures in docs/benchmarks.md, "The dense kernel's rows prefetched" and
-"Rows prefetched into L2 far ahead".
+Source of the "alone" figures in docs/benchmarks.md, "How the step got here".
 
     python -m benchmarks.cpu_attention_kernel --kernels dense refine selection --dtypes float32 bfloat16 --json docs/results/cpu_kernels_alone_far_prefetch_8k_2026-12-06_epyc.json
 """

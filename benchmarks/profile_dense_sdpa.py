@@ -1,6 +1,6 @@
 """``benchmarks.profile_decode`` with the dense shortcut's SDPA body on CPU (the code before issue
 51 moved a CPU decode step's dense shortcut to the fused products), for the A/B in
-docs/benchmarks.md ("Own dense off SDPA on CPU"). Same arguments as ``profile_decode``.
+docs/benchmarks.md ("How the step got here"). Same arguments as ``profile_decode``.
 
 It swaps the one name ``aten_step._dense_store_attention`` reads to decide, so run it with a
 ``TORCHINDUCTOR_CACHE_DIR`` of its own: torch's caches key on the sources, which this leaves

@@ -3,7 +3,7 @@
 // heads, 3 query heads each, head_dim 64; 1024 selected candidates and 128 rescued pages of 16
 // tokens per KV head, budget 1024, 4 sinks, 64 recent), bfloat16 stores; prints the median
 // milliseconds of a step. Where issue 51 found the kernel's barriers (docs/benchmarks.md,
-// "The refine kernel without barriers"):
+// "How the step got here"):
 //
 //   g++ -O3 -march=native -fopenmp -fno-math-errno -fno-trapping-math -g -Iruntime/csrc \
 //       benchmarks/refine_kernel_driver.cpp -o /tmp/refine_driver

@@ -487,7 +487,7 @@ def _dense_store_attention(query, key_cache, value_cache, length, attn_mask, var
     into one pass over the keys (the fused query-key products, softmax) and one ``bmm`` over
     the values: SDPA's CPU flash kernel at one query row read the store at a fraction of the
     copy rate (``python -m benchmarks.profile_decode --budget 16384``, docs/benchmarks.md,
-    "Own dense off SDPA on CPU"). Both compute the same softmax in float32 (rounding apart).
+    "How the step got here"). Both compute the same softmax in float32 (rounding apart).
     ``fused=False`` keeps SDPA: inside ``torch.cond``'s branch (the fidelity guard's dense
     branch) dynamo cannot trace the fused body's casts of functional tensors."""
     b, num_heads, q_len, head_dim = query.shape

@@ -113,7 +113,7 @@ def fused_products(rows: torch.Tensor, keys: torch.Tensor, fused: bool) -> bool:
     query rows per KV head). There
     ``(q * k).sum(-1)`` compiles to one vectorised loop that reads each gathered key once,
     where ``index_select`` then ``bmm`` writes the gathered keys and reads them again, in two
-    calls (measured: docs/benchmarks.md, "Fused query-key products"). Everything else keeps
+    calls (measured: docs/benchmarks.md, "How the step got here"). Everything else keeps
     the matmul: eager runs (the op chain, ``inner="eager"``, an eager ``torch.cond``, which
     dynamo traces with its eager backend), where the product would be materialised;
     prefill-sized rows (the matmul's blocking); CUDA (cuBLAS, not measured there)."""

@@ -18,7 +18,7 @@ KV head reads the store at about half the copy rate. Here the slot axis is cut i
 A capacity that is not a multiple of ``chunks * UNROLL`` leaves a tail of fewer slots,
 attended in the same softmax by one small unsplit reduction. The result equals softmax
 attention over the store up to float32 rounding (summation order only). Measured:
-docs/benchmarks.md, "Split store attention".
+docs/benchmarks.md, "How the step got here".
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def split_chunks(rows: int, capacity: int, dtype: torch.dtype = torch.float32) -
     caller keeps its unsplit body) when ``rows`` alone keeps the threads busy, the store is
     small, or its ``dtype`` is not float32 (a bfloat16 store: the split step measured 11%
     slower than the unsplit one, its per-slot conversions outweigh the balance; float32 14%
-    faster: docs/benchmarks.md, "Split store attention"). Static ints only (decided at trace
+    faster: docs/benchmarks.md, "How the step got here"). Static ints only (decided at trace
     time); a symbolic size gives 1."""
     if (dtype != torch.float32 or not isinstance(capacity, int) or not isinstance(rows, int)
             or rows >= _TARGET_ROWS // 2):

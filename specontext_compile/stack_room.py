@@ -10,7 +10,7 @@ where the caller's stack happens to put them at a boundary each call costs an ``
 ``munmap``; with a second core busy in an OpenMP barrier the ``munmap``'s TLB shootdown (an
 interrupt to that core, a VM exit on a virtual machine) made an empty Python call cost about
 21 µs instead of 0.03 (SmolLM2-135M at 8K on a 2-core Xeon: the step's stack was 15.7 KiB
-deep at our refine op's checks; docs/benchmarks.md, "Room on the frame stack").
+deep at our refine op's checks; docs/benchmarks.md, "How the step got here").
 
 :func:`with_stack_room` calls the compiled step through one frame large enough
 (:data:`ROOM_WORDS` local slots) that it never fits the current chunk: CPython maps a fresh

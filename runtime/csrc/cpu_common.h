@@ -132,7 +132,7 @@ inline void prefetch_row(const T* row) {
 // alone (16 rows ahead) a core loaded a block, then computed on it, then loaded the next (the
 // kernels ran at their in-cache compute time plus the store's read time); requests this far
 // ahead keep the reads running under the compute. Measured alone on an AMD EPYC (Zen 4, 2 cores,
-// issue 51, docs/benchmarks.md "Rows prefetched into L2 far ahead"): the dense kernel 1.22x,
+// issue 51, docs/benchmarks.md "How the step got here"): the dense kernel 1.22x,
 // the refine kernel's scattered candidate and value rows 1.25x.
 template <typename T, int D_>
 inline void prefetch_row_l2(const T* row) {
