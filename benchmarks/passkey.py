@@ -276,7 +276,7 @@ def run_ours(model, tokenizer, prompt: PasskeyPrompt, max_new_tokens: int, capac
     applied), with a fresh cache of ``capacity`` tokens: (answer, cache.path_counts())."""
     import specontext_compile as sc
 
-    retrieval_head = getattr(model, "_specontext_options", {}).get("retrieval_head")
+    retrieval_head = sc.SpeContextConfig.from_options(getattr(model, "_specontext_options", {})).retrieval_head
     cache = sc.SpeContextCache(model.config, max_cache_len=capacity, retrieval_head=retrieval_head)
     with torch.no_grad():
         out = model.generate(prompt.ids, attention_mask=torch.ones_like(prompt.ids),

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from .config import SpeContextConfig
+from .config import SpeContextConfig, flatten_options
 from .runtime.kv_cache import SpeContextCache
 
 logger = logging.getLogger(__name__)
@@ -30,7 +30,7 @@ def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         ValueError: a bad ``retrieval_head`` (see ``SpeContextConfig.retrieval_head``).
     """
     if retrieval_head is None:
-        retrieval_head = getattr(model, "_specontext_options", {}).get("retrieval_head")
+        retrieval_head = flatten_options(getattr(model, "_specontext_options", {})).get("retrieval_head")
     gen = getattr(model, "generation_config", None)
     prompt = 0 if input_ids is None else input_ids.shape[-1]
     if max_new_tokens is None and gen is not None:

@@ -233,7 +233,7 @@ def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
     """
     flat = {k: v for k, v in options.items() if k not in OPTION_GROUPS}
     for name, group in OPTION_GROUPS.items():
-        if name not in options:
+        if options.get(name) is None:  # absent, or None: the group's defaults
             continue
         given = options[name]
         if isinstance(given, group):
@@ -252,6 +252,31 @@ def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
                              "give each once")
         flat.update(given)
     return flat
+
+
+def _build_group(name: str, group: type, given: Any, options: dict[str, Any]):
+    """Group ``name`` of a config: ``given`` (None, a dict of its options or an instance) with
+    ``options`` (flat names of the group) on top.
+
+    Raises:
+        ValueError: ``given`` of another type, or a dict naming an option of another group."""
+    if isinstance(given, dict):
+        unknown = sorted(set(given) - set(_group_fields(group)))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} in specontext option group {name!r}; "
+                             f"its options are {list(_group_fields(group))}")
+        return group(**{**given, **options})
+    if given is None:
+        return group(**options)  # flat names build their group (its defaults derived from them)
+    if not isinstance(given, group):
+        raise ValueError(f"specontext option group {name!r} must be a dict or a {group.__name__}, "
+                         f"got {type(given).__name__}")
+    if not options:
+        return given
+    if (group is SelectionOptions and "budget" in options and "page_rescue" not in options
+            and given.page_rescue == 2 * given.budget):
+        options = {**options, "page_rescue": None}  # the default rescue follows the new budget
+    return dataclasses.replace(given, **options)
 
 
 @dataclasses.dataclass(frozen=True, init=False)
@@ -437,14 +462,7 @@ class SpeContextConfig:
         given = {"selection": selection, "compile": compile, "offload": offload, "debug": debug}
         for name, group in OPTION_GROUPS.items():
             mine = {k: v for k, v in options.items() if _GROUP_OF[k] == name}
-            if given[name] is not None and not isinstance(given[name], group):
-                raise ValueError(f"specontext option group {name!r} must be a {group.__name__}, "
-                                 f"got {type(given[name]).__name__}")
-            if given[name] is None:
-                value = group(**mine)  # flat names build their group (its defaults derived from them)
-            else:
-                value = dataclasses.replace(given[name], **mine) if mine else given[name]
-            object.__setattr__(self, name, value)
+            object.__setattr__(self, name, _build_group(name, group, given[name], mine))
         self._check_combinations()
 
     def _check_combinations(self) -> None:
@@ -464,6 +482,9 @@ class SpeContextConfig:
             raise ValueError("specontext options 'min_coverage' > 0 and 'device_memory_bytes' cannot be combined "
                              "yet (the guard's dense fallback would read an offloaded layer's host tier); set "
                              "min_coverage=0 or unset device_memory_bytes")
+
+    def __dir__(self) -> list[str]:
+        return sorted(set(super().__dir__()) | set(_GROUP_OF))
 
     def __getattr__(self, name: str) -> Any:
         """An option by its flat name (``config.budget``), read from the group that holds it."""
@@ -498,4 +519,9 @@ class SpeContextConfig:
             ValueError: for an unknown option (the message lists the valid names), an option
                 in the wrong group or given twice (:func:`flatten_options`), or a bad value.
         """
-        return cls(**flatten_options(dict(options or {})))
+        options = dict(options or {})
+        # a group instance is passed as it is (its fields not spread: a flat name then goes on
+        # top of it, and a runner given as `inner` stays the same object)
+        groups = {name: options.pop(name) for name, group in OPTION_GROUPS.items()
+                  if isinstance(options.get(name), group)}
+        return cls(**groups, **flatten_options(options))

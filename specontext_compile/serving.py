@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 
 from .backend import _copy
-from .config import SpeContextConfig
+from .config import SpeContextConfig, flatten_options
 from .passes.paged import PagedRewrite, rewrite_paged
 from .runtime.page_bounds import PAGE_TOKENS
 from .runtime.paged import (
@@ -229,6 +229,7 @@ def _check_built(config: SpeContextConfig, options: dict[str, Any]) -> None:
     """Refuse options the continuous-batching step does not build (a clear error instead of
     an option silently ignored)."""
     defaults = SpeContextConfig()
+    options = flatten_options(options)  # grouped options are checked by their names too
     given = sorted(name for name in _NOT_BUILT if name in options and options[name] != getattr(defaults, name))
     if given:
         raise ValueError(f"continuous batching does not build {', '.join(_NOT_BUILT[n] for n in given)} yet "

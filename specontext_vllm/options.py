@@ -13,7 +13,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from specontext_compile.config import SpeContextConfig, default_retrieval_layers
+from specontext_compile.config import SpeContextConfig, default_retrieval_layers, flatten_options
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,7 @@ def plugin_options(vllm_config: Any) -> PluginOptions | None:
         return None
     if not isinstance(given, dict):
         raise TypeError(f"additional_config[{KEY!r}] must be a dict of specontext options, got {given!r}")
+    given = flatten_options(given)  # grouped options are checked by their names too
     # the plugin's default is the shared selection (no per-layer refinement yet): page_rescue=0
     config = SpeContextConfig(**{"page_rescue": 0, **given})
     for name, value in _NOT_BUILT.items():

@@ -96,6 +96,8 @@ def test_each_group_validates_its_own_fields_and_the_config_the_rules_across_the
     """Issue 53 item 5: the options are stored as their groups; a group built alone checks its
     fields (the same messages as the flat names), the config only the rules across groups; a
     flat name given with its group goes on top of it (as ``dataclasses.replace`` passes it)."""
+    import dataclasses
+
     from specontext_compile.config import CompileOptions, OffloadOptions, SelectionOptions
 
     with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
@@ -111,10 +113,38 @@ def test_each_group_validates_its_own_fields_and_the_config_the_rules_across_the
         SpeContextConfig(offload=offload, selection=SelectionOptions(min_coverage=0.5))
     config = SpeContextConfig(selection=SelectionOptions(budget=64, sink_tokens=2), budget=32)
     assert config.budget == config.selection.budget == 32 and config.sink_tokens == 2
-    with pytest.raises(ValueError, match="must be a CompileOptions"):
+    assert config.page_rescue == 64  # the default rescue follows the new budget (2 x budget)
+    assert dataclasses.replace(SpeContextConfig(budget=64), budget=32) == SpeContextConfig(budget=32)
+    assert SpeContextConfig(selection={"budget": 5}) == SpeContextConfig(budget=5)  # a group as a dict
+    assert SpeContextConfig.from_options({"selection": SelectionOptions(sink_tokens=2), "budget": 8}).budget == 8
+    runner = _Runner().run
+    assert SpeContextConfig.from_options({"compile": CompileOptions(inner=runner)}).inner == runner  # not a copy
+    with pytest.raises(ValueError, match="must be a dict or a CompileOptions"):
         SpeContextConfig(compile=SelectionOptions())
     with pytest.raises(AttributeError):
         config.not_an_option
+    assert "budget" in dir(config)
+
+
+class _Runner:
+    def run(self, gm):
+        return gm
+
+
+def test_grouped_options_are_refused_where_their_flat_names_are():
+    """Continuous batching and the vLLM plugin refuse options they do not build by name; given
+    in a group (a dict or an instance), the same options are refused the same way."""
+    from specontext_compile.config import SelectionOptions
+    from specontext_compile.serving import check_options
+
+    with pytest.raises(ValueError, match="min_coverage"):
+        check_options({"selection": {"min_coverage": 0.5}})
+    plugin = pytest.importorskip("specontext_vllm.options")
+    from types import SimpleNamespace
+
+    for given in ({"candidates": 2.0}, {"selection": {"candidates": 2.0}}, {"selection": SelectionOptions(candidates=2.0)}):
+        with pytest.raises(ValueError, match="candidates=2.0 is not built in the vLLM plugin"):
+            plugin.plugin_options(SimpleNamespace(additional_config={"specontext": given}))
 
 
 def test_grouped_options_reach_the_backend():
