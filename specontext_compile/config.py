@@ -397,8 +397,8 @@ class SpeContextConfig:
             brings back what the layer's current query attends to and the lagged-query
             candidates missed, at the cost of reading the bounds (``2/16`` of the keys) and
             the rescued keys; it turns the refinement on even at ``candidates=1``. None (the
-            default) = ``2 * budget`` (what it buys and costs: docs/fidelity.md, "Third
-            pass", and docs/benchmarks.md); 0 = off; an int
+            default) = ``2 * budget`` (what it buys and costs: docs/fidelity.md, "Page
+            rescue", and docs/benchmarks.md); 0 = off; an int
             >= 0 = that many tokens. With KV offload the bounds stay on the device and an
             offloaded layer loads the rescued tokens it lacks from the host tier on demand
             (its buffer has :attr:`buffer_tokens` rows; not prefetched: set 0 to keep every
