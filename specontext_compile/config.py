@@ -238,14 +238,7 @@ def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
         given = options[name]
         if isinstance(given, group):
             given = dataclasses.asdict(given)
-        if not isinstance(given, dict):
-            raise ValueError(f"specontext option group {name!r} must be a dict or a {group.__name__}, "
-                             f"got {type(given).__name__}")
-        valid = _group_fields(group)
-        unknown = sorted(set(given) - set(valid))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} in specontext option group {name!r}; "
-                             f"its options are {list(valid)}")
+        _check_group_dict(name, group, given)
         twice = sorted(set(given) & set(flat))
         if twice:
             raise ValueError(f"specontext option(s) {twice} given both on their own and in group {name!r}; "
@@ -254,23 +247,31 @@ def flatten_options(options: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+def _check_group_dict(name: str, group: type, given: Any) -> None:
+    """``given``, group ``name``'s options as a dict, names only options of that group.
+
+    Raises:
+        ValueError: not a dict, or a name of another group or none (listing the group's options)."""
+    if not isinstance(given, dict):
+        raise ValueError(f"specontext option group {name!r} must be a dict or a {group.__name__}, "
+                         f"got {type(given).__name__}")
+    unknown = sorted(set(given) - set(_group_fields(group)))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} in specontext option group {name!r}; "
+                         f"its options are {list(_group_fields(group))}")
+
+
 def _build_group(name: str, group: type, given: Any, options: dict[str, Any]):
     """Group ``name`` of a config: ``given`` (None, a dict of its options or an instance) with
     ``options`` (flat names of the group) on top.
 
     Raises:
         ValueError: ``given`` of another type, or a dict naming an option of another group."""
-    if isinstance(given, dict):
-        unknown = sorted(set(given) - set(_group_fields(group)))
-        if unknown:
-            raise ValueError(f"unknown option(s) {unknown} in specontext option group {name!r}; "
-                             f"its options are {list(_group_fields(group))}")
-        return group(**{**given, **options})
     if given is None:
         return group(**options)  # flat names build their group (its defaults derived from them)
     if not isinstance(given, group):
-        raise ValueError(f"specontext option group {name!r} must be a dict or a {group.__name__}, "
-                         f"got {type(given).__name__}")
+        _check_group_dict(name, group, given)
+        return group(**{**given, **options})
     if not options:
         return given
     if (group is SelectionOptions and "budget" in options and "page_rescue" not in options

@@ -19,8 +19,8 @@
 // Each key row is read once for all G heads, each kept value row once; the candidates' and the
 // kept slots' work is split between the threads (SmolLM2 at batch 1 has 3 KV heads for 2
 // cores). float32 or bfloat16 stores (bfloat16 keys through the CPU's bfloat16 dot products
-// where it has them, values widened as loaded), float32 query, accumulation and output. Written for specontext (issue 51); built and loaded by
-// runtime/cpu_refine.py.
+// where it has them, values widened as loaded), float32 query, accumulation and output.
+// Written for specontext (issue 51); built and loaded by runtime/cpu_refine.py.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -209,10 +209,12 @@ void rescue_pages(const Problem<T>& p, int64_t bh) {
   const int64_t written = std::min(p.length(b), p.C);
   for (int64_t k = 0; k < p.rescue; ++k) {
     int64_t* out = cand + p.S + k * p.page_tokens;
-    const int64_t first = order[k < count ? k : 0] * p.page_tokens - shift;
     if (k >= count) {
       std::fill(out, out + p.page_tokens, int64_t{-1});
-    } else if (!p.visible) {  // without a branch per token: written and not a candidate already
+      continue;
+    }
+    const int64_t first = order[k] * p.page_tokens - shift;
+    if (!p.visible) {  // without a branch per token: written and not a candidate already
 #pragma omp simd
       for (int64_t t = 0; t < p.page_tokens; ++t) {
         const int64_t pos = first + t;
@@ -248,11 +250,12 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
     // The per-row tests and stores were a fifth of this phase in cache (perf, issue 51).
     const int64_t written = std::min(p.length(b), p.C);
     const __m512i zero = _mm512_setzero_si512(), limit = _mm512_set1_epi64(written);
+    // slot's key row, any slot (its position clamped into the store); p.key_row with the head
+    // size a constant (its run-time multiply was 3% of the kernel in cache)
     const T* base = p.gathered_keys ? p.gathered_keys + bh * p.N * D_ : p.keys + bh * p.C * D_;
-    const auto row_of = [&](int64_t slot) -> const T* {  // slot's row, any slot (clamped)
+    const auto row_of = [&](int64_t slot) -> const T* {
       if (p.gathered_keys) return base + slot * D_;
-      const int64_t c = cand[slot];
-      return base + std::min(std::max<int64_t>(c, 0), p.C - 1) * D_;
+      return base + std::min(std::max<int64_t>(cand[slot], 0), p.C - 1) * D_;
     };
     const int64_t last = hi - 1;
     for (; j + 16 <= hi; j += 16) {
@@ -265,7 +268,7 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
           if ((ok >> jj) & 1u && !p.visible[b * p.visible_stride + cand[j + jj]]) ok &= static_cast<__mmask16>(~(1u << jj));
       const T* rows[16];
       for (int jj = 0; jj < 16; ++jj) {
-        rows[jj] = (ok >> jj) & 1u ? row_of(j + jj) : base;
+        rows[jj] = row_of(j + jj);  // an unusable slot's logits are -inf below
         prefetch_row<T, D_>(row_of(std::min(j + PREFETCH + jj, last)));
         prefetch_row_l2<T, D_>(row_of(std::min(j + FAR + jj, last)));
       }
