@@ -194,6 +194,9 @@ def main(argv=None) -> int:
     parser.add_argument("--rescues", type=float, nargs="+", default=[0.0],
                         help="the plugin's page_rescue per budget, in multiples of the budget (0 = off; 2 = the "
                              "backend's default)")
+    parser.add_argument("--candidates", type=float, nargs="+", default=[1.0],
+                        help="the plugin's option candidates, one run per value with every budget and rescue "
+                             "(1 = the shared selection; > 1: every layer refines)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(DTYPES))
     parser.add_argument("--backend", action="store_true", help="add our backend's rows (Hugging Face dense, "
                         "page_rescue=0 and the default at each budget), run in this process")
@@ -209,7 +212,8 @@ def main(argv=None) -> int:
     prepare_driver()
     rows = []
     for dtype in args.dtypes:
-        plugin = [f"specontext-{b}" + (f"-rescue{int(r * b)}" if r else "") for b in args.budgets for r in args.rescues]
+        plugin = [f"specontext-{b}" + (f"-rescue{int(r * b)}" if r else "") + (f"-c{c:g}" if c != 1 else "")
+                  for b in args.budgets for r in args.rescues for c in args.candidates]
         for contender in ["vllm-dense", *plugin]:
             logger.info("vLLM %s %s ...", contender, dtype)
             rows.append(_vllm_row(args, contender, dtype))

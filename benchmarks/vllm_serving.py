@@ -47,19 +47,23 @@ RETRIEVAL_LAYERS = 8  # the default retrieval layers of a 30-layer model (config
 
 
 def contender_options(name: str) -> dict | None:
-    """``vllm-dense`` (no plugin options), ``specontext-<budget>`` or
-    ``specontext-<budget>-rescue<tokens>`` (option ``page_rescue``)."""
+    """``vllm-dense`` (no plugin options) or ``specontext-<budget>`` followed by any of
+    ``-rescue<tokens>`` (option ``page_rescue``) and ``-c<candidates>`` (option ``candidates``),
+    e.g. ``specontext-1024-rescue2048``."""
     if name == "vllm-dense":
         return None
     parts = name.split("-")
-    if parts[0] == "specontext" and len(parts) in (2, 3) and parts[1].isdigit():
-        options = {"budget": int(parts[1])}
-        if len(parts) == 3:
-            if not (parts[2].startswith("rescue") and parts[2][6:].isdigit()):
-                raise SystemExit(f"unknown contender {name!r}: the third part is rescue<tokens>")
-            options["page_rescue"] = int(parts[2][6:])
-        return options
-    raise SystemExit(f"unknown contender {name!r}: vllm-dense, specontext-<budget> or specontext-<budget>-rescue<tokens>")
+    if parts[0] != "specontext" or len(parts) < 2 or not parts[1].isdigit():
+        raise SystemExit(f"unknown contender {name!r}: vllm-dense or specontext-<budget>[-rescue<tokens>][-c<candidates>]")
+    options = {"budget": int(parts[1])}
+    for part in parts[2:]:
+        if part.startswith("rescue") and part[6:].isdigit():
+            options["page_rescue"] = int(part[6:])
+        elif part.startswith("c") and part[1:].replace(".", "", 1).isdigit():
+            options["candidates"] = float(part[1:])
+        else:
+            raise SystemExit(f"unknown contender {name!r}: after the budget, rescue<tokens> or c<candidates>")
+    return options
 
 
 # --------------------------------------------------------------------------- worker (.venv-vllm)
@@ -95,18 +99,21 @@ def _copy_bandwidth() -> float:
 def _floor_ms(config, dtype_bytes: int, requests: int, context: int, options: dict | None, weights: int,
               bandwidth: float, block_size: int = 32) -> float:
     """Weights + the KV a step must read, at ``bandwidth``: dense every token of every layer; the
-    plugin the retrieval layers' keys once, ``budget`` tokens per layer, and with ``page_rescue``
-    every layer's float32 block bounds (low and high) and the rescued tokens too."""
+    plugin the retrieval layers' keys once and ``budget`` tokens per layer; a layer that refines
+    (``page_rescue``, ``candidates > 1``) the keys of its candidates (``candidates x budget``,
+    plus the rescued tokens) and the values of ``budget`` tokens, and with ``page_rescue``
+    every layer's float32 block bounds (low and high)."""
     layers, kv = config.num_hidden_layers, config.num_key_value_heads
     d = config.hidden_size // config.num_attention_heads
     row = kv * d * dtype_bytes  # one token's key (or value) in one layer
     if options is None:
         kv_bytes = requests * layers * 2 * context * row
     else:
-        rescue = options.get("page_rescue", 0)
-        attended = min(options["budget"] + rescue, context)
+        rescue, budget = options.get("page_rescue", 0), options["budget"]
+        candidates = min(math.ceil(options.get("candidates", 1) * budget) + rescue, context)
+        per_layer = (candidates + min(budget, context)) * row  # keys of the candidates, values of the kept
         bounds = layers * -(-context // block_size) * kv * d * 2 * 4 if rescue else 0
-        kv_bytes = requests * (RETRIEVAL_LAYERS * context * row + layers * 2 * attended * row + bounds)
+        kv_bytes = requests * (RETRIEVAL_LAYERS * context * row + layers * per_layer + bounds)
     return 1000 * (weights + kv_bytes) / bandwidth
 
 

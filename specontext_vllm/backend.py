@@ -12,8 +12,10 @@ decode rows read (SpeContext section 4, as our ``torch.compile`` backend does it
    whose previous query is not recorded (its first decode step after a prefill run
    elsewhere, a preemption) ranks by recency and is counted.
 2. **Every layer** attends each decode row to its selected blocks only, with vLLM's own
-   kernel over a block table of those blocks, once per KV head (the selection is per KV
-   head; :mod:`.selection` says why whole blocks).
+   kernel over a block table of those blocks, one call for every KV head (the selection is
+   per KV head; :mod:`.selection` says why whole blocks); a layer that refines (``page_rescue``,
+   ``candidates > 1``) keeps the ``budget`` best tokens of its candidates and attends to them
+   with the plugin's kernel (:mod:`.refine`).
 3. **Prefill and chunked-prefill rows** run vLLM's own kernel, on their slice of the batch
    (the builder sets ``reorder_batch_threshold = 1``: vLLM puts decode rows first).
 4. **Retrieval layers record** each request's last query row in a per-block slot
@@ -29,9 +31,11 @@ Options come through vLLM's configuration, ``additional_config={"specontext": {.
 the backend's names and validation (:class:`~specontext_compile.config.SpeContextConfig`);
 without that key this backend is vLLM's CPU attention unchanged. With ``page_rescue`` (tokens)
 each layer it covers adds its own rescued blocks to the shared selection (:mod:`.rescue`;
-counter ``rescue_rows``). Not built yet: the backend's refinement (``candidates > 1`` is refused
-by :mod:`.options`); sliding-window, ALiBi, soft-capped and sink-logit layers and FP8 caches
-stay on vLLM's kernel (logged once per layer).
+counter ``rescue_rows``) and refines them; with ``candidates > 1`` the shared selection keeps
+``candidates x budget`` tokens and every layer refines: a refining layer keeps the ``budget``
+best of its candidate tokens by its own query's exact logits and attends to those only
+(:mod:`.refine`, as the backend's step; counter ``refined_rows``). Sliding-window, ALiBi,
+soft-capped and sink-logit layers and FP8 caches stay on vLLM's kernel (logged once per layer).
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
 from .layout import probe_layout
 from .options import plugin_options
+from .refine import forced_counts, refine_attend
 from .rescue import PageBounds, rescue_blocks
 from .selection import BlockSelection, select_blocks, with_blocks
 from .state import LaggedQueries
@@ -90,7 +95,7 @@ class SpeContextMetadata(CPUAttentionMetadata):
         selection: the decode rows' selected blocks per KV head, set by the forward of the
             step's first layer the plugin serves (:class:`~.selection.BlockSelection`).
         plan: the decode rows' call of vLLM's kernel made with the selection
-            (:class:`KernelPlan`).
+            (:class:`KernelPlan`), built by the step's first layer that does not refine.
     """
 
     num_decodes: int = 0
@@ -175,12 +180,19 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         self.bounds: PageBounds | None = None  # this layer's page bounds, with option page_rescue
         self.num_layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
         self.rescuing: bool | None = None  # whether this layer adds rescued blocks (known at its first call)
+        self.refining: bool | None = None  # whether it refines its candidates to budget tokens (:mod:`.refine`)
 
     def _rescues(self, layer) -> bool:
         if self.rescuing is None:
             self.rescuing = (self.options is not None and self.reason is None
                              and self.options.rescues(layer_index(layer.layer_name), self.num_layers))
         return self.rescuing
+
+    def _refines(self, layer) -> bool:
+        if self.refining is None:
+            self.refining = (self.options is not None and self.reason is None
+                             and self.options.refines(layer_index(layer.layer_name), self.num_layers))
+        return self.refining
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """vLLM's cache write; a layer with the page rescue also folds the keys into its blocks'
@@ -213,7 +225,6 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
         if meta.num_decodes and meta.selection is None:  # the step's first layer the plugin serves
             meta.selection = self._select(meta, layout)
-            meta.plan = self._plan(meta.selection, query.dtype, layer.isa)
             stats = counters["specontext_vllm"]
             stats["selection_steps"] += 1
             stats["recency_rows"] += int(meta.selection.recency_rows)  # once per step, not per layer
@@ -225,11 +236,12 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         if meta.num_decodes:
             rows = meta.num_decode_tokens
             counters["specontext_vllm"]["sparse_decode_rows"] += rows
-            plan = meta.plan
-            if self.bounds is not None and self._rescues(layer):
-                plan = self._plan(self._rescue(query[:rows], meta), query.dtype, layer.isa)
-                counters["specontext_vllm"]["rescue_rows"] += rows
-            self._decode(query[:rows], kv_cache, plan, output[:rows])
+            if self._refines(layer):
+                self._refine(layer, query[:rows], kv_cache, meta, layout, output[:rows])
+            else:
+                if meta.plan is None:  # once per step, for the layers that do not refine
+                    meta.plan = self._plan(meta.selection, query.dtype, layer.isa)
+                self._decode(query[:rows], kv_cache, meta.plan, output[:rows])
         if name in meta.retrieval:
             self._record(query, kv_cache, meta)
         return output
@@ -248,6 +260,20 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         records = None if any(r.impl.record is None for r in retrieval) else [r.impl.record for r in retrieval]
         return select_blocks(records, [r.kv_cache for r in retrieval], meta.block_table[:meta.num_decodes],
                              meta.seq_lens[:meta.num_decodes], layout, self.options, self.scale)
+
+    def _refine(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata, layout,
+                output: torch.Tensor) -> None:
+        """The decode rows' refined attention (:mod:`.refine`): candidates from the shared
+        selection and, on a rescuing layer, its rescued blocks; ``budget`` tokens kept."""
+        rows, selection, stats = query.shape[0], meta.selection, counters["specontext_vllm"]
+        if self.bounds is not None and self._rescues(layer):
+            selection = self._rescue(query, meta)
+            stats["rescue_rows"] += rows
+        sinks, recent = forced_counts(self.options.budget, self.options.sink_tokens, self.options.recent_window)
+        out = refine_attend(layout, kv_cache, meta.block_table[:rows], selection, query, self.scale,
+                            meta.seq_lens[:rows], self.options.budget, sinks, recent)
+        output.copy_(out.view_as(output))
+        stats["refined_rows"] += rows
 
     def _rescue(self, query: torch.Tensor, meta: SpeContextMetadata) -> BlockSelection:
         """The step's selection plus this layer's rescued blocks (:mod:`.rescue`)."""

@@ -1,8 +1,12 @@
-"""The plugin's C++ kernel (``csrc/paged_key_logits.cpp``): query-key logits of decode rows over
-their blocks of vLLM's paged CPU cache, read in the cache's own packing, one pass per block.
+"""The plugin's C++ kernels, reading vLLM's paged CPU cache in its own packing
+(``csrc/paged_blocks.h``): ``csrc/paged_key_logits.cpp``, query-key logits of decode rows over
+their blocks (the selection's scores, the rescue's Quest bounds), one pass per block; and
+``csrc/paged_refine_attention.cpp``, a layer's refinement of its candidates to ``budget`` tokens
+and its attention over them (:mod:`.refine`).
 Built like the backend's CPU kernels (:func:`specontext_compile.runtime.cpu_kernels.build_library`);
-:func:`available` is False (reason logged once) where it cannot be built, and the caller then
-reads the blocks with torch (:meth:`~.layout.BlockLayout.key_logits`)."""
+:func:`available` is False (reason logged once) where it cannot be built (and
+:func:`refine_available` for the refinement's library), and the caller then reads the blocks
+with torch (:meth:`~.layout.BlockLayout.key_logits`, :func:`.refine.refine_torch`)."""
 
 from __future__ import annotations
 
@@ -13,12 +17,16 @@ from pathlib import Path
 import torch
 from specontext_compile.runtime.cpu_kernels import CSRC, build_library, loads
 
-__all__ = ["FORM_CODES", "available", "paged_key_logits", "paged_lagged_scores", "paged_quest_bounds"]
+__all__ = ["FORM_CODES", "VALUE_FORM_CODES", "available", "paged_key_logits", "paged_lagged_scores",
+           "paged_quest_bounds", "paged_refine_attention", "refine_available"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_key_logits.cpp"
+_REFINE_SOURCE = Path(__file__).with_name("csrc") / "paged_refine_attention.cpp"
 #: the key forms the kernel reads (layout.FORMS names) and the dtypes it reads them in
 FORM_CODES = {("transposed", torch.float32): 0, ("transposed", torch.bfloat16): 0,
               ("key-tiles16", torch.bfloat16): 1}
+#: the value forms the refinement kernel reads, by dtype
+VALUE_FORM_CODES = {("rows", torch.float32): 0, ("rows", torch.bfloat16): 0, ("value-tiles16", torch.bfloat16): 1}
 
 
 @functools.cache
@@ -36,6 +44,21 @@ def _library() -> ctypes.CDLL:
     lib.specontext_paged_quest_bounds.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
         ctypes.c_int64] * 5
     return lib
+
+
+@functools.cache
+def _refine_library() -> ctypes.CDLL:
+    lib = build_library(_REFINE_SOURCE, includes=(CSRC,))
+    for fn in (lib.specontext_paged_refine_attention_f32, lib.specontext_paged_refine_attention_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3
+    return lib
+
+
+@functools.cache
+def refine_available() -> bool:
+    """Whether the refinement kernel builds and loads here (the reason logged once if not)."""
+    return loads(_refine_library, "the paged refinement kernel", "the refinement reads tokens with torch")
 
 
 @functools.cache
@@ -134,4 +157,52 @@ def paged_quest_bounds(low: torch.Tensor, high: torch.Tensor, block_table: torch
                                                       groups, blocks, d)
     if status != 0:
         raise ValueError(f"paged_quest_bounds rejected head_dim {d}, groups {groups}")
+    return out
+
+
+def paged_refine_attention(kv_cache: torch.Tensor, tables: torch.Tensor, logical: torch.Tensor, lens: torch.Tensor,
+                           row_len: torch.Tensor, query: torch.Tensor, forms: tuple[str, str], budget: int,
+                           sinks: int, recent: int) -> torch.Tensor:
+    """float32 ``[rows, num_kv_heads, groups, head_dim]``: each decode row's attention, per KV
+    head, over the ``budget`` best of its candidate tokens (``csrc/paged_refine_attention.cpp``
+    states the arithmetic; :func:`.refine.refine_torch` is the same in torch).
+
+    Args:
+        kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, contiguous, keys and
+            values in ``forms`` (:data:`FORM_CODES`, :data:`VALUE_FORM_CODES`).
+        tables: int ``[rows, num_kv_heads, width]`` physical blocks of the candidates;
+            logical: int ``[rows, num_kv_heads, width]`` their logical blocks, ascending;
+            lens: int ``[rows, num_kv_heads]`` candidate tokens (whole blocks, the last one's
+            written tokens), ``1 <= lens <= width * block_size``.
+        row_len: int ``[rows]`` each row's tokens, this step's included.
+        query: float32 ``[rows, num_kv_heads, groups, head_dim]``, already scaled.
+        budget, sinks, recent: tokens kept, forced first candidates, forced last positions.
+
+    Raises:
+        ValueError: forms, dtype or shapes the kernel does not take."""
+    key_code = FORM_CODES.get((forms[0], kv_cache.dtype))
+    value_code = VALUE_FORM_CODES.get((forms[1], kv_cache.dtype))
+    _, num_kv, bs, two_d = kv_cache.shape
+    rows, _, groups, d = query.shape
+    width = tables.shape[-1]
+    if (key_code is None or value_code is None or not kv_cache.is_contiguous() or two_d != 2 * d
+            or tables.shape != (rows, num_kv, width) or logical.shape != tables.shape or lens.shape != (rows, num_kv)
+            or row_len.shape != (rows,)):
+        raise ValueError(f"paged_refine_attention: no kernel for {forms} in {kv_cache.dtype} {tuple(kv_cache.shape)} "
+                         f"with query {tuple(query.shape)}, tables {tuple(tables.shape)}")
+    tables32 = tables.to(torch.int32).contiguous()
+    logical64 = logical.to(torch.int64).contiguous()
+    lens32 = lens.to(torch.int32).contiguous()
+    row_len64 = row_len.to(torch.int64).contiguous()
+    q = query.to(torch.float32).contiguous()
+    out = torch.empty(rows, num_kv, groups, d, dtype=torch.float32)
+    lib = _refine_library()
+    fn = (lib.specontext_paged_refine_attention_f32 if kv_cache.dtype == torch.float32
+          else lib.specontext_paged_refine_attention_bf16)
+    status = fn(kv_cache.data_ptr(), tables32.data_ptr(), logical64.data_ptr(), lens32.data_ptr(),
+                row_len64.data_ptr(), q.data_ptr(), out.data_ptr(), rows, num_kv, groups, width, bs, d, key_code,
+                value_code, budget, sinks, recent)
+    if status != 0:
+        raise ValueError(f"paged_refine_attention rejected block size {bs}, head_dim {d}, forms {forms}, "
+                         f"budget {budget} or candidate counts outside 1..{width * bs}")
     return out

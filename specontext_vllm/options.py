@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from typing import Any
 
 from specontext_compile.config import SpeContextConfig, default_retrieval_layers, flatten_options
@@ -20,8 +21,8 @@ logger = logging.getLogger(__name__)
 __all__ = ["KEY", "PluginOptions", "plugin_options"]
 
 KEY = "specontext"  # the additional_config entry
-_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers")
-_NOT_BUILT = {"candidates": 1.0, "retrieval_head": None, "device_memory_bytes": None,
+_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers", "candidates")
+_NOT_BUILT = {"retrieval_head": None, "device_memory_bytes": None,
               "dense_layers": (), "dense_below": 0, "min_coverage": 0.0}
 
 
@@ -36,6 +37,18 @@ class PluginOptions:
     retrieval_layers: tuple[int, ...] | None
     page_rescue: int = 0
     rescue_layers: tuple[int, ...] | None = None
+    candidates: float = 1.0
+
+    def selected_tokens(self) -> int | None:
+        """Tokens the step's shared selection keeps per row and KV head: ``ceil(candidates *
+        budget)``, or None for every token (``candidates=inf``)."""
+        return None if math.isinf(self.candidates) else math.ceil(self.candidates * self.budget)
+
+    def refines(self, layer: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer`` refines its candidates to ``budget`` tokens
+        (:mod:`.refine`): every layer with ``candidates > 1``, a rescuing layer
+        (:meth:`rescues`) always."""
+        return self.candidates > 1 or self.rescues(layer, num_layers)
 
     def retrieval_layers_for(self, num_layers: int) -> tuple[int, ...]:
         """The retrieval layers' indices among ``num_layers`` (negative counts from the end;
@@ -71,7 +84,8 @@ def plugin_options(vllm_config: Any) -> PluginOptions | None:
     if not isinstance(given, dict):
         raise TypeError(f"additional_config[{KEY!r}] must be a dict of specontext options, got {given!r}")
     given = flatten_options(given)  # grouped options are checked by their names too
-    # the plugin's default is the shared selection (no per-layer refinement yet): page_rescue=0
+    # the plugin's default is the shared selection alone (page_rescue=0): the refinement's cost
+    # inside vLLM is measured in docs/vllm.md
     config = SpeContextConfig(**{"page_rescue": 0, **given})
     for name, value in _NOT_BUILT.items():
         if getattr(config, name) != value and name in given:

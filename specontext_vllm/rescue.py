@@ -10,11 +10,9 @@ page). A page here is one of vLLM's KV blocks, and its bounds live beside it
 block written from its first slot, whether new, reused or recomputed after a preemption,
 starts fresh bounds; a full block shared by prefix caching keeps the bounds of its own tokens).
 
-Where the backend then *refines* candidates back to ``budget`` tokens by exact logits, the
-plugin attends to the rescued blocks directly (vLLM's kernel reads whole blocks, and the
-refinement would read the rescued blocks' keys anyway): a layer with the rescue attends to
-``budget + page_rescue`` tokens in whole blocks, the rescued ones chosen per request, KV head
-and layer.
+As in the backend, the rescued blocks' tokens join the layer's candidates, which the layer
+then *refines* back to ``budget`` tokens by its own query's exact logits (:mod:`.refine`): the
+rescued blocks are chosen per request, KV head and layer.
 """
 
 from __future__ import annotations

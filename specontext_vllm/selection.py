@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 
 import torch
 from specontext_compile.runtime.aten_step import select_positions
@@ -67,12 +68,15 @@ def previous_slots(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size
 
 def block_counts(options: PluginOptions, block_size: int) -> tuple[int, int, int]:
     """``(blocks kept, sink blocks, recent blocks)`` for ``options`` and ``block_size``: the
-    budget in whole blocks (at least the forced ones), the blocks of the first ``sink_tokens``
+    shared selection's tokens (``candidates x budget``, :meth:`~.options.PluginOptions.selected_tokens`)
+    in whole blocks (at least the forced ones), the blocks of the first ``sink_tokens``
     tokens, and the blocks that can hold the last ``recent_window`` tokens (the current one
     and ``ceil((recent_window - 1) / block_size)`` before it)."""
     sinks = math.ceil(options.sink_tokens / block_size)
     recent = 1 + math.ceil(max(options.recent_window - 1, 0) / block_size)
-    return max(options.budget // block_size, sinks + recent, 1), sinks, recent
+    tokens = options.selected_tokens()
+    kept = sys.maxsize if tokens is None else tokens // block_size
+    return max(kept, sinks + recent, 1), sinks, recent
 
 
 def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks):

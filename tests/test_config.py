@@ -142,8 +142,8 @@ def test_grouped_options_are_refused_where_their_flat_names_are():
     plugin = pytest.importorskip("specontext_vllm.options")
     from types import SimpleNamespace
 
-    for given in ({"candidates": 2.0}, {"selection": {"candidates": 2.0}}, {"selection": SelectionOptions(candidates=2.0)}):
-        with pytest.raises(ValueError, match="candidates=2.0 is not built in the vLLM plugin"):
+    for given in ({"dense_below": 512}, {"selection": {"dense_below": 512}}, {"selection": SelectionOptions(dense_below=512)}):
+        with pytest.raises(ValueError, match="dense_below=512 is not built in the vLLM plugin"):
             plugin.plugin_options(SimpleNamespace(additional_config={"specontext": given}))
 
 

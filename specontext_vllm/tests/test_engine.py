@@ -6,6 +6,8 @@ tokens each; retrieval layers 1 and 2).
   decode row of every layer served from a selection, none ranked by recency, prefill tokens on
   vLLM's kernel) and the tokens equal Hugging Face's greedy ones.
 * Budget 48: the same path serves a sparse step (counters), and the options reach it.
+* The refinement (``page_rescue``, ``candidates > 1``): over every token it is dense text; it
+  runs on the layers the options name (counters).
 * bfloat16 at full budget: the tokens equal vLLM's own dense run's.
 * Prefix caching: a request reusing a cached prefix decodes as it does alone.
 * Preemption: requests preempted for want of KV blocks and recomputed decode as they do
@@ -104,16 +106,27 @@ def test_a_request_reusing_a_cached_prefix_decodes_as_alone(folder, prompts):
     assert stats["dense_prefill_tokens"] < (len(first) + len(second)) * LAYERS
 
 
-def test_a_rescue_covering_every_block_is_dense_text_on_the_rescue_path(folder, prompts):
-    """Budget 48 (two blocks) with ``page_rescue`` covering every block: each layer adds, by its
-    own query's Quest bounds, every block the shared selection left out, so every layer attends
-    to the whole request and the tokens equal Hugging Face's greedy ones; counters show every
-    decode row of every layer took the rescue."""
-    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], "page_rescue": 1024}
+def test_a_refinement_over_every_token_is_dense_text_on_the_refine_path(folder, prompts):
+    """Budget 4096 with ``page_rescue``: every layer refines (:mod:`specontext_vllm.refine`),
+    its candidates every token of the request (the shared selection keeps all blocks, the
+    rescue finds none left), so it keeps them all and the tokens equal Hugging Face's greedy
+    ones; the counters show every decode row of every layer took the refinement."""
+    options = {"budget": 4096, "retrieval_layers": [1, 2], "page_rescue": 64}
     tokens, stats = _generate(folder, prompts, options)
     assert tokens == _hugging_face(folder, prompts)
     rows = len(prompts) * (NEW - 1) * LAYERS
-    assert stats["sparse_decode_rows"] == rows and stats["rescue_rows"] == rows and stats["recency_rows"] == 0
+    assert stats["sparse_decode_rows"] == rows and stats["refined_rows"] == rows and stats["rescue_rows"] == rows
+    assert stats["recency_rows"] == 0
+
+
+def test_two_stage_selection_refines_on_every_layer(folder, prompts):
+    """``candidates=2`` at budget 48: the shared selection keeps 96 tokens in blocks and every
+    layer refines them to 48 (counters), no layer rescues."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], "candidates": 2}
+    tokens, stats = _generate(folder, prompts, options)
+    assert [len(t) for t in tokens] == [NEW] * len(prompts)
+    rows = len(prompts) * (NEW - 1) * LAYERS
+    assert stats["refined_rows"] == rows and stats.get("rescue_rows", 0) == 0 and stats["recency_rows"] == 0
 
 
 def test_the_rescue_runs_on_its_layers_only(folder, prompts):
@@ -122,6 +135,7 @@ def test_the_rescue_runs_on_its_layers_only(folder, prompts):
     tokens, stats = _generate(folder, prompts, options)
     assert [len(t) for t in tokens] == [NEW] * len(prompts)
     assert stats["rescue_rows"] == len(prompts) * (NEW - 1) * 2  # layers 0 and 3 of 4
+    assert stats["refined_rows"] == stats["rescue_rows"]  # only the rescuing layers refine at candidates=1
 
 
 # a block of the tiny Llama: 4 layers x (key, value) x 2 KV heads x 32 tokens x 64 x fp32
@@ -175,8 +189,11 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     assert plugin_options(_Config({"specontext": {"budget": 64}})).budget == 64
     with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
         plugin_options(_Config({"specontext": {"budget": 0}}))
-    with pytest.raises(ValueError, match="candidates=2 is not built in the vLLM plugin yet"):
-        plugin_options(_Config({"specontext": {"candidates": 2}}))
+    with pytest.raises(ValueError, match=r"dense_layers=\[0\] is not built in the vLLM plugin yet"):
+        plugin_options(_Config({"specontext": {"dense_layers": [0]}}))
+    two_stage = plugin_options(_Config({"specontext": {"budget": 64, "candidates": 2.5}}))
+    assert two_stage.selected_tokens() == 160 and two_stage.refines(0, 30)
+    assert plugin_options(_Config({"specontext": {"candidates": float("inf")}})).selected_tokens() is None
     rescue = plugin_options(_Config({"specontext": {"budget": 64, "page_rescue": 128, "rescue_layers": [-1]}}))
     assert rescue.page_rescue == 128 and rescue.rescues(29, 30) and not rescue.rescues(28, 30)
     assert plugin_options(_Config({"specontext": {"budget": 64}})).page_rescue == 0  # the plugin's default
