@@ -25,6 +25,8 @@ _REFINE_SOURCE = Path(__file__).with_name("csrc") / "paged_refine_attention.cpp"
 #: the key forms the kernel reads (layout.FORMS names) and the dtypes it reads them in
 FORM_CODES = {("transposed", torch.float32): 0, ("transposed", torch.bfloat16): 0,
               ("key-tiles16", torch.bfloat16): 1}
+#: the largest block size (tokens) the kernels read (``kMaxBlock`` in ``csrc/paged_blocks.h``)
+MAX_BLOCK = 128
 #: the value forms the refinement kernel reads, by dtype
 VALUE_FORM_CODES = {("rows", torch.float32): 0, ("rows", torch.bfloat16): 0, ("value-tiles16", torch.bfloat16): 1}
 
@@ -179,7 +181,8 @@ def paged_refine_attention(kv_cache: torch.Tensor, tables: torch.Tensor, logical
         budget, sinks, recent: tokens kept, forced first candidates, forced last positions.
 
     Raises:
-        ValueError: forms, dtype or shapes the kernel does not take."""
+        ValueError: forms, dtype or shapes the kernel does not take, or a physical block outside
+            the cache."""
     key_code = FORM_CODES.get((forms[0], kv_cache.dtype))
     value_code = VALUE_FORM_CODES.get((forms[1], kv_cache.dtype))
     _, num_kv, bs, two_d = kv_cache.shape
@@ -190,6 +193,9 @@ def paged_refine_attention(kv_cache: torch.Tensor, tables: torch.Tensor, logical
             or row_len.shape != (rows,)):
         raise ValueError(f"paged_refine_attention: no kernel for {forms} in {kv_cache.dtype} {tuple(kv_cache.shape)} "
                          f"with query {tuple(query.shape)}, tables {tuple(tables.shape)}")
+    if tables.numel() and not 0 <= int(tables.min()) <= int(tables.max()) < kv_cache.shape[0]:
+        raise ValueError(f"paged_refine_attention: physical blocks {int(tables.min())}..{int(tables.max())} outside "
+                         f"the cache's {kv_cache.shape[0]}")
     tables32 = tables.to(torch.int32).contiguous()
     logical64 = logical.to(torch.int64).contiguous()
     lens32 = lens.to(torch.int32).contiguous()

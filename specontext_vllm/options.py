@@ -42,7 +42,8 @@ class PluginOptions:
     def selected_tokens(self) -> int | None:
         """Tokens the step's shared selection keeps per row and KV head: ``ceil(candidates *
         budget)``, or None for every token (``candidates=inf``)."""
-        return None if math.isinf(self.candidates) else math.ceil(self.candidates * self.budget)
+        tokens = self.candidates * self.budget  # inf also where a huge finite candidates overflows
+        return None if math.isinf(tokens) else math.ceil(tokens)
 
     def refines(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` refines its candidates to ``budget`` tokens

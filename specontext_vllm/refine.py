@@ -56,7 +56,7 @@ def refine_attend(layout: BlockLayout, kv_cache: torch.Tensor, block_table: torc
     q = (query.float() * scale).view(rows, num_kv, -1, layout.head_dim)
     forms = (layout.key_form, layout.value_form)
     if ((forms[0], kv_cache.dtype) in kernels.FORM_CODES and (forms[1], kv_cache.dtype) in kernels.VALUE_FORM_CODES
-            and kv_cache.is_contiguous() and kernels.refine_available()):
+            and layout.block_size <= kernels.MAX_BLOCK and kv_cache.is_contiguous() and kernels.refine_available()):
         out = kernels.paged_refine_attention(kv_cache, selection.tables, selection.logical, selection.seq_lens,
                                              row_len, q, forms, budget, sinks, recent)
     else:

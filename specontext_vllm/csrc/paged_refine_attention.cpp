@@ -44,6 +44,10 @@ struct Refine {
 inline int64_t block_of(int64_t i, const Refine& p) { return p.bs_shift >= 0 ? i >> p.bs_shift : i / p.bs; }
 inline int64_t slot_of(int64_t i, const Refine& p) { return p.bs_shift >= 0 ? i & (p.bs - 1) : i % p.bs; }
 
+// The most tokens a unit keeps: the budget, or every candidate when the budget is larger (a
+// budget above the context is how a user asks for exact attention: never allocate by it).
+inline int64_t kept_capacity(const Refine& p) { return std::min(p.budget, p.width * p.bs); }
+
 constexpr int kBinShift = 20;  // a rank's sign, exponent and 3 mantissa bits pick its bin
 constexpr int64_t kBins = int64_t{1} << (32 - kBinShift);
 
@@ -54,7 +58,7 @@ struct Scratch {
   std::vector<uint32_t> hist;
   Scratch(const Refine& p)
       : logits(p.groups * p.width * p.bs), rank(p.width * p.bs), order(p.width * p.bs), stats(2 * p.groups),
-        acc(p.groups * p.d), weights(p.groups * p.budget), kept(p.width * p.bs), hist(kBins) {}
+        acc(p.groups * p.d), weights(p.groups * kept_capacity(p)), kept(p.width * p.bs), hist(kBins) {}
 };
 
 // The group-max softmax probability of each candidate, forced ones +inf.
@@ -137,7 +141,7 @@ void attend_kept(const Refine& p, const T* cache, int64_t u, int64_t h, int64_t 
   float* z = s.stats.data();
   for (int64_t g = 0; g < p.groups; ++g) {  // each head's weights over the kept tokens
     const float* row = s.logits.data() + g * stride;
-    float* w = s.weights.data() + g * p.budget;
+    float* w = s.weights.data() + g * kept_capacity(p);
     float best = -__builtin_inff();
     for (int64_t k = 0; k < count; ++k) {
       w[k] = row[kept[k]];
@@ -165,7 +169,7 @@ void attend_kept(const Refine& p, const T* cache, int64_t u, int64_t h, int64_t 
     if (k + kAhead < count) prefetch_value(values_of(kept[k + kAhead]), slot_of(kept[k + kAhead], p), p);
     const T* values = values_of(i);
     for (int64_t g = 0; g < p.groups; ++g) {
-      const float w = s.weights[g * p.budget + k];
+      const float w = s.weights[g * kept_capacity(p) + k];
       float* a = acc + g * p.d;
       if (p.value_form == 0) {
         const T* v = values + slot * p.d;

@@ -194,6 +194,8 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     two_stage = plugin_options(_Config({"specontext": {"budget": 64, "candidates": 2.5}}))
     assert two_stage.selected_tokens() == 160 and two_stage.refines(0, 30)
     assert plugin_options(_Config({"specontext": {"candidates": float("inf")}})).selected_tokens() is None
+    # a finite candidates whose product with the budget overflows: every token, as inf
+    assert plugin_options(_Config({"specontext": {"candidates": 1e308, "budget": 1024}})).selected_tokens() is None
     rescue = plugin_options(_Config({"specontext": {"budget": 64, "page_rescue": 128, "rescue_layers": [-1]}}))
     assert rescue.page_rescue == 128 and rescue.rescues(29, 30) and not rescue.rescues(28, 30)
     assert plugin_options(_Config({"specontext": {"budget": 64}})).page_rescue == 0  # the plugin's default

@@ -147,6 +147,26 @@ def test_ties_keep_the_earliest_candidates(path, monkeypatch):
     torch.testing.assert_close(got.double().view_as(want), want, rtol=0, atol=2e-6)
 
 
+def test_a_budget_above_every_candidate_allocates_by_the_candidates():
+    """A budget far above the context (how a user asks for exact attention) keeps every
+    candidate and sizes the kernel's buffers by the candidates (it allocated by the budget:
+    ``std::bad_alloc`` at 2**31)."""
+    keys, values, table, selection, query, lengths = _case(5, torch.float32)
+    layout = _layout("transposed", "rows")
+    cache = _pack(keys, values, layout)
+    small = refine_attend(layout, cache, table, selection, query.flatten(1, 2), 1.0, lengths, 6 * BS, 0, 1)
+    huge = refine_attend(layout, cache, table, selection, query.flatten(1, 2), 1.0, lengths, 2**31, 0, 1)
+    torch.testing.assert_close(huge, small, rtol=0, atol=0)
+
+
+def test_a_block_size_above_the_kernels_takes_the_torch_path(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "paged_refine_attention", lambda *a: calls.append(1))
+    monkeypatch.setattr(kernels, "MAX_BLOCK", BS - 1)  # this case's blocks are "too large"
+    _check_refinement(key_form="transposed", value_form="rows", dtype=torch.float32)
+    assert not calls
+
+
 def test_the_kernel_refuses_what_it_does_not_read():
     if not kernels.refine_available():
         pytest.skip("the plugin's refinement kernel does not build here")
@@ -155,6 +175,11 @@ def test_the_kernel_refuses_what_it_does_not_read():
     with pytest.raises(ValueError, match="no kernel"):  # AMX tiles are bfloat16 only
         kernels.paged_refine_attention(cache, selection.tables, selection.logical, selection.seq_lens, lengths, query,
                                        ("key-tiles16", "value-tiles16"), 16, 0, 1)
+    outside = selection.tables.clone()
+    outside[0, 0, 0] = cache.shape[0]
+    with pytest.raises(ValueError, match="outside the cache"):
+        kernels.paged_refine_attention(cache, outside, selection.logical, selection.seq_lens, lengths, query,
+                                       ("transposed", "rows"), 16, 0, 1)
     empty = selection.seq_lens.clone()
     empty[0, 0] = 0
     with pytest.raises(ValueError, match="candidate counts"):
