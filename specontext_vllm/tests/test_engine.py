@@ -90,18 +90,21 @@ def test_a_small_budget_serves_sparse_rows(folder, prompts):
     assert stats["sparse_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats["recency_rows"] == 0
 
 
-def test_a_request_reusing_a_cached_prefix_decodes_as_alone(folder, prompts):
+@pytest.mark.parametrize("extra", [{}, pytest.param({"page_rescue": 64, "candidates": 2}, marks=pytest.mark.slow)],
+                         ids=["shared", "refined"])
+def test_a_request_reusing_a_cached_prefix_decodes_as_alone(folder, prompts, extra):
     """Prefix caching on: a second request sharing the first one's 256-token prefix reuses its
-    KV blocks (and the queries recorded there); at budget 48 its tokens equal the same request
-    served alone without prefix caching (its selection reads only its own previous token's
-    record)."""
-    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2]}
+    KV blocks (and the queries and bounds recorded there); at budget 48 its tokens equal the
+    same request served alone without prefix caching (its selection reads only its own previous
+    token's record); with the refinement too (slow tier)."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], **extra}
     first = prompts[0]
     second = first[:256] + prompts[1][:60]
     shared, stats = _generate(folder, [first, second], options, prefix_caching=True, one_by_one=True)
     alone, _ = _generate(folder, [second], options)
     assert shared[1] == alone[0]
     assert stats["recency_rows"] == 0 and stats["sparse_decode_rows"] == 2 * (NEW - 1) * LAYERS
+    assert stats.get("refined_rows", 0) == (2 * (NEW - 1) * LAYERS if extra else 0)
     # the second prompt's prefill ran only past the cached prefix (vLLM's kernel)
     assert stats["dense_prefill_tokens"] < (len(first) + len(second)) * LAYERS
 
