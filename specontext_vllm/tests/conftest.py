@@ -28,3 +28,25 @@ def folder(tmp_path_factory):
         initializer_range=0.15, tie_word_embeddings=False)
     transformers.LlamaForCausalLM(config).eval().save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture
+def take_path(monkeypatch):
+    """``take_path(path, available, kernel)``: run the test on one path of a plugin kernel,
+    ``"kernel"`` (skipped where ``kernels.<available>()`` is False) or ``"torch"`` (that
+    function made False); returns the list each call of ``kernels.<kernel>`` appends to, so the
+    test asserts which path ran."""
+    from specontext_vllm import kernels
+
+    def take(path: str, available: str, kernel: str) -> list:
+        if path == "kernel" and not getattr(kernels, available)():
+            pytest.skip(f"the plugin's C++ kernel ({kernel}) does not build here")
+        calls = []
+        if path == "torch":
+            monkeypatch.setattr(kernels, available, lambda: False)
+        else:
+            real = getattr(kernels, kernel)
+            monkeypatch.setattr(kernels, kernel, lambda *a, **k: calls.append(1) or real(*a, **k))
+        return calls
+
+    return take

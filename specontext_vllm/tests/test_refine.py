@@ -92,15 +92,8 @@ def _case(seed: int, dtype: torch.dtype, rows: int = 3, groups: int = 3):
 @pytest.mark.parametrize("path", ["kernel", "torch"])
 @pytest.mark.parametrize("key_form,value_form,dtype", FORM_PAIRS)
 def test_the_refinement_equals_float64_attention_over_the_best_candidates(path, key_form, value_form, dtype,
-                                                                          monkeypatch):
-    if path == "kernel" and not kernels.refine_available():
-        pytest.skip("the plugin's refinement kernel does not build here")
-    calls = []
-    if path == "torch":
-        monkeypatch.setattr(kernels, "refine_available", lambda: False)
-    else:
-        monkeypatch.setattr(kernels, "paged_refine_attention",
-                            lambda *a, _f=kernels.paged_refine_attention: calls.append(1) or _f(*a))
+                                                                          take_path):
+    calls = take_path(path, "refine_available", "paged_refine_attention")
     _check_refinement(key_form=key_form, value_form=value_form, dtype=dtype)
     assert bool(calls) == (path == "kernel")
 
@@ -132,19 +125,17 @@ def test_with_no_more_candidates_than_the_budget_it_is_exact_attention_over_them
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_ties_keep_the_earliest_candidates(path, monkeypatch):
+def test_ties_keep_the_earliest_candidates(path, take_path):
     """A query of zeros: every candidate ties; the kept ones are the forced and then the
     earliest, ``budget`` of them, and the output is their values' mean."""
-    if path == "kernel" and not kernels.refine_available():
-        pytest.skip("the plugin's refinement kernel does not build here")
-    if path == "torch":
-        monkeypatch.setattr(kernels, "refine_available", lambda: False)
+    calls = take_path(path, "refine_available", "paged_refine_attention")
     keys, values, table, selection, query, lengths = _case(11, torch.float32)
     layout = _layout("transposed", "rows")
     got = refine_attend(layout, _pack(keys, values, layout), table, selection, torch.zeros_like(query).flatten(1, 2),
                         1.0, lengths, 24, 2, 5)
     want = _reference(keys, values, table, selection, torch.zeros_like(query), lengths, 24, 2, 5)
     torch.testing.assert_close(got.double().view_as(want), want, rtol=0, atol=2e-6)
+    assert bool(calls) == (path == "kernel")
 
 
 def test_a_budget_above_every_candidate_allocates_by_the_candidates():

@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specontext_vllm import kernels
 from specontext_vllm.rescue import PageBounds, quest_bounds, rescue_blocks
 
 BS, KV, D = 4, 2, 8
@@ -58,17 +57,10 @@ def test_a_block_restarted_at_slot_zero_forgets_its_old_keys():
 
 
 @pytest.mark.parametrize("path", ["kernel", "torch"])
-def test_the_quest_bound_holds_every_logit_of_its_block_and_equals_float64(path, monkeypatch):
+def test_the_quest_bound_holds_every_logit_of_its_block_and_equals_float64(path, take_path):
     """Both paths: the C++ kernel (``kernels.paged_quest_bounds``) and torch (where it does not
     build)."""
-    if path == "kernel" and not kernels.available():
-        pytest.skip("the plugin's C++ kernel does not build here")
-    calls = []
-    if path == "torch":
-        monkeypatch.setattr(kernels, "available", lambda: False)
-    else:
-        monkeypatch.setattr(kernels, "paged_quest_bounds",
-                            lambda *a, _f=kernels.paged_quest_bounds: calls.append(1) or _f(*a))
+    calls = take_path(path, "available", "paged_quest_bounds")
     _check_quest_bounds()
     assert bool(calls) == (path == "kernel")
 
