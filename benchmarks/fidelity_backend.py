@@ -179,7 +179,7 @@ def main() -> None:
                         help="option retrieval_layers, one run per value: 'default' (the backend's eight layers) or "
                              "layers and ranges, e.g. 4,16")
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the model's and the KV's dtype; the dense reference runs in the same dtype")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dense-cache", type=Path,

@@ -230,7 +230,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads (default: torch's; 1 gives steadier "
                              "shares on a loaded machine)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="the model's and the KV's dtype")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--trace", type=Path, default=None, help="also write a Chrome trace")

@@ -1,7 +1,7 @@
 """Our CPU kernels (C++ sources in ``runtime/csrc``), built on first use and called as ops.
 
-``specontext::cpu_decode_attention``: dense decode attention over a contiguous float32 or
-bfloat16 KV store (bfloat16 widened to float32 as it is loaded), one query row per head (``csrc/decode_attention.cpp``): each KV head's keys and values
+``specontext::cpu_decode_attention``: dense decode attention over a contiguous float32,
+bfloat16 or float16 KV store (16-bit elements widened exactly to float32 as they are loaded), one query row per head (``csrc/decode_attention.cpp``): each KV head's keys and values
 are loaded once for all the query heads of its group, with an online softmax, and the slots
 are split between the threads. Inductor's fused code for the same attention
 (:mod:`.split_store`) loads each key once per query row and ends each dot product with a
@@ -35,14 +35,18 @@ from .torch_private import counters
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KernelBuildError", "applies", "available", "bf16_dot_calls", "build_library", "check_inputs",
-           "cpu_decode_attention", "has_bf16_dot_products", "kernel_calls", "load_kernels", "loads", "torch_op_flags"]
+__all__ = ["STORE_DTYPES", "KernelBuildError", "applies", "available", "bf16_dot_calls", "build_library",
+           "check_inputs", "cpu_decode_attention", "entry", "entry_names", "has_bf16_dot_products", "kernel_calls",
+           "load_kernels", "loads", "torch_op_flags"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
           "-std=c++17")
 _MAX_GROUP, _MAX_DIM = 16, 256  # the kernel's stack arrays (csrc/decode_attention.cpp)
-_STORE_DTYPES = (torch.float32, torch.bfloat16)  # what the kernel reads (float32 accumulation)
+#: the store dtypes our CPU kernels read (float32 accumulation), each with its entry point's suffix
+_SUFFIX = {torch.float32: "", torch.bfloat16: "_bf16", torch.float16: "_fp16"}
+STORE_DTYPES = tuple(_SUFFIX)
+_STORE_DTYPES = STORE_DTYPES
 _LOCK = threading.Lock()
 
 
@@ -126,8 +130,8 @@ def build_library(source: Path, includes: tuple[Path, ...] = (), extra_flags: tu
 
 
 def load_kernels(source: Path, names: tuple[str, ...], argtypes: list, op_calls: str | None = None) -> ctypes.CDLL:
-    """:func:`build_library` of ``source``, its functions ``names`` (float32 and bfloat16
-    entry points of one signature) typed: ``int`` status, ``argtypes``. With ``op_calls`` (the
+    """:func:`build_library` of ``source``, its functions ``names`` (float32, bfloat16 and
+    float16 entry points of one signature, :func:`entry_names`) typed: ``int`` status, ``argtypes``. With ``op_calls`` (the
     counter a kernel's calls are counted under, e.g. ``"cpu_kernel_refine_calls"``) the library
     is built with its torch operator kernel where this torch allows (:func:`torch_op_flags`;
     a failed build of that kind is logged and the plain library built instead), and its C++
@@ -150,6 +154,17 @@ def load_kernels(source: Path, names: tuple[str, ...], argtypes: list, op_calls:
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes
     return lib
+
+
+def entry_names(stem: str) -> tuple[str, ...]:
+    """A kernel's entry points, one per store dtype (:data:`STORE_DTYPES`): ``stem``,
+    ``stem_bf16``, ``stem_fp16``."""
+    return tuple(stem + suffix for suffix in _SUFFIX.values())
+
+
+def entry(lib: ctypes.CDLL, stem: str, dtype: torch.dtype):
+    """The entry point of ``lib`` that reads stores of ``dtype`` (one of :data:`STORE_DTYPES`)."""
+    return getattr(lib, stem + _SUFFIX[dtype])
 
 
 #: counter name -> the C++ call count of a kernel's operator kernel (registered as its library loads)
@@ -183,7 +198,7 @@ def bf16_dot_calls(lib: ctypes.CDLL, source_stem: str) -> int:
 def _library() -> ctypes.CDLL:
     """The decode attention kernel library (:func:`build_library`; with the operator's C++
     kernel where this torch allows)."""
-    return load_kernels(_SOURCE, ("specontext_decode_attention", "specontext_decode_attention_bf16"),
+    return load_kernels(_SOURCE, entry_names("specontext_decode_attention"),
                         [ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
                         + [ctypes.c_int64] * 6, op_calls="cpu_kernel_attention_calls")
 
@@ -208,7 +223,7 @@ def available() -> bool:
 def applies(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
             attn_mask: torch.Tensor | None) -> bool:
     """Whether :func:`cpu_decode_attention` serves a dense decode site (a static fact): CPU
-    query and stores of one dtype, float32 or bfloat16 (the KV caches' stores are contiguous;
+    query and stores of one dtype, float32, bfloat16 or float16 (the KV caches' stores are contiguous;
     another layout would be copied per call), one query row, the group and head sizes the kernel
     holds, no mask or a boolean one (an additive mask may carry a bias the kernel does not
     add), and the library available."""
@@ -235,7 +250,7 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     Args:
         query: float32 ``[batch, num_heads, 1, head_dim]``, already multiplied by the softmax
             scale (paper-independent: the site's own ``scale``).
-        key_cache, value_cache: float32 or bfloat16 (both the same) ``[batch, num_kv_heads,
+        key_cache, value_cache: float32, bfloat16 or float16 (both the same) ``[batch, num_kv_heads,
             capacity, head_dim]``
             (``num_heads`` a multiple of ``num_kv_heads``: grouped-query attention).
         length: int64 ``[]`` or ``[batch]``: tokens written, this step's included.
@@ -261,8 +276,7 @@ def cpu_decode_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
     if visible is not None:
         visible = visible.reshape(-1, capacity).contiguous()
     out = torch.empty(b, num_heads, 1, head_dim, dtype=torch.float32)
-    kernel = _library().specontext_decode_attention_bf16 if k.dtype == torch.bfloat16 else \
-        _library().specontext_decode_attention
+    kernel = entry(_library(), "specontext_decode_attention", k.dtype)
     status = kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), length.data_ptr(), 1 if length.numel() > 1 else 0,
         visible.data_ptr() if visible is not None else None,
@@ -281,7 +295,7 @@ def check_inputs(query, key_cache, value_cache, length, visible, op: str = "cpu_
     for name, t in tensors.items():
         dtypes = (torch.float32,) if name == "query" else _STORE_DTYPES
         if t.dim() != 4 or t.dtype not in dtypes or t.device.type != "cpu":
-            kind = "float32" if name == "query" else "float32 or bfloat16"
+            kind = "float32" if name == "query" else "float32, bfloat16 or float16"
             raise ValueError(f"{op}: {name} must be a 4-d {kind} CPU tensor, got "
                              f"{t.dtype} {tuple(t.shape)} on {t.device}")
     if key_cache.dtype != value_cache.dtype:

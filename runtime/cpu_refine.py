@@ -34,12 +34,12 @@ __all__ = ["applies", "available", "cpu_refine_attention", "cpu_rescue_candidate
 
 _SOURCE = Path(__file__).with_name("csrc") / "refine_attention.cpp"
 _MAX_GROUP, _MAX_DIM = 16, 256  # the kernel's stack arrays (csrc/refine_attention.cpp)
-_STORE_DTYPES = (torch.float32, torch.bfloat16)
+_STORE_DTYPES = cpu_kernels.STORE_DTYPES
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    return cpu_kernels.load_kernels(_SOURCE, ("specontext_refine_attention", "specontext_refine_attention_bf16"),
+    return cpu_kernels.load_kernels(_SOURCE, cpu_kernels.entry_names("specontext_refine_attention"),
                                     [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
                                     + [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 12, op_calls="cpu_kernel_refine_calls")
 
@@ -55,7 +55,7 @@ def applies(query: torch.Tensor, store: tuple[torch.Tensor, torch.Tensor], slots
     """Whether :func:`cpu_refine_attention` serves a refined site ranking ``slots`` candidates
     per KV head (a static fact, asked once by the pass: :func:`~.routes.cpu_kernel`): CPU
     tensors, one query row per head, a plain site (no soft cap, no sliding window), query and
-    stores of one dtype, float32 or bfloat16, the group and head sizes the kernel holds,
+    stores of one dtype, float32, bfloat16 or float16, the group and head sizes the kernel holds,
     static shapes, no gradient to carry (the op has no backward: a step traced with gradients
     keeps the torch body), no mask or a boolean one with one head (an additive mask may carry
     a bias the kernel does not add), page bounds (when given: ``(page_min, page_max,
@@ -167,7 +167,7 @@ def cpu_refine_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cac
         query: float32 ``[batch, num_heads, 1, head_dim]``, already multiplied by the softmax
             scale (the page bounds read it as it is, the logits rounded to the store's dtype, as
             the torch body does).
-        key_cache, value_cache: float32 or bfloat16 (both the same) ``[batch, num_kv_heads,
+        key_cache, value_cache: float32, bfloat16 or float16 (both the same) ``[batch, num_kv_heads,
             capacity, head_dim]``.
         candidates: int64 ``[batch, num_kv_heads, slots]``: store positions, ``-1`` = empty;
             the first ``sinks`` non-empty ones are the row's sinks (a selection node's
@@ -235,7 +235,7 @@ def _run(query, key_cache, value_cache, candidates, length, visible, pages, gath
     if visible is not None:
         visible = visible.reshape(-1, capacity).contiguous()
     lib = _library()
-    kernel = lib.specontext_refine_attention_bf16 if k.dtype == torch.bfloat16 else lib.specontext_refine_attention
+    kernel = cpu_kernels.entry(lib, "specontext_refine_attention", k.dtype)
     status = kernel(q.data_ptr(), k.data_ptr(), v.data_ptr(), cand.data_ptr(), n.data_ptr(), 1 if n.numel() > 1 else 0,
                     _pointer(visible), capacity if visible is not None and visible.shape[0] > 1 else 0,
                     _pointer(lo), _pointer(hi), _pointer(shift), _pointer(gk), _pointer(gv), _pointer(union_out),

@@ -26,12 +26,12 @@ __all__ = ["applies", "available", "cpu_selection_scores", "lagged_scores"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "selection_scores.cpp"
 _MAX_GROUP, _MAX_DIM, _MAX_LAYERS = 16, 256, 64  # the kernel's limits (csrc/selection_scores.cpp)
-_STORE_DTYPES = (torch.float32, torch.bfloat16)
+_STORE_DTYPES = cpu_kernels.STORE_DTYPES
 
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    return cpu_kernels.load_kernels(_SOURCE, ("specontext_selection_scores", "specontext_selection_scores_bf16"),
+    return cpu_kernels.load_kernels(_SOURCE, cpu_kernels.entry_names("specontext_selection_scores"),
                                     [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                                              ctypes.c_void_p] + [ctypes.c_int64] * 6)
 
@@ -45,7 +45,7 @@ def available() -> bool:
 def applies(query_state: torch.Tensor, stores: list) -> bool:
     """Whether :func:`lagged_scores` serves a lagged-query selection (a static fact, asked once
     by the pass: :func:`~.routes.selection_kernel`): CPU tensors, plain key stores (not MLA's
-    latent pairs) of one dtype, float32 or bfloat16, and one shape ``[batch, num_kv_heads,
+    latent pairs) of one dtype, float32, bfloat16 or float16, and one shape ``[batch, num_kv_heads,
     capacity, head_dim]`` with static sizes, the recorded queries ``[slots >= layers, batch,
     num_heads, 1, head_dim]`` of that dtype, the group, head and layer counts the kernel
     holds, and the library available."""
@@ -85,7 +85,7 @@ def cpu_selection_scores(query: torch.Tensor, key_stores: list[torch.Tensor], le
     Args:
         query: float32 ``[layers, batch, num_heads, 1, head_dim]``, each layer's lagged query
             already multiplied by the softmax scale (and rounded to the stores' dtype).
-        key_stores: ``layers`` float32 or bfloat16 stores (one dtype and shape) ``[batch,
+        key_stores: ``layers`` float32, bfloat16 or float16 stores (one dtype and shape) ``[batch,
             num_kv_heads, capacity, head_dim]``.
         length: int64 ``[]`` or ``[batch]``: positions written (``0 .. length-1`` are scored).
         visible: None or bool ``[batch|1, capacity]``: False leaves a position out (left padding).
@@ -111,7 +111,7 @@ def cpu_selection_scores(query: torch.Tensor, key_stores: list[torch.Tensor], le
         visible = visible.reshape(-1, capacity).contiguous()
     pointers = (ctypes.c_void_p * layers)(*(s.data_ptr() for s in stores))
     lib = _library()
-    kernel = lib.specontext_selection_scores_bf16 if stores[0].dtype == torch.bfloat16 else lib.specontext_selection_scores
+    kernel = cpu_kernels.entry(lib, "specontext_selection_scores", stores[0].dtype)
     status = kernel(q.data_ptr(), pointers, n.data_ptr(), 1 if n.numel() > 1 else 0,
                     visible.data_ptr() if visible is not None else None,
                     capacity if visible is not None and visible.shape[0] > 1 else 0,
@@ -132,7 +132,7 @@ def _check_inputs(query, key_stores, length, visible) -> None:
     for i, s in enumerate(key_stores):
         if (s.dim() != 4 or s.dtype not in _STORE_DTYPES or s.device.type != "cpu" or s.dtype != first.dtype
                 or tuple(s.shape) != tuple(first.shape)):
-            raise ValueError(f"cpu_selection_scores: key_stores[{i}] must be a float32 or bfloat16 CPU tensor "
+            raise ValueError(f"cpu_selection_scores: key_stores[{i}] must be a float32, bfloat16 or float16 CPU tensor "
                              f"[batch, num_kv_heads, capacity, head_dim] like key_stores[0] ({first.dtype} "
                              f"{tuple(first.shape)}), got {s.dtype} {tuple(s.shape)} on {s.device}")
     b, num_kv, capacity, head_dim = first.shape

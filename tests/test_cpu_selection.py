@@ -37,11 +37,12 @@ def _reference(query, stores, length, visible):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), layers=st.integers(1, 4), b=st.integers(1, 2), num_kv=st.integers(1, 3),
        groups=st.sampled_from([1, 3, 4]), capacity=st.integers(1, 600), d=st.sampled_from([8, 64, 72]),
-       per_row=st.booleans(), hide=st.booleans(), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+       per_row=st.booleans(), hide=st.booleans(),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        data=st.data())
 def test_kernel_equals_float64_scores(seed, layers, b, num_kv, groups, capacity, d, per_row, hide, dtype, data):
     """Any layer count, group size, head_dim, store size, per-row lengths (0: nothing scored),
-    hidden positions, float32 or bfloat16 stores: within 2e-6 + 1e-4 relative of float64, 0 past
+    hidden positions, float32, bfloat16 or float16 stores: within 2e-6 + 1e-4 relative of float64, 0 past
     the written length."""
     gen = torch.Generator().manual_seed(seed)
     query = torch.randn(layers, b, num_kv * groups, 1, d, generator=gen) * 0.3
@@ -94,7 +95,7 @@ def _inputs(dtype, layers=3, capacity=500, seed=0):
     return query_state, stores, torch.tensor(capacity - 20)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_the_traced_selection_calls_the_kernel_and_equals_the_torch_body(dtype, monkeypatch):
     """The lagged-query scores traced as the lowering leaves them for inductor: the kernel, equal
     to the torch body it replaces (traced the same way) to float32 rounding; with left padding."""
@@ -111,14 +112,14 @@ def test_the_traced_selection_calls_the_kernel_and_equals_the_torch_body(dtype, 
 
 
 def test_the_kernel_is_not_traced_where_it_does_not_apply(monkeypatch):
-    """An eager trace (no fused products), ALiBi's bias, MLA's latent pairs, float16, queries of
-    another dtype, or the library unavailable: the torch body, no kernel call."""
+    """An eager trace (no fused products), ALiBi's bias, MLA's latent pairs, queries of another
+    dtype than the stores', or the library unavailable: the torch body, no kernel call."""
     query_state, stores, cached = _inputs(torch.float32)
     assert not _calls_kernel(_site(query_state, stores, cached, None, fused=False))
     assert not _calls_kernel(_site(query_state, stores, cached, None, bias=torch.zeros(1, 9, 1, 500)))
     assert not cpu_selection.applies(query_state, [(s, s[..., :8]) for s in stores])
     half = [s.half() for s in stores]
-    assert not _calls_kernel(_site(query_state.half(), half, cached, None))
+    assert not _calls_kernel(_site(query_state.bfloat16(), half, cached, None))
     assert not _calls_kernel(_site(query_state.bfloat16(), stores, cached, None))
     monkeypatch.setattr(cpu_selection, "available", lambda: False)
     assert not _calls_kernel(_site(query_state, stores, cached, None))

@@ -5,7 +5,7 @@ the dense and refine kernels register the CPU kernels of ``specontext::cpu_decod
 and ``specontext::cpu_refine_attention``: a call of the operator (what the compiled step makes)
 reaches C++ without a Python kernel. Checked: the C++ kernel serves the call (its own counter
 moves, the Python kernel's does not), its output is bit for bit the Python kernel's (the same
-arithmetic through ctypes) on float32 and bfloat16 stores, masks, per-row lengths, the page
+arithmetic through ctypes) on float32, bfloat16 and float16 stores, masks, per-row lengths, the page
 rescue and gathered rows, and it refuses inputs that would make it read out of bounds with a
 RuntimeError naming the argument.
 """
@@ -39,7 +39,7 @@ def _dense_inputs(dtype: torch.dtype, seed: int = 0):
     return query, keys, values, length, visible
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_dense_operator_runs_the_cpp_kernel_bit_for_bit(dtype):
     query, keys, values, length, visible = _dense_inputs(dtype)
     python_before = counters["specontext"]["cpu_kernel_attention_calls"]
@@ -65,7 +65,7 @@ def _refine_inputs(dtype: torch.dtype, seed: int = 0):
     return query, keys, values, candidates, torch.tensor(capacity - 5), page_min, page_max
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("rescue", [0, 4])
 def test_refine_operator_runs_the_cpp_kernel_bit_for_bit(dtype, rescue):
     query, keys, values, candidates, length, page_min, page_max = _refine_inputs(dtype)

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -77,13 +77,50 @@ inline void pause_cpu() {
 #endif
 }
 
-// A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t).
+// A float16 store element (IEEE binary16): its bits, a type of its own so that the kernels'
+// templates tell it from bfloat16 (uint16_t); the same size and layout as torch.float16.
+struct half_t {
+  uint16_t bits;
+};
+
+// A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t);
+// float16 converts exactly (the CPU's F16C conversion where it has one).
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
   __builtin_memcpy(&f, &bits, sizeof(f));
   return f;
+}
+inline float widen(half_t x) {
+#ifdef __F16C__
+  return _cvtsh_ss(x.bits);
+#else
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
+  uint32_t bits;
+  if (exponent == 0x1fu) {
+    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);  // normal: rebias 15 -> 127
+  } else {  // zero or subnormal: mantissa * 2^-24, exact in float32
+    float f = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+    return sign ? -f : f;
+  }
+  float f;
+  __builtin_memcpy(&f, &bits, sizeof(f));
+  return f;
+#endif
+}
+
+// float16's rounding of a float32 (to nearest, ties to even) as a float32, via the CPU's F16C
+// conversion, or in software: the logits' query of a float16 store, as the torch bodies round it.
+inline float round_half(float x) {
+#ifdef __F16C__
+  return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
+#else
+  return static_cast<float>(static_cast<_Float16>(x));
+#endif
 }
 
 // bfloat16's rounding of a float32 (to nearest, ties to even), as a float32: the logits' query
@@ -96,6 +133,7 @@ inline float round_like(float x, uint16_t) {
   __builtin_memcpy(&x, &bits, sizeof(x));
   return x;
 }
+inline float round_like(float x, half_t) { return round_half(x); }
 inline float round_like(float x, float) { return x; }
 
 // Whether q[0, n) holds values of the store's dtype only (for bfloat16: the low 16 bits zero).
@@ -108,6 +146,11 @@ inline bool holds_store_values(const float* q, int64_t n, uint16_t) {
   }
   return low == 0;
 }
+inline bool holds_store_values(const float* q, int64_t n, half_t) {
+  for (int64_t i = 0; i < n; ++i)
+    if (round_half(q[i]) != q[i] && q[i] == q[i]) return false;
+  return true;
+}
 inline bool holds_store_values(const float*, int64_t, float) { return true; }
 
 #ifdef __AVX512F__
@@ -116,6 +159,9 @@ inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const uint16_t* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const half_t* p) {  // VCVTPH2PS (AVX-512F): exact
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 // Prefetch one store row (D elements) into L1, one request per 64-byte line: a core streams a

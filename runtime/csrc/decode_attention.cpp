@@ -244,6 +244,15 @@ extern "C" int specontext_decode_attention_bf16(const float* query, const uint16
                                     G, C, D, S);
 }
 
+// float16 stores (their raw 16-bit patterns), float32 query and output.
+extern "C" int specontext_decode_attention_fp16(const float* query, const half_t* keys, const half_t* values,
+                                                const int64_t* lengths, int64_t length_stride,
+                                                const uint8_t* visible, int64_t visible_stride, float* out,
+                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {
+  return decode_attention<half_t>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV,
+                                  G, C, D, S);
+}
+
 #ifdef SPECONTEXT_TORCH_OPS
 #include "torch_op.h"
 
@@ -268,7 +277,7 @@ specontext_op::Tensor decode_attention_op(specontext_op::Tensor query, specontex
   const Tensor q = dense(query), k = dense(key_cache), v = dense(value_cache), n = dense(length);
   std::optional<Tensor> vis;
   if (visible.has_value()) vis = dense(*visible);
-  auto run = [&](auto element) {  // the store's element type: float, or uint16_t for bfloat16
+  auto run = [&](auto element) {  // the store's element type (torch_op.h with_store_element)
     using T = decltype(element);
     return decode_attention<T>(static_cast<const float*>(q.data_ptr()), static_cast<const T*>(k.data_ptr()),
                                static_cast<const T*>(v.data_ptr()), static_cast<const int64_t*>(n.data_ptr()),
@@ -276,7 +285,7 @@ specontext_op::Tensor decode_attention_op(specontext_op::Tensor query, specontex
                                visible_stride(vis, capacity), static_cast<float*>(out.data_ptr()), b, kv, heads / kv,
                                capacity, d, 0);
   };
-  const int status = k.scalar_type() == ScalarType::BFloat16 ? run(uint16_t{}) : run(float{});
+  const int status = with_store_element(k.scalar_type(), run);
   STD_TORCH_CHECK(status == 0, "cpu_decode_attention rejected its inputs");
   return out;
 }

@@ -743,6 +743,21 @@ extern "C" int specontext_refine_attention_bf16(const float* query, const uint16
                                     KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
 }
 
+// float16 stores, page bounds and gathered rows (their raw 16-bit patterns), float32 query and output.
+extern "C" int specontext_refine_attention_fp16(const float* query, const half_t* keys, const half_t* values,
+                                                const int64_t* candidates, const int64_t* lengths,
+                                                int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
+                                                const half_t* page_min, const half_t* page_max,
+                                                const int64_t* page_shift, const half_t* gathered_keys,
+                                                const half_t* gathered_values, int64_t* union_out, float* out,
+                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S,
+                                                int64_t PG, int64_t rescue, int64_t page_tokens, int64_t budget,
+                                                int64_t sinks, int64_t recent) {
+  return refine_attention<half_t>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
+                                  page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B,
+                                  KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
+}
+
 #ifdef SPECONTEXT_TORCH_OPS
 #include "torch_op.h"
 
@@ -834,9 +849,10 @@ Tensor refine_attention_op(Tensor query, Tensor key_cache, Tensor value_cache, T
   const OptionalTensor vis = dense_or_none(visible), lo = dense_or_none(page_min), hi = dense_or_none(page_max),
                        shift = dense_or_none(page_shift), gk = dense_or_none(gathered_keys),
                        gv = dense_or_none(gathered_values);
-  const int status = k.scalar_type() == ScalarType::BFloat16
-      ? run_refine<uint16_t>(q, k, v, cand, n, vis, lo, hi, shift, gk, gv, out, rescue, page_tokens, budget, sinks, recent)
-      : run_refine<float>(q, k, v, cand, n, vis, lo, hi, shift, gk, gv, out, rescue, page_tokens, budget, sinks, recent);
+  const int status = specontext_op::with_store_element(k.scalar_type(), [&](auto element) {
+    return run_refine<decltype(element)>(q, k, v, cand, n, vis, lo, hi, shift, gk, gv, out, rescue, page_tokens, budget,
+                                         sinks, recent);
+  });
   STD_TORCH_CHECK(status == 0, "cpu_refine_attention rejected its inputs (budget ", budget, ")");
   return out;
 }

@@ -232,3 +232,12 @@ extern "C" int specontext_selection_scores_bf16(const float* query, const uint16
   return selection_scores<uint16_t>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C,
                                     D);
 }
+
+// float16 stores (their raw 16-bit patterns), float32 query and output.
+extern "C" int specontext_selection_scores_fp16(const float* query, const half_t* const* keys,
+                                                const int64_t* lengths, int64_t length_stride, const uint8_t* visible,
+                                                int64_t visible_stride, float* out, int64_t L, int64_t B, int64_t KV,
+                                                int64_t G, int64_t C, int64_t D) {
+  return selection_scores<half_t>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C,
+                                  D);
+}

@@ -13,6 +13,7 @@
 // _dense_store_attention, runtime/cpu_refine.py refine_attend).
 #pragma once
 #ifdef SPECONTEXT_TORCH_OPS
+#include "cpu_common.h"
 #include <torch/csrc/stable/library.h>
 #include <torch/csrc/stable/ops.h>
 #include <torch/csrc/stable/tensor.h>
@@ -28,7 +29,17 @@ using torch::stable::Tensor;
 using torch::headeronly::ScalarType;
 
 inline bool store_dtype(const Tensor& t) {
-  return t.scalar_type() == ScalarType::Float || t.scalar_type() == ScalarType::BFloat16;
+  return t.scalar_type() == ScalarType::Float || t.scalar_type() == ScalarType::BFloat16 ||
+         t.scalar_type() == ScalarType::Half;
+}
+
+// fn(element) with the kernels' element type of a store dtype: float, uint16_t (bfloat16's bits)
+// or specontext_cpu::half_t (float16's bits); callers checked store_dtype.
+template <typename Fn>
+inline int with_store_element(ScalarType dtype, Fn&& fn) {
+  if (dtype == ScalarType::BFloat16) return fn(uint16_t{});
+  if (dtype == ScalarType::Half) return fn(specontext_cpu::half_t{});
+  return fn(float{});
 }
 
 inline Tensor dense(const Tensor& t) { return t.is_contiguous() ? t : torch::stable::contiguous(t); }
@@ -43,7 +54,7 @@ inline std::string shape(const Tensor& t) {
 }
 
 // What runtime/cpu_kernels.py check_inputs checks: query float32 [B, H, 1, D]; key and value
-// stores [B, KV, C, D] of one dtype (float32 or bfloat16), H a multiple of KV with at most
+// stores [B, KV, C, D] of one dtype (float32, bfloat16 or float16), H a multiple of KV with at most
 // max_group heads per KV head, D <= max_dim; length int64 [1 or B]; visible bool [1 or B, C].
 inline void check_store_inputs(const char* op, const Tensor& query, const Tensor& keys, const Tensor& values,
                                const Tensor& length, const std::optional<Tensor>& visible, int64_t max_group,
@@ -58,7 +69,7 @@ inline void check_store_inputs(const char* op, const Tensor& query, const Tensor
   STD_TORCH_CHECK(query.dim() == 4 && query.scalar_type() == ScalarType::Float, op,
                   ": query must be a 4-d float32 CPU tensor", given());
   STD_TORCH_CHECK(keys.dim() == 4 && values.dim() == 4 && store_dtype(keys) && keys.scalar_type() == values.scalar_type(),
-                  op, ": key_cache and value_cache must be 4-d float32 or bfloat16 CPU tensors of one dtype", given());
+                  op, ": key_cache and value_cache must be 4-d float32, bfloat16 or float16 CPU tensors of one dtype", given());
   const int64_t b = query.size(0), heads = query.size(1), d = query.size(3);
   const int64_t kv = keys.size(1), capacity = keys.size(2);
   for (int64_t i = 0; i < 4; ++i)
