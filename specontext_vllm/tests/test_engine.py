@@ -11,7 +11,7 @@ tokens each; retrieval layers 1 and 2).
 * bfloat16 at full budget: the tokens equal vLLM's own dense run's.
 * Prefix caching: a request reusing a cached prefix decodes as it does alone.
 * Preemption: requests preempted for want of KV blocks and recomputed decode as they do
-  with room to spare.
+  with room to spare (with the refinement too, slow tier).
 """
 
 import gc
@@ -145,8 +145,10 @@ def test_the_rescue_runs_on_its_layers_only(folder, prompts):
 BLOCK_BYTES = LAYERS * 2 * 2 * 32 * 64 * 4
 
 
-@pytest.mark.parametrize("budget", [48, 4096])
-def test_preempted_requests_decode_as_with_room_to_spare(folder, prompts, monkeypatch, budget):
+@pytest.mark.parametrize("budget, extra", [(48, {}), (4096, {}),
+                                           pytest.param(48, {"page_rescue": 64, "candidates": 2}, marks=pytest.mark.slow)],
+                         ids=["48", "4096", "48-refined"])
+def test_preempted_requests_decode_as_with_room_to_spare(folder, prompts, monkeypatch, budget, extra):
     """16 KV blocks for three requests of 150, 140 and 130 prompt tokens (5 blocks each at
     admission, 17 once they have grown by 24 tokens): vLLM preempts a running request (its blocks
     freed, recomputed later by a prefill of its prompt and generated tokens). Its records went
@@ -157,7 +159,8 @@ def test_preempted_requests_decode_as_with_room_to_spare(folder, prompts, monkey
     The token the recomputing prefill samples is vLLM's prefill, dense: at budget 4096 every
     token equals the run with room for all; at budget 48 the preempted request's tokens equal
     up to its preemption (it may part there: dense where the roomy run decoded sparse) and the
-    other requests' tokens all equal."""
+    other requests' tokens all equal. With the refinement (``page_rescue`` and ``candidates=2``,
+    slow tier) the same holds and every decode row refines (its counter)."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
     preempted = {}  # request index -> tokens generated when preempted
@@ -167,7 +170,7 @@ def test_preempted_requests_decode_as_with_room_to_spare(folder, prompts, monkey
         preempted.setdefault(int(request.request_id.split("-")[0]), len(request.output_token_ids))
         return original(self, request, *args, **kwargs)
 
-    options = {"budget": budget, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2]}
+    options = {"budget": budget, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], **extra}
     prompts = [p[:n] for p, n in zip(prompts, (150, 140, 130))]
     roomy, _ = _generate(folder, prompts, options, max_model_len=352, ignore_eos=True)
     monkeypatch.setattr(Scheduler, "_preempt_request", spy)
@@ -180,6 +183,7 @@ def test_preempted_requests_decode_as_with_room_to_spare(folder, prompts, monkey
     assert stats["recency_rows"] == 0
     # each preemption turns one decode step of the request into the recomputing prefill's token
     assert stats["sparse_decode_rows"] == (len(prompts) * (NEW - 1) - len(preempted)) * LAYERS
+    assert stats.get("refined_rows", 0) == (stats["sparse_decode_rows"] if extra else 0)
 
 
 class _Config:
