@@ -3,6 +3,8 @@
 // loads, prefetches and lane sums. runtime/cpu_kernels.py hashes this header with each
 // source, so a change here rebuilds both.
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <type_traits>
 
@@ -119,7 +121,15 @@ inline float round_half(float x) {
 #ifdef __F16C__
   return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT));
 #else
-  return static_cast<float>(static_cast<_Float16>(x));
+  // float16 keeps 11 significant bits down to 2^-14, then a fixed step of 2^-24 (subnormals);
+  // finite values at or above 65520 round to inf. Adding and subtracting 1.5 * 2^(e + 13)
+  // (e: x's binary exponent, at least -14) rounds x to that many bits, ties to even, in float32.
+  if (!(std::fabs(x) < 65520.0f)) return x != x ? x : (x > 0 ? __builtin_inff() : -__builtin_inff());
+  int e;
+  std::frexp(x, &e);  // |x| in [2^(e-1), 2^e)
+  const float step = std::ldexp(1.0f, std::max(e - 1, -14) - 10);
+  const volatile float big = step * 12582912.0f;  // 1.5 * 2^23 steps: the float32 sum rounds to whole steps
+  return (x + big) - big;
 #endif
 }
 
