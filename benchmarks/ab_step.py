@@ -33,6 +33,9 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
 
 Or ``--options-b``: ``B`` is the same code compiled with these backend options added (an
 options A/B, e.g. ``'{"mode": "max-autotune", "gemv": false}'``: inductor's CPP GEMM template).
+Or ``--guard-filter-b NAME``: ``B`` is compiled with ``torch.compile``'s ``guard_filter_fn``
+set to ``torch.compiler.NAME`` (e.g. ``skip_guard_on_all_nn_modules_unsafe``: dynamo stops
+checking the model's modules and parameters before each step).
 
 Inductor's and AOTAutograd's caches are off (both compiles have the same sources), each variant
 is compiled from a code object of its own (dynamo's cache is per code object), then the two
@@ -94,6 +97,8 @@ def _compiled(model, args, swap, name: str):
 
     cache = sc.SpeContextCache(model.config, max_cache_len=args.context + 2 * args.steps + 16)
     options = {"budget": args.budget, **args.options, **(args.options_b if name == "b" else {})}
+    if name == "b" and args.guard_filter_b:  # torch.compile takes it out of the options
+        options["guard_filter_fn"] = getattr(torch.compiler, args.guard_filter_b)
     forward = torch.compile(_own_frame(model, name), backend="specontext", options=options)
     saved = owner = None
     if swap is not None:
@@ -120,16 +125,20 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--budget", type=int, default=16384)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
                         help="the model's and the KV's dtype")
     parser.add_argument("--options", type=json.loads, default={},
                         help='more backend options for both variants, as JSON (e.g. \'{"page_rescue": 0}\')')
     parser.add_argument("--options-b", type=json.loads, default={},
                         help="backend options for B only, as JSON (an options A/B; --swap may then be left out)")
+    parser.add_argument("--guard-filter-b", default=None,
+                        choices=("skip_guard_on_all_nn_modules_unsafe", "skip_guard_on_inbuilt_nn_modules_unsafe",
+                                 "keep_tensor_guards_unsafe"),
+                        help="B compiled with torch.compile's guard_filter_fn = torch.compiler.<this>")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
-    if args.swap is None and not args.options_b:
-        parser.error("give --swap, --options-b, or both")
+    if args.swap is None and not args.options_b and not args.guard_filter_b:
+        parser.error("give --swap, --options-b, --guard-filter-b, or several")
 
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
@@ -151,12 +160,13 @@ def main(argv=None) -> int:
                 times[name].append(1000.0 * (time.perf_counter() - start))
                 runs[name] = (forward, cache, token)
     result = {"swap": args.swap, "dtype": args.dtype, "context": args.context, "budget": args.budget, "options": args.options,
-              "options_b": args.options_b, "steps": args.steps,
+              "options_b": args.options_b, "guard_filter_b": args.guard_filter_b, "steps": args.steps,
               "threads": torch.get_num_threads(), "machine": machine_info(),
               "ms_per_step": {k: statistics.median(v) for k, v in times.items()}, "raw_ms": times,
               "command": "python -m benchmarks.ab_step " + " ".join(sys.argv[1:] if argv is None else argv)}
     result["b_over_a"] = result["ms_per_step"]["B"] / result["ms_per_step"]["A"]
-    label = " + ".join(filter(None, [args.swap, json.dumps(args.options_b) if args.options_b else ""]))
+    label = " + ".join(filter(None, [args.swap, json.dumps(args.options_b) if args.options_b else "",
+                                     args.guard_filter_b or ""]))
     print(f"A (current) {result['ms_per_step']['A']:.2f} ms/step, B ({label}) "
           f"{result['ms_per_step']['B']:.2f} ms/step, B/A {result['b_over_a']:.3f}")
     if args.json:
