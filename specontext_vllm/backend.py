@@ -63,7 +63,7 @@ from .layout import probe_layout
 from .options import plugin_options
 from .refine import forced_counts, refine_attend
 from .rescue import PageBounds, rescue_blocks
-from .selection import BlockSelection, select_blocks, with_blocks
+from .selection import BlockSelection, select_blocks, with_blocks, with_dense_rows
 from .state import LaggedQueries
 
 logger = logging.getLogger(__name__)
@@ -96,6 +96,10 @@ class SpeContextMetadata(CPUAttentionMetadata):
             step's first layer the plugin serves (:class:`~.selection.BlockSelection`).
         plan: the decode rows' call of vLLM's kernel made with the selection
             (:class:`KernelPlan`), built by the step's first layer that does not refine.
+        dense_rows: bool ``[num_decodes]``, the rows that attend densely on every layer
+            (option ``dense_below``), or None; ``dense_count``: how many (read once per step).
+        dense_plan: the dense rows' call of vLLM's kernel over every block, built by the step's
+            first refining layer that has such rows (a refinement keeps ``budget`` tokens).
     """
 
     num_decodes: int = 0
@@ -103,6 +107,9 @@ class SpeContextMetadata(CPUAttentionMetadata):
     retrieval: tuple[str, ...] = ()
     selection: BlockSelection | None = None
     plan: KernelPlan | None = None
+    dense_rows: torch.Tensor | None = None
+    dense_count: int = 0
+    dense_plan: KernelPlan | None = None
 
 
 @dataclasses.dataclass
@@ -146,6 +153,10 @@ class SpeContextMetadataBuilder(CPUAttentionMetadataBuilder):
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(CPUAttentionMetadata)}
         meta = SpeContextMetadata(**fields, num_decodes=num_decodes, retrieval=self.retrieval)
         meta.num_decode_tokens = num_decode_tokens
+        dense = self.options.dense_rows(base.seq_lens[:num_decodes]) if num_decodes else None
+        if dense is not None:
+            meta.dense_count = int(dense.sum())  # the step's host read of it
+            meta.dense_rows = dense if meta.dense_count else None
         if num_prefills:
             meta.prefill = self._prefill_metadata(base, num_decodes, num_decode_tokens)
         return meta
@@ -181,6 +192,7 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         self.num_layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
         self.rescuing: bool | None = None  # whether this layer adds rescued blocks (known at its first call)
         self.refining: bool | None = None  # whether it refines its candidates to budget tokens (:mod:`.refine`)
+        self.dense_layer: bool | None = None  # whether its decode rows stay on vLLM's kernel (dense_layers)
 
     def _rescues(self, layer) -> bool:
         if self.rescuing is None:
@@ -193,6 +205,12 @@ class SpeContextImpl(CPUAttentionBackendImpl):
             self.refining = (self.options is not None and self.reason is None
                              and self.options.refines(layer_index(layer.layer_name), self.num_layers))
         return self.refining
+
+    def _dense(self, layer) -> bool:
+        if self.dense_layer is None:
+            self.dense_layer = self.options is not None and self.options.dense(layer_index(layer.layer_name),
+                                                                                self.num_layers)
+        return self.dense_layer
 
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping):
         """vLLM's cache write; a layer with the page rescue also folds the keys into its blocks'
@@ -223,28 +241,57 @@ class SpeContextImpl(CPUAttentionBackendImpl):
                                    output_block_scale)
         meta, name = attn_metadata, layer.layer_name
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
-        if meta.num_decodes and meta.selection is None:  # the step's first layer the plugin serves
+        stats = counters["specontext_vllm"]
+        if meta.num_decodes and meta.selection is None:  # the step's first layer: before any layer records
             meta.selection = self._select(meta, layout)
-            stats = counters["specontext_vllm"]
             stats["selection_steps"] += 1
             stats["recency_rows"] += int(meta.selection.recency_rows)  # once per step, not per layer
-        if meta.prefill is not None:
-            start = meta.num_decode_tokens
-            counters["specontext_vllm"]["dense_prefill_tokens"] += meta.prefill.num_actual_tokens
-            super().forward(layer, query[start:], key[start:], value[start:], kv_cache, meta.prefill,
-                            output[start:meta.num_actual_tokens])
-        if meta.num_decodes:
-            rows = meta.num_decode_tokens
-            counters["specontext_vllm"]["sparse_decode_rows"] += rows
-            if self._refines(layer):
-                self._refine(layer, query[:rows], kv_cache, meta, layout, output[:rows])
-            else:
-                if meta.plan is None:  # once per step, for the layers that do not refine
-                    meta.plan = self._plan(meta.selection, query.dtype, layer.isa)
-                self._decode(query[:rows], kv_cache, meta.plan, output[:rows])
+        if self._dense(layer):  # option dense_layers: vLLM's kernel over every row, as without the plugin
+            super().forward(layer, query, key, value, kv_cache, meta, output)
+            stats["dense_decode_rows"] += meta.num_decode_tokens
+            stats["dense_prefill_tokens"] += meta.num_actual_tokens - meta.num_decode_tokens
+        else:
+            self._sparse_forward(layer, query, key, value, kv_cache, meta, layout, output)
         if name in meta.retrieval:
             self._record(query, kv_cache, meta)
         return output
+
+    def _sparse_forward(self, layer, query, key, value, kv_cache, meta: SpeContextMetadata, layout, output) -> None:
+        """Prefill rows on vLLM's kernel over their own metadata; decode rows over the step's
+        selection (refined on a refining layer); rows of option ``dense_below`` over every block."""
+        stats = counters["specontext_vllm"]
+        if meta.prefill is not None:
+            start = meta.num_decode_tokens
+            stats["dense_prefill_tokens"] += meta.prefill.num_actual_tokens
+            super().forward(layer, query[start:], key[start:], value[start:], kv_cache, meta.prefill,
+                            output[start:meta.num_actual_tokens])
+        if not meta.num_decodes:
+            return
+        rows = meta.num_decode_tokens
+        stats["sparse_decode_rows"] += rows - meta.dense_count
+        stats["dense_decode_rows"] += meta.dense_count
+        if self._refines(layer) and meta.dense_count < rows:
+            self._refine(layer, query[:rows], kv_cache, meta, layout, output[:rows])
+            if meta.dense_rows is not None:  # the refinement keeps budget tokens: these rows attend to all
+                self._dense_decode(query, kv_cache, meta, layer.isa, output)
+        else:  # the selection holds every block of a dense row (option dense_below)
+            if meta.plan is None:  # once per step, for the layers that do not refine
+                meta.plan = self._plan(meta.selection, query.dtype, layer.isa)
+            self._decode(query[:rows], kv_cache, meta.plan, output[:rows])
+
+    def _dense_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata, isa: str,
+                      output: torch.Tensor) -> None:
+        """The rows of option ``dense_below`` attend to every block of their request (their
+        selection, :func:`~.selection.with_dense_rows`), written over their refined output."""
+        index = meta.dense_rows.nonzero().squeeze(1)
+        if meta.dense_plan is None:  # once per step
+            sel = meta.selection
+            dense = BlockSelection(sel.logical[index], sel.tables[index], sel.seq_lens[index], sel.recency_rows,
+                                   sel.blocks)
+            meta.dense_plan = self._plan(dense, query.dtype, isa)
+        out = torch.empty((index.shape[0],) + tuple(output.shape[1:]), dtype=output.dtype)
+        self._decode(query[index], kv_cache, meta.dense_plan, out)
+        output[index] = out
 
     def _record(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata) -> None:
         """Keep each request's last query row for the next step's selection."""
@@ -254,12 +301,19 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         self.record.write(query[last], meta.slot_mapping[last])
 
     def _select(self, meta: SpeContextMetadata, layout) -> BlockSelection:
+        table, lens = meta.block_table[:meta.num_decodes], meta.seq_lens[:meta.num_decodes]
+        if meta.dense_count == meta.num_decodes:  # option dense_below: every row dense, no scores
+            return with_dense_rows(None, meta.dense_rows, table, lens, layout.block_size, self.num_kv_heads)
         layers = get_forward_context().no_compile_layers
         retrieval = [layers[n] for n in meta.retrieval]
         # None on the first step ever (nothing recorded yet): every row ranks by recency
         records = None if any(r.impl.record is None for r in retrieval) else [r.impl.record for r in retrieval]
-        return select_blocks(records, [r.kv_cache for r in retrieval], meta.block_table[:meta.num_decodes],
-                             meta.seq_lens[:meta.num_decodes], layout, self.options, self.scale)
+        selection = select_blocks(records, [r.kv_cache for r in retrieval], table, lens, layout, self.options,
+                                  self.scale)
+        if meta.dense_rows is not None:
+            selection = with_dense_rows(selection, meta.dense_rows, table, lens, layout.block_size,
+                                        self.num_kv_heads)
+        return selection
 
     def _refine(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata, layout,
                 output: torch.Tensor) -> None:
@@ -268,12 +322,12 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         rows, selection, stats = query.shape[0], meta.selection, counters["specontext_vllm"]
         if self.bounds is not None and self._rescues(layer):
             selection = self._rescue(query, meta)
-            stats["rescue_rows"] += rows
+            stats["rescue_rows"] += rows - meta.dense_count
         sinks, recent = forced_counts(self.options.budget, self.options.sink_tokens, self.options.recent_window)
         out = refine_attend(layout, kv_cache, meta.block_table[:rows], selection, query, self.scale,
                             meta.seq_lens[:rows], self.options.budget, sinks, recent)
         output.copy_(out.view_as(output))
-        stats["refined_rows"] += rows
+        stats["refined_rows"] += rows - meta.dense_count  # the dense rows' outputs are replaced
 
     def _rescue(self, query: torch.Tensor, meta: SpeContextMetadata) -> BlockSelection:
         """The step's selection plus this layer's rescued blocks (:mod:`.rescue`)."""

@@ -21,9 +21,9 @@ logger = logging.getLogger(__name__)
 __all__ = ["KEY", "PluginOptions", "plugin_options"]
 
 KEY = "specontext"  # the additional_config entry
-_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers", "candidates")
-_NOT_BUILT = {"retrieval_head": None, "device_memory_bytes": None,
-              "dense_layers": (), "dense_below": 0, "min_coverage": 0.0}
+_APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers", "candidates",
+            "dense_layers", "dense_below")
+_NOT_BUILT = {"retrieval_head": None, "device_memory_bytes": None, "min_coverage": 0.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +38,21 @@ class PluginOptions:
     page_rescue: int = 0
     rescue_layers: tuple[int, ...] | None = None
     candidates: float = 1.0
+    dense_layers: tuple[int, ...] = ()
+    dense_below: int = 0
+
+    def dense(self, layer: int, num_layers: int) -> bool:
+        """Whether decoder layer ``layer`` keeps vLLM's dense attention for its decode rows
+        (option ``dense_layers``; negative counts from the end)."""
+        return bool(self.dense_layers) and layer in _indices(self.dense_layers, num_layers)
+
+    def dense_rows(self, seq_lens):
+        """Which decode rows attend densely on every layer (option ``dense_below``): a bool
+        tensor ``[rows]``, True where the request's KV holds at most ``dense_below`` tokens
+        (``seq_lens``: int ``[rows]``, tokens including this step's), or None when the option
+        is off. The backend decides it from the store's capacity, once per compile; the plugin
+        from each request's length, once per step."""
+        return None if self.dense_below <= 0 else seq_lens <= self.dense_below
 
     def selected_tokens(self) -> int | None:
         """Tokens the step's shared selection keeps per row and KV head: ``ceil(candidates *
@@ -48,8 +63,8 @@ class PluginOptions:
     def refines(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` refines its candidates to ``budget`` tokens
         (:mod:`.refine`): every layer with ``candidates > 1``, a rescuing layer
-        (:meth:`rescues`) always."""
-        return self.candidates > 1 or self.rescues(layer, num_layers)
+        (:meth:`rescues`) always; never a dense layer (:meth:`dense`)."""
+        return not self.dense(layer, num_layers) and (self.candidates > 1 or self.rescues(layer, num_layers))
 
     def retrieval_layers_for(self, num_layers: int) -> tuple[int, ...]:
         """The retrieval layers' indices among ``num_layers`` (negative counts from the end;
@@ -59,8 +74,9 @@ class PluginOptions:
 
     def rescues(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` of ``num_layers`` adds rescued pages (:mod:`.rescue`):
-        ``page_rescue > 0`` and the layer among ``rescue_layers`` (None = every layer)."""
-        if self.page_rescue <= 0:
+        ``page_rescue > 0`` and the layer among ``rescue_layers`` (None = every layer), not a
+        dense layer."""
+        if self.page_rescue <= 0 or self.dense(layer, num_layers):
             return False
         return self.rescue_layers is None or layer in _indices(self.rescue_layers, num_layers)
 

@@ -33,7 +33,8 @@ from .layout import BlockLayout
 from .options import PluginOptions
 from .state import LaggedQueries
 
-__all__ = ["BlockSelection", "block_counts", "previous_slots", "select_blocks", "with_blocks"]
+__all__ = ["BlockSelection", "block_counts", "every_block", "previous_slots", "select_blocks", "with_blocks",
+           "with_dense_rows"]
 
 
 @dataclasses.dataclass
@@ -147,3 +148,33 @@ def with_blocks(logical: torch.Tensor, block_table: torch.Tensor, seq_lens: torc
     last = (seq_lens.long() - 1) % block_size + 1  # written tokens of the current (last selected) block
     lens = (valid.sum(-1) - 1) * block_size + last.view(rows, 1)  # [rows, kv]
     return BlockSelection(logical, tables, lens.to(torch.int32), recency_rows, blocks)
+
+
+def with_dense_rows(selection: BlockSelection | None, dense: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, block_size: int, num_kv_heads: int) -> BlockSelection:
+    """``selection`` with the rows of ``dense`` (bool ``[rows]``; option ``dense_below``)
+    selecting every block of their request, for each of the ``num_kv_heads`` KV heads: vLLM's
+    kernel then attends to their whole KV, exact. ``selection`` None: every row dense (no
+    scores made)."""
+    rows = seq_lens.shape[0]
+    blocks = -(-int(seq_lens.max()) // block_size)
+    if selection is None:
+        return every_block(block_table, seq_lens, block_size, blocks, num_kv_heads)
+    width = selection.logical.shape[-1]
+    blocks = max(blocks, selection.blocks, width)
+    every = every_block(block_table, seq_lens, block_size, blocks, num_kv_heads).logical
+    logical = torch.nn.functional.pad(selection.logical, (0, blocks - width), value=-1)
+    logical = torch.where(dense.view(rows, 1, 1), every, logical)
+    return with_blocks(logical, block_table, seq_lens, block_size, selection.recency_rows, blocks)
+
+
+def every_block(block_table: torch.Tensor, seq_lens: torch.Tensor, block_size: int, blocks: int,
+                num_kv_heads: int) -> BlockSelection:
+    """The :class:`BlockSelection` of every written block of each row (``blocks``: the longest
+    row's), for ``num_kv_heads`` KV heads: dense attention through vLLM's kernel."""
+    rows = seq_lens.shape[0]
+    row_blocks = (seq_lens.long() + block_size - 1) // block_size
+    every = torch.arange(blocks, device=seq_lens.device).view(1, 1, blocks).expand(rows, num_kv_heads, blocks)
+    logical = torch.where(every < row_blocks.view(rows, 1, 1), every, -1)
+    return with_blocks(logical, block_table, seq_lens, block_size, torch.zeros((), dtype=torch.int64), blocks)
+

@@ -10,6 +10,8 @@ tokens each; retrieval layers 1 and 2).
   runs on the layers the options name (counters).
 * bfloat16 at full budget: the tokens equal vLLM's own dense run's.
 * Prefix caching: a request reusing a cached prefix decodes as it does alone.
+* ``dense_layers`` and ``dense_below``: those layers, and requests that short, decode on
+  vLLM's kernel over every block (exact), the rest of the batch stays sparse.
 * Preemption: requests preempted for want of KV blocks and recomputed decode as they do
   with room to spare (with the refinement too, slow tier).
 """
@@ -141,6 +143,45 @@ def test_the_rescue_runs_on_its_layers_only(folder, prompts):
     assert stats["refined_rows"] == stats["rescue_rows"]  # only the rescuing layers refine at candidates=1
 
 
+def test_dense_layers_keep_vllms_kernel_and_the_others_stay_sparse(folder, prompts):
+    """``dense_layers=[0, -1]`` with the refinement on: layers 0 and 3 serve every decode row
+    with vLLM's kernel (``dense_decode_rows``), layers 1 and 2 stay sparse and refine (and
+    rescue); none of the dense layers refines or rescues."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], "candidates": 2,
+               "page_rescue": 64, "dense_layers": [0, -1]}
+    tokens, stats = _generate(folder, prompts, options)
+    assert [len(t) for t in tokens] == [NEW] * len(prompts)
+    rows = len(prompts) * (NEW - 1)
+    assert stats["dense_decode_rows"] == rows * 2 and stats["sparse_decode_rows"] == rows * 2
+    assert stats["refined_rows"] == rows * 2 and stats["rescue_rows"] == rows * 2
+
+
+def test_requests_at_most_dense_below_tokens_decode_exactly(folder, prompts):
+    """``dense_below=200`` at budget 48 with ``candidates=2`` (every layer refines): the
+    requests of 170 and 90 prompt tokens (at most 193 with their 24 new ones) attend to every
+    block on every layer, so their tokens equal Hugging Face's greedy ones; the 300-token
+    request stays sparse and refined in the same batch (counters per row and layer)."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], "candidates": 2,
+               "dense_below": 200}
+    tokens, stats = _generate(folder, prompts, options)
+    want = _hugging_face(folder, prompts[1:])
+    assert tokens[1:] == want
+    assert stats["dense_decode_rows"] == 2 * (NEW - 1) * LAYERS
+    assert stats["sparse_decode_rows"] == stats["refined_rows"] == (NEW - 1) * LAYERS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("options", [{"dense_below": 4096}, {"dense_layers": [0, 1, 2, 3], "page_rescue": 64}],
+                         ids=["dense_below", "dense_layers"])
+def test_every_row_or_layer_dense_is_hugging_faces_text(folder, prompts, options):
+    """Every request at most ``dense_below`` (no scores made: the selection is every block),
+    or every layer in ``dense_layers``, at budget 48: Hugging Face's greedy tokens."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2], **options}
+    tokens, stats = _generate(folder, prompts, options)
+    assert tokens == _hugging_face(folder, prompts)
+    assert stats["dense_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats.get("sparse_decode_rows", 0) == 0
+
+
 # a block of the tiny Llama: 4 layers x (key, value) x 2 KV heads x 32 tokens x 64 x fp32
 BLOCK_BYTES = LAYERS * 2 * 2 * 32 * 64 * 4
 
@@ -196,8 +237,16 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     assert plugin_options(_Config({"specontext": {"budget": 64}})).budget == 64
     with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
         plugin_options(_Config({"specontext": {"budget": 0}}))
-    with pytest.raises(ValueError, match=r"dense_layers=\[0\] is not built in the vLLM plugin yet"):
-        plugin_options(_Config({"specontext": {"dense_layers": [0]}}))
+    with pytest.raises(ValueError, match=r"min_coverage=0.5 is not built in the vLLM plugin yet"):
+        plugin_options(_Config({"specontext": {"min_coverage": 0.5, "candidates": 2}}))
+    with pytest.raises(ValueError, match="'dense_below' must be an int >= 0"):
+        plugin_options(_Config({"specontext": {"dense_below": -1}}))
+    dense = plugin_options(_Config({"specontext": {"budget": 64, "page_rescue": 128, "dense_layers": [0, -1],
+                                                   "dense_below": 100}}))
+    assert dense.dense(0, 30) and dense.dense(29, 30) and not dense.dense(1, 30)
+    assert not dense.rescues(0, 30) and not dense.refines(29, 30) and dense.rescues(1, 30)
+    assert dense.dense_rows(torch.tensor([100, 101])).tolist() == [True, False]
+    assert plugin_options(_Config({"specontext": {"budget": 64}})).dense_rows(torch.tensor([5])) is None
     two_stage = plugin_options(_Config({"specontext": {"budget": 64, "candidates": 2.5}}))
     assert two_stage.selected_tokens() == 160 and two_stage.refines(0, 30)
     assert plugin_options(_Config({"specontext": {"candidates": float("inf")}})).selected_tokens() is None
