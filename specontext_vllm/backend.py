@@ -63,7 +63,7 @@ from .layout import probe_layout
 from .options import plugin_options
 from .refine import forced_counts, refine_attend
 from .rescue import PageBounds, rescue_blocks
-from .selection import BlockSelection, select_blocks, with_blocks, with_dense_rows
+from .selection import BlockSelection, every_block, select_blocks, with_blocks, with_dense_rows
 from .state import LaggedQueries
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class SpeContextMetadata(CPUAttentionMetadata):
         dense_rows: bool ``[num_decodes]``, the rows that attend densely on every layer
             (option ``dense_below``), or None; ``dense_count``: how many (read once per step).
         dense_plan: the dense rows' call of vLLM's kernel over every block, built by the step's
-            first refining layer that has such rows (a refinement keeps ``budget`` tokens).
+            first refining layer (a refinement keeps ``budget`` tokens).
     """
 
     num_decodes: int = 0
@@ -271,26 +271,36 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         stats["sparse_decode_rows"] += rows - meta.dense_count
         stats["dense_decode_rows"] += meta.dense_count
         if self._refines(layer) and meta.dense_count < rows:
-            self._refine(layer, query[:rows], kv_cache, meta, layout, output[:rows])
+            guarded = self._refine(layer, query[:rows], kv_cache, meta, layout, output[:rows])
             if meta.dense_rows is not None:  # the refinement keeps budget tokens: these rows attend to all
-                self._dense_decode(query, kv_cache, meta, layer.isa, output)
+                if meta.dense_plan is None:  # once per step
+                    meta.dense_plan = self._every_block_plan(meta.dense_rows, meta, layout, query.dtype, layer.isa)
+                self._attend_rows(meta.dense_rows, query, kv_cache, meta.dense_plan, output)
+            if guarded is not None:  # option min_coverage: rows whose kept tokens held too little
+                self._attend_rows(guarded, query, kv_cache,
+                                  self._every_block_plan(guarded, meta, layout, query.dtype, layer.isa), output)
         else:  # the selection holds every block of a dense row (option dense_below)
             if meta.plan is None:  # once per step, for the layers that do not refine
                 meta.plan = self._plan(meta.selection, query.dtype, layer.isa)
             self._decode(query[:rows], kv_cache, meta.plan, output[:rows])
 
-    def _dense_decode(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata, isa: str,
-                      output: torch.Tensor) -> None:
-        """The rows of option ``dense_below`` attend to every block of their request (their
-        selection, :func:`~.selection.with_dense_rows`), written over their refined output."""
-        index = meta.dense_rows.nonzero().squeeze(1)
-        if meta.dense_plan is None:  # once per step
-            sel = meta.selection
-            dense = BlockSelection(sel.logical[index], sel.tables[index], sel.seq_lens[index], sel.recency_rows,
-                                   sel.blocks)
-            meta.dense_plan = self._plan(dense, query.dtype, isa)
+    def _every_block_plan(self, rows: torch.Tensor, meta: SpeContextMetadata, layout, dtype: torch.dtype,
+                          isa: str) -> KernelPlan:
+        """The :class:`KernelPlan` of the decode rows ``rows`` (bool ``[num_decodes]``) over
+        every block of their requests: their exact attention through vLLM's kernel."""
+        index = rows.nonzero().squeeze(1)
+        lens = meta.seq_lens[index]
+        blocks = -(-int(lens.max()) // layout.block_size)
+        return self._plan(every_block(meta.block_table[index], lens, layout.block_size, blocks, self.num_kv_heads),
+                          dtype, isa)
+
+    def _attend_rows(self, rows: torch.Tensor, query: torch.Tensor, kv_cache: torch.Tensor, plan: KernelPlan,
+                     output: torch.Tensor) -> None:
+        """The decode rows ``rows`` (bool ``[num_decodes]``) attend with ``plan``
+        (:meth:`_every_block_plan`), written over their outputs."""
+        index = rows.nonzero().squeeze(1)
         out = torch.empty((index.shape[0],) + tuple(output.shape[1:]), dtype=output.dtype)
-        self._decode(query[index], kv_cache, meta.dense_plan, out)
+        self._decode(query[index], kv_cache, plan, out)
         output[index] = out
 
     def _record(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata) -> None:
@@ -316,18 +326,31 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         return selection
 
     def _refine(self, layer, query: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata, layout,
-                output: torch.Tensor) -> None:
+                output: torch.Tensor) -> torch.Tensor | None:
         """The decode rows' refined attention (:mod:`.refine`): candidates from the shared
-        selection and, on a rescuing layer, its rescued blocks; ``budget`` tokens kept."""
+        selection and, on a rescuing layer, its rescued blocks; ``budget`` tokens kept. Returns
+        the rows the fidelity guard sends dense (option ``min_coverage``: a row whose kept
+        tokens hold less than that share of its candidates' softmax mass at any KV head; bool
+        ``[rows]``, one host read per layer), or None (none, or the guard off)."""
         rows, selection, stats = query.shape[0], meta.selection, counters["specontext_vllm"]
         if self.bounds is not None and self._rescues(layer):
             selection = self._rescue(query, meta)
             stats["rescue_rows"] += rows - meta.dense_count
         sinks, recent = forced_counts(self.options.budget, self.options.sink_tokens, self.options.recent_window)
-        out = refine_attend(layout, kv_cache, meta.block_table[:rows], selection, query, self.scale,
-                            meta.seq_lens[:rows], self.options.budget, sinks, recent)
+        guard = self.options.min_coverage > 0
+        result = refine_attend(layout, kv_cache, meta.block_table[:rows], selection, query, self.scale,
+                               meta.seq_lens[:rows], self.options.budget, sinks, recent, coverage=guard)
+        out, share = result if guard else (result, None)
         output.copy_(out.view_as(output))
         stats["refined_rows"] += rows - meta.dense_count  # the dense rows' outputs are replaced
+        if share is None:
+            return None
+        guarded = (share < self.options.min_coverage).any(-1)
+        if meta.dense_rows is not None:
+            guarded &= ~meta.dense_rows  # attend to every block anyway
+        count = int(guarded.sum())
+        stats["guard_dense_rows"] += count
+        return guarded if count else None
 
     def _rescue(self, query: torch.Tensor, meta: SpeContextMetadata) -> BlockSelection:
         """The step's selection plus this layer's rescued blocks (:mod:`.rescue`)."""

@@ -53,7 +53,7 @@ def _refine_library() -> ctypes.CDLL:
     lib = build_library(_REFINE_SOURCE, includes=(CSRC,))
     for fn in (lib.specontext_paged_refine_attention_f32, lib.specontext_paged_refine_attention_bf16):
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3
+        fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 6 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 3
     return lib
 
 
@@ -164,10 +164,12 @@ def paged_quest_bounds(low: torch.Tensor, high: torch.Tensor, block_table: torch
 
 def paged_refine_attention(kv_cache: torch.Tensor, tables: torch.Tensor, logical: torch.Tensor, lens: torch.Tensor,
                            row_len: torch.Tensor, query: torch.Tensor, forms: tuple[str, str], budget: int,
-                           sinks: int, recent: int) -> torch.Tensor:
+                           sinks: int, recent: int, coverage: bool = False):
     """float32 ``[rows, num_kv_heads, groups, head_dim]``: each decode row's attention, per KV
     head, over the ``budget`` best of its candidate tokens (``csrc/paged_refine_attention.cpp``
-    states the arithmetic; :func:`.refine.refine_torch` is the same in torch).
+    states the arithmetic; :func:`.refine.refine_torch` is the same in torch); with
+    ``coverage``, also float32 ``[rows, num_kv_heads]``: the fidelity guard's estimate, the
+    smallest over the group's query heads of the candidates' softmax mass the kept tokens hold.
 
     Args:
         kv_cache: ``[num_blocks, num_kv_heads, block_size, 2 * head_dim]``, contiguous, keys and
@@ -202,13 +204,15 @@ def paged_refine_attention(kv_cache: torch.Tensor, tables: torch.Tensor, logical
     row_len64 = row_len.to(torch.int64).contiguous()
     q = query.to(torch.float32).contiguous()
     out = torch.empty(rows, num_kv, groups, d, dtype=torch.float32)
+    share = torch.empty(rows, num_kv, dtype=torch.float32) if coverage else None
     lib = _refine_library()
     fn = (lib.specontext_paged_refine_attention_f32 if kv_cache.dtype == torch.float32
           else lib.specontext_paged_refine_attention_bf16)
     status = fn(kv_cache.data_ptr(), tables32.data_ptr(), logical64.data_ptr(), lens32.data_ptr(),
-                row_len64.data_ptr(), q.data_ptr(), out.data_ptr(), rows, num_kv, groups, width, bs, d, key_code,
+                row_len64.data_ptr(), q.data_ptr(), out.data_ptr(), share.data_ptr() if coverage else None, rows,
+                num_kv, groups, width, bs, d, key_code,
                 value_code, budget, sinks, recent)
     if status != 0:
         raise ValueError(f"paged_refine_attention rejected block size {bs}, head_dim {d}, forms {forms}, "
                          f"budget {budget} or candidate counts outside 1..{width * bs}")
-    return out
+    return (out, share) if coverage else out

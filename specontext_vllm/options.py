@@ -22,8 +22,8 @@ __all__ = ["KEY", "PluginOptions", "plugin_options"]
 
 KEY = "specontext"  # the additional_config entry
 _APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers", "candidates",
-            "dense_layers", "dense_below")
-_NOT_BUILT = {"retrieval_head": None, "device_memory_bytes": None, "min_coverage": 0.0}
+            "dense_layers", "dense_below", "min_coverage")
+_NOT_BUILT = {"retrieval_head": None, "device_memory_bytes": None}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +40,7 @@ class PluginOptions:
     candidates: float = 1.0
     dense_layers: tuple[int, ...] = ()
     dense_below: int = 0
+    min_coverage: float = 0.0
 
     def dense(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` keeps vLLM's dense attention for its decode rows

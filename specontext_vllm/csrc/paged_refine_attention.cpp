@@ -8,6 +8,8 @@
 //   rank[i]  = +inf for the first `sinks` candidates and those at positions >= row_len[r] - recent
 //   kept     = the `budget` candidates of highest rank (all of them when there are no more)
 //   out[u][g] = sum_{i in kept} softmax_{kept}(l[g])[i] * value(i)
+//   coverage[u] = min_g sum_{i in kept} softmax_i(l[g])[i]   (the fidelity guard's estimate,
+//                 runtime/aten_step.py refine_gathered: the kept share of the candidates' mass)
 //
 // as the backend's refinement does it (runtime/aten_step.py: ranked, attend_kept); every key
 // is read once for the whole group, only the kept tokens' values are read, float32 throughout.
@@ -15,7 +17,8 @@
 // cache: [num_blocks][kv][2][bs * d]; tables: int32 [units][width] physical blocks; logical:
 // int64 [units][width] their logical blocks (a position is logical * bs + slot); lens: int32
 // [units]; row_len: int64 [rows] (the row's tokens, this step's included); q, out: float32
-// [units][groups][d]. Returns 0, or 1 for arguments the kernel does not take.
+// [units][groups][d]; coverage: float32 [units] or null (not computed). Returns 0, or 1 for
+// arguments the kernel does not take.
 #include <algorithm>
 #include <cstdint>
 #include <vector>
@@ -34,6 +37,7 @@ struct Refine {
   const int64_t* row_len;
   const float* q;
   float* out;
+  float* coverage;  // [units] or nullptr
   int64_t kv, groups, width, bs, d;
   int key_form, value_form;
   int64_t budget, sinks, recent;
@@ -53,11 +57,12 @@ constexpr int64_t kBins = int64_t{1} << (32 - kBinShift);
 
 // Per thread, reused across units.
 struct Scratch {
-  std::vector<float> logits, rank, order, stats, acc, weights;
+  std::vector<float> logits, rank, order, stats, candidate_stats, acc, weights;
   std::vector<int32_t> kept;
   std::vector<uint32_t> hist;
   Scratch(const Refine& p)
       : logits(p.groups * p.width * p.bs), rank(p.width * p.bs), order(p.width * p.bs), stats(2 * p.groups),
+        candidate_stats(2 * p.groups),
         acc(p.groups * p.d), weights(p.groups * kept_capacity(p)), kept(p.width * p.bs), hist(kBins) {}
 };
 
@@ -72,6 +77,8 @@ void rank_candidates(const Refine& p, int64_t u, int64_t n, Scratch& s) {
     float z = 0.f;
 #pragma omp simd reduction(+ : z)
     for (int64_t i = 0; i < n; ++i) z += specontext_cpu::exp_nonpositive(row[i] - m);
+    s.candidate_stats[2 * g] = m;  // the candidates' softmax of head g: the guard's coverage reads it
+    s.candidate_stats[2 * g + 1] = z;
     for (int64_t i = 0; i < n; ++i) {
       const float prob = specontext_cpu::exp_nonpositive(row[i] - m) / z;  // z >= 1
       rank[i] = g == 0 ? prob : std::max(rank[i], prob);
@@ -155,6 +162,18 @@ void attend_kept(const Refine& p, const T* cache, int64_t u, int64_t h, int64_t 
     }
     z[g] = total;  // >= 1: the maximum's own term
   }
+  if (p.coverage) {  // sum over kept of exp(l - m_g) / z_g = total * exp(best - m_g) / z_g, min over g
+    float least = 1.f;
+    for (int64_t g = 0; g < p.groups; ++g) {
+      const float* row = s.logits.data() + g * stride;
+      float best = -__builtin_inff();
+      for (int64_t k = 0; k < count; ++k) best = std::max(best, row[kept[k]]);
+      const float m = s.candidate_stats[2 * g], zc = s.candidate_stats[2 * g + 1];
+      const float share = z[g] * specontext_cpu::exp_nonpositive(best - m) / zc;
+      least = std::min(least, std::min(share, 1.f));
+    }
+    p.coverage[u] = least;
+  }
   float* acc = s.acc.data();
   std::fill(acc, acc + p.groups * p.d, 0.f);
   // the kept tokens' value rows are scattered over the cache: each is requested kAhead tokens
@@ -221,12 +240,13 @@ int run(const T* cache, const Refine& p, int64_t units) {
 
 #define SPECONTEXT_REFINE_ENTRY(name, T, forms_ok)                                                                 \
   extern "C" int name(const T* cache, const int32_t* tables, const int64_t* logical, const int32_t* lens,          \
-                      const int64_t* row_len, const float* q, float* out, int64_t rows, int64_t kv, int64_t groups, \
+                      const int64_t* row_len, const float* q, float* out, float* coverage, int64_t rows,              \
+                      int64_t kv, int64_t groups,                                                                   \
                       int64_t width, int64_t bs, int64_t d, int key_form, int value_form, int64_t budget,           \
                       int64_t sinks, int64_t recent) {                                                              \
     if (!(forms_ok)) return 1;                                                                                      \
     const int shift = bs > 0 && (bs & (bs - 1)) == 0 ? __builtin_ctzll(bs) : -1;                                    \
-    const Refine p{tables, logical, lens, row_len, q, out, kv, groups, width, bs, d, key_form, value_form,          \
+    const Refine p{tables, logical, lens, row_len, q, out, coverage, kv, groups, width, bs, d, key_form, value_form, \
                    budget, sinks, recent, shift};                                                                   \
     return run(cache, p, rows * kv);                                                                                \
   }

@@ -12,6 +12,8 @@ tokens each; retrieval layers 1 and 2).
 * Prefix caching: a request reusing a cached prefix decodes as it does alone.
 * ``dense_layers`` and ``dense_below``: those layers, and requests that short, decode on
   vLLM's kernel over every block (exact), the rest of the batch stays sparse.
+* ``min_coverage`` (the fidelity guard): rows whose refinement drops too much of the
+  candidates' mass attend to every block on that layer.
 * Preemption: requests preempted for want of KV blocks and recomputed decode as they do
   with room to spare (with the refinement too, slow tier).
 """
@@ -182,6 +184,22 @@ def test_every_row_or_layer_dense_is_hugging_faces_text(folder, prompts, options
     assert stats["dense_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats.get("sparse_decode_rows", 0) == 0
 
 
+def test_the_fidelity_guard_sends_rows_that_drop_mass_dense(folder, prompts):
+    """``min_coverage`` near 1 with every token a candidate (``candidates=inf``) at budget 48:
+    a row that drops any of its candidates' softmax mass (every row longer than 48 tokens) is
+    sent to vLLM's kernel over every block on that layer (``guard_dense_rows``), so the text is
+    Hugging Face's; at ``min_coverage=0`` (off) the same options keep only 48 tokens and nothing
+    is guarded."""
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2],
+               "candidates": float("inf"), "min_coverage": 0.999999}
+    tokens, stats = _generate(folder, prompts, options)
+    assert tokens == _hugging_face(folder, prompts)
+    rows = len(prompts) * (NEW - 1) * LAYERS
+    assert stats["guard_dense_rows"] == rows and stats["refined_rows"] == rows
+    _, off = _generate(folder, prompts, {**options, "min_coverage": 0.0})
+    assert off.get("guard_dense_rows", 0) == 0 and off["refined_rows"] == rows
+
+
 # a block of the tiny Llama: 4 layers x (key, value) x 2 KV heads x 32 tokens x 64 x fp32
 BLOCK_BYTES = LAYERS * 2 * 2 * 32 * 64 * 4
 
@@ -237,8 +255,11 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     assert plugin_options(_Config({"specontext": {"budget": 64}})).budget == 64
     with pytest.raises(ValueError, match="'budget' must be an int >= 1"):
         plugin_options(_Config({"specontext": {"budget": 0}}))
-    with pytest.raises(ValueError, match=r"min_coverage=0.5 is not built in the vLLM plugin yet"):
-        plugin_options(_Config({"specontext": {"min_coverage": 0.5, "candidates": 2}}))
+    with pytest.raises(ValueError, match=r"device_memory_bytes=1000000000 is not built in the vLLM plugin yet"):
+        plugin_options(_Config({"specontext": {"device_memory_bytes": 10**9}}))
+    with pytest.raises(ValueError, match="'min_coverage' needs a refinement"):  # the plugin's page_rescue is 0
+        plugin_options(_Config({"specontext": {"min_coverage": 0.5}}))
+    assert plugin_options(_Config({"specontext": {"min_coverage": 0.5, "candidates": 2}})).min_coverage == 0.5
     with pytest.raises(ValueError, match="'dense_below' must be an int >= 0"):
         plugin_options(_Config({"specontext": {"dense_below": -1}}))
     dense = plugin_options(_Config({"specontext": {"budget": 64, "page_rescue": 128, "dense_layers": [0, -1],

@@ -51,10 +51,13 @@ def _candidates(keys, values, block_table, selection, r, h):
     return positions, keys[physical, h, positions % BS].double(), values[physical, h, positions % BS].double()
 
 
-def _reference(keys, values, block_table, selection, query, row_len, budget, sinks, recent):
-    """float64 ``[rows, kv, groups, D]`` from the definition, unit by unit."""
+def _reference(keys, values, block_table, selection, query, row_len, budget, sinks, recent, coverage=False):
+    """float64 ``[rows, kv, groups, D]`` from the definition, unit by unit; with ``coverage``
+    also ``[rows, kv]``: the smallest over the groups' heads of the candidates' softmax mass
+    the kept tokens hold (the fidelity guard's estimate)."""
     rows, kv, groups, _ = query.shape
     out = torch.zeros(rows, kv, groups, D, dtype=torch.float64)
+    held = torch.ones(rows, kv, dtype=torch.float64)
     for r in range(rows):
         for h in range(kv):
             positions, k, v = _candidates(keys, values, block_table, selection, r, h)
@@ -65,7 +68,8 @@ def _reference(keys, values, block_table, selection, query, row_len, budget, sin
             rank = torch.where(forced, float("inf"), rank)
             kept = rank.argsort(descending=True, stable=True)[: min(budget, n)]  # ties: the earliest
             out[r, h] = torch.softmax(logits[:, kept], -1) @ v[kept]
-    return out
+            held[r, h] = torch.softmax(logits, -1)[:, kept].sum(-1).min()
+    return (out, held) if coverage else out
 
 
 def _case(seed: int, dtype: torch.dtype, rows: int = 3, groups: int = 3):
@@ -176,3 +180,33 @@ def test_the_kernel_refuses_what_it_does_not_read():
     with pytest.raises(ValueError, match="candidate counts"):
         kernels.paged_refine_attention(cache, selection.tables, selection.logical, empty, lengths, query,
                                        ("transposed", "rows"), 16, 0, 1)
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("key_form,value_form,dtype", FORM_PAIRS)
+def test_the_guards_coverage_equals_float64(path, key_form, value_form, dtype, take_path):
+    """Option ``min_coverage``'s estimate: per row and KV head, the smallest over the group's
+    query heads of the candidates' softmax mass the kept tokens hold, within 1e-5 of float64;
+    1 where every candidate is kept; the output unchanged by asking for it."""
+    calls = take_path(path, "refine_available", "paged_refine_attention")
+    _check_coverage(key_form=key_form, value_form=value_form, dtype=dtype)
+    assert bool(calls) == (path == "kernel")
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), budget=st.sampled_from([16, 40, 4096]))
+def _check_coverage(seed, budget, key_form, value_form, dtype):
+    keys, values, table, selection, query, lengths = _case(seed, dtype)
+    layout = _layout(key_form, value_form)
+    cache = _pack(keys, values, layout)
+    sinks, recent = forced_counts(budget, 2, 8)
+    args = (layout, cache, table, selection, query.flatten(1, 2), 1.0, lengths, budget, sinks, recent)
+    out, share = refine_attend(*args, coverage=True)
+    want_out, want = _reference(keys, values, table, selection, query, lengths, budget, sinks, recent, coverage=True)
+    torch.testing.assert_close(share.double(), want, rtol=0, atol=1e-5)
+    assert torch.equal(out, refine_attend(*args))
+    if budget == 4096:
+        assert torch.all(share == 1.0)
+    else:
+        assert float(share.min()) < 1.0  # something dropped: the test can see a low coverage
+
