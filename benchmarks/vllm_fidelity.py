@@ -197,6 +197,9 @@ def main(argv=None) -> int:
     parser.add_argument("--candidates", type=float, nargs="+", default=[1.0],
                         help="the plugin's option candidates, one run per value with every budget and rescue "
                              "(1 = the shared selection; > 1: every layer refines)")
+    parser.add_argument("--min-coverages", type=float, nargs="+", default=[0.0],
+                        help="the plugin's fidelity guard (option min_coverage), one run per value with every "
+                             "budget, rescue and candidates (0 = off)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(DTYPES))
     parser.add_argument("--backend", action="store_true", help="add our backend's rows (Hugging Face dense, "
                         "page_rescue=0 and the default at each budget), run in this process")
@@ -213,7 +216,8 @@ def main(argv=None) -> int:
     rows = []
     for dtype in args.dtypes:
         plugin = [f"specontext-{b}" + (f"-rescue{int(r * b)}" if r else "") + (f"-c{c:g}" if c != 1 else "")
-                  for b in args.budgets for r in args.rescues for c in args.candidates]
+                  + (f"-g{g:g}" if g else "")
+                  for b in args.budgets for r in args.rescues for c in args.candidates for g in args.min_coverages]
         for contender in ["vllm-dense", *plugin]:
             logger.info("vLLM %s %s ...", contender, dtype)
             rows.append(_vllm_row(args, contender, dtype))

@@ -48,21 +48,25 @@ RETRIEVAL_LAYERS = 8  # the default retrieval layers of a 30-layer model (config
 
 def contender_options(name: str) -> dict | None:
     """``vllm-dense`` (no plugin options) or ``specontext-<budget>`` followed by any of
-    ``-rescue<tokens>`` (option ``page_rescue``) and ``-c<candidates>`` (option ``candidates``),
-    e.g. ``specontext-1024-rescue2048``."""
+    ``-rescue<tokens>`` (option ``page_rescue``), ``-c<candidates>`` (option ``candidates``) and
+    ``-g<share>`` (option ``min_coverage``, the fidelity guard), e.g. ``specontext-1024-rescue2048``."""
     if name == "vllm-dense":
         return None
     parts = name.split("-")
     if parts[0] != "specontext" or len(parts) < 2 or not parts[1].isdigit():
-        raise SystemExit(f"unknown contender {name!r}: vllm-dense or specontext-<budget>[-rescue<tokens>][-c<candidates>]")
+        raise SystemExit(f"unknown contender {name!r}: vllm-dense or "
+                         "specontext-<budget>[-rescue<tokens>][-c<candidates>][-g<min_coverage>]")
     options = {"budget": int(parts[1])}
     for part in parts[2:]:
         if part.startswith("rescue") and part[6:].isdigit():
             options["page_rescue"] = int(part[6:])
         elif part.startswith("c") and part[1:].replace(".", "", 1).isdigit():
             options["candidates"] = float(part[1:])
+        elif part.startswith("g") and part[1:].replace(".", "", 1).isdigit():
+            options["min_coverage"] = float(part[1:])
         else:
-            raise SystemExit(f"unknown contender {name!r}: after the budget, rescue<tokens> or c<candidates>")
+            raise SystemExit(f"unknown contender {name!r}: after the budget, rescue<tokens>, c<candidates> or "
+                             "g<min_coverage>")
     return options
 
 

@@ -397,3 +397,17 @@ def test_serving_solo_adds_a_later_invocations_requests_to_the_report_of_the_sam
     with pytest.raises(SystemExit, match="not other.json"):
         serving_solo._earlier(str(path), "other.json")
     assert serving_solo._earlier(str(tmp_path / "absent.json"), "r.json") is None
+
+
+def test_vllm_contender_names_map_to_the_plugins_options():
+    """``benchmarks.vllm_serving`` contenders (used by ``vllm_fidelity`` too): each part of the
+    name sets one plugin option; an unknown part is refused, naming the grammar."""
+    from benchmarks.vllm_serving import contender_options
+
+    assert contender_options("vllm-dense") is None
+    assert contender_options("specontext-1024") == {"budget": 1024}
+    assert contender_options("specontext-1024-rescue2048-c2-g0.9") == {
+        "budget": 1024, "page_rescue": 2048, "candidates": 2.0, "min_coverage": 0.9}
+    for bad in ("specontext-x", "specontext-1024-q3", "dense"):
+        with pytest.raises(SystemExit, match="g<min_coverage>"):
+            contender_options(bad)
