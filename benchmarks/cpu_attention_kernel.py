@@ -17,6 +17,9 @@ with, the two interleaved (this machine's rate moves from minute to minute). Ker
 * ``selection``: ``specontext::cpu_selection_scores`` (``runtime/csrc/selection_scores.cpp``),
   the default head's scores once per step: the keys of the 8 retrieval layers (of the 30 stores).
 
+``--group`` and ``--head-dim`` change the shape (query heads per KV head, head size): the
+kernels unroll a few shapes (SmolLM2's 3 x 64 among them) and run generic loops for the rest.
+
 Source of the "alone" figures in docs/benchmarks.md, "How the step got here".
 
     python -m benchmarks.cpu_attention_kernel --kernels dense refine selection --dtypes float32 bfloat16 --json docs/results/cpu_kernels_alone_far_prefetch_8k_2026-12-06_epyc.json
@@ -156,14 +159,19 @@ def measure(dtype: torch.dtype, context: int, repeats: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global GROUP, HEAD_DIM  # the measures read the shape from here (set once per run, before any measure)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_attention_kernel",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--kernels", nargs="+", default=["dense"], choices=("dense", "refine", "selection"))
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                        choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--group", type=int, default=GROUP, help="query heads per KV head")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM)
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
+    GROUP, HEAD_DIM = args.group, args.head_dim
     from benchmarks.decode import machine_info
 
     measures = {"dense": measure, "refine": measure_refine, "selection": measure_selection}
@@ -176,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         result = {"command": "python -m benchmarks.cpu_attention_kernel " + " ".join(sys.argv[1:] if argv is None else argv),
-                  "machine": machine_info(), "threads": torch.get_num_threads(), "rows": rows}
+                  "machine": machine_info(), "threads": torch.get_num_threads(), "group": GROUP,
+                  "head_dim": HEAD_DIM, "rows": rows}
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     return 0
 

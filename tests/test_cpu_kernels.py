@@ -3,6 +3,8 @@ against float64 attention, which sites it serves, and the compiled dense step th
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from _tiny import tiny_llama
@@ -186,3 +188,22 @@ def test_the_compiled_dense_step_runs_the_kernel_with_eager_logits(dtype):
     for a, b in zip(got, eager):
         tol = 1e-4 if dtype == torch.float32 else 1e-2
         torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("target", [("-march=haswell",), ("-march=x86-64", "-mno-f16c")], ids=["avx2", "x86-64"])
+def test_every_kernel_source_compiles_for_cpus_without_avx512(target):
+    """Our kernels build with ``-march=native``: on a CPU without AVX-512 (AVX2 only, or not even
+    F16C) the portable loops and the software float16 conversion must compile (a review found the
+    refine and selection kernels did not: a helper declared only under ``__AVX512F__``). Syntax and
+    templates only (``-fsyntax-only``), for every source the package builds."""
+    import shutil
+    import subprocess
+
+    compiler = shutil.which("g++")
+    if compiler is None:
+        pytest.skip("no g++")
+    csrc = Path(cpu_kernels.__file__).with_name("csrc")
+    for source in sorted(csrc.glob("*.cpp")):
+        done = subprocess.run([compiler, "-fsyntax-only", "-std=c++17", "-fopenmp", *target, str(source)],
+                              capture_output=True, text=True, check=False)
+        assert done.returncode == 0, f"{source.name}: {done.stderr[-2000:]}"

@@ -95,24 +95,17 @@ inline float widen(uint16_t x) {
   return f;
 }
 inline float widen(half_t x) {
-#ifdef __F16C__
-  return _cvtsh_ss(x.bits);
-#else
-  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x8000u) << 16;
-  const uint32_t exponent = (x.bits >> 10) & 0x1fu, mantissa = x.bits & 0x3ffu;
-  uint32_t bits;
-  if (exponent == 0x1fu) {
-    bits = sign | 0x7f800000u | (mantissa << 13);  // inf, NaN
-  } else if (exponent != 0) {
-    bits = sign | ((exponent + 112u) << 23) | (mantissa << 13);  // normal: rebias 15 -> 127
-  } else {  // zero or subnormal: mantissa * 2^-24, exact in float32
-    float f = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
-    return sign ? -f : f;
-  }
+  // branch-free (selects), so that the kernels' generic loops vectorise it (F16C's scalar
+  // conversion kept them scalar: a review found float16 3.5-10x slower than bfloat16 there);
+  // the kernels' fast shapes load 16 at a time with VCVTPH2PS (load16)
+  const uint32_t h = x.bits, sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1fu, mantissa = h & 0x3ffu;
+  const uint32_t normal = sign | ((exponent + 112u) << 23) | (mantissa << 13);  // rebias 15 -> 127
+  const uint32_t special = sign | 0x7f800000u | (mantissa << 13);                // inf, NaN
   float f;
+  const uint32_t bits = exponent == 0x1fu ? special : normal;
   __builtin_memcpy(&f, &bits, sizeof(f));
-  return f;
-#endif
+  const float small = static_cast<float>(mantissa) * 5.9604644775390625e-08f;  // zero, subnormal: m * 2^-24
+  return exponent == 0 ? (sign ? -small : small) : f;
 }
 
 // float16's rounding of a float32 (to nearest, ties to even) as a float32, via the CPU's F16C
@@ -129,7 +122,7 @@ inline float round_half(float x) {
   std::frexp(x, &e);  // |x| in [2^(e-1), 2^e)
   const float step = std::ldexp(1.0f, std::max(e - 1, -14) - 10);
   const volatile float big = step * 12582912.0f;  // 1.5 * 2^23 steps: the float32 sum rounds to whole steps
-  return (x + big) - big;
+  return std::copysign((x + big) - big, x);  // a negative value that rounds to zero is -0, as F16C gives
 #endif
 }
 
@@ -162,6 +155,17 @@ inline bool holds_store_values(const float* q, int64_t n, half_t) {
   return true;
 }
 inline bool holds_store_values(const float*, int64_t, float) { return true; }
+
+// Whether group_logits16<T, G_, D_, true> takes the bfloat16 dot products (the kernels count
+// the calls that did: tests assert the path that ran).
+template <typename T, int G_, int D_>
+constexpr bool uses_bf16_dot() {
+#ifdef __AVX512BF16__
+  return std::is_same_v<T, uint16_t> && G_ > 0 && D_ > 0 && D_ % 32 == 0;
+#else
+  return false;
+#endif
+}
 
 #ifdef __AVX512F__
 // 16 store elements as float32 (a bfloat16 element is the high half of a float32).
@@ -216,16 +220,6 @@ inline __m512 sum_lanes16(const __m512* acc) {
   return _mm512_permutexvar_ps(order, h);
 }
 
-// Whether group_logits16<T, G_, D_, true> takes the bfloat16 dot products (the kernels count
-// the calls that did: tests assert the path that ran).
-template <typename T, int G_, int D_>
-constexpr bool uses_bf16_dot() {
-#ifdef __AVX512BF16__
-  return std::is_same_v<T, uint16_t> && G_ > 0 && D_ > 0 && D_ % 32 == 0;
-#else
-  return false;
-#endif
-}
 
 #ifdef __AVX512BF16__
 // group_logits16 for bfloat16 key rows with the CPU's bfloat16 dot products (VDPBF16PS: each
@@ -294,5 +288,60 @@ inline void group_logits16(const float* q, const T* const* rows, float* out, int
   for (int g = 0; g < G_; ++g) _mm512_storeu_ps(out + g * stride, sum_lanes16(sums[g]));
 }
 #endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+// The first `count` (< 16) store elements at p as float32, the other lanes 0 (no read past them).
+inline __m512 load16_first(const float* p, int64_t count) {
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1u), p);
+}
+inline __m512 load16_first(const uint16_t* p, int64_t count) {
+  const __m256i raw = _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1u), p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16_first(const half_t* p, int64_t count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1u), p));
+}
+#define SPECONTEXT_ROW_VECTORS 1
+#endif
+
+// q[0, n) . row[0, n) in float32 (store elements widened as loaded), for the kernels' generic
+// loops (the shapes with_shape does not unroll, and the rows left over): 16 elements a vector
+// and one lane sum at the end. A loop over `widen` left float16 scalar (its scalar conversion;
+// 3.5-10x slower than bfloat16, found by a review) and, for float32 and bfloat16, ended every
+// row in a horizontal sum the compiler placed per iteration (this: 2-3x faster at 7 query heads
+// a KV head, head_dim 64, scratch timing).
+template <typename T>
+inline float dot_row(const float* q, const T* row, int64_t n) {
+#ifdef SPECONTEXT_ROW_VECTORS
+  __m512 acc = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(row + i), acc);
+  if (i < n) acc = _mm512_fmadd_ps(load16_first(q + i, n - i), load16_first(row + i, n - i), acc);
+  return _mm512_reduce_add_ps(acc);
+#else
+  float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+  for (int64_t d = 0; d < n; ++d) dot += q[d] * widen(row[d]);
+  return dot;
+#endif
+}
+
+// acc[0, n) += w * row[0, n) (store elements widened as loaded): dot_row's counterpart for the
+// value sums of the generic loops.
+template <typename T>
+inline void add_row(float* acc, float w, const T* row, int64_t n) {
+#ifdef SPECONTEXT_ROW_VECTORS
+  const __m512 wv = _mm512_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, load16(row + i), _mm512_loadu_ps(acc + i)));
+  if (i < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    _mm512_mask_storeu_ps(acc + i, tail, _mm512_fmadd_ps(wv, load16_first(row + i, n - i), load16_first(acc + i, n - i)));
+  }
+#else
+#pragma omp simd
+  for (int64_t d = 0; d < n; ++d) acc[d] += w * widen(row[d]);
+#endif
+}
 
 }  // namespace specontext_cpu

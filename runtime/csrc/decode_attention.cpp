@@ -91,9 +91,7 @@ void attend_item(int64_t item, const float* query, const T* keys, const T* value
       const bool hidden = vis && !vis[start + j];
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * D;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
+        const float dot = dot_row(qg, kr, D);
         logit[g][j] = hidden ? NEG : dot;
       }
     }
@@ -152,8 +150,7 @@ void attend_item(int64_t item, const float* query, const T* keys, const T* value
       for (int64_t g = 0; g < G; ++g) {
         const float p = logit[g][j];
         if (m[g] == NEG || p == 0.f) continue;  // nothing seen yet, or a hidden slot: its value is never read
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[g][d] += p * widen(vr[d]);
+        add_row(acc[g], p, vr, D);
       }
     }
   }

@@ -171,10 +171,7 @@ void score_pages(const Problem<T>& p, int64_t bh, int64_t lo, int64_t hi) {
       const T* mn = p.page_min + (bh * p.PG + page) * D;
       const T* mx = p.page_max + (bh * p.PG + page) * D;
       for (int64_t g = 0; g < G; ++g) {
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t d = 0; d < D; ++d) sum += qp[g][d] * widen(mx[d]) + qn[g][d] * widen(mn[d]);
-        bound = std::max(bound, sum);
+        bound = std::max(bound, dot_row(qp[g], mx, D) + dot_row(qn[g], mn, D));
       }
       if (!std::isfinite(bound)) bound = NEG;  // as the torch body: a non-finite bound is no page
     }
@@ -285,9 +282,7 @@ void score_candidates(const Problem<T>& p, int64_t bh, int64_t split, int64_t lo
       float dot = 0.f;
       if (ok) {
         const float* qg = q + g * D;
-        const T* kr = p.key_row(bh, j, c);
-#pragma omp simd reduction(+ : dot)
-        for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
+        dot = dot_row(qg, p.key_row(bh, j, c), D);
       }
       lg[g * p.N + j] = ok ? dot : NEG;
     }
@@ -524,8 +519,7 @@ void add_values(const Problem<T>& p, int64_t bh, int64_t split) {
       for (int64_t g = 0; g < G; ++g) {
         const float w = weight[g * p.budget + t];
         if (w == 0.f) continue;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) acc[g][d] += w * widen(row[d]);
+        add_row(acc[g], w, row, D);
       }
     }
   }

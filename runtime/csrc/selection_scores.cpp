@@ -103,10 +103,7 @@ void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int6
     const T* kr = k + j * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
-      float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-      for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kr[d]);
-      lg[g * p.C + j] = dot;
+      lg[g * p.C + j] = dot_row(qg, kr, D);
     }
   }
   if (p.visible)
