@@ -36,7 +36,7 @@ def _reference(query, keys, values, length, visible, scale):
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), b=st.integers(1, 3), num_kv=st.integers(1, 4), groups=st.integers(1, 8),
        capacity=st.one_of(st.integers(1, 70), st.sampled_from([255, 256, 257, 1000])),
-       d=st.sampled_from([8, 16, 64, 72]), per_row=st.booleans(), hide=st.floats(0.0, 1.0),
+       d=st.sampled_from([8, 16, 64, 72, 128]), per_row=st.booleans(), hide=st.floats(0.0, 1.0),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
 def test_kernel_equals_float64_attention(seed, b, num_kv, groups, capacity, d, per_row, hide, dtype, data):
     """Any group size, head_dim, store size, per-row lengths (0: the row sees nothing and gets

@@ -57,8 +57,8 @@ def _reference(query, keys, values, candidates, length, visible, budget, sinks, 
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), num_kv=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]),
-       capacity=st.integers(1, 300), d=st.sampled_from([8, 64, 72]), slots=st.integers(1, 200),
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), num_kv=st.integers(1, 3), groups=st.sampled_from([1, 3, 4, 6, 7, 8]),
+       capacity=st.integers(1, 300), d=st.sampled_from([8, 64, 72, 128]), slots=st.integers(1, 200),
        budget=st.integers(1, 64), sinks=st.integers(0, 4), recent=st.integers(0, 8), hide=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), data=st.data())
 def test_kernel_equals_float64_refinement(seed, b, num_kv, groups, capacity, d, slots, budget, sinks, recent, hide,
@@ -103,10 +103,10 @@ def _bounds_at(keys, length, page_tokens, shift, pages):
 
 
 @settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), num_kv=st.integers(1, 3), groups=st.sampled_from([1, 3, 4]),
+@given(seed=st.integers(0, 2**16), b=st.integers(1, 2), num_kv=st.integers(1, 3), groups=st.sampled_from([1, 3, 4, 6, 7, 8]),
        capacity=st.integers(8, 400), page_tokens=st.sampled_from([1, 4, 16]), slots=st.integers(1, 40),
        rescue=st.integers(1, 20), budget=st.integers(1, 48), shifted=st.booleans(), hide=st.booleans(),
-       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), d=st.sampled_from([16, 64]), data=st.data())
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), d=st.sampled_from([16, 64, 128]), data=st.data())
 def test_the_kernels_page_rescue_equals_the_torch_union(seed, b, num_kv, groups, capacity, page_tokens, slots, rescue,
                                                         budget, shifted, hide, dtype, d, data):
     """The kernel's own page rescue (Quest bounds, the best pages, their usable tokens that are

@@ -36,7 +36,7 @@ def _reference(query, stores, length, visible):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2**16), layers=st.integers(1, 4), b=st.integers(1, 2), num_kv=st.integers(1, 3),
-       groups=st.sampled_from([1, 3, 4]), capacity=st.integers(1, 600), d=st.sampled_from([8, 64, 72]),
+       groups=st.sampled_from([1, 3, 4, 6, 7, 8]), capacity=st.integers(1, 600), d=st.sampled_from([8, 64, 72, 128]),
        per_row=st.booleans(), hide=st.booleans(),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        data=st.data())

@@ -59,7 +59,9 @@ inline void split_stats(const float* row, int64_t lo, int64_t hi, float* st) {
 
 // fn(std::integral_constant<int, G>, std::integral_constant<int, D>) with compile-time group
 // and head sizes for the common shapes (unrolled, vectorised loops), 0 and 0 (run-time sizes)
-// for the others.
+// for the others. The shapes, as (query heads per KV head, head_dim): 3 x 64 (SmolLM2-135M and
+// 360M), 4 x 64 (Llama-3.2-1B), 4 x 128 (Llama-3-8B, Mistral-7B, Qwen3-8B), 8 x 128, 7 x 64
+// (Qwen2.5-0.5B), 7 x 128 (Qwen2.5-7B), 6 x 128 (Qwen2.5-1.5B), 8 x 64 (TinyLlama-1.1B).
 template <typename Fn>
 inline void with_shape(int64_t G, int64_t D, Fn&& fn) {
   using std::integral_constant;
@@ -67,6 +69,10 @@ inline void with_shape(int64_t G, int64_t D, Fn&& fn) {
   else if (G == 4 && D == 64) fn(integral_constant<int, 4>{}, integral_constant<int, 64>{});
   else if (G == 4 && D == 128) fn(integral_constant<int, 4>{}, integral_constant<int, 128>{});
   else if (G == 8 && D == 128) fn(integral_constant<int, 8>{}, integral_constant<int, 128>{});
+  else if (G == 7 && D == 64) fn(integral_constant<int, 7>{}, integral_constant<int, 64>{});
+  else if (G == 7 && D == 128) fn(integral_constant<int, 7>{}, integral_constant<int, 128>{});
+  else if (G == 6 && D == 128) fn(integral_constant<int, 6>{}, integral_constant<int, 128>{});
+  else if (G == 8 && D == 64) fn(integral_constant<int, 8>{}, integral_constant<int, 64>{});
   else fn(integral_constant<int, 0>{}, integral_constant<int, 0>{});
 }
 
