@@ -156,18 +156,13 @@ def test_the_traced_dense_decode_body_calls_the_kernel_only_where_it_applies(mon
     torch.testing.assert_close(gm(q, k, v, n, mask).double(), _reference(q, k, v, n, mask[0, 0], 0.25),
                                atol=2e-5, rtol=2e-5)
     assert not _calls_kernel(_traced_dense(torch.randn(1, 6, 2, 16), k, v, n, None))
-    qb, kb, vb = q.bfloat16(), k.bfloat16(), v.bfloat16()
-    gm = _traced_dense(qb, kb, vb, n, None)
-    assert _calls_kernel(gm)
-    out = gm(qb, kb, vb, n, None)
-    assert out.dtype == torch.bfloat16  # float32 inside, rounded once to the query's dtype
-    torch.testing.assert_close(out.double(), _reference(qb, kb, vb, n, None, 0.25), atol=4e-3, rtol=8e-3)
-    qh, kh, vh = q.half(), k.half(), v.half()
-    gm = _traced_dense(qh, kh, vh, n, None)
-    assert _calls_kernel(gm)
-    out = gm(qh, kh, vh, n, None)
-    assert out.dtype == torch.float16  # float32 inside, rounded once to the query's dtype
-    torch.testing.assert_close(out.double(), _reference(qh, kh, vh, n, None, 0.25), atol=5e-4, rtol=1e-3)
+    for dtype, tol in ((torch.bfloat16, (4e-3, 8e-3)), (torch.float16, (5e-4, 1e-3))):  # (atol, rtol)
+        q16, k16, v16 = (t.to(dtype) for t in (q, k, v))
+        gm = _traced_dense(q16, k16, v16, n, None)
+        assert _calls_kernel(gm)
+        out = gm(q16, k16, v16, n, None)
+        assert out.dtype == dtype  # float32 inside, rounded once to the query's dtype
+        torch.testing.assert_close(out.double(), _reference(q16, k16, v16, n, None, 0.25), atol=tol[0], rtol=tol[1])
     assert not _calls_kernel(_traced_dense(q, k, v, n, torch.zeros(1, 1, 1, 300)))
     monkeypatch.setattr(cpu_kernels, "available", lambda: False)
     assert not _calls_kernel(_traced_dense(q, k, v, n, mask))

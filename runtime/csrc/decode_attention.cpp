@@ -224,31 +224,19 @@ int decode_attention(
   return 0;
 }
 
-extern "C" int specontext_decode_attention(const float* query, const float* keys, const float* values,
-                                           const int64_t* lengths, int64_t length_stride, const uint8_t* visible,
-                                           int64_t visible_stride, float* out, int64_t B, int64_t KV, int64_t G,
-                                           int64_t C, int64_t D, int64_t S) {
-  return decode_attention<float>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV, G,
-                                 C, D, S);
-}
+// One entry point per store dtype (float; bfloat16 and float16 as their raw 16-bit patterns), float32
+// query and output; runtime/cpu_kernels.py entry() picks it.
+#define SPECONTEXT_DECODE_ENTRY(name, T)                                                                        \
+  extern "C" int name(const float* query, const T* keys, const T* values, const int64_t* lengths,              \
+                      int64_t length_stride, const uint8_t* visible, int64_t visible_stride, float* out,         \
+                      int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {                       \
+    return decode_attention<T>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV, \
+                               G, C, D, S);                                                                      \
+  }
 
-// bfloat16 stores (their raw 16-bit patterns), float32 query and output.
-extern "C" int specontext_decode_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,
-                                                const int64_t* lengths, int64_t length_stride,
-                                                const uint8_t* visible, int64_t visible_stride, float* out,
-                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {
-  return decode_attention<uint16_t>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV,
-                                    G, C, D, S);
-}
-
-// float16 stores (their raw 16-bit patterns), float32 query and output.
-extern "C" int specontext_decode_attention_fp16(const float* query, const half_t* keys, const half_t* values,
-                                                const int64_t* lengths, int64_t length_stride,
-                                                const uint8_t* visible, int64_t visible_stride, float* out,
-                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {
-  return decode_attention<half_t>(query, keys, values, lengths, length_stride, visible, visible_stride, out, B, KV,
-                                  G, C, D, S);
-}
+SPECONTEXT_DECODE_ENTRY(specontext_decode_attention, float)
+SPECONTEXT_DECODE_ENTRY(specontext_decode_attention_bf16, uint16_t)
+SPECONTEXT_DECODE_ENTRY(specontext_decode_attention_fp16, half_t)
 
 #ifdef SPECONTEXT_TORCH_OPS
 #include "torch_op.h"

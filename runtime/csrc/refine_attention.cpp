@@ -706,51 +706,26 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
 // Arguments as refine_attention: gathered_keys / gathered_values ([B, KV, S + rescue * page_tokens, D]
 // or null) hold candidate j's rows where the stores are not read (an offloaded layer's buffer);
 // union_out (or null) takes the candidates after the page rescue and the call stops there.
-extern "C" int specontext_refine_attention(const float* query, const float* keys, const float* values,
-                                           const int64_t* candidates, const int64_t* lengths, int64_t length_stride,
-                                           const uint8_t* visible, int64_t visible_stride, const float* page_min,
-                                           const float* page_max, const int64_t* page_shift,
-                                           const float* gathered_keys, const float* gathered_values,
-                                           int64_t* union_out, float* out, int64_t B, int64_t KV, int64_t G,
-                                           int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue,
-                                           int64_t page_tokens, int64_t budget, int64_t sinks, int64_t recent) {
-  return refine_attention<float>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
-                                 page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B, KV,
-                                 G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
-}
+// One entry point per store dtype (float; bfloat16 and float16 as their raw 16-bit patterns, also for the
+// page bounds and gathered rows), float32 query and output; runtime/cpu_refine.py picks it.
+#define SPECONTEXT_REFINE_ENTRY(name, T)                                                                          \
+  extern "C" int name(const float* query, const T* keys, const T* values, const int64_t* candidates,             \
+                      const int64_t* lengths, int64_t length_stride, const uint8_t* visible, int64_t visible_stride, \
+                      const T* page_min, const T* page_max, const int64_t* page_shift, const T* gathered_keys,    \
+                      const T* gathered_values, int64_t* union_out, float* out, int64_t B, int64_t KV, int64_t G, \
+                      int64_t C, int64_t D, int64_t S, int64_t PG, int64_t rescue, int64_t page_tokens,           \
+                      int64_t budget, int64_t sinks, int64_t recent) {                                            \
+    return refine_attention<T>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,   \
+                               page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B, \
+                               KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);                  \
+  }
+
+SPECONTEXT_REFINE_ENTRY(specontext_refine_attention, float)
+SPECONTEXT_REFINE_ENTRY(specontext_refine_attention_bf16, uint16_t)
+SPECONTEXT_REFINE_ENTRY(specontext_refine_attention_fp16, half_t)
 
 // Calls in this process that took the bfloat16 dot products for the candidates' logits.
 extern "C" int64_t specontext_refine_attention_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }
-
-// bfloat16 stores, page bounds and gathered rows (their raw 16-bit patterns), float32 query and output.
-extern "C" int specontext_refine_attention_bf16(const float* query, const uint16_t* keys, const uint16_t* values,
-                                                const int64_t* candidates, const int64_t* lengths,
-                                                int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
-                                                const uint16_t* page_min, const uint16_t* page_max,
-                                                const int64_t* page_shift, const uint16_t* gathered_keys,
-                                                const uint16_t* gathered_values, int64_t* union_out, float* out,
-                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S,
-                                                int64_t PG, int64_t rescue, int64_t page_tokens, int64_t budget,
-                                                int64_t sinks, int64_t recent) {
-  return refine_attention<uint16_t>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
-                                    page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B,
-                                    KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
-}
-
-// float16 stores, page bounds and gathered rows (their raw 16-bit patterns), float32 query and output.
-extern "C" int specontext_refine_attention_fp16(const float* query, const half_t* keys, const half_t* values,
-                                                const int64_t* candidates, const int64_t* lengths,
-                                                int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
-                                                const half_t* page_min, const half_t* page_max,
-                                                const int64_t* page_shift, const half_t* gathered_keys,
-                                                const half_t* gathered_values, int64_t* union_out, float* out,
-                                                int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S,
-                                                int64_t PG, int64_t rescue, int64_t page_tokens, int64_t budget,
-                                                int64_t sinks, int64_t recent) {
-  return refine_attention<half_t>(query, keys, values, candidates, lengths, length_stride, visible, visible_stride,
-                                  page_min, page_max, page_shift, gathered_keys, gathered_values, union_out, out, B,
-                                  KV, G, C, D, S, PG, rescue, page_tokens, budget, sinks, recent);
-}
 
 #ifdef SPECONTEXT_TORCH_OPS
 #include "torch_op.h"

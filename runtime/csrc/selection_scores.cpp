@@ -211,30 +211,19 @@ int selection_scores(const float* query, const T* const* keys, const int64_t* le
 
 }  // namespace
 
-extern "C" int specontext_selection_scores(const float* query, const float* const* keys, const int64_t* lengths,
-                                           int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
-                                           float* out, int64_t L, int64_t B, int64_t KV, int64_t G, int64_t C,
-                                           int64_t D) {
-  return selection_scores<float>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D);
-}
+// One entry point per store dtype (float; bfloat16 and float16 as their raw 16-bit patterns), float32
+// query and output; runtime/cpu_selection.py picks it (cpu_kernels.entry).
+#define SPECONTEXT_SELECTION_ENTRY(name, T)                                                                     \
+  extern "C" int name(const float* query, const T* const* keys, const int64_t* lengths, int64_t length_stride,   \
+                      const uint8_t* visible, int64_t visible_stride, float* out, int64_t L, int64_t B,          \
+                      int64_t KV, int64_t G, int64_t C, int64_t D) {                                             \
+    return selection_scores<T>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, \
+                               D);                                                                               \
+  }
+
+SPECONTEXT_SELECTION_ENTRY(specontext_selection_scores, float)
+SPECONTEXT_SELECTION_ENTRY(specontext_selection_scores_bf16, uint16_t)
+SPECONTEXT_SELECTION_ENTRY(specontext_selection_scores_fp16, half_t)
 
 // Calls in this process that took the bfloat16 dot products (the rest widened the keys).
 extern "C" int64_t specontext_selection_scores_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }
-
-// bfloat16 stores (their raw 16-bit patterns), float32 query and output.
-extern "C" int specontext_selection_scores_bf16(const float* query, const uint16_t* const* keys,
-                                                const int64_t* lengths, int64_t length_stride, const uint8_t* visible,
-                                                int64_t visible_stride, float* out, int64_t L, int64_t B, int64_t KV,
-                                                int64_t G, int64_t C, int64_t D) {
-  return selection_scores<uint16_t>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C,
-                                    D);
-}
-
-// float16 stores (their raw 16-bit patterns), float32 query and output.
-extern "C" int specontext_selection_scores_fp16(const float* query, const half_t* const* keys,
-                                                const int64_t* lengths, int64_t length_stride, const uint8_t* visible,
-                                                int64_t visible_stride, float* out, int64_t L, int64_t B, int64_t KV,
-                                                int64_t G, int64_t C, int64_t D) {
-  return selection_scores<half_t>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C,
-                                  D);
-}
