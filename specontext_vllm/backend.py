@@ -242,7 +242,8 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         meta, name = attn_metadata, layer.layer_name
         layout = probe_layout(layer.isa, kv_cache.dtype, kv_cache.shape[2], self.head_size)
         stats = counters["specontext_vllm"]
-        if meta.num_decodes and meta.selection is None:  # the step's first layer: before any layer records
+        if (meta.num_decodes and meta.selection is None  # the step's first layer: before any layer records
+                and not self.options.every_layer_dense(self.num_layers)):
             meta.selection = self._select(meta, layout)
             stats["selection_steps"] += 1
             stats["recency_rows"] += int(meta.selection.recency_rows)  # once per step, not per layer

@@ -10,6 +10,7 @@ vLLM's attention unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from typing import Any
@@ -45,7 +46,11 @@ class PluginOptions:
     def dense(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` keeps vLLM's dense attention for its decode rows
         (option ``dense_layers``; negative counts from the end)."""
-        return bool(self.dense_layers) and layer in _indices(self.dense_layers, num_layers)
+        return bool(self.dense_layers) and layer in _named_layers("dense_layers", self.dense_layers, num_layers)
+
+    def every_layer_dense(self, num_layers: int) -> bool:
+        """Whether ``dense_layers`` names all ``num_layers`` layers (the step then makes no selection)."""
+        return bool(self.dense_layers) and len(_named_layers("dense_layers", self.dense_layers, num_layers)) == num_layers
 
     def dense_rows(self, seq_lens):
         """Which decode rows attend densely on every layer (option ``dense_below``): a bool
@@ -53,7 +58,8 @@ class PluginOptions:
         (``seq_lens``: int ``[rows]``, tokens including this step's), or None when the option
         is off. The backend decides it from the store's capacity, once per compile; the plugin
         from each request's length, once per step."""
-        return None if self.dense_below <= 0 else seq_lens <= self.dense_below
+        # int64 and clamped: vLLM's lengths are int32, and torch wraps a larger Python int
+        return None if self.dense_below <= 0 else seq_lens.long() <= min(self.dense_below, 2**62)
 
     def selected_tokens(self) -> int | None:
         """Tokens the step's shared selection keeps per row and KV head: ``ceil(candidates *
@@ -79,7 +85,19 @@ class PluginOptions:
         dense layer."""
         if self.page_rescue <= 0 or self.dense(layer, num_layers):
             return False
-        return self.rescue_layers is None or layer in _indices(self.rescue_layers, num_layers)
+        return self.rescue_layers is None or layer in _named_layers("rescue_layers", self.rescue_layers, num_layers)
+
+
+@functools.lru_cache(maxsize=None)
+def _named_layers(option: str, layers: tuple[int, ...], num_layers: int) -> frozenset[int]:
+    """The layers ``[0, num_layers)`` an option (``dense_layers``, ``rescue_layers``) names,
+    negative ones counted from the end; a layer the model lacks names nothing, logged once as a
+    warning (the backend's rule, ``passes.sparse_rewrite``)."""
+    unknown = [j for j in layers if not -num_layers <= j < num_layers]
+    if unknown:
+        logger.warning("specontext: %s %s name no layer of this model (L = %d): they have no effect; use layers "
+                       "in [-L, L)", option, unknown, num_layers)
+    return frozenset(j + num_layers if j < 0 else j for j in layers if -num_layers <= j < num_layers)
 
 
 def _indices(layers, num_layers: int) -> tuple[int, ...]:
@@ -109,4 +127,8 @@ def plugin_options(vllm_config: Any) -> PluginOptions | None:
         if getattr(config, name) != value and name in given:
             raise ValueError(f"specontext option {name}={given[name]!r} is not built in the vLLM plugin yet; "
                              f"leave it out (the plugin runs {name}={value!r})")
-    return PluginOptions(**{name: getattr(config, name) for name in _APPLIED})
+    options = PluginOptions(**{name: getattr(config, name) for name in _APPLIED})
+    if options.min_coverage > 0 and options.candidates <= 1 and options.rescue_layers == ():
+        raise ValueError("specontext option 'min_coverage' needs a refinement to estimate from, and "
+                         "rescue_layers=[] leaves no layer refining: set candidates=2 or name rescue_layers")
+    return options

@@ -267,6 +267,17 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     assert dense.dense(0, 30) and dense.dense(29, 30) and not dense.dense(1, 30)
     assert not dense.rescues(0, 30) and not dense.refines(29, 30) and dense.rescues(1, 30)
     assert dense.dense_rows(torch.tensor([100, 101])).tolist() == [True, False]
+    # vLLM's lengths are int32: a dense_below past their range still covers every request
+    huge = plugin_options(_Config({"specontext": {"dense_below": 2**31, "budget": 64}}))
+    assert huge.dense_rows(torch.tensor([300, 5], dtype=torch.int32)).tolist() == [True, True]
+    assert plugin_options(_Config({"specontext": {"dense_below": 10**30}})).dense_rows(
+        torch.tensor([7], dtype=torch.int32)).tolist() == [True]
+    # a layer the model lacks names nothing (the backend's rule), logged, never the nearest layer
+    far = plugin_options(_Config({"specontext": {"dense_layers": [10, -5], "page_rescue": 64, "rescue_layers": [7]}}))
+    assert not any(far.dense(j, 4) for j in range(4)) and not any(far.rescues(j, 4) for j in range(4))
+    assert plugin_options(_Config({"specontext": {"dense_layers": [0, 1, 2, -1]}})).every_layer_dense(4)
+    with pytest.raises(ValueError, match="rescue_layers=\\[\\] leaves no layer refining"):
+        plugin_options(_Config({"specontext": {"min_coverage": 0.5, "page_rescue": 64, "rescue_layers": []}}))
     assert plugin_options(_Config({"specontext": {"budget": 64}})).dense_rows(torch.tensor([5])) is None
     two_stage = plugin_options(_Config({"specontext": {"budget": 64, "candidates": 2.5}}))
     assert two_stage.selected_tokens() == 160 and two_stage.refines(0, 30)
