@@ -134,7 +134,7 @@ class _Runner:
 def test_grouped_options_are_refused_where_their_flat_names_are():
     """Continuous batching and the vLLM plugin refuse options they do not build by name; given
     in a group (a dict or an instance), the same options are refused the same way."""
-    from specontext_compile.config import SelectionOptions
+    from specontext_compile.config import OffloadOptions
     from specontext_compile.serving import check_options
 
     with pytest.raises(ValueError, match="min_coverage"):
@@ -142,8 +142,9 @@ def test_grouped_options_are_refused_where_their_flat_names_are():
     plugin = pytest.importorskip("specontext_vllm.options")
     from types import SimpleNamespace
 
-    for given in ({"dense_below": 512}, {"selection": {"dense_below": 512}}, {"selection": SelectionOptions(dense_below=512)}):
-        with pytest.raises(ValueError, match="dense_below=512 is not built in the vLLM plugin"):
+    for given in ({"device_memory_bytes": 10**9}, {"offload": {"device_memory_bytes": 10**9}},
+                  {"offload": OffloadOptions(device_memory_bytes=10**9)}):
+        with pytest.raises(ValueError, match="device_memory_bytes=1000000000 is not built in the vLLM plugin"):
             plugin.plugin_options(SimpleNamespace(additional_config={"specontext": given}))
 
 
