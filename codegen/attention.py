@@ -391,6 +391,7 @@ def sparse_mla_decode_attention(
     num_splits: int | None = None,
     block_n: int = 0,
     out: torch.Tensor | None = None,
+    wrap=None,
 ) -> torch.Tensor:
     """Sparse decode attention in the MLA (absorbed) layout.
 
@@ -405,7 +406,7 @@ def sparse_mla_decode_attention(
         latent_cache: ``[batch, num_kv_heads, capacity, latent_dim]`` (usually one KV head).
         rope_cache: ``[batch, num_kv_heads, capacity, rope_dim]``.
         indices, valid_length, scale, soft_cap, sliding_window, check_indices, num_splits,
-        block_n, out: as in ``sparse_decode_attention``.
+        block_n, out, wrap: as in ``sparse_decode_attention``.
 
     Returns:
         ``[batch, num_heads, q_len, latent_dim]`` in ``query.dtype``.
@@ -465,4 +466,5 @@ def sparse_mla_decode_attention(
         soft_cap=soft_cap,
         sliding_window=sliding_window,
         num_splits=num_splits,
+        wrap=wrap,
     )

@@ -22,14 +22,14 @@ Invariants:
   with page bounds, ``page_bounds.update_after_write``) and torch-path
   ``sparse_attention`` (the body its spec's route names, decided by the rewrite pass and never
   here: ``aten_step.sparse_attention``, ``mla.mla_sparse_attention`` at a site whose variant
-  is multi-head latent attention's, or on CUDA graphs ``kernel_step.kernel_attention``) are lowered. What the pass inserts as
+  is multi-head latent attention's, or on CUDA graphs ``kernel_step.kernel_attention``, both
+  layouts) are lowered. What the pass inserts as
   direct calls of step functions needs nothing: the selection nodes
   (``scorers.head_select``), the per-layer
   ``aten_step.refine_selection``, ``record_query``, ``record_hidden`` and the counters. The
   draft head's step (``draft_step``: a loaded module), offload ops (they move rows and run the
   plan: runtime state outside the graph, ordered by their declared effects) and
-  ``sparse_attention`` routed to the generated kernel off CUDA (Triton's interpreter) or at an
-  MLA site stay ops. An offloaded site's arithmetic is already ordinary step
+  ``sparse_attention`` routed to the generated kernel off CUDA (Triton's interpreter) stay ops. An offloaded site's arithmetic is already ordinary step
   code (:mod:`..runtime.offload_step`), so a graph with offload is lowered like any other.
 - **Order is kept.** Nodes are replaced in place; mutations stay where the ops were.
 - **One body per refined site.** A refinement whose kept tokens only one plain sparse
@@ -213,21 +213,21 @@ def _gather_spec(node: fx.Node) -> None:
 def _lower_attention(node: fx.Node, name: str, kernel_device: bool, no_kernel: bool, result: LowerResult) -> None:
     """A ``sparse_attention`` node to the body its route names (``StepSpec.route``):
     ``"dense"`` and ``"gather"`` to their aten body; ``"kernel"`` on a kernel device (CUDA
-    graphs) to :func:`~..runtime.kernel_step.kernel_attention`, elsewhere and at MLA sites (the
-    generated MLA kernel) it stays the op, and with ``no_kernel`` (the backend's fallback when
+    graphs) to :func:`~..runtime.kernel_step.kernel_attention` (both layouts: the generated
+    kernel or the generated MLA kernel), elsewhere it stays the op, and with ``no_kernel`` (the backend's fallback when
     inductor could not compile the kernel) it goes to the gather path, its route with it."""
     args = op_arguments(node, _SPARSE)
     latent = args["variant"].nope_dim > 0  # an MLA site
     if args["spec"].route == "kernel" and no_kernel:
         _gather_spec(node)
         result.kernel_refused["no kernel in this lowering (inductor could not compile it)"] += 1
-    elif args["spec"].route == "kernel" and kernel_device and not latent:
+    elif args["spec"].route == "kernel" and kernel_device:
         node.target = kernel_step.kernel_attention
         result.lowered[name] += 1
         result.kernel += 1
         return
     elif args["spec"].route == "kernel":
-        result.kept[name] = "the generated kernel (MLA, or off CUDA in Triton's interpreter) is called as an op"
+        result.kept[name] = "the generated kernel off CUDA (Triton's interpreter) is called as an op"
         return
     node.target = mla.mla_sparse_attention if latent else aten_step.sparse_attention
     result.lowered[name] += 1

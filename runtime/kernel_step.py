@@ -40,10 +40,11 @@ __all__ = ["fold_mask", "generated_attention", "kernel_attention", "kernel_reaso
 
 def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
                      indices: torch.Tensor, length: torch.Tensor, scale: float, soft_cap: Optional[float],
-                     sliding_window: int) -> torch.Tensor:
+                     sliding_window: int, latent: bool) -> torch.Tensor:
     """Attention of ``query`` over the selected positions only, through the generated
-    Triton kernel (:func:`~specontext_compile.codegen.sparse_decode_attention`, launched with
-    ``wrap_triton``); on CPU the torch reference.
+    Triton kernel (:func:`~specontext_compile.codegen.sparse_decode_attention`, or with
+    ``latent`` the MLA kernel :func:`~specontext_compile.codegen.sparse_mla_decode_attention`;
+    each launched with ``wrap_triton``); on CPU the torch reference.
 
     Args:
         query: ``[batch, num_heads, q_len, head_dim]``, fp32/bf16/fp16, ``q_len <= 16``.
@@ -56,16 +57,31 @@ def launch_generated(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
         soft_cap: Gemma-2's logit soft cap (``c * tanh(logits / c)``), or None.
         sliding_window: 0, or the window ``W``: row ``r`` sees only ``p > length - q_len + r - W``
             (:class:`~.spec.AttentionVariant`).
+        latent: multi-head latent attention: ``query`` is the absorbed query ``[batch,
+            num_heads, q_len, r + p]``, ``key_cache`` the latent store ``[batch, 1, capacity,
+            r]`` (keys' latent part and values), ``value_cache`` the rotary key store ``[batch, 1,
+            capacity, p]`` (:func:`~.mla.mla_sparse_attention`'s layout).
 
     Returns:
-        ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype``; a row with nothing
-        to see is zeros.
+        ``[batch, num_heads, q_len, head_dim_v]`` in ``query.dtype`` (``r`` wide with
+        ``latent``); a row with nothing to see is zeros.
     """
-    from ..codegen import sparse_decode_attention
+    return _generated(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window, latent,
+                      wrap_triton)
 
-    return sparse_decode_attention(query, key_cache, value_cache, indices, length, scale=scale,
-                                   soft_cap=soft_cap, sliding_window=sliding_window or None,
-                                   check_indices=False, wrap=wrap_triton)
+
+def _generated(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window, latent, wrap):
+    """The generated kernel's launch (``wrap``: ``wrap_triton`` inside the op, None in the
+    interpreter): one place for both layouts."""
+    from ..codegen import sparse_decode_attention, sparse_mla_decode_attention
+
+    options = dict(scale=scale, soft_cap=soft_cap, sliding_window=sliding_window or None, check_indices=False,
+                   wrap=wrap)
+    if latent:
+        r = key_cache.shape[-1]
+        return sparse_mla_decode_attention(query[..., :r], query[..., r:], key_cache, value_cache, indices, length,
+                                           **options)
+    return sparse_decode_attention(query, key_cache, value_cache, indices, length, **options)
 
 
 #: the op: :func:`launch_generated` as a ``triton_op`` (torch.compile traces into its kernels)
@@ -73,15 +89,19 @@ generated_attention = triton_op("specontext::generated_attention", mutates_args=
 
 
 @generated_attention.register_kernel("cpu")
-def _on_cpu(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window):
+def _on_cpu(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window, latent):
     """On CPU tensors: the kernel in Triton's interpreter (``TRITON_INTERPRET=1``: option
-    ``kernel="triton"``, for tests), else the torch reference."""
-    from ..codegen import interpreter_enabled, sparse_decode_attention
+    ``kernel="triton"``, for tests), else the torch reference (MLA's: the latent store is
+    keys' latent part and values)."""
+    from ..codegen import interpreter_enabled
 
     if interpreter_enabled():
-        return sparse_decode_attention(query, key_cache, value_cache, indices, length, scale=scale,
-                                       soft_cap=soft_cap, sliding_window=sliding_window or None,
-                                       check_indices=False)
+        return _generated(query, key_cache, value_cache, indices, length, scale, soft_cap, sliding_window, latent,
+                          None)
+    if latent:
+        keys = torch.cat([key_cache, value_cache], dim=-1)
+        return sparse_attention_reference(query, keys, key_cache, indices, length, None,
+                                          AttentionVariant(scale, soft_cap, sliding_window))
     return sparse_attention_reference(query, key_cache, value_cache, indices, length, None,
                                       AttentionVariant(scale, soft_cap, sliding_window))
 
@@ -152,8 +172,9 @@ def kernel_attention(query: torch.Tensor, key_cache: torch.Tensor, value_cache: 
     """:func:`~.aten_step.sparse_attention`'s arguments and result, through
     :func:`generated_attention`: the one route to the generated kernel, for a site whose
     ``spec.route`` is ``"kernel"`` (the op's body on that route, and the lowering's target on
-    CUDA graphs). A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection
+    CUDA graphs), both layouts (``variant.nope_dim > 0``: multi-head latent attention, the
+    operands as :func:`~.ops_attention.sparse_attention`'s). A bool mask ``[batch|1, 1, 1, capacity]`` is folded into the selection
     (:func:`fold_mask`, which refuses any other mask); no host read."""
     indices = fold_mask(indices, attn_mask, key_cache.shape[-2], query.shape[2])
     return generated_attention(query, key_cache, value_cache, indices, length, variant.scale,
-                               variant.soft_cap, variant.sliding_window)
+                               variant.soft_cap, variant.sliding_window, variant.nope_dim > 0)

@@ -40,7 +40,8 @@ def sparse_attention(
     r]`` and ``[batch, 1, capacity, p]``, and the result is the attended latent rows
     ``[batch, num_heads, q_len, r]`` before the up-projection (:func:`~.mla.up_project`, which
     the pass puts after it); the kernel is the generated MLA kernel
-    (:func:`~specontext_compile.codegen.sparse_mla_decode_attention`); counter
+    (:func:`~specontext_compile.codegen.sparse_mla_decode_attention`), reached as the plain
+    layout's is (:func:`~.kernel_step.kernel_attention`); counter
     ``mla_attention_calls``. No dense shortcut: the torch path is
     :func:`~.mla.mla_sparse_attention`.
 
@@ -80,13 +81,8 @@ def _latent_attention(latent_q: torch.Tensor, latent_cache: torch.Tensor, rope_c
     counters["specontext"]["mla_attention_calls"] += 1
     counters["specontext"][_COUNTERS[spec.route]] += 1
     if spec.route == "kernel":
-        from ..codegen import sparse_mla_decode_attention
-
-        r = latent_cache.shape[-1]
-        return sparse_mla_decode_attention(latent_q[..., :r], latent_q[..., r:], latent_cache, rope_cache,
-                                           kernel_step.fold_mask(indices, attn_mask, latent_cache.shape[-2],
-                                                                 latent_q.shape[2]), length, scale=variant.scale,
-                                           check_indices=False)
+        return kernel_step.kernel_attention(latent_q, latent_cache, rope_cache, indices, length, attn_mask, spec,
+                                            variant)
     return mla.mla_sparse_attention(latent_q, latent_cache, rope_cache, indices, length, attn_mask, spec, variant)
 
 

@@ -111,7 +111,8 @@ def decide(query: torch.Tensor, key_cache: torch.Tensor, attn_mask: torch.Tensor
         return Decision("dense")
     reason = kernel_allowed(spec.kernel, query)
     if reason is None and latent and spec.kernel != "triton":
-        reason = "the MLA kernel is taken with kernel='triton' only (inductor's kernels otherwise)"
+        reason = ("the MLA kernel is taken with kernel='triton' only (inductor's kernels otherwise, until a "
+                  "device run times the two)")
     if reason is None:
         from .kernel_step import kernel_reason, latent_kernel_reason
 

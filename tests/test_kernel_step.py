@@ -54,7 +54,7 @@ def test_the_ops_cuda_body_launched_through_wrap_triton_equals_float64_attention
     query, key, value, indices, length = _case(batch, groups * kv_heads, kv_heads, 64, budget, 50, seed=seed)
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fixture sets the interpreter on CPU
     out = kernel_step.launch_generated(*(t.to(device) for t in (query, key, value, indices, length)),
-                                       64 ** -0.5, soft_cap, window).cpu()
+                                       64 ** -0.5, soft_cap, window, False).cpu()
     torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length, None, soft_cap, window),
                                atol=1e-5, rtol=1e-5)
 
@@ -68,13 +68,60 @@ def test_the_ops_cpu_body_is_the_kernel_in_the_interpreter_else_the_torch_refere
     launched = []
     real = kernel_step.sparse_attention_reference
     monkeypatch.setattr(kernel_step, "sparse_attention_reference", lambda *a: launched.append(1) or real(*a))
-    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12)
+    out = kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12, False)
     torch.testing.assert_close(out.double(), _float64(query, key, value, indices, length, None, 0.5, 12),
                                atol=1e-5, rtol=1e-5)
     assert not launched  # the interpreter ran the kernel
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert torch.equal(kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12),
+    assert torch.equal(kernel_step.generated_attention(query, key, value, indices, length, 64 ** -0.5, 0.5, 12, False),
                        expected) and launched
+
+
+def _latent_case(seed=0, heads=4, capacity=40, r=32, p=16, budget=12, length=30):
+    """A multi-head latent attention site: absorbed query ``[1, heads, 1, r + p]``, latent and
+    rotary key stores ``[1, 1, capacity, r|p]``, a selection with padding slots."""
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(1, heads, 1, r + p, generator=gen)
+    latent, rope = torch.randn(1, 1, capacity, r, generator=gen), torch.randn(1, 1, capacity, p, generator=gen)
+    indices = torch.rand(1, 1, length, generator=gen).argsort(-1)[..., :budget]
+    indices[..., 1] = -1
+    return query, latent, rope, indices, torch.tensor(length)
+
+
+def _latent_float64(query, latent, rope, indices, length, scale):
+    keys = torch.cat([latent, rope], dim=-1).double()
+    return sparse_attention_reference(query.double(), keys, latent.double(), indices, length, None,
+                                      AttentionVariant(scale))
+
+
+@pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "reference"])
+def test_the_one_op_serves_the_latent_layout(monkeypatch, interpreted):
+    """Multi-head latent attention reaches the generated MLA kernel through the same op as the
+    plain layout (``generated_attention(..., latent=True)``; issue 53: one route to the
+    kernels): in the interpreter the MLA kernel runs (the torch reference is not called), without
+    it the reference does; both within 1e-5 of float64 attention over the concatenated keys
+    with the latent rows as values."""
+    query, latent, rope, indices, length = _latent_case()
+    called = []
+    real = kernel_step.sparse_attention_reference
+    monkeypatch.setattr(kernel_step, "sparse_attention_reference", lambda *a: called.append(1) or real(*a))
+    if not interpreted:
+        monkeypatch.delenv("TRITON_INTERPRET")
+    out = kernel_step.generated_attention(query, latent, rope, indices, length, 0.2, None, 0, True)
+    assert out.shape == (1, 4, 1, 32) and bool(called) is not interpreted
+    torch.testing.assert_close(out.double(), _latent_float64(query, latent, rope, indices, length, 0.2),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_the_ops_cuda_body_launches_the_mla_kernel_through_wrap_triton():
+    """The body the op runs on CUDA for a latent site (the MLA split and the merge kernel, each
+    through ``wrap_triton``), here under the interpreter: within 1e-5 of float64."""
+    query, latent, rope, indices, length = _latent_case(seed=4)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = kernel_step.launch_generated(*(t.to(device) for t in (query, latent, rope, indices, length)), 0.2, None,
+                                       0, True).cpu()
+    torch.testing.assert_close(out.double(), _latent_float64(query, latent, rope, indices, length, 0.2),
+                               atol=1e-5, rtol=1e-5)
 
 
 def test_a_bool_mask_is_folded_into_the_selection_exactly():
@@ -127,6 +174,21 @@ def test_the_lowering_sends_a_plain_cuda_site_to_the_kernel(key):
     graph, node = _site_graph(_fake(*_SITE), key=key)
     result = lower_to_aten(graph, kernel_device=True)
     assert node.target is kernel_step.kernel_attention and result.kernel == 1 and not result.kernel_refused
+
+
+def test_the_lowering_sends_an_mla_cuda_site_to_the_same_kernel_route():
+    """A multi-head latent attention site routed to the kernel on CUDA graphs takes the plain
+    layout's route (``kernel_attention``, inductor sees the MLA kernel through the
+    ``triton_op``); off CUDA it stays the op (the interpreter), as a plain site does."""
+    site = [((1, 8, 1, 48), torch.bfloat16), ((1, 1, 256, 32), torch.bfloat16), ((1, 1, 256, 16), torch.bfloat16),
+            ((1, 1, 32), torch.int64), ((), torch.int64)]
+    variant = AttentionVariant(0.125, nope_dim=16)
+    graph, node = _site_graph(_fake(*site), variant=variant)
+    result = lower_to_aten(graph, kernel_device=True)
+    assert node.target is kernel_step.kernel_attention and result.kernel == 1
+    graph, node = _site_graph(_fake(*site, device="cpu"), variant=variant)
+    result = lower_to_aten(graph)
+    assert node.target is torch.ops.specontext.sparse_attention.default and result.kernel == 0
 
 
 def test_the_lowering_follows_the_route_and_never_decides():

@@ -8,10 +8,9 @@ of a submodule ``x`` is an import of ``x`` (not of the package's ``__init__``)."
 
 from __future__ import annotations
 
-import ast
+import importlib.util
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import networkx as nx
@@ -22,41 +21,20 @@ CORE = ("specontext_compile.runtime", "specontext_compile.passes", "specontext_c
 CORE_MAY_IMPORT = {"specontext_compile.config"}
 
 
+def _layout():
+    """scripts/layout_counts.py, which reads the import graph and the ``torch._*`` uses."""
+    spec = importlib.util.spec_from_file_location("layout_counts", ROOT / "scripts" / "layout_counts.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _modules() -> dict[str, Path]:
-    """Every module of the installed packages, by dotted name (pyproject's ``package-dir``)."""
-    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    modules = {}
-    for package, folder in setup["package-dir"].items():
-        for path in (ROOT / folder).glob("*.py"):
-            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
-    return modules
-
-
-def _imported(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
-    """The package's modules that ``name`` (file ``path``) imports, anywhere in the file."""
-    package = name if path.stem == "__init__" else name.rpartition(".")[0]
-    found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom):
-            parts = package.split(".")
-            base = ".".join(parts[:len(parts) - node.level + 1]) if node.level else ""
-            module = ".".join(p for p in (base, node.module or "") if p)
-            submodules = {f"{module}.{alias.name}" for alias in node.names} & modules.keys()
-            found |= submodules
-            if len(submodules) < len(node.names):  # a name from the module itself
-                found.add(module)
-    return {m for m in found if m in modules and m != name}
+    return _layout().modules(ROOT)
 
 
 def _graph() -> nx.DiGraph:
-    modules = _modules()
-    graph = nx.DiGraph()
-    for name, path in modules.items():
-        graph.add_node(name)
-        graph.add_edges_from((name, target) for target in _imported(name, path, modules))
-    return graph
+    return _layout().import_graph(ROOT)
 
 
 def test_the_graph_reader_sees_the_package():
@@ -67,7 +45,7 @@ def test_the_graph_reader_sees_the_package():
 
 
 def test_no_import_cycles():
-    cycles = [sorted(c) for c in nx.strongly_connected_components(_graph()) if len(c) > 1]
+    cycles = _layout().import_cycles(_graph())
     assert not cycles, f"import cycles: {cycles}"
 
 
@@ -102,18 +80,7 @@ def test_the_lazy_names_stay_functions_after_their_modules_load():
 
 
 def _private_torch_uses(path: Path) -> list[str]:
-    """``torch._*`` names a module's code touches (imports and attribute chains; strings and
-    comments do not count)."""
-    found = []
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch._"):
-            found.append(node.module)
-        elif isinstance(node, ast.Import):
-            found += [a.name for a in node.names if a.name.startswith("torch._")]
-        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch"
-              and node.attr.startswith("_") and not node.attr.startswith("__")):
-            found.append(f"torch.{node.attr}")
-    return found
+    return _layout().private_torch_uses(path)
 
 
 def test_private_torch_apis_are_wrapped_in_one_module():
