@@ -25,6 +25,7 @@ Run (about 2 minutes per configuration at 8K on 2 CPU cores, most of it compilin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import logging
@@ -37,6 +38,8 @@ from tqdm.auto import tqdm
 
 import specontext_compile as sc
 from specontext_compile.models import load_model
+
+from benchmarks.kv_int8 import int8_kv_store
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +85,16 @@ def dense_run(model, ids: torch.Tensor, context: int, steps: int
     return teacher_forced(model.forward, DynamicCache(config=model.config), ids, context, steps, "dense")
 
 
-def sparse_run(model, ids: torch.Tensor, context: int, steps: int, **options) -> dict:
-    """One backend configuration: compile, run, read the path counters, restore."""
+def sparse_run(model, ids: torch.Tensor, context: int, steps: int, kv_store: str = "model", **options) -> dict:
+    """One backend configuration: compile, run, read the path counters, restore.
+    ``kv_store="int8"``: an 8-bit KV store, emulated (:mod:`benchmarks.kv_int8`)."""
     torch._dynamo.reset()
-    forward = torch.compile(model.forward, backend="specontext", options=options)
-    cache = sc.SpeContextCache(model.config, max_cache_len=context + steps + 1)
-    start = time.perf_counter()
-    argmax, nll, _ = teacher_forced(forward, cache, ids, context, steps, f"specontext {options}")
+    writes = int8_kv_store() if kv_store == "int8" else contextlib.nullcontext()
+    with writes:
+        forward = torch.compile(model.forward, backend="specontext", options=options)
+        cache = sc.SpeContextCache(model.config, max_cache_len=context + steps + 1)
+        start = time.perf_counter()
+        argmax, nll, _ = teacher_forced(forward, cache, ids, context, steps, f"specontext {options}")
     return {"argmax": argmax, "nll": nll, "paths": cache.path_counts(),
             "seconds": time.perf_counter() - start}
 
@@ -181,6 +187,9 @@ def main() -> None:
     parser.add_argument("--inner", default="auto", choices=["auto", "eager"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="the model's and the KV's dtype; the dense reference runs in the same dtype")
+    parser.add_argument("--kv-store", nargs="+", default=["model"], choices=["model", "int8"],
+                        help="the KV store's values: the model's dtype, or rounded to int8 with per-token scales "
+                             "(emulated: benchmarks/kv_int8.py); each is run")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dense-cache", type=Path,
                         help="keep the dense reference run here (torch.save) and reuse it when it exists for the "
@@ -201,9 +210,9 @@ def main() -> None:
         f"--{k.replace('_', '-')} {' '.join(_arg_text(k, x) for x in v) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if v is not None)
     for budget in args.budgets:
-        for cand, guard, rescue, layers, lagged in [
-                (c, g, r, k, q) for r in args.page_rescue for c in args.candidates for g in args.min_coverage
-                for k in args.rescue_layers for q in args.retrieval_layers]:
+        for cand, guard, rescue, layers, lagged, store in [
+                (c, g, r, k, q, v) for r in args.page_rescue for c in args.candidates for g in args.min_coverage
+                for k in args.rescue_layers for q in args.retrieval_layers for v in args.kv_store]:
             name = f"budget={budget} candidates={cand:g} min_coverage={guard:g}"
             options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue,
                        "rescue_layers": layers}
@@ -218,12 +227,14 @@ def main() -> None:
                                                if args.dense_layers else "")
             name += f" rescue_layers={_layers_label(layers)}" if layers is not None else ""
             name += f" retrieval_layers={','.join(map(str, lagged))}" if lagged is not None else ""
-            run = sparse_run(model, ids, args.context, args.steps, **options)
+            name += " kv_store=int8" if store == "int8" else ""
+            run = sparse_run(model, ids, args.context, args.steps, kv_store=store, **options)
             res["runs"][name] = {
                 "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
                 "page_rescue": rescue, "dense_layers": list(args.dense_layers),
                 "rescue_layers": _layers_label(layers),
                 "retrieval_layers": "default" if lagged is None else list(lagged),
+                "kv_store": "int8 (emulated: per-token scales)" if store == "int8" else args.dtype,
                 "agreement": float((run["argmax"] == dense_argmax).double().mean()),
                 **_lost_steps(run["argmax"], dense_argmax, dense_margin),
                 "nll_delta": float(run["nll"].mean()) - res["dense_nll"],

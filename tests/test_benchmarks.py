@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 from pathlib import Path
 
 import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the benchmarks/ package
 from benchmarks import decode, gpu_end_to_end  # noqa: E402
@@ -411,3 +415,41 @@ def test_vllm_contender_names_map_to_the_plugins_options():
     for bad in ("specontext-x", "specontext-1024-q3", "dense"):
         with pytest.raises(SystemExit, match="g<min_coverage>"):
             contender_options(bad)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       spread=st.sampled_from([1e-3, 1.0, 1e3]))
+def test_the_emulated_int8_store_rounds_each_row_to_255_levels_of_its_own_scale(seed, dtype, spread):
+    """``kv_int8.int8_round_trip``: every row of ``head_dim`` takes at most 255 levels, multiples
+    of its own scale (``max |x| / 127``), within half a scale of the input (plus the dtype's
+    rounding), its largest entry kept; a zero row stays zero (float64 reference)."""
+    from benchmarks.kv_int8 import int8_round_trip
+
+    x = (torch.randn(2, 3, 4, 64, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * spread)
+    x[0, 0, 0] = 0
+    got = int8_round_trip(x.to(dtype)).double()
+    x = x.to(dtype).double()
+    scale = x.abs().amax(-1, keepdim=True) / 127
+    eps = torch.finfo(dtype).eps
+    assert torch.all((got - x).abs() <= scale / 2 * (1 + 1e-6) + x.abs() * eps * 2)
+    levels = torch.where(scale > 0, got / torch.where(scale > 0, scale, 1), 0)
+    assert torch.allclose(levels, levels.round(), atol=0.02 + 300 * eps)  # the dtype's rounding of level * scale
+    assert torch.equal(got[0, 0, 0], torch.zeros(64, dtype=torch.float64))
+
+
+def test_the_emulated_int8_store_reaches_every_kv_write_and_only_inside_its_block():
+    """Inside ``int8_kv_store()`` the cache's write (``specontext::kv_write``, whose body the
+    lowering also uses) stores the int8 round trip; after the block the plain write is back."""
+    from benchmarks.kv_int8 import int8_kv_store, int8_round_trip
+
+    g = torch.Generator().manual_seed(0)
+    key, value = torch.randn(1, 3, 2, 64, generator=g), torch.randn(1, 3, 2, 64, generator=g)
+    for inside in (True, False):
+        store_k, store_v, length = torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64), torch.tensor(0)
+        with int8_kv_store() if inside else contextlib.nullcontext():
+            torch.ops.specontext.kv_write(store_k, store_v, length, key, value, [])
+        want_k, want_v = (int8_round_trip(key), int8_round_trip(value)) if inside else (key, value)
+        assert torch.equal(store_k[:, :, :2], want_k) and torch.equal(store_v[:, :, :2], want_v)
+        assert int(length) == 2
+        assert not inside or not torch.equal(want_k, key)  # the rounding changed something
