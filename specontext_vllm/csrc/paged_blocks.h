@@ -14,6 +14,9 @@
 namespace specontext_paged {
 
 constexpr int64_t kMaxBlock = 128;
+// Blocks are scattered over the cache: a block's keys are requested while the block this many
+// before it is read (one_block's `ahead`).
+constexpr int64_t kBlocksAhead = 2;
 
 inline float widen(uint16_t x) {
   uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -69,10 +72,16 @@ inline void tiled_block(const uint16_t* keys, const float* q, float* out, int64_
 // 377 MB of fp32 keys those layers hold: 14 GB/s, bound by the bytes, not this arithmetic).
 constexpr int64_t kGroupTile = 4;
 
+// `ahead`: a block read later (or null); its key rows are requested (prefetch locality hint 1)
+// one row per row read here, so that the requests are spread over the arithmetic instead of issued in a burst
+// (a burst of a block's 64-128 requests fills the core's miss queue and stalls it).
 template <typename T, int64_t BS, int64_t NG>
-void transposed_tile(const T* keys, const float* q, float* out, int64_t d, int64_t out_stride) {
+void transposed_tile(const T* keys, const float* q, float* out, int64_t d, int64_t out_stride, const T* ahead) {
   float acc[NG][BS] = {};
   for (int64_t j = 0; j < d; ++j) {
+    if (ahead)
+      for (int64_t b = 0; b < BS * static_cast<int64_t>(sizeof(T)); b += 64)
+        __builtin_prefetch(reinterpret_cast<const char*>(ahead + j * BS) + b, 0, 1);
     float k[BS];
     const T* row = keys + j * BS;
 #pragma omp simd
@@ -87,11 +96,13 @@ void transposed_tile(const T* keys, const float* q, float* out, int64_t d, int64
 }
 
 template <int64_t BS, int64_t NG>
-void pairs_tile(const uint16_t* keys, const float* q, float* out, int64_t d, int64_t out_stride) {
+void pairs_tile(const uint16_t* keys, const float* q, float* out, int64_t d, int64_t out_stride,
+                const uint16_t* ahead) {
   float acc[NG][BS] = {};
   for (int64_t s = 0; s < BS / 16; ++s) {
     const uint16_t* tile = keys + s * 16 * d;
     for (int64_t p = 0; p < d / 2; ++p) {
+      if (ahead) __builtin_prefetch(ahead + s * 16 * d + p * 32, 0, 1);  // the same 64 bytes of the later block
       const uint16_t* pairs = tile + p * 32;
       float k0[16], k1[16];
 #pragma omp simd
@@ -112,35 +123,48 @@ void pairs_tile(const uint16_t* keys, const float* q, float* out, int64_t d, int
 // Up to kGroupTile query heads at a time, each count a compile-time constant.
 template <typename T, int64_t BS>
 void fixed_block(const T* keys, const float* q, float* out, int64_t groups, int64_t d, int64_t out_stride,
-                 int form) {
+                 int form, const T* ahead) {
   for (int64_t g0 = 0; g0 < groups; g0 += kGroupTile) {
     const int64_t ng = groups - g0 < kGroupTile ? groups - g0 : kGroupTile;
     const float* qg = q + g0 * d;
     float* o = out + g0 * out_stride;
+    const T* later = g0 == 0 ? ahead : nullptr;  // requested once, by the first pass
     if (form == 0) {
       switch (ng) {
-        case 1: transposed_tile<T, BS, 1>(keys, qg, o, d, out_stride); break;
-        case 2: transposed_tile<T, BS, 2>(keys, qg, o, d, out_stride); break;
-        case 3: transposed_tile<T, BS, 3>(keys, qg, o, d, out_stride); break;
-        default: transposed_tile<T, BS, 4>(keys, qg, o, d, out_stride); break;
+        case 1: transposed_tile<T, BS, 1>(keys, qg, o, d, out_stride, later); break;
+        case 2: transposed_tile<T, BS, 2>(keys, qg, o, d, out_stride, later); break;
+        case 3: transposed_tile<T, BS, 3>(keys, qg, o, d, out_stride, later); break;
+        default: transposed_tile<T, BS, 4>(keys, qg, o, d, out_stride, later); break;
       }
     } else {
       const uint16_t* tiles = reinterpret_cast<const uint16_t*>(keys);
+      const uint16_t* next = reinterpret_cast<const uint16_t*>(later);
       switch (ng) {
-        case 1: pairs_tile<BS, 1>(tiles, qg, o, d, out_stride); break;
-        case 2: pairs_tile<BS, 2>(tiles, qg, o, d, out_stride); break;
-        case 3: pairs_tile<BS, 3>(tiles, qg, o, d, out_stride); break;
-        default: pairs_tile<BS, 4>(tiles, qg, o, d, out_stride); break;
+        case 1: pairs_tile<BS, 1>(tiles, qg, o, d, out_stride, next); break;
+        case 2: pairs_tile<BS, 2>(tiles, qg, o, d, out_stride, next); break;
+        case 3: pairs_tile<BS, 3>(tiles, qg, o, d, out_stride, next); break;
+        default: pairs_tile<BS, 4>(tiles, qg, o, d, out_stride, next); break;
       }
     }
   }
 }
 
+// Requests a block's key area (bs * d elements) at once: for the block sizes read by the
+// generic loops, which do not spread the requests.
+template <typename T>
+inline void request_block(const T* keys, int64_t bs, int64_t d) {
+  const char* at = reinterpret_cast<const char*>(keys);
+  for (int64_t b = 0; b < bs * d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(at + b, 0, 1);
+}
+
+// One block's logits; `ahead` (or null): the block to be read some blocks later, requested
+// while this one is read.
 template <typename T>
 void one_block(const T* keys, const float* q, float* out, int64_t groups, int64_t bs, int64_t d,
-               int64_t out_stride, int form) {
-  if (bs == 32) return fixed_block<T, 32>(keys, q, out, groups, d, out_stride, form);
-  if (bs == 16) return fixed_block<T, 16>(keys, q, out, groups, d, out_stride, form);
+               int64_t out_stride, int form, const T* ahead = nullptr) {
+  if (bs == 32) return fixed_block<T, 32>(keys, q, out, groups, d, out_stride, form, ahead);
+  if (bs == 16) return fixed_block<T, 16>(keys, q, out, groups, d, out_stride, form, ahead);
+  if (ahead) request_block(ahead, bs, d);
   if (form == 0) return transposed_block(keys, q, out, groups, bs, d, out_stride);
   tiled_block(reinterpret_cast<const uint16_t*>(keys), q, out, groups, bs, d, out_stride);
 }

@@ -46,7 +46,10 @@ int run(const T* cache, const int32_t* table, int64_t table_stride, const float*
         const T* keys = cache + (block * kv + h) * 2 * area;
         const float* qh = q + (r * kv + h) * groups * d;
         float* o = out + (r * kv + h) * groups * width + n * bs;
-        one_block(keys, qh, o, groups, bs, d, width, form);
+        const T* later = n + kBlocksAhead < blocks
+                             ? cache + (table[r * table_stride + n + kBlocksAhead] * kv + h) * 2 * area
+                             : nullptr;
+        one_block(keys, qh, o, groups, bs, d, width, form, later);
       }
   return 0;
 }
@@ -107,9 +110,11 @@ void lagged_unit(const int64_t* caches, int64_t layers, const int32_t* table_row
   for (int64_t i = 0; i < layers; ++i) {
     const T* cache = reinterpret_cast<const T*>(caches[i]);
     const float* qh = q_unit + i * q_layer_stride;
-    for (int64_t blk = 0; blk < used; ++blk)
-      one_block(cache + (static_cast<int64_t>(table_row[blk]) * kv + h) * 2 * area, qh, logits + blk * bs, groups,
-                bs, d, width, form);
+    const auto keys_of = [&](int64_t blk) { return cache + (static_cast<int64_t>(table_row[blk]) * kv + h) * 2 * area; };
+    for (int64_t blk = 0; blk < used && blk < kBlocksAhead; ++blk) request_block(keys_of(blk), bs, d);
+    for (int64_t blk = 0; blk < used; ++blk)  // each block requested kBlocksAhead early (blocks are scattered)
+      one_block(keys_of(blk), qh, logits + blk * bs, groups, bs, d, width, form,
+                blk + kBlocksAhead < used ? keys_of(blk + kBlocksAhead) : nullptr);
     for (int64_t g = 0; g < groups; ++g) {
       float* row = logits + g * width;
       float m = -__builtin_inff();

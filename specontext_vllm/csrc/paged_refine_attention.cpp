@@ -133,13 +133,6 @@ inline void prefetch_value(const T* area, int64_t slot, const Refine& p) {
   for (int64_t b = 0; b < p.d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(row + b);
 }
 
-// Requests a block's key area (bs * d elements), read next.
-template <typename T>
-inline void prefetch_keys(const T* keys, const Refine& p) {
-  const char* at = reinterpret_cast<const char*>(keys);
-  for (int64_t b = 0; b < p.bs * p.d * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(at + b, 0, 1);
-}
-
 template <typename T>
 void attend_kept(const Refine& p, const T* cache, int64_t u, int64_t h, int64_t count, Scratch& s) {
   const int64_t stride = p.width * p.bs, area = p.bs * p.d;
@@ -211,11 +204,10 @@ void refine_unit(const Refine& p, const T* cache, int64_t u, Scratch& s) {
   const float* qh = p.q + u * p.groups * p.d;
   const auto keys_of = [&](int64_t blk) { return cache + (static_cast<int64_t>(table[blk]) * p.kv + h) * 2 * area; };
   const int64_t blocks = (n + p.bs - 1) / p.bs;
-  for (int64_t blk = 0; blk < blocks && blk < 2; ++blk) prefetch_keys(keys_of(blk), p);
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    if (blk + 2 < blocks) prefetch_keys(keys_of(blk + 2), p);  // the blocks are scattered: the next one requested
-    one_block(keys_of(blk), qh, s.logits.data() + blk * p.bs, p.groups, p.bs, p.d, stride, p.key_form);
-  }
+  for (int64_t blk = 0; blk < blocks && blk < kBlocksAhead; ++blk) request_block(keys_of(blk), p.bs, p.d);
+  for (int64_t blk = 0; blk < blocks; ++blk)  // the blocks are scattered: each one requested kBlocksAhead early
+    one_block(keys_of(blk), qh, s.logits.data() + blk * p.bs, p.groups, p.bs, p.d, stride, p.key_form,
+              blk + kBlocksAhead < blocks ? keys_of(blk + kBlocksAhead) : nullptr);
   rank_candidates(p, u, n, s);
   attend_kept(p, cache, u, h, keep_best(p, n, s), s);
 }
