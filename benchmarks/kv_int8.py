@@ -11,9 +11,8 @@ store still holds the model's dtype).
 
 Applied by replacing :func:`specontext_compile.runtime.aten_step.write_kv` (the body of every
 ``specontext::kv_write``, eager and lowered) for the duration of a ``with`` block, before the
-model is compiled. Page bounds are still computed from the written key rows before rounding
-(a per-page min/max: their error is at most the rounding's, half a step of 1/127 of the row's
-largest entry).
+model is compiled. Page bounds follow: they are recomputed from the store after each write
+(``page_bounds.update_after_write``), so they bound the rounded keys.
 """
 
 from __future__ import annotations

@@ -89,9 +89,13 @@ def _latent_case(seed=0, heads=4, capacity=40, r=32, p=16, budget=12, length=30)
 
 
 def _latent_float64(query, latent, rope, indices, length, scale):
-    keys = torch.cat([latent, rope], dim=-1).double()
-    return sparse_attention_reference(query.double(), keys, latent.double(), indices, length, None,
-                                      AttentionVariant(scale))
+    """The MLA torch path (``mla.mla_sparse_attention``, which splits the absorbed query and
+    reads the two stores itself) in float64: independent of the op's own argument order."""
+    from specontext_compile.runtime.mla import mla_sparse_attention
+
+    budget = indices.shape[-1]
+    return mla_sparse_attention(query.double(), latent.double(), rope.double(), indices, length, None,
+                                StepSpec(budget, budget), AttentionVariant(scale, nope_dim=1))
 
 
 @pytest.mark.parametrize("interpreted", [True, False], ids=["interpreter", "reference"])
