@@ -25,7 +25,7 @@ from torch.fx.node import has_side_effect
 
 from specontext_compile.runtime import aten_step
 
-__all__ = ["int8_kv_store", "int8_round_trip"]
+__all__ = ["int8_kv_store", "int8_round_trip", "write_kv_int8"]
 
 
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
@@ -36,19 +36,23 @@ def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
     return (x.detach().float() / scale).round().clamp(-127, 127).mul(scale).to(x.dtype)
 
 
+#: the plain write, kept while :func:`int8_kv_store` has replaced it
+_PLAIN_WRITE = aten_step.write_kv
+
+
+@has_side_effect
+def write_kv_int8(key_cache, value_cache, length, key, value, checked=None):
+    """:func:`~specontext_compile.runtime.aten_step.write_kv` of int8-rounded rows."""
+    _PLAIN_WRITE(key_cache, value_cache, length, int8_round_trip(key), int8_round_trip(value), checked)
+
+
 @contextlib.contextmanager
 def int8_kv_store() -> Iterator[None]:
     """Inside the block, every KV write (``aten_step.write_kv``) stores int8-rounded keys and
     values (:func:`int8_round_trip`). Compile inside the block: a step lowered outside it
     keeps the plain write. Restores the plain write on exit, also on an error."""
-    plain = aten_step.write_kv
-
-    @has_side_effect
-    def write_kv_int8(key_cache, value_cache, length, key, value, checked=None):
-        plain(key_cache, value_cache, length, int8_round_trip(key), int8_round_trip(value), checked)
-
     aten_step.write_kv = write_kv_int8
     try:
         yield
     finally:
-        aten_step.write_kv = plain
+        aten_step.write_kv = _PLAIN_WRITE

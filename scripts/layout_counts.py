@@ -92,7 +92,7 @@ def _hand_kept(paths: list[Path]) -> int:
         for node in ast.parse(path.read_text()).body:
             if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "MUTATES" for t in node.targets)
                     and isinstance(node.value, (ast.Dict, ast.Set, ast.Tuple, ast.List))):
-                count += len(getattr(node.value, "keys", None) or node.value.elts)
+                count += len(node.value.keys) if isinstance(node.value, ast.Dict) else len(node.value.elts)
     return count
 
 

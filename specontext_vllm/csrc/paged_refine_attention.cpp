@@ -168,8 +168,8 @@ void attend_kept(const Refine& p, const T* cache, int64_t u, int64_t h, int64_t 
   if (p.value_form == 0) {
     // rows form: the kept rows are first copied into one buffer (float32), then summed. The
     // copies are independent, so the core keeps many of the scattered rows in flight; summing
-    // straight from the cache chained each row's loads behind the last row's accumulation,
-    // which left ~1 ms a call of 24 units waiting on them (no prefetch distance changed that).
+    // straight from the cache chained each row's loads behind the last row's accumulation and
+    // left the core waiting on them (no prefetch distance or cache level changed that).
     float* rows = s.kept_values.data();
     for (int64_t k = 0; k < count; ++k) {
       const T* v = values_of(kept[k]) + slot_of(kept[k], p) * p.d;
