@@ -16,6 +16,9 @@ with, the two interleaved (this machine's rate moves from minute to minute). Ker
   the stores;
 * ``selection``: ``specontext::cpu_selection_scores`` (``runtime/csrc/selection_scores.cpp``),
   the default head's scores once per step: the keys of the 8 retrieval layers (of the 30 stores).
+* ``selection-int8``: the same kernel over the same keys as int8 levels and one float32 scale a
+  row (``runtime/int8_keys.py``, the form of an 8-bit KV store), beside the kernel over the
+  keys themselves.
 
 ``--group`` and ``--head-dim`` change the shape (query heads per KV head, head size): the
 kernels unroll a few shapes (SmolLM2's 3 x 64 among them) and run generic loops for the rest.
@@ -47,14 +50,20 @@ BUDGET, SINKS, RECENT, RESCUE_PAGES, PAGE_TOKENS = 1024, 4, 64, 128, 16  # the d
 def _medians_s(first, second, repeats: int) -> tuple[float, float]:
     """Median seconds of ``first()`` and of ``second()``, called alternately ``repeats`` times
     after one warm-up call each."""
-    first(), second()
-    times: tuple[list, list] = ([], [])
+    return tuple(_medians((first, second), repeats))
+
+
+def _medians(fns, repeats: int) -> list[float]:
+    """Median seconds of each of ``fns``, called in turn ``repeats`` times after one warm-up call each."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in zip((first, second), times):
+        for fn, out in zip(fns, times):
             start = time.perf_counter()
             fn()
             out.append(time.perf_counter() - start)
-    return statistics.median(times[0]), statistics.median(times[1])
+    return [statistics.median(t) for t in times]
 
 
 def _stores(dtype: torch.dtype, context: int, gen: torch.Generator):
@@ -134,6 +143,51 @@ def measure_selection(dtype: torch.dtype, context: int, repeats: int) -> dict:
     return _row("selection", dtype, context, nbytes, *_medians_s(kernel, read, repeats))
 
 
+def measure_selection_int8(dtype: torch.dtype, context: int, repeats: int) -> dict:
+    """The selection kernel over int8 keys (``selection-int8``): the same calls as
+    :func:`measure_selection`, each store's keys as int8 levels and float32 row scales
+    (``runtime/int8_keys.py``); ``torch.sum`` over the levels' and the scales' bytes (the levels
+    read as float32); ``store_kernel_ms``:
+    the kernel over the ``dtype`` keys themselves, timed in turn with the other two. The
+    scores' largest difference from the ``dtype`` keys' kernel is kept as ``max_abs_score_diff``
+    (the scores sum 8 layers' softmax weights: at most 8)."""
+    from specontext_compile.config import default_retrieval_layers
+    from specontext_compile.runtime import cpu_selection, int8_keys  # noqa: F401  (defines the op)
+
+    gen = torch.Generator().manual_seed(0)
+    keys, _, _ = _stores(dtype, context, gen)
+    rows = [int8_keys.quantize_rows(k) for k in keys]
+    picks = default_retrieval_layers(LAYERS)
+    query = (torch.randn(len(picks), 1, KV_HEADS * GROUP, 1, HEAD_DIM, generator=gen) * HEAD_DIM ** -0.5
+             ).to(dtype).float()
+    length = torch.tensor(context)
+    calls = [[(first + layer) % LAYERS for layer in picks] for first in range(LAYERS)]
+    nbytes = sum(t.numel() * t.element_size() for group in calls for i in group for t in rows[i])
+
+    def kernel():
+        for group in calls:
+            torch.ops.specontext.cpu_selection_scores(query, [rows[i][0] for i in group], length, None,
+                                                      [rows[i][1] for i in group])
+
+    def store_kernel():
+        for group in calls:
+            torch.ops.specontext.cpu_selection_scores(query, [keys[i] for i in group], length, None)
+
+    def read():  # the levels' bytes summed as float32 (torch's int8 sum runs far below the bandwidth)
+        for group in calls:
+            for i in group:
+                rows[i][0].view(torch.float32).sum()
+                rows[i][1].sum()
+
+    kernel_s, read_s, store_s = _medians((kernel, read, store_kernel), repeats)
+    group = calls[0]
+    diff = (torch.ops.specontext.cpu_selection_scores(query, [rows[i][0] for i in group], length, None,
+                                                      [rows[i][1] for i in group])
+            - torch.ops.specontext.cpu_selection_scores(query, [keys[i] for i in group], length, None)).abs().max()
+    return {**_row("selection-int8", dtype, context, nbytes, kernel_s, read_s), "store_kernel_ms": 1e3 * store_s,
+            "max_abs_score_diff": float(diff)}
+
+
 def measure(dtype: torch.dtype, context: int, repeats: int) -> dict:
     """The dense kernel's row: kernel and ``torch.sum`` medians (ms) and rates (GB/s), max error."""
     gen = torch.Generator().manual_seed(0)
@@ -163,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_attention_kernel",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--context", type=int, default=8192)
-    parser.add_argument("--kernels", nargs="+", default=["dense"], choices=("dense", "refine", "selection"))
+    parser.add_argument("--kernels", nargs="+", default=["dense"], choices=("dense", "refine", "selection", "selection-int8"))
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
                         choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--group", type=int, default=GROUP, help="query heads per KV head")
@@ -174,11 +228,15 @@ def main(argv: list[str] | None = None) -> int:
     GROUP, HEAD_DIM = args.group, args.head_dim
     from benchmarks.decode import machine_info
 
-    measures = {"dense": measure, "refine": measure_refine, "selection": measure_selection}
+    measures = {"dense": measure, "refine": measure_refine, "selection": measure_selection,
+                "selection-int8": measure_selection_int8}
     rows = [measures[kernel](getattr(torch, name), args.context, args.repeats)
             for kernel in args.kernels for name in args.dtypes]
     for r in rows:
         error = f", max error vs float64 {r['max_abs_error_vs_float64']:.1e}" if "max_abs_error_vs_float64" in r else ""
+        if "store_kernel_ms" in r:
+            error = (f"; over the {r['dtype']} keys {r['store_kernel_ms']:.1f} ms, largest score difference "
+                     f"{r['max_abs_score_diff']:.1e}")
         print(f"{r['kernel']} {r['dtype']}: kernel {r['kernel_ms']:.1f} ms ({r['kernel_gb_s']:.1f} GB/s) for 30 calls, "
               f"torch.sum {r['torch_sum_ms']:.1f} ms ({r['torch_sum_gb_s']:.1f} GB/s){error}")
     if args.json:

@@ -265,7 +265,9 @@ def make_cache(kind: str, config, capacity: int):
         return StaticCache(config, max_cache_len=capacity)  # specontext-static-*: the backend adopts it
     from specontext_compile import SpeContextCache
 
-    return SpeContextCache(config, max_cache_len=capacity)
+    options = parse_specontext(kind)[1] if kind.startswith("specontext-") else {}
+    return SpeContextCache(config, max_cache_len=capacity, selection_keys=options.get("selection_keys", "store"),
+                           retrieval_layers=options.get("retrieval_layers"))
 
 
 def fill_cache(cache, source: list[tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
@@ -350,6 +352,7 @@ SPECONTEXT_VARIANTS = {
     "c4p1k": {"candidates": 4.0, "page_rescue": 1024},
     "d0": {"dense_layers": (0,)},  # layer 0 kept dense (option dense_layers), the rescue at its default
     "below16k": {"dense_below": 16384},  # dense over stores of <= 16K tokens (option dense_below)
+    "k8": {"selection_keys": "int8"},  # the selection scores the retrieval layers' int8 key rows
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
     "frozen": FROZEN,  # weights folded and frozen, linear layers on inductor's CPP GEMM template
 }
@@ -438,7 +441,8 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
     context)`` candidates (to score them with its own query) and the values of the
     ``budget`` it keeps. The page rescue (``page_rescue`` r) adds, per layer, the page
     bounds (``2 / 16`` of the context's keys) and the keys of ``r`` more tokens. A layer kept
-    dense (``dense_layers``) reads its whole K and V instead.
+    dense (``dense_layers``) reads its whole K and V instead. With ``selection_keys="int8"`` the
+    retrieval layers' keys are read as int8 rows (``head_dim`` bytes and a float32 scale).
     """
     from specontext_compile.config import SpeContextConfig, candidate_slots, default_retrieval_layers
     from specontext_compile.runtime.page_bounds import PAGE_TOKENS
@@ -457,7 +461,9 @@ def floor_bytes(name: str, config, weight_bytes: int, context: int, batch: int,
             keys = min(keys + rescue, context) + 2 * -(-context // PAGE_TOKENS)
         retrieval = len(options.get("retrieval_layers", default_retrieval_layers(layers)))
         dense = len(config_.dense_layers)  # (a dense retrieval layer: its keys counted for both reads)
-        kv = batch * ((layers - dense) * (keys + selected) + dense * 2 * context + retrieval * context) * per_token
+        scored = kv_heads * (head_dim + 4) if config_.selection.selection_keys == "int8" else per_token
+        kv = batch * (((layers - dense) * (keys + selected) + dense * 2 * context) * per_token
+                      + retrieval * context * scored)
     else:
         kv = batch * layers * 2 * context * per_token
     return weight_bytes, kv

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 import specontext_compile as sc
 from specontext_compile.models import load_model
+from specontext_compile.runtime.torch_private import counters
 
 from benchmarks.kv_int8 import int8_kv_store
 
@@ -92,11 +93,15 @@ def sparse_run(model, ids: torch.Tensor, context: int, steps: int, kv_store: str
     writes = int8_kv_store() if kv_store == "int8" else contextlib.nullcontext()
     with writes:
         forward = torch.compile(model.forward, backend="specontext", options=options)
-        cache = sc.SpeContextCache(model.config, max_cache_len=context + steps + 1)
+        cache = sc.SpeContextCache(model.config, max_cache_len=context + steps + 1,
+                                   selection_keys=options.get("selection_keys", "store"),
+                                   retrieval_layers=options.get("retrieval_layers"))
         start = time.perf_counter()
+        int8_calls = counters["specontext"]["cpu_kernel_selection_int8_calls"]
         argmax, nll, _ = teacher_forced(forward, cache, ids, context, steps, f"specontext {options}")
-    return {"argmax": argmax, "nll": nll, "paths": cache.path_counts(),
-            "seconds": time.perf_counter() - start}
+    paths = {**cache.path_counts(),
+             "int8_selection_calls": counters["specontext"]["cpu_kernel_selection_int8_calls"] - int8_calls}
+    return {"argmax": argmax, "nll": nll, "paths": paths, "seconds": time.perf_counter() - start}
 
 
 NEAR_TIE_NATS = (0.1, 0.5, 1.0)
@@ -190,6 +195,9 @@ def main() -> None:
     parser.add_argument("--kv-store", nargs="+", default=["model"], choices=["model", "int8"],
                         help="the KV store's values: the model's dtype, or rounded to int8 with per-token scales "
                              "(emulated: benchmarks/kv_int8.py); each is run")
+    parser.add_argument("--selection-keys", nargs="+", default=["store"], choices=["store", "int8"],
+                        help="option selection_keys, one run per value: the selection scores the stores' keys or "
+                             "the retrieval layers' int8 rows (runtime/key_mirror.py)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--dense-cache", type=Path,
                         help="keep the dense reference run here (torch.save) and reuse it when it exists for the "
@@ -210,9 +218,10 @@ def main() -> None:
         f"--{k.replace('_', '-')} {' '.join(_arg_text(k, x) for x in v) if isinstance(v, list) else v}"
         for k, v in vars(args).items() if v is not None)
     for budget in args.budgets:
-        for cand, guard, rescue, layers, lagged, store in [
-                (c, g, r, k, q, v) for r in args.page_rescue for c in args.candidates for g in args.min_coverage
-                for k in args.rescue_layers for q in args.retrieval_layers for v in args.kv_store]:
+        for cand, guard, rescue, layers, lagged, store, scored in [
+                (c, g, r, k, q, v, s) for r in args.page_rescue for c in args.candidates for g in args.min_coverage
+                for k in args.rescue_layers for q in args.retrieval_layers for v in args.kv_store
+                for s in args.selection_keys]:
             name = f"budget={budget} candidates={cand:g} min_coverage={guard:g}"
             options = {"budget": budget, "candidates": cand, "inner": args.inner, "page_rescue": rescue,
                        "rescue_layers": layers}
@@ -220,6 +229,7 @@ def main() -> None:
                 options["min_coverage"] = guard
             if lagged is not None:
                 options["retrieval_layers"] = lagged
+            options["selection_keys"] = scored
             if args.dense_layers:
                 options["dense_layers"] = tuple(args.dense_layers)
             rescue = sc.SpeContextConfig.from_options(options).page_rescue  # the default resolved
@@ -228,6 +238,7 @@ def main() -> None:
             name += f" rescue_layers={_layers_label(layers)}" if layers is not None else ""
             name += f" retrieval_layers={','.join(map(str, lagged))}" if lagged is not None else ""
             name += " kv_store=int8" if store == "int8" else ""
+            name += f" selection_keys={scored}" if scored != "store" else ""
             run = sparse_run(model, ids, args.context, args.steps, kv_store=store, **options)
             res["runs"][name] = {
                 "budget": budget, "candidates": cand if math.isfinite(cand) else "inf", "min_coverage": guard,
@@ -235,6 +246,7 @@ def main() -> None:
                 "rescue_layers": _layers_label(layers),
                 "retrieval_layers": "default" if lagged is None else list(lagged),
                 "kv_store": "int8 (emulated: per-token scales)" if store == "int8" else args.dtype,
+                "selection_keys": scored,
                 "agreement": float((run["argmax"] == dense_argmax).double().mean()),
                 **_lost_steps(run["argmax"], dense_argmax, dense_margin),
                 "nll_delta": float(run["nll"].mean()) - res["dense_nll"],

@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch.fx.node import has_side_effect
 
-from specontext_compile.runtime import aten_step
+from specontext_compile.runtime import aten_step, int8_keys
 
 __all__ = ["int8_kv_store", "int8_round_trip", "write_kv_int8"]
 
@@ -31,9 +31,10 @@ __all__ = ["int8_kv_store", "int8_round_trip", "write_kv_int8"]
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
     """``x`` ``[batch, num_kv_heads, q_len, head_dim]`` rounded to int8 with one symmetric scale
     per row of ``head_dim`` (``max |x| / 127``, computed in float32) and dequantized to
-    ``x.dtype``. A row of zeros stays zeros. Largest error per entry: half a scale."""
-    scale = x.detach().float().abs().amax(-1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny) / 127
-    return (x.detach().float() / scale).round().clamp(-127, 127).mul(scale).to(x.dtype)
+    ``x.dtype`` (:func:`~specontext_compile.runtime.int8_keys.round_trip`, the rows the
+    selection kernel's int8 entry reads). A row of zeros stays zeros. Largest error per entry:
+    half a scale."""
+    return int8_keys.round_trip(x)
 
 
 #: the plain write, kept while :func:`int8_kv_store` has replaced it

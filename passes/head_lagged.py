@@ -5,17 +5,22 @@ call) scores every cached token with those queries before layer 0 runs."""
 
 from __future__ import annotations
 
+import logging
+
 from torch import fx
 
-from ..config import default_retrieval_layers
-from ..runtime import aten_step, rollback, routes
-from ..runtime.protocol import RetrievalAnchor
+from ..runtime import aten_step, key_mirror, rollback, routes
+from ..runtime.protocol import RetrievalAnchor, op_arguments
+from ..runtime.retrieval import picked_retrieval_layers
 from ..runtime.spec import StepSpec
+from ..runtime.torch_private import counters
 from .heads import ScoreInputs, SelectionHead
 from .site_nodes import bias_4d, selection_query
-from .sites import AttentionSite, example_value
+from .sites import KV_WRITE, AttentionSite, example_value
 
 __all__ = ["LaggedQueryHead"]
+
+logger = logging.getLogger(__name__)
 
 RECORD = aten_step.record_query
 HISTORY = rollback.record_rows
@@ -24,12 +29,15 @@ RESTORE = rollback.restore
 
 class LaggedQueryHead(SelectionHead):
     """Lagged queries of ``retrieval_layers`` (None = :func:`default_retrieval_layers`;
-    negative counts from the end); ``label`` ``"lagged-query"``."""
+    negative counts from the end); ``label`` ``"lagged-query"``. ``selection_keys="int8"``:
+    the CPU kernel scores the retrieval layers' int8 key rows (:mod:`..runtime.key_mirror`)
+    where their stores keep them."""
 
     label = scorer = "lagged-query"
 
-    def __init__(self, retrieval_layers: tuple[int, ...] | None):
+    def __init__(self, retrieval_layers: tuple[int, ...] | None, selection_keys: str = "store"):
         self.layers = retrieval_layers
+        self.selection_keys = selection_keys
         self.drivers: list[AttentionSite] = []
         self.anchored: RetrievalAnchor | None = None
         self.restored = False  # the graph's rollback restore (runtime/rollback.py) is inserted
@@ -92,16 +100,51 @@ class LaggedQueryHead(SelectionHead):
 
     def cpu_kernel(self, inputs: ScoreInputs, spec: StepSpec) -> bool:
         """Our CPU selection kernel where :func:`~..runtime.routes.selection_kernel` says so,
-        from the recorded queries' and key stores' example values (none: the torch body)."""
+        from the recorded queries' and key stores' example values (none: the torch body).
+        With ``selection_keys="int8"`` and a cache that keeps the int8 keys, the kernel's
+        record also carries them (:meth:`with_mirror`)."""
         values = [example_value(n) if isinstance(n, fx.Node) else None for n in (inputs.record[0], *inputs.stores)]
         if any(v is None for v in values):
             return False
         return routes.selection_kernel(values[0], values[1:], spec, inputs.position_bias is not None)
 
+    def with_mirror(self, inputs: ScoreInputs, kernel: bool) -> ScoreInputs:
+        """``inputs`` with the retrieval layers' int8 key rows in the record (one ``(key_levels,
+        key_scales)`` per store, as each layer's ``kv_write`` in this graph keeps them) where
+        the option asks for them and they serve this selection (our CPU kernel; every
+        retrieval layer keeps them, in its stores' shape); else ``inputs``, the reason logged
+        (the selection then reads the stores)."""
+        if self.selection_keys != "int8":
+            return inputs
+        mirrors = [_mirror_of(d) for d in self.drivers]
+        reason = None
+        if not kernel:
+            reason = "the selection does not run our CPU kernel here (only it reads the int8 rows)"
+        elif any(m is None for m in mirrors):
+            reason = ("a retrieval layer's store keeps no int8 key rows: create the cache with "
+                      "SpeContextCache(..., selection_keys='int8', retrieval_layers=<the same option>) "
+                      "(specontext_compile.compile does)")
+        elif not key_mirror.applies([tuple(example_value(n) for n in m) for m in mirrors],
+                                    [example_value(n) for n in inputs.stores]):
+            reason = "the retrieval layers' int8 key rows do not fit their stores"
+        if reason is not None:  # off the CPU kernel it is expected (the option's default): debug only
+            log = logger.debug if not kernel else logger.info
+            log("specontext: selection_keys='int8' not applied, the selection reads the stores: %s", reason)
+            counters["specontext"]["selection_keys_fallback"] += 1
+            return inputs
+        counters["specontext"]["selection_keys_int8"] += 1
+        return inputs._replace(record=(*inputs.record, [tuple(m) for m in mirrors]))
+
     def _pick(self, num_layers: int) -> list[int]:
-        layers = self.layers or default_retrieval_layers(num_layers)
-        picked = {min(max(j + num_layers if j < 0 else j, 0), num_layers - 1) for j in layers}
-        return sorted(picked)
+        return picked_retrieval_layers(self.layers, num_layers)
+
+
+def _mirror_of(driver: AttentionSite) -> list | None:
+    """``[key_levels, key_scales]`` that the layer's ``kv_write`` in this graph keeps, or None."""
+    if driver.write is None or driver.mla is not None:
+        return None
+    mirror = op_arguments(driver.write, KV_WRITE).get("key_mirror") or []
+    return list(mirror) if len(mirror) == 2 else None
 
 
 def _store(driver: AttentionSite):

@@ -104,6 +104,7 @@ class SelectionHead(abc.ABC):
         # the variant carries the window (and, once lowered for inductor, the products' form)
         variant = AttentionVariant(inputs.scale, sliding_window=window)
         spec = dataclasses.replace(spec, cpu_kernel=self.cpu_kernel(inputs, spec))  # decided once, here
+        inputs = self.with_mirror(inputs, spec.cpu_kernel)
         with graph.inserting_after(inputs.after):
             return graph.call_function(scorers.head_select, (
                 self.scorer, inputs.record, inputs.stores, inputs.length, inputs.q_len, spec, variant, mask,
@@ -114,6 +115,11 @@ class SelectionHead(abc.ABC):
         ``StepSpec.cpu_kernel``), decided from ``inputs``' example values; a head without a
         kernel keeps False."""
         return False
+
+    def with_mirror(self, inputs: ScoreInputs, kernel: bool) -> ScoreInputs:
+        """``inputs`` with what the head's kernel reads instead of the stores, if any (the
+        lagged-query head's int8 keys, option ``selection_keys``); a head without keeps ``inputs``."""
+        return inputs
 
     def ready(self, graph: fx.Graph, selection: fx.Node) -> fx.Node:
         """Insert, after ``selection`` (a node :meth:`select` returned), the bool scalar tensor

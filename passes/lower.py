@@ -50,7 +50,7 @@ import operator
 import torch
 from torch import fx
 
-from ..runtime import aten_step, kernel_step, mla, offload_step, page_bounds
+from ..runtime import aten_step, kernel_step, key_mirror, mla, offload_step, page_bounds
 from ..runtime import ops as _ops  # noqa: F401  (registers the specontext:: ops)
 from ..runtime.protocol import is_op, op_arguments
 from ..runtime.spec import AttentionVariant
@@ -182,7 +182,8 @@ def _fuse_offloaded(graph: fx.Graph) -> int:
 
 def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
     """``kv_write`` as ``aten_step.write_kv`` (after ``check_capacity`` when ``check``, its zero
-    added to the positions), then, for a store with page bounds, ``update_after_write``."""
+    added to the positions), then, for a store with page bounds, ``update_after_write``, and for a
+    store with the selection's int8 keys, ``key_mirror.write_rows``."""
     args = op_arguments(node, _OPS.kv_write)
     checked = ()
     if check:
@@ -197,6 +198,9 @@ def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
             graph.call_function(page_bounds.update_after_write, (
                 args["key_cache"], list(args["page_bounds"]), args["length"], args["key"], args["page_tokens"],
                 args["page_shift"]))
+    if args.get("key_mirror"):
+        with graph.inserting_after(node):
+            graph.call_function(key_mirror.write_rows, (list(args["key_mirror"]), args["length"], args["key"]))
 
 
 def _gather_spec(node: fx.Node) -> None:

@@ -183,10 +183,13 @@ def _sources() -> tuple[str, ...]:
 
 
 
-def make_head(retrieval_layers: tuple[int, ...] | None, retrieval_head: str | None) -> SelectionHead:
+def make_head(retrieval_layers: tuple[int, ...] | None, retrieval_head: str | None,
+              selection_keys: str = "store") -> SelectionHead:
     """The head the options name: a draft head for ``retrieval_head`` (a resolved folder),
-    else the lagged queries of ``retrieval_layers``."""
-    return DraftHead(retrieval_head) if retrieval_head is not None else LaggedQueryHead(retrieval_layers)
+    else the lagged queries of ``retrieval_layers`` (scored over ``selection_keys``)."""
+    if retrieval_head is not None:
+        return DraftHead(retrieval_head)
+    return LaggedQueryHead(retrieval_layers, selection_keys)
 
 
 class SparseAttentionPass(CustomGraphPass):
@@ -207,6 +210,10 @@ class SparseAttentionPass(CustomGraphPass):
             the page rescue (when ``step`` has one); None = every layer.
         dense_below: a plain site whose store holds at most this many tokens attends densely
             over it (option ``dense_below``; 0 = off).
+        selection_keys: ``"store"`` or ``"int8"``: the lagged-query selection's CPU kernel
+            scores the int8 copy of the retrieval layers' keys that a cache created with
+            ``selection_keys="int8"`` keeps (:mod:`..runtime.key_mirror`; option
+            ``selection_keys``).
 
     A site whose store keeps no page bounds (MLA, Hugging Face's StaticCache, a cache built
     with ``page_tokens=0``) refines without the page rescue (at ``candidate_slots ==
@@ -215,8 +222,10 @@ class SparseAttentionPass(CustomGraphPass):
 
     def __init__(self, step: StepSpec, retrieval_layers: tuple[int, ...] | None = None, max_sparse_q_len: int = 1,
                  retrieval_head: str | None = None, dense_layers: tuple[int, ...] = (),
-                 rescue_layers: tuple[int, ...] | None = None, dense_below: int = 0):
+                 rescue_layers: tuple[int, ...] | None = None, dense_below: int = 0,
+                 selection_keys: str = "store"):
         self.step = step
+        self.selection_keys = selection_keys
         self.dense_below = dense_below
         self.retrieval_layers, self.max_sparse_q_len = retrieval_layers, max_sparse_q_len
         self.retrieval_head, self.dense_layers = retrieval_head, tuple(dense_layers)
@@ -229,13 +238,14 @@ class SparseAttentionPass(CustomGraphPass):
         """The pass of a :class:`~..config.SpeContextConfig`."""
         select = config.selection
         return cls(StepSpec.from_config(config), select.retrieval_layers, select.max_sparse_q_len,
-                   select.retrieval_head, select.dense_layers, select.rescue_layers, select.dense_below)
+                   select.retrieval_head, select.dense_layers, select.rescue_layers, select.dense_below,
+                   select.selection_keys)
 
     def uuid(self) -> str:
         """torch's hash of the sources (inductor's ``get_hash_for_files``: :func:`~..runtime.torch_private.custom_graph_pass`)
         and of the options: the same inputs rewrite to the same graph."""
         options = repr((self.step, self.retrieval_layers, self.max_sparse_q_len, self.retrieval_head,
-                        self.dense_layers, self.rescue_layers, self.dense_below))
+                        self.dense_layers, self.rescue_layers, self.dense_below, self.selection_keys))
         return f"specontext-sparse-{get_hash_for_files(_sources(), options).hex()[:24]}"
 
     def __call__(self, graph: fx.Graph) -> RewriteResult:
@@ -259,7 +269,7 @@ class SparseAttentionPass(CustomGraphPass):
             return self._continue_step(graph, result, resolved, anchor, anchored)
         _align_pages_to_rows(graph, resolved)
         self._rescued = _resolve_layers("rescue_layers", self.rescue_layers, len(anchored.windows() or resolved))
-        head = make_head(self.retrieval_layers, self.retrieval_head)
+        head = make_head(self.retrieval_layers, self.retrieval_head, self.selection_keys)
         failed = head.prepare(graph, anchor, anchored, resolved)
         result.selection_head, result.retrieval_layers = head.label, head.retrieval_layers
         decode = self._decode_sites(resolved)

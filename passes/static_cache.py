@@ -179,7 +179,8 @@ def _replace(graph: fx.Graph, group) -> fx.Node:
     advance, k_write, v_write, length = group
     key_store, value_store = k_write.args[0], v_write.args[0]
     with graph.inserting_before(v_write):
-        write = graph.call_function(KV_WRITE, (key_store, value_store, length, k_write.args[3], v_write.args[3], []))
+        write = graph.call_function(KV_WRITE, (key_store, value_store, length, k_write.args[3], v_write.args[3], [],
+                                               []))
     for meta in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if meta in k_write.meta:
             write.meta[meta] = k_write.meta[meta]

@@ -28,9 +28,12 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
+from . import key_mirror
 from .draft_retrieval import DraftKeyCache, head_spec
+from .key_mirror import SELECTION_KEYS
 from .page_bounds import PAGE_TOKENS, clear_pages_from, page_count, update_page_bounds
 from .protocol import STATS, DraftAnchor, RetrievalAnchor
+from .retrieval import picked_retrieval_layers
 from .rollback import QUERY_SLOTS, crop_history
 from .torch_private import mark_static_address
 
@@ -67,10 +70,14 @@ class SpeContextLayer(StaticLayer):
         page_tokens: tokens per page of the per-page key bounds ``page_min``/``page_max``
             ``[batch, num_kv_heads, pages, head_dim]`` (:mod:`.page_bounds`, the page rescue
             reads them), kept up to date by every write; 0 = keep none.
+        mirror_keys: keep the keys' int8 rows too (``key_levels`` ``[batch, num_kv_heads,
+            capacity, head_dim]`` int8 and ``key_scales`` ``[batch, num_kv_heads, capacity]``
+            float32, :mod:`.key_mirror`: what the selection reads with the option
+            ``selection_keys="int8"``), kept up to date by every write.
     """
 
     def __init__(self, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 page_tokens: int = PAGE_TOKENS):
+                 page_tokens: int = PAGE_TOKENS, mirror_keys: bool = False):
         super().__init__(max_cache_len=max_cache_len or 0)
         self.chunk_tokens = chunk_tokens
         self.cumulative_length = torch.zeros((), dtype=torch.long)
@@ -80,6 +87,9 @@ class SpeContextLayer(StaticLayer):
         # per-row page shift (int64 [batch], :func:`.page_bounds.row_shift`): the cache's, shared
         # by its layers (None on a layer used alone: pages start at position 0)
         self.page_shift: torch.Tensor | None = None
+        self.mirror_keys = mirror_keys
+        self.key_levels: torch.Tensor | None = None
+        self.key_scales: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Allocate ``max_cache_len`` tokens, or the first write plus one chunk of headroom."""
@@ -90,8 +100,21 @@ class SpeContextLayer(StaticLayer):
         self.values = value_states.new_zeros((b, h, self.max_cache_len, value_states.shape[-1]))
         self.cumulative_length = self.cumulative_length.to(self.device)
         self._allocate_page_bounds()
+        self._allocate_mirror()
         _static_address(self.keys, self.values, self.cumulative_length)
         self.is_initialized = True
+
+    def _allocate_mirror(self) -> None:
+        """Zeroed int8 rows of the store (none unless ``mirror_keys``, and none for a store off
+        the CPU: only the CPU selection kernel reads them)."""
+        if self.mirror_keys and self.keys.device.type == "cpu":
+            self.key_levels, self.key_scales = key_mirror.allocate(self.keys)
+            _static_address(self.key_levels, self.key_scales)
+
+    @property
+    def _mirror(self) -> list[torch.Tensor]:
+        """``[key_levels, key_scales]``, or ``[]`` (what ``kv_write`` takes)."""
+        return [] if self.key_levels is None else [self.key_levels, self.key_scales]
 
     def _allocate_page_bounds(self) -> None:
         """Zeroed bounds for the store's pages (none when ``page_tokens`` is 0)."""
@@ -131,6 +154,11 @@ class SpeContextLayer(StaticLayer):
             self._allocate_page_bounds()
             self.page_min[:, :, : old_min.shape[2]].copy_(old_min)
             self.page_max[:, :, : old_max.shape[2]].copy_(old_max)
+        if self.key_levels is not None:  # written rows keep their int8 copy
+            old_levels, old_scales = self.key_levels, self.key_scales
+            self._allocate_mirror()
+            self.key_levels[:, :, : old_levels.shape[2]].copy_(old_levels)
+            self.key_scales[:, :, : old_scales.shape[2]].copy_(old_scales)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append ``key_states``/``value_states`` ``[batch, num_kv_heads, q_len, head_dim]``
@@ -146,7 +174,8 @@ class SpeContextLayer(StaticLayer):
             self.reserve(int(self.cumulative_length) + key_states.shape[-2])
         bounds = [] if self.page_min is None else [self.page_min, self.page_max]
         torch.ops.specontext.kv_write(self.keys, self.values, self.cumulative_length, key_states, value_states,
-                                      bounds, self.page_shift if bounds else None, self.page_tokens if bounds else 0)
+                                      bounds, self._mirror, self.page_shift if bounds else None,
+                                      self.page_tokens if bounds else 0)
         return self.keys, self.values
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -166,9 +195,9 @@ class SpeContextLayer(StaticLayer):
         if self.is_initialized:
             self.keys.zero_()
             self.values.zero_()
-        for bound in (self.page_min, self.page_max):
-            if bound is not None:
-                bound.zero_()
+        for state in (self.page_min, self.page_max, self.key_levels, self.key_scales):
+            if state is not None:
+                state.zero_()
 
     # --- Hugging Face cache operations (table: runtime/README.md, "Cache operations") -------
     @property
@@ -193,7 +222,7 @@ class SpeContextLayer(StaticLayer):
         if not self.is_initialized:
             return
         idx = _row_index(beam_idx, self.keys.shape[0], self.keys.device)
-        for t in (self.keys, self.values, self.page_min, self.page_max):
+        for t in (self.keys, self.values, self.page_min, self.page_max, self.key_levels, self.key_scales):
             if t is not None:  # an offloaded layer's store is on the host, its bounds on the device
                 t.copy_(t.index_select(0, idx.to(t.device)))
 
@@ -229,6 +258,10 @@ class SpeContextLayer(StaticLayer):
             self.page_min = self.page_min.repeat_interleave(repeats, dim=0)
             self.page_max = self.page_max.repeat_interleave(repeats, dim=0)
             _static_address(self.page_min, self.page_max)
+        if self.key_levels is not None:
+            self.key_levels = self.key_levels.repeat_interleave(repeats, dim=0)
+            self.key_scales = self.key_scales.repeat_interleave(repeats, dim=0)
+            _static_address(self.key_levels, self.key_scales)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep the rows ``indices`` (int indices or a bool mask over the rows); new stores."""
@@ -242,6 +275,10 @@ class SpeContextLayer(StaticLayer):
             self.page_min = self.page_min.index_select(0, idx.to(self.page_min.device))
             self.page_max = self.page_max.index_select(0, idx.to(self.page_max.device))
             _static_address(self.page_min, self.page_max)
+        if self.key_levels is not None:
+            self.key_levels = self.key_levels.index_select(0, idx.to(self.key_levels.device))
+            self.key_scales = self.key_scales.index_select(0, idx.to(self.key_scales.device))
+            _static_address(self.key_levels, self.key_scales)
 
 
 def _crop_count(tokens_to_remove: int) -> int:
@@ -483,10 +520,19 @@ class SpeContextCache(Cache):
         page_tokens: tokens per page of each store's per-page key bounds (what the option
             ``page_rescue`` reads; +2/page_tokens of the keys' bytes, not counted in
             :attr:`kv_bytes`; the offload memory model counts them); 0 = keep none. MLA stores keep none.
+        selection_keys: ``"store"`` (default) or ``"int8"``: with ``"int8"`` the CPU stores of
+            the retrieval layers (``retrieval_layers``, counted over the layers with a KV store as
+            the option of that name is) also keep their keys' int8 rows (``key_levels``,
+            ``key_scales``, :mod:`.key_mirror`; head_dim + 4 bytes per token and KV head, not
+            counted in :attr:`kv_bytes`), which the selection scores with the backend's option
+            ``selection_keys="int8"``. MLA stores and stores on other devices keep
+            none (only the CPU kernel reads them).
+        retrieval_layers: the backend's option of that name (None: its default eight layers);
+            read only with ``selection_keys="int8"``.
 
     Raises:
         ValueError: on a non-positive ``max_cache_len`` or ``chunk_tokens``, a negative
-            ``page_tokens``, or a bad
+            ``page_tokens``, a ``selection_keys`` not in :data:`.key_mirror.SELECTION_KEYS`, or a bad
             ``retrieval_head`` (see
             :func:`~specontext_compile.runtime.draft_retrieval.head_spec`).
     """
@@ -494,7 +540,11 @@ class SpeContextCache(Cache):
     is_compileable = True
 
     def __init__(self, config, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 retrieval_head: str | None = None, page_tokens: int = PAGE_TOKENS):
+                 retrieval_head: str | None = None, page_tokens: int = PAGE_TOKENS, selection_keys: str = "store",
+                 retrieval_layers: tuple[int, ...] | int | None = None):
+        if selection_keys not in SELECTION_KEYS:
+            raise ValueError(f"selection_keys must be one of {SELECTION_KEYS} (what the selection scores: the "
+                             f"stores' keys or their int8 rows), got {selection_keys!r}")
         if max_cache_len is not None and max_cache_len < 1:
             raise ValueError(f"max_cache_len must be >= 1 or None, got {max_cache_len}")
         if chunk_tokens < 1:
@@ -526,6 +576,10 @@ class SpeContextCache(Cache):
         self.latent_widths = _latent_widths(first)
         for layer in self.kv_layers:  # latent rows are no keys: MLA stores keep no page bounds
             layer.page_tokens = 0 if self.latent_widths else page_tokens
+        self.selection_keys = "store" if self.latent_widths else selection_keys
+        if self.selection_keys == "int8":  # the retrieval layers' stores keep their keys' int8 rows
+            for i in picked_retrieval_layers(retrieval_layers, len(self.kv_layers)):
+                self.kv_layers[i].mirror_keys = True
         self.query_state: torch.Tensor | None = None
         self.page_shift: torch.Tensor | None = None  # see _set_page_shift
         self.selection_state: torch.Tensor | None = None  # see _ensure_selection_state

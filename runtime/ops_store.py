@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from . import aten_step
+from . import key_mirror as key_mirror_module
 from . import page_bounds as page_bounds_module
 
 __all__ = ["CacheCapacityError", "check_capacity", "kv_write", "retrieval_anchor"]
@@ -18,7 +19,7 @@ class CacheCapacityError(RuntimeError):
 
 
 @torch.library.custom_op("specontext::kv_write",
-                         mutates_args=("key_cache", "value_cache", "length", "page_bounds"))
+                         mutates_args=("key_cache", "value_cache", "length", "page_bounds", "key_mirror"))
 def kv_write(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -26,6 +27,7 @@ def kv_write(
     key: torch.Tensor,
     value: torch.Tensor,
     page_bounds: list[torch.Tensor],
+    key_mirror: list[torch.Tensor],
     page_shift: torch.Tensor | None = None,
     page_tokens: int = 0,
 ) -> None:
@@ -35,18 +37,25 @@ def kv_write(
     bounds (``page_bounds`` = ``[page_min, page_max]``, each ``[batch, num_kv_heads, pages,
     head_dim]``; ``[]``: none), recompute the bounds of the pages of ``page_tokens`` tokens
     the write touched (``page_shift``: int64 ``[batch]`` per-row page shift, or None; body
-    :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`).
+    :func:`~specontext_compile.runtime.page_bounds.update_page_bounds`); and when the store
+    keeps the selection's int8 keys (``key_mirror`` = ``[key_levels, key_scales]``,
+    ``[batch, num_kv_heads, capacity, head_dim]`` int8 and ``[batch, num_kv_heads, capacity]``
+    float32; ``[]``: none), the written keys' int8 rows
+    (:func:`~specontext_compile.runtime.key_mirror.write_rows`).
 
     Raises:
         CacheCapacityError: (CPU) when the write would pass ``capacity``; the cache is left
             untouched. Create the cache with a larger ``max_cache_len``.
-        ValueError: ``page_bounds`` neither empty nor two tensors, or bounds without ``page_tokens``.
+        ValueError: ``page_bounds`` neither empty nor two tensors, or bounds without
+            ``page_tokens``; ``key_mirror`` neither empty nor two tensors.
     """
     _check_page_bounds(page_bounds, page_tokens)
+    _check_mirror(key_mirror)
     if key_cache.device.type == "cpu":  # eager CPU only: the host is the device, no sync
         _raise_if_full(length, key_cache, key)
     aten_step.write_kv(key_cache, value_cache, length, key, value)
     page_bounds_module.update_after_write(key_cache, page_bounds, length, key, page_tokens, page_shift)
+    key_mirror_module.write_rows(key_mirror, length, key)
 
 
 def _check_page_bounds(page_bounds: list[torch.Tensor], page_tokens: int) -> None:
@@ -55,9 +64,16 @@ def _check_page_bounds(page_bounds: list[torch.Tensor], page_tokens: int) -> Non
                          f"page_tokens > 0, got {len(page_bounds)} tensors and page_tokens={page_tokens}")
 
 
+def _check_mirror(key_mirror: list[torch.Tensor]) -> None:
+    if len(key_mirror) not in (0, 2):
+        raise ValueError(f"specontext::kv_write: key_mirror must be [] or [key_levels, key_scales], got "
+                         f"{len(key_mirror)} tensors")
+
+
 @kv_write.register_fake
-def _(key_cache, value_cache, length, key, value, page_bounds, page_shift=None, page_tokens=0) -> None:
+def _(key_cache, value_cache, length, key, value, page_bounds, key_mirror, page_shift=None, page_tokens=0) -> None:
     _check_page_bounds(page_bounds, page_tokens)
+    _check_mirror(key_mirror)
     return None
 
 

@@ -22,9 +22,11 @@ Heads (``record``, ``stores``):
 
 * ``"lagged-query"`` (the default, training-free): ``record = (query_state, query_valid)``
   written by :func:`~.aten_step.record_query` (``[slots, batch, num_heads, 1, head_dim]`` and
-  int64 ``[slots]``, the length each slot was recorded at); ``stores``: the retrieval layers'
-  key stores ``[batch, num_kv_heads, capacity, head_dim]`` (an MLA layer's as its ``(latent,
-  rope)`` pair).
+  int64 ``[slots]``, the length each slot was recorded at), plus, with the option
+  ``selection_keys="int8"``, the retrieval layers' int8 key rows, one ``(key_levels,
+  key_scales)`` per store (:mod:`.key_mirror`), that the CPU kernel scores instead of the
+  stores; ``stores``: the retrieval layers' key stores ``[batch, num_kv_heads, capacity,
+  head_dim]`` (an MLA layer's as its ``(latent, rope)`` pair).
 * ``"draft"`` (a distilled / EAGLE-3 head with its own key cache, option ``retrieval_head``):
   ``record = (query, draft_keys, draft_length)`` from ``specontext::draft_step``
   (``[batch, head_heads, 1, head_dim]``, ``[batch, head_kv_heads, >= capacity, head_dim]``,
@@ -42,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import cpu_selection
+from . import cpu_selection, key_mirror
 from .aten_step import select_positions
 from .draft_retrieval import map_to_target_heads
 from .sparse_attention import masked_group_max_softmax, row_visibility
@@ -70,7 +72,7 @@ def store_shape(store) -> tuple[int, int, int]:
 def lagged_query_ready(record: tuple, stores: list, cached: torch.Tensor, q_len: int) -> torch.Tensor:
     """bool scalar: each retrieval layer's slot of ``query_valid`` was recorded at exactly
     ``cached`` tokens (by the step that wrote the last cached token)."""
-    _, query_valid = record
+    query_valid = record[1]
     return (query_valid[: len(stores)] == cached).all()
 
 
@@ -83,8 +85,12 @@ def lagged_query_score(record: tuple, stores: list, cached: torch.Tensor, q_len:
     section 4, GQA), summed over the layers. ``position_bias``: ALiBi's bias, the same for
     every retrieval layer. Returns float32 ``[batch, num_kv_heads, capacity]``, 0 where not
     scored. ``kernel`` (the pass's choice, :func:`~.routes.selection_kernel`): our C++ kernel
-    computes it (:func:`~.cpu_selection.lagged_scores`: reads only the written keys)."""
-    query_state, _ = record
+    computes it (:func:`~.cpu_selection.lagged_scores`: reads only the written keys), from the
+    int8 mirror when ``record`` carries one (:func:`~.key_mirror.lagged_scores`; the torch body
+    reads the stores)."""
+    query_state = record[0]
+    if kernel and len(record) > 2:  # the pass gave the kernel the int8 mirror (option selection_keys)
+        return key_mirror.lagged_scores(query_state, stores, record[2], cached, visible, variant)
     if kernel:
         return cpu_selection.lagged_scores(query_state, stores, cached, visible, variant)
     _, _, capacity = store_shape(stores[0])

@@ -24,13 +24,15 @@ def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     Capacity = prompt tokens + ``max_new_tokens`` (or the generation config's
     ``max_length``), so compiled decoding never has to grow the store.
     ``retrieval_head``: the draft head folder whose key cache the cache keeps; None takes
-    the one ``model`` was compiled with by :func:`compile` (if any).
+    the one ``model`` was compiled with by :func:`compile` (if any). The cache keeps the
+    int8 selection keys when ``model`` was compiled with ``selection_keys="int8"``.
 
     Raises:
         ValueError: a bad ``retrieval_head`` (see ``SpeContextConfig.retrieval_head``).
     """
+    options = flatten_options(getattr(model, "_specontext_options", {}))
     if retrieval_head is None:
-        retrieval_head = flatten_options(getattr(model, "_specontext_options", {})).get("retrieval_head")
+        retrieval_head = options.get("retrieval_head")
     gen = getattr(model, "generation_config", None)
     prompt = 0 if input_ids is None else input_ids.shape[-1]
     if max_new_tokens is None and gen is not None:
@@ -39,7 +41,10 @@ def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         total = prompt + max_new_tokens
     else:
         total = max(prompt + 1, max_length or getattr(gen, "max_length", 0) or 0)
-    return SpeContextCache(model.config, max_cache_len=total + 1, retrieval_head=retrieval_head)
+    # the int8 keys the option selection_keys="int8" scores are kept by the cache
+    return SpeContextCache(model.config, max_cache_len=total + 1, retrieval_head=retrieval_head,
+                           selection_keys=options.get("selection_keys", "store"),
+                           retrieval_layers=options.get("retrieval_layers"))
 
 
 def compile(model: torch.nn.Module, *, dynamic: bool | None = None, **options: Any) -> torch.nn.Module:

@@ -13,22 +13,8 @@ __all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "OPTION_GROUPS", "Comp
 
 _INNER = ("auto", "eager", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-from .runtime.retrieval import MAX_RETRIEVAL_LAYERS
+from .runtime.retrieval import MAX_RETRIEVAL_LAYERS, default_retrieval_layers
 from .runtime.spec import ALL_TOKENS, KERNELS, candidate_slots
-
-
-def default_retrieval_layers(num_layers: int) -> tuple[int, ...]:
-    """Eight layers over the whole depth, denser early: (2, 4, 8, 12, 16, 20, 24, 28) for 30.
-
-    The late layers' picks (16..28) join the first five (issue 12): on SmolLM2-135M they
-    lift the attention recall of the late layers (figures and command: docs/fidelity.md,
-    ``python -m benchmarks.guard_estimate``). Cost: the selection node reads 8 layers'
-    keys once per step instead of 5."""
-    fractions = (1 / 15, 2 / 15, 4 / 15, 6 / 15, 8 / 15, 10 / 15, 12 / 15, 14 / 15)
-    picks = {min(num_layers - 1, round(num_layers * f)) for f in fractions}
-    return tuple(sorted(picks))
-
-
 
 
 def _layer_set(name: str, layers: Any, none_ok: bool = True) -> tuple[int, ...] | None:
@@ -97,6 +83,7 @@ class SelectionOptions:
     max_sparse_q_len: int = 1
     dense_shortcut: bool = True
     dense_below: int = 0
+    selection_keys: str = "store"
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
@@ -115,6 +102,11 @@ class SelectionOptions:
             raise ValueError(f"specontext option 'dense_below' must be an int >= 0 (store tokens at or below which "
                              f"attention stays dense; 0 = never), got {below!r}")
         _check_flag("dense_shortcut", self.dense_shortcut)
+        from .runtime.key_mirror import SELECTION_KEYS
+
+        if self.selection_keys not in SELECTION_KEYS:
+            raise ValueError(f"specontext option 'selection_keys' must be one of {SELECTION_KEYS} (what the "
+                             f"selection scores: the stores' keys, or their int8 copy), got {self.selection_keys!r}")
         c = self.candidates
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 1.0:
             raise ValueError(f"specontext option 'candidates' must be a number >= 1 (candidate tokens as a "
@@ -346,6 +338,16 @@ class SpeContextConfig:
             same folder (``specontext_compile.compile`` does it). Stored resolved (absolute).
             A bad folder is a ``ValueError`` naming the fix. Not with ``device_memory_bytes``
             yet.
+        selection_keys: what the lagged-query selection scores on the CPU: ``"store"``
+            (default) the retrieval layers' keys themselves, or ``"int8"``: an int8 copy of
+            them with one float32 scale a row, kept by the ``SpeContextCache`` (created with
+            the same ``selection_keys``: ``specontext_compile.compile`` does it) and written by
+            every ``kv_write`` with the keys (``runtime/key_mirror.py``), scored with the query
+            rounded to int8 as well: 68 bytes a key row at head_dim 64 against 256 (float32)
+            or 128 (bfloat16). Attention and refinement always read the
+            model's keys. Where the int8 rows cannot apply (a cache without them, Hugging
+            Face's StaticCache, MLA, the torch or Triton selection, a GPU) the selection reads
+            the stores (logged; at debug level off the CPU kernel).
         dump_dir: folder for graph dumps before/after the passes (text and DOT, see
             ``passes/dump.py``); None falls back to ``$SPECONTEXT_DUMP_DIR``, else no dumps.
             Does not change the rewrite (not part of the pass uuid).

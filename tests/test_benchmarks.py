@@ -457,7 +457,7 @@ def test_the_emulated_int8_store_reaches_every_kv_write_and_only_inside_its_bloc
     for inside in (True, False):
         store_k, store_v, length = torch.zeros(1, 3, 8, 64), torch.zeros(1, 3, 8, 64), torch.tensor(0)
         with int8_kv_store() if inside else contextlib.nullcontext():
-            torch.ops.specontext.kv_write(store_k, store_v, length, key, value, [])
+            torch.ops.specontext.kv_write(store_k, store_v, length, key, value, [], [])
         want_k, want_v = (int8_round_trip(key), int8_round_trip(value)) if inside else (key, value)
         assert torch.equal(store_k[:, :, :2], want_k) and torch.equal(store_v[:, :, :2], want_v)
         assert int(length) == 2

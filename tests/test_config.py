@@ -72,7 +72,7 @@ def test_options_come_in_four_groups_flat_or_nested():
 
     assert [f.name for f in dataclasses.fields(SpeContextConfig)] == list(OPTION_GROUPS)  # stored as the groups
     grouped = [f.name for group in OPTION_GROUPS.values() for f in dataclasses.fields(group)]
-    assert len(grouped) == len(set(grouped)) == 24
+    assert len(grouped) == len(set(grouped)) == 25
     assert all(getattr(SpeContextConfig(), name) == getattr(getattr(SpeContextConfig(), group), name)
                for group, cls in OPTION_GROUPS.items() for name in (f.name for f in dataclasses.fields(cls)))
     flat = SpeContextConfig.from_options({"budget": 512, "page_rescue": 0, "inner": "eager", "dump_dir": "x"})

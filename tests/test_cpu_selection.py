@@ -138,3 +138,97 @@ def test_bad_inputs_are_clear_errors_not_reads_out_of_bounds():
         cpu_selection.cpu_selection_scores(q, stores, cached, torch.ones(1, 499, dtype=torch.bool))
     far = cpu_selection.cpu_selection_scores(q, stores, torch.tensor(10**9), None)  # past the store: its capacity
     assert torch.isfinite(far).all()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**16), layers=st.integers(1, 4), b=st.integers(1, 2), num_kv=st.integers(1, 3),
+       groups=st.sampled_from([1, 3, 7]), capacity=st.integers(1, 600), d=st.sampled_from([8, 64, 72]),
+       hide=st.booleans(), data=st.data())
+def test_int8_keys_score_as_their_dequantized_rows_in_float64(seed, layers, b, num_kv, groups, capacity, d, hide,
+                                                               data):
+    """int8 levels with one float32 scale a row (``int8_keys.quantize_rows``): the kernel's scores
+    are the float64 scores of the dequantized keys (``level * scale``) and the query rounded
+    the same way, within 2e-6 + 1e-4 relative (the kernel scales the levels' dot products), for
+    the unrolled shapes (3 x 64: the int8 dot products where the CPU has them) and generic
+    ones; the int8 entry's calls are counted."""
+    from specontext_compile.runtime import int8_keys
+    from specontext_compile.runtime.torch_private import counters
+
+    gen = torch.Generator().manual_seed(seed)
+    query = torch.randn(layers, b, num_kv * groups, 1, d, generator=gen) * 0.3
+    keys = [torch.randn(b, num_kv, capacity, d, generator=gen) * (1 + 3 * torch.rand(b, num_kv, capacity, 1,
+                                                                                    generator=gen))
+            for _ in range(layers)]
+    rows = [int8_keys.quantize_rows(k) for k in keys]
+    length = torch.tensor(data.draw(st.lists(st.integers(0, capacity), min_size=b, max_size=b)))
+    visible = (torch.rand(b, capacity, generator=gen) > 0.3) if hide else None
+    before = counters["specontext"]["cpu_kernel_selection_int8_calls"]
+    got = cpu_selection.cpu_selection_scores(query, [r[0] for r in rows], length, visible, [r[1] for r in rows])
+    assert counters["specontext"]["cpu_kernel_selection_int8_calls"] == before + 1
+    wide = [levels.double() * scales.double().unsqueeze(-1) for levels, scales in rows]
+    q_levels, q_scales = int8_keys.quantize_rows(query)  # the kernel rounds the query's rows the same way
+    q_wide = q_levels.double() * q_scales.double().unsqueeze(-1)
+    torch.testing.assert_close(got.double(), _reference(q_wide, wide, length, visible), atol=2e-6, rtol=1e-4)
+
+
+def test_int8_keys_take_the_cpus_int8_dot_products_at_unrolled_shapes():
+    """At SmolLM2's shape (3 query heads a KV head, head_dim 64) a CPU with AVX-512 VNNI scores
+    int8 keys with its int8 dot products (``int8_dot_calls``), at head_dim 72 the generic loop;
+    both equal the float64 scores of the rounded query and keys."""
+    from specontext_compile.runtime import int8_keys
+
+    has_vnni = "avx512_vnni" in open("/proc/cpuinfo").read().split()
+    for d, fast in ((64, has_vnni), (72, False)):
+        gen = torch.Generator().manual_seed(d)
+        query = torch.randn(2, 1, 9, 1, d, generator=gen) * 0.2
+        rows = [int8_keys.quantize_rows(torch.randn(1, 3, 300, d, generator=gen)) for _ in range(2)]
+        before = cpu_selection.int8_dot_calls()
+        got = cpu_selection.cpu_selection_scores(query, [r[0] for r in rows], torch.tensor(290), None,
+                                                 [r[1] for r in rows])
+        assert cpu_selection.int8_dot_calls() - before == int(fast)
+        q_levels, q_scales = int8_keys.quantize_rows(query)
+        q_wide = q_levels.double() * q_scales.double().unsqueeze(-1)
+        wide = [levels.double() * scales.double().unsqueeze(-1) for levels, scales in rows]
+        torch.testing.assert_close(got.double(), _reference(q_wide, wide, torch.tensor(290), None), atol=2e-6,
+                                   rtol=1e-4)
+
+
+def test_int8_keys_rank_as_the_float_keys_do_up_to_their_rounding():
+    """At SmolLM2's shape over 2K random keys, the int8 rows' scores differ from the float32
+    keys' by less than the rounding can move a softmax weight, and the top 256 positions agree
+    (>= 95% overlap: a rounding of half a scale per entry reorders only near ties)."""
+    from specontext_compile.runtime import int8_keys
+
+    gen = torch.Generator().manual_seed(0)
+    query = torch.randn(3, 1, 9, 1, 64, generator=gen) * 64 ** -0.5 * 3
+    keys = [torch.randn(1, 3, 2048, 64, generator=gen) for _ in range(3)]
+    rows = [int8_keys.quantize_rows(k) for k in keys]
+    length = torch.tensor(2048)
+    exact = cpu_selection.cpu_selection_scores(query, keys, length, None)
+    got = cpu_selection.cpu_selection_scores(query, [r[0] for r in rows], length, None, [r[1] for r in rows])
+    assert 0 < (got - exact).abs().max() < 0.05 * exact.max()
+    top = exact.topk(256, -1).indices
+    kept = got.topk(256, -1).indices
+    overlap = [len(set(a.tolist()) & set(c.tolist())) / 256 for a, c in zip(top.view(-1, 256), kept.view(-1, 256))]
+    assert min(overlap) >= 0.95, overlap
+
+
+def test_int8_keys_without_their_scales_are_clear_errors():
+    """int8 stores need one float32 scale a row, and only int8 stores take scales: each case a
+    ValueError naming the fix, before any read."""
+    from specontext_compile.runtime import int8_keys
+
+    query_state, stores, cached = _inputs(torch.float32)
+    q = query_state[:3].float()
+    rows = [int8_keys.quantize_rows(s) for s in stores]
+    levels, scales = [r[0] for r in rows], [r[1] for r in rows]
+    with pytest.raises(ValueError, match="need key_scales"):
+        cpu_selection.cpu_selection_scores(q, levels, cached, None)
+    with pytest.raises(ValueError, match="need key_scales"):
+        cpu_selection.cpu_selection_scores(q, levels, cached, None, scales[:2])
+    with pytest.raises(ValueError, match="need key_scales"):
+        cpu_selection.cpu_selection_scores(q, levels, cached, None, [s.double() for s in scales])
+    with pytest.raises(ValueError, match="pass key_scales=None"):
+        cpu_selection.cpu_selection_scores(q, stores, cached, None, scales)
+    got = torch.ops.specontext.cpu_selection_scores(q, levels, cached, None, scales)  # through the op's schema
+    assert torch.isfinite(got).all()

@@ -61,7 +61,7 @@ def test_a_new_head_is_one_subclass_and_every_site_attends_over_its_selection(mo
     """A recency head plugged in through the protocol: the compile report names it, every
     decode site of every step runs the gather path (the step's own counters), and each
     site attends to exactly the ``budget`` most recent tokens (the eager op chain's calls)."""
-    monkeypatch.setattr(sparse_rewrite, "make_head", lambda layers, folder: RecencyHead())
+    monkeypatch.setattr(sparse_rewrite, "make_head", lambda layers, folder, keys: RecencyHead())
     monkeypatch.setitem(scorers.SCORERS, "recency", scorers.Scorer(recency_score, always_ready))
     seen = []
     real = aten_step.sparse_attention_reference

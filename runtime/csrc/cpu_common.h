@@ -94,6 +94,7 @@ struct half_t {
 // A store element as float32: bfloat16 is the high half of a float32 (stored as uint16_t);
 // float16 converts exactly (the CPU's F16C conversion where it has one).
 inline float widen(float x) { return x; }
+inline float widen(int8_t x) { return static_cast<float>(x); }  // an int8 store's level (its row's scale apart)
 inline float widen(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
   float f;
@@ -144,6 +145,7 @@ inline float round_like(float x, uint16_t) {
 }
 inline float round_like(float x, half_t) { return round_half(x); }
 inline float round_like(float x, float) { return x; }
+inline float round_like(float x, int8_t) { return x; }  // an int8 store's query stays float32
 
 // Whether q[0, n) holds values of the store's dtype only (for bfloat16: the low 16 bits zero).
 inline bool holds_store_values(const float* q, int64_t n, uint16_t) {
@@ -161,6 +163,7 @@ inline bool holds_store_values(const float* q, int64_t n, half_t) {
   return true;
 }
 inline bool holds_store_values(const float*, int64_t, float) { return true; }
+inline bool holds_store_values(const float*, int64_t, int8_t) { return false; }  // no int8 dot products
 
 // Whether group_logits16<T, G_, D_, true> takes the bfloat16 dot products (the kernels count
 // the calls that did: tests assert the path that ran).
@@ -182,6 +185,9 @@ inline __m512 load16(const uint16_t* p) {
 }
 inline __m512 load16(const half_t* p) {  // VCVTPH2PS (AVX-512F): exact
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load16(const int8_t* p) {  // an int8 store's levels, exact
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 // Prefetch one store row (D elements) into L1, one request per 64-byte line: a core streams a
@@ -306,6 +312,9 @@ inline __m512 load16_first(const uint16_t* p, int64_t count) {
 }
 inline __m512 load16_first(const half_t* p, int64_t count) {
   return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1u), p));
+}
+inline __m512 load16_first(const int8_t* p, int64_t count) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << count) - 1u), p)));
 }
 #define SPECONTEXT_ROW_VECTORS 1
 #endif

@@ -14,10 +14,12 @@
 // splits (batch row, KV head, positions): each layer's log-sum-exp merged from its splits, the
 // exponentials scaled by one factor per split (no second exponential per position: 2.5 -> 1.7
 // ms a step for 8 layers of 8K fp32 keys, 2.2 -> 1.4 bf16, scratch timing), then summed.
-// float32 or bfloat16 stores, float32 query taken as given (the callers round it to the store's
-// dtype, as the torch body does; a bfloat16 store's keys then go through the CPU's bfloat16 dot
-// products where it has them, else they are widened as loaded), float32 accumulation and
-// output. Written for specontext
+// float32, bfloat16 or float16 stores with the float32 query taken as given (the callers round
+// it to the store's dtype, as the torch body does; a bfloat16 store's keys then go through the
+// CPU's bfloat16 dot products where it has them, else they are widened as loaded); or int8
+// stores (levels and one float32 scale per row, an entry point of its own: option
+// selection_keys), whose query rows are rounded to int8 levels here too, so that the logits are
+// integer dot products (AVX-512 VNNI where the CPU has it). float32 accumulation and output. Written for specontext
 // (issue 51); built and loaded by runtime/cpu_selection.py.
 #include <algorithm>
 #include <atomic>
@@ -52,6 +54,12 @@ struct Scores {
   int64_t S2;                  // phase 2's splits of the capacity (its own: phase 1 has L x more units)
   float* logits;             // [L, B * KV, G, C]
   float* stats;              // [L, B * KV, S, G, 2]: each split's maximum and sum of exp(l - max)
+  const float* const* scales;  // int8 stores: L rows of scales [B, KV, C] (a key is level * scale); else nullptr
+  // int8 stores: the query's rows as int8 levels [L, B * KV, G, D], each row's scale and level sum
+  // [L, B * KV, G] (query_levels); `query` then holds their dequantized values
+  const int8_t* query8;
+  const float* query_scale;
+  const int32_t* query_sum;
 
   int64_t limit(int64_t b) const { return std::min(std::max<int64_t>(lengths[b * length_stride], 0), C); }
   bool hidden(int64_t b, int64_t pos) const { return visible && !visible[b * visible_stride + pos]; }
@@ -76,6 +84,40 @@ inline void split_exponentials(float* row, int64_t lo, int64_t hi, float* st) {
   st[1] = z;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define SPECONTEXT_INT8_DOT 1
+// out[g * stride + jj] = qscale[g] * (q8[g] . rows[jj]) for 16 int8 key rows of D_ levels and
+// the G_ heads' int8 query rows: VPDPBUSD multiplies unsigned by signed bytes, so each key byte
+// is flipped to level + 128 (unsigned) and 128 * (sum of the query's levels) taken off after.
+// Integer products summed in int32 and then in float32, exactly (|sum| < 2^24 at D_ <= 256);
+// one rounding, the query's scale (the key's scale is the caller's, per row).
+template <int G_, int D_>
+inline void group_logits16_int8(const int8_t* q8, const float* qscale, const int32_t* qsum,
+                                const int8_t* const* rows, float* out, int64_t stride) {
+  constexpr int C_ = D_ / 64;
+  __m512i qv[G_][C_];
+  for (int g = 0; g < G_; ++g)
+    for (int c = 0; c < C_; ++c) qv[g][c] = _mm512_loadu_si512(q8 + g * D_ + 64 * c);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
+  __m512 sums[G_][16];
+  for (int r = 0; r < 16; ++r) {
+    __m512i acc[G_];
+    for (int g = 0; g < G_; ++g) acc[g] = _mm512_setzero_si512();
+    for (int c = 0; c < C_; ++c) {
+      const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(rows[r] + 64 * c), flip);
+      for (int g = 0; g < G_; ++g) acc[g] = _mm512_dpbusd_epi32(acc[g], k, qv[g][c]);
+    }
+    for (int g = 0; g < G_; ++g) sums[g][r] = _mm512_cvtepi32_ps(acc[g]);
+  }
+  for (int g = 0; g < G_; ++g) {
+    const __m512 dots = _mm512_sub_ps(sum_lanes16(sums[g]), _mm512_set1_ps(128.f * static_cast<float>(qsum[g])));
+    _mm512_storeu_ps(out + g * stride, _mm512_mul_ps(dots, _mm512_set1_ps(qscale[g])));
+  }
+}
+#endif
+
+std::atomic<int64_t> int8_dot_calls{0};  // calls that took the int8 dot products
+
 // Phase 1: layer l's logits of positions [lo, hi) for item bh, as exponentials, and the split's statistics.
 template <typename T, int G_, int D_, bool DOT>
 void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int64_t lo, int64_t hi) {
@@ -95,6 +137,13 @@ void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int6
         if (j + PREFETCH + jj < hi) prefetch_row<T, D_>(k + (j + PREFETCH + jj) * D_);
         if (j + FAR + jj < hi) prefetch_row_l2<T, D_>(k + (j + FAR + jj) * D_);
       }
+#ifdef SPECONTEXT_INT8_DOT
+      if constexpr (std::is_same_v<T, int8_t> && D_ % 64 == 0) {
+        const int64_t row = (l * items + bh) * G;
+        group_logits16_int8<G_, D_>(p.query8 + row * D, p.query_scale + row, p.query_sum + row, rows, lg + j, p.C);
+        continue;
+      }
+#endif
       group_logits16<T, G_, D_, DOT>(q, rows, lg + j, p.C);
     }
   }
@@ -104,6 +153,14 @@ void layer_logits(const Scores<T>& p, int64_t l, int64_t bh, int64_t split, int6
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       lg[g * p.C + j] = dot_row(qg, kr, D);
+    }
+  }
+  if (p.scales) {  // an int8 store: q . (level * scale) = (q . level) * scale, the row's scale
+    const float* sc = p.scales[l] + bh * p.C;
+    for (int64_t g = 0; g < G; ++g) {
+      float* row = lg + g * p.C;
+#pragma omp simd
+      for (int64_t i = lo; i < hi; ++i) row[i] *= sc[i];
     }
   }
   if (p.visible)
@@ -163,6 +220,10 @@ std::atomic<int64_t> dot_calls{0};  // calls that took the bfloat16 dot products
 template <typename T, int G_, int D_, bool DOT>
 void run(const Scores<T>& p) {
   if constexpr (DOT && uses_bf16_dot<T, G_, D_>()) dot_calls.fetch_add(1, std::memory_order_relaxed);
+#ifdef SPECONTEXT_INT8_DOT
+  if constexpr (std::is_same_v<T, int8_t> && G_ > 0 && D_ > 0 && D_ % 64 == 0)
+    int8_dot_calls.fetch_add(1, std::memory_order_relaxed);
+#endif
   const int64_t items = p.B * p.KV;
 #pragma omp parallel
   {
@@ -184,10 +245,33 @@ void run(const Scores<T>& p) {
   }
 }
 
+// Rows of n floats as int8 levels and one scale each, as runtime/int8_keys.py's quantize_rows
+// rounds keys: scale = max(max |x|, smallest normal float32) / 127, level = x / scale rounded to
+// the nearest integer (ties to even), clamped to -127..127; with each row's level sum and its
+// dequantized values (level * scale).
+inline void query_levels(const float* q, int64_t rows, int64_t n, int8_t* levels, float* scale, int32_t* sum,
+                         float* values) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = q + r * n;
+    float peak = 0.f;
+    for (int64_t i = 0; i < n; ++i) peak = std::max(peak, std::fabs(x[i]));
+    const float s = std::max(peak, std::numeric_limits<float>::min()) / 127.f;
+    int32_t total = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float level = std::min(127.f, std::max(-127.f, std::nearbyint(x[i] / s)));
+      levels[r * n + i] = static_cast<int8_t>(level);
+      values[r * n + i] = level * s;
+      total += static_cast<int32_t>(level);
+    }
+    scale[r] = s;
+    sum[r] = total;
+  }
+}
+
 template <typename T>
-int selection_scores(const float* query, const T* const* keys, const int64_t* lengths, int64_t length_stride,
-                     const uint8_t* visible, int64_t visible_stride, float* out, int64_t L, int64_t B, int64_t KV,
-                     int64_t G, int64_t C, int64_t D) {
+int selection_scores(const float* query, const T* const* keys, const float* const* scales, const int64_t* lengths,
+                     int64_t length_stride, const uint8_t* visible, int64_t visible_stride, float* out, int64_t L,
+                     int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D) {
   if (L < 1 || L > MAX_LAYERS || G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || C < 1 || B < 1 || KV < 1) return 1;
   static thread_local std::vector<float> logits, stats;  // kept between steps: no allocation per call
   int64_t longest = 0;
@@ -200,7 +284,25 @@ int selection_scores(const float* query, const T* const* keys, const int64_t* le
   // a third of it (issue 51)
   const int64_t S2 = splits(B * KV, C, 256);
   Scores<T> p{query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, D, S, S2,
-              logits.data(), stats.data()};
+              logits.data(), stats.data(), scales, nullptr, nullptr, nullptr};
+  // int8 keys: the query's rows as int8 levels too (each with its own scale), so that the key
+  // logits are integer dot products (VPDPBUSD where the CPU has it); the other paths read the
+  // same levels dequantized, so every position of a call sees one query
+  static thread_local std::vector<int8_t> query8;
+  static thread_local std::vector<float> query_scale, query_values;
+  static thread_local std::vector<int32_t> query_sum;
+  if constexpr (std::is_same_v<T, int8_t>) {
+    const int64_t rows = L * B * KV * G;
+    query8.resize(rows * D);
+    query_values.resize(rows * D);
+    query_scale.resize(rows);
+    query_sum.resize(rows);
+    query_levels(query, rows, D, query8.data(), query_scale.data(), query_sum.data(), query_values.data());
+    p.query = query_values.data();
+    p.query8 = query8.data();
+    p.query_scale = query_scale.data();
+    p.query_sum = query_sum.data();
+  }
   // the bfloat16 dot products take the query only where it holds bfloat16 values already
   if (holds_store_values(query, L * B * KV * G * D, T{}))
     with_shape(G, D, [&p](auto g, auto d) { run<T, decltype(g)::value, decltype(d)::value, true>(p); });
@@ -217,13 +319,32 @@ int selection_scores(const float* query, const T* const* keys, const int64_t* le
   extern "C" int name(const float* query, const T* const* keys, const int64_t* lengths, int64_t length_stride,   \
                       const uint8_t* visible, int64_t visible_stride, float* out, int64_t L, int64_t B,          \
                       int64_t KV, int64_t G, int64_t C, int64_t D) {                                             \
-    return selection_scores<T>(query, keys, lengths, length_stride, visible, visible_stride, out, L, B, KV, G, C, \
-                               D);                                                                               \
+    return selection_scores<T>(query, keys, nullptr, lengths, length_stride, visible, visible_stride, out, L, B, \
+                               KV, G, C, D);                                                                     \
   }
 
 SPECONTEXT_SELECTION_ENTRY(specontext_selection_scores, float)
 SPECONTEXT_SELECTION_ENTRY(specontext_selection_scores_bf16, uint16_t)
 SPECONTEXT_SELECTION_ENTRY(specontext_selection_scores_fp16, half_t)
+
+// int8 stores: each key row is its levels (int8) times its own float32 scale (scales: L
+// pointers to [B, KV, C]; runtime/int8_keys.py quantizes them), so the logit is the levels' dot
+// product times the row's scale: a quarter of a float32 store's key bytes plus 4 bytes a row
+// (at head_dim 64, 68 bytes a row against 256 and 128).
+extern "C" int specontext_selection_scores_int8(const float* query, const int8_t* const* keys,
+                                                const float* const* scales, const int64_t* lengths,
+                                                int64_t length_stride, const uint8_t* visible, int64_t visible_stride,
+                                                float* out, int64_t L, int64_t B, int64_t KV, int64_t G, int64_t C,
+                                                int64_t D) {
+  if (!scales) return 1;
+  for (int64_t l = 0; l < L; ++l)
+    if (!scales[l]) return 1;
+  return selection_scores<int8_t>(query, keys, scales, lengths, length_stride, visible, visible_stride, out, L, B,
+                                  KV, G, C, D);
+}
+
+// Calls in this process that took the int8 dot products (VPDPBUSD).
+extern "C" int64_t specontext_selection_scores_int8_dot_calls() { return int8_dot_calls.load(std::memory_order_relaxed); }
 
 // Calls in this process that took the bfloat16 dot products (the rest widened the keys).
 extern "C" int64_t specontext_selection_scores_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }

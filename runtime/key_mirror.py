@@ -1,0 +1,88 @@
+"""The selection's 8-bit copy of the retrieval layers' keys (option ``selection_keys="int8"``, issue 51).
+
+Once per decode step the lagged-query head scores every written token of the retrieval layers
+(SpeContext section 4): at 32K tokens and 8 retrieval layers of SmolLM2 that reads 201 MB of
+float32 keys a step, a fifth of what the default step must read. A store created with
+``mirror_keys`` also keeps its keys as int8 levels and one float32 scale a row
+(:mod:`.int8_keys`: 68 bytes a row at head_dim 64, against 256 in float32 and 128 in bfloat16),
+and the selection's CPU kernel reads those instead (:func:`lagged_scores`). The KV stores
+themselves are untouched: attention, refinement and page bounds read the model's keys.
+
+State, per store (:class:`~.kv_cache.SpeContextLayer`), kept like its page bounds:
+
+* ``key_levels`` int8 ``[batch, num_kv_heads, capacity, head_dim]``;
+* ``key_scales`` float32 ``[batch, num_kv_heads, capacity]``.
+
+Invariants:
+
+* **Written with the keys.** Every ``specontext::kv_write`` (prefill and decode, eager and
+  lowered) writes the int8 rows of the keys it writes (:func:`write_rows`), so positions
+  ``< length`` are always current; a crop's dropped rows are never read and are rewritten by
+  the next write there; a row reorder or a batch change moves them with the stores.
+* **Exactly the rounding of** :func:`.int8_keys.quantize_rows` (torch ops, static shapes).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.fx.node import has_side_effect
+
+from . import int8_keys
+
+__all__ = ["SELECTION_KEYS", "allocate", "applies", "lagged_scores", "write_rows"]
+
+#: what the lagged-query selection reads: the KV stores' keys, or their int8 copy
+SELECTION_KEYS = ("store", "int8")
+
+
+def allocate(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zeroed ``(key_levels, key_scales)`` for a store ``keys`` ``[batch, num_kv_heads,
+    capacity, head_dim]``."""
+    return (torch.zeros(keys.shape, dtype=torch.int8, device=keys.device),
+            torch.zeros(keys.shape[:3], dtype=torch.float32, device=keys.device))
+
+
+@has_side_effect
+def write_rows(key_mirror: list[torch.Tensor], length: torch.Tensor, key: torch.Tensor) -> None:
+    """The int8 half of ``specontext::kv_write``: after ``key`` ``[batch, num_kv_heads, q_len,
+    head_dim]`` was written at positions ``length - q_len .. length - 1`` (``length``: int64
+    scalar, tokens written including this write's), their rows
+    (:func:`.int8_keys.quantize_rows`) into ``key_mirror`` = ``[key_levels, key_scales]``
+    (``[]``: the store keeps none). Static shapes, no host read."""
+    if not key_mirror:
+        return
+    levels, scales = key_mirror
+    q_len = key.shape[-2]
+    pos = length.to(levels.device) - q_len + torch.arange(q_len, device=levels.device)
+    rows, row_scales = int8_keys.quantize_rows(key)
+    levels.index_copy_(2, pos, rows.to(levels.device))
+    scales.index_copy_(2, pos, row_scales.to(scales.device))
+
+
+def applies(mirrors: list, stores: list) -> bool:
+    """Whether ``mirrors`` (one ``(key_levels, key_scales)`` per store, example values) serve
+    the CPU selection kernel over ``stores``: CPU tensors of the stores' shapes."""
+    if len(mirrors) != len(stores) or not stores:
+        return False
+    for mirror, store in zip(mirrors, stores):
+        if len(mirror) != 2 or not isinstance(store, torch.Tensor) or any(m is None for m in mirror):
+            return False
+        levels, scales = mirror
+        if (levels.dtype != torch.int8 or scales.dtype != torch.float32 or levels.device.type != "cpu"
+                or tuple(levels.shape) != tuple(store.shape) or tuple(scales.shape) != tuple(store.shape[:3])):
+            return False
+    return True
+
+
+def lagged_scores(query_state: torch.Tensor, stores: list, mirrors: list, cached: torch.Tensor,
+                  visible: torch.Tensor | None, variant) -> torch.Tensor:
+    """:func:`~.scorers.lagged_query_score` over the stores' int8 rows (the pass chose it: option
+    ``selection_keys="int8"`` and stores that keep them): the query rounded to the stores'
+    dtype as :func:`~.cpu_selection.lagged_scores` rounds it, then
+    :func:`~.cpu_selection.cpu_selection_scores` with the rows' scales. ``mirrors``: one
+    ``(key_levels, key_scales)`` per store; ``visible`` bool ``[batch|1, 1, capacity]`` or None.
+    Returns float32 ``[batch, num_kv_heads, capacity]``."""
+    query = (query_state[: len(stores)].float() * variant.scale).to(stores[0].dtype).float()
+    return torch.ops.specontext.cpu_selection_scores(query, [m[0] for m in mirrors], cached,
+                                                     None if visible is None else visible[:, 0],
+                                                     [m[1] for m in mirrors])
