@@ -19,7 +19,8 @@ Invariants:
   as a :class:`~..runtime.spec.StepSpec` and an :class:`~..runtime.spec.AttentionVariant`),
   so lowering changes a node's target and nothing else.
 - **Only the ops.** The cache's marker ``kv_write`` (as ``aten_step.write_kv`` and, for a store
-  with page bounds, ``page_bounds.update_after_write``) and torch-path
+  with page bounds, ``page_bounds.update_after_write``, for a store with the selection's int8
+  rows, ``key_mirror.write_rows``) and torch-path
   ``sparse_attention`` (the body its spec's route names, decided by the rewrite pass and never
   here: ``aten_step.sparse_attention``, ``mla.mla_sparse_attention`` at a site whose variant
   is multi-head latent attention's, or on CUDA graphs ``kernel_step.kernel_attention``, both
