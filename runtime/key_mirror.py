@@ -43,17 +43,23 @@ def allocate(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @has_side_effect
-def write_rows(key_mirror: list[torch.Tensor], length: torch.Tensor, key: torch.Tensor) -> None:
+def write_rows(key_mirror: list[torch.Tensor], length: torch.Tensor, key: torch.Tensor,
+               checked: torch.Tensor | None = None) -> None:
     """The int8 half of ``specontext::kv_write``: after ``key`` ``[batch, num_kv_heads, q_len,
     head_dim]`` was written at positions ``length - q_len .. length - 1`` (``length``: int64
     scalar, tokens written including this write's), their rows
     (:func:`.int8_keys.quantize_rows`) into ``key_mirror`` = ``[key_levels, key_scales]``
-    (``[]``: the store keeps none). Static shapes, no host read."""
+    (``[]``: the store keeps none). Static shapes, no host read. ``checked``: the int64 zero of
+    ``specontext::check_capacity``, added to the positions as :func:`.aten_step.write_kv` adds
+    it, so that a compiled step writes no row before the capacity check has passed (layer 0's
+    keys do not otherwise depend on it: an out-of-range row aborted in inductor's bounds check)."""
     if not key_mirror:
         return
     levels, scales = key_mirror
     q_len = key.shape[-2]
     pos = length.to(levels.device) - q_len + torch.arange(q_len, device=levels.device)
+    if checked is not None:
+        pos = pos + checked.to(levels.device)
     rows, row_scales = int8_keys.quantize_rows(key)
     levels.index_copy_(2, pos, rows.to(levels.device))
     scales.index_copy_(2, pos, row_scales.to(scales.device))

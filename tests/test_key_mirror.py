@@ -172,3 +172,22 @@ def test_without_the_cache_s_mirror_the_option_falls_back_to_the_stores_logged(c
     want = run("store")
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_a_compiled_write_past_the_capacity_is_the_clear_error_with_int8_rows():
+    """With the int8 rows, a compiled step's write past ``max_cache_len`` is still the cache's
+    clear error, raised before any row is written (the rows' write waits for the capacity
+    check, as the store's does; before, layer 0's int8 rows were written first, out of range,
+    and inductor's bounds check aborted the process)."""
+    model = tiny_llama(layers=1)
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8, "selection_keys": "int8"})
+    cache = sc.SpeContextCache(model.config, max_cache_len=16, chunk_tokens=8, selection_keys="int8")
+    ids = torch.randint(0, 128, (1, 15))
+    with torch.no_grad():
+        compiled(input_ids=ids, cache=cache, use_cache=True)
+        compiled(input_ids=ids[:, :1], cache=cache, use_cache=True)
+        with pytest.raises(Exception, match="max_cache_len"):
+            compiled(input_ids=ids[:, :1], cache=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.key_levels is not None and int(layer.cumulative_length) == 16
+    _assert_current(layer)
