@@ -138,6 +138,8 @@ def test_floor_counts_the_retrieval_layers_and_candidates_of_each_variant():
     assert kv("specontext-1024") == (30 * (1024 + 2048 + pages + 1024) + 8 * 8192) * per_token
     assert kv("specontext-p0-1024") == (30 * (1024 + 1024) + 8 * 8192) * per_token  # 8 retrieval layers
     assert kv("specontext-r5-1024") == (30 * (1024 + 2048 + pages + 1024) + 5 * 8192) * per_token
+    # the int8 selection: each retrieval layer's keys read as int8 rows, 64 levels and a float32 scale
+    assert kv("specontext-k8-1024") == 30 * (1024 + 2048 + pages + 1024) * per_token + 8 * 8192 * 3 * (64 + 4)
     assert kv("specontext-c4-1024") == (30 * (4096 + 2048 + pages + 1024) + 8 * 8192) * per_token
     assert kv("specontext-cinf-1024") == (30 * (8192 + 1024) + 8 * 8192) * per_token  # every key, in place
     assert kv("specontext-c4p1k-1024") == (30 * (4096 + 1024 + pages + 1024) + 8 * 8192) * per_token
