@@ -78,12 +78,16 @@ def applies(query_state: torch.Tensor, stores: list) -> bool:
 
 
 def lagged_scores(query_state: torch.Tensor, stores: list, cached: torch.Tensor, visible: torch.Tensor | None,
-                  variant) -> torch.Tensor:
+                  variant, mirrors: list | None = None) -> torch.Tensor:
     """:func:`~.scorers.lagged_query_score` where the pass chose the kernel (``StepSpec.cpu_kernel``): ``visible`` bool ``[batch|1,
-    1, capacity]`` or None; returns float32 ``[batch, num_kv_heads, capacity]``."""
+    1, capacity]`` or None; returns float32 ``[batch, num_kv_heads, capacity]``. ``mirrors``:
+    one ``(key_levels, key_scales)`` per store (:mod:`.key_mirror`, option
+    ``selection_keys="int8"``), scored instead of the stores' keys; the query is rounded to the
+    stores' dtype either way."""
     query = (query_state[: len(stores)].float() * variant.scale).to(stores[0].dtype).float()
-    return torch.ops.specontext.cpu_selection_scores(query, list(stores), cached,
-                                                     None if visible is None else visible[:, 0])
+    keys, scales = (list(stores), None) if mirrors is None else ([m[0] for m in mirrors], [m[1] for m in mirrors])
+    return torch.ops.specontext.cpu_selection_scores(query, keys, cached, None if visible is None else visible[:, 0],
+                                                     scales)
 
 
 # A plain torch.library op (as cpu_refine_attention: a cheaper dispatch than custom_op's).

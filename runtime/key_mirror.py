@@ -5,7 +5,8 @@ Once per decode step the lagged-query head scores every written token of the ret
 float32 keys a step, a fifth of what the default step must read. A store created with
 ``mirror_keys`` also keeps its keys as int8 levels and one float32 scale a row
 (:mod:`.int8_keys`: 68 bytes a row at head_dim 64, against 256 in float32 and 128 in bfloat16),
-and the selection's CPU kernel reads those instead (:func:`lagged_scores`). The KV stores
+and the selection's CPU kernel reads those instead (:func:`.cpu_selection.lagged_scores` with
+``mirrors``). The KV stores
 themselves are untouched: attention, refinement and page bounds read the model's keys.
 
 State, per store (:class:`~.kv_cache.SpeContextLayer`), kept like its page bounds:
@@ -29,7 +30,7 @@ from torch.fx.node import has_side_effect
 
 from . import int8_keys
 
-__all__ = ["SELECTION_KEYS", "allocate", "applies", "lagged_scores", "write_rows"]
+__all__ = ["SELECTION_KEYS", "allocate", "applies", "write_rows"]
 
 #: what the lagged-query selection reads: the KV stores' keys, or their int8 copy
 SELECTION_KEYS = ("store", "int8")
@@ -78,17 +79,3 @@ def applies(mirrors: list, stores: list) -> bool:
                 or tuple(levels.shape) != tuple(store.shape) or tuple(scales.shape) != tuple(store.shape[:3])):
             return False
     return True
-
-
-def lagged_scores(query_state: torch.Tensor, stores: list, mirrors: list, cached: torch.Tensor,
-                  visible: torch.Tensor | None, variant) -> torch.Tensor:
-    """:func:`~.scorers.lagged_query_score` over the stores' int8 rows (the pass chose it: option
-    ``selection_keys="int8"`` and stores that keep them): the query rounded to the stores'
-    dtype as :func:`~.cpu_selection.lagged_scores` rounds it, then
-    :func:`~.cpu_selection.cpu_selection_scores` with the rows' scales. ``mirrors``: one
-    ``(key_levels, key_scales)`` per store; ``visible`` bool ``[batch|1, 1, capacity]`` or None.
-    Returns float32 ``[batch, num_kv_heads, capacity]``."""
-    query = (query_state[: len(stores)].float() * variant.scale).to(stores[0].dtype).float()
-    return torch.ops.specontext.cpu_selection_scores(query, [m[0] for m in mirrors], cached,
-                                                     None if visible is None else visible[:, 0],
-                                                     [m[1] for m in mirrors])

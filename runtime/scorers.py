@@ -44,7 +44,7 @@ from collections.abc import Callable
 
 import torch
 
-from . import cpu_selection, key_mirror
+from . import cpu_selection
 from .aten_step import select_positions
 from .draft_retrieval import map_to_target_heads
 from .sparse_attention import masked_group_max_softmax, row_visibility
@@ -86,13 +86,12 @@ def lagged_query_score(record: tuple, stores: list, cached: torch.Tensor, q_len:
     every retrieval layer. Returns float32 ``[batch, num_kv_heads, capacity]``, 0 where not
     scored. ``kernel`` (the pass's choice, :func:`~.routes.selection_kernel`): our C++ kernel
     computes it (:func:`~.cpu_selection.lagged_scores`: reads only the written keys), from the
-    int8 mirror when ``record`` carries one (:func:`~.key_mirror.lagged_scores`; the torch body
+    retrieval layers' int8 rows when ``record`` carries them (:mod:`.key_mirror`; the torch body
     reads the stores)."""
     query_state = record[0]
-    if kernel and len(record) > 2:  # the pass gave the kernel the int8 mirror (option selection_keys)
-        return key_mirror.lagged_scores(query_state, stores, record[2], cached, visible, variant)
-    if kernel:
-        return cpu_selection.lagged_scores(query_state, stores, cached, visible, variant)
+    if kernel:  # with the int8 rows where the pass gave them (option selection_keys)
+        return cpu_selection.lagged_scores(query_state, stores, cached, visible, variant,
+                                           record[2] if len(record) > 2 else None)
     _, _, capacity = store_shape(stores[0])
     written = torch.arange(capacity, device=query_state.device) < cached
     if visible is not None:

@@ -141,8 +141,8 @@ def test_the_compiled_step_scores_the_mirror_with_the_logits_of_the_rounded_keys
             _assert_current(layer)
     assert sum(layer.key_levels is not None for layer in cache.kv_layers) == min(8, model.config.num_hidden_layers)
     torch._dynamo.reset()
-    monkeypatch.setattr(key_mirror, "lagged_scores",
-                        lambda query_state, stores, mirrors, cached, visible, variant:
+    monkeypatch.setattr(cpu_selection, "lagged_scores",
+                        lambda query_state, stores, cached, visible, variant, mirrors=None:
                         _round_trip_scores(query_state, stores, cached, visible, variant))
     with torch._inductor.config.patch(fx_graph_cache=False), torch._functorch.config.patch(enable_autograd_cache=False):
         want, _ = run()
