@@ -263,11 +263,12 @@ def make_cache(kind: str, config, capacity: int):
         return DynamicCache(config=config)
     if kind.startswith("hf-static-") or kind.startswith("specontext-static-"):
         return StaticCache(config, max_cache_len=capacity)  # specontext-static-*: the backend adopts it
-    from specontext_compile import SpeContextCache
+    from specontext_compile import SpeContextCache, SpeContextConfig
 
     options = parse_specontext(kind)[1] if kind.startswith("specontext-") else {}
-    return SpeContextCache(config, max_cache_len=capacity, selection_keys=options.get("selection_keys", "store"),
-                           retrieval_layers=options.get("retrieval_layers"))
+    picked = SpeContextConfig.from_options(options)  # the option's default resolved
+    return SpeContextCache(config, max_cache_len=capacity, selection_keys=picked.selection_keys,
+                           retrieval_layers=picked.retrieval_layers)
 
 
 def fill_cache(cache, source: list[tuple[torch.Tensor, torch.Tensor]], batch: int) -> None:
@@ -352,7 +353,8 @@ SPECONTEXT_VARIANTS = {
     "c4p1k": {"candidates": 4.0, "page_rescue": 1024},
     "d0": {"dense_layers": (0,)},  # layer 0 kept dense (option dense_layers), the rescue at its default
     "below16k": {"dense_below": 16384},  # dense over stores of <= 16K tokens (option dense_below)
-    "k8": {"selection_keys": "int8"},  # the selection scores the retrieval layers' int8 key rows
+    "k8": {"selection_keys": "int8"},  # the selection scores the retrieval layers' int8 key rows (the default)
+    "ks": {"selection_keys": "store"},  # the selection scores the stores' keys (the default before issue 51's flip)
     "static": {},  # Hugging Face's StaticCache, adopted by the backend (issue 13): the HF recipe
     "frozen": FROZEN,  # weights folded and frozen, linear layers on inductor's CPP GEMM template
 }

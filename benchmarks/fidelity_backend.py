@@ -94,7 +94,7 @@ def sparse_run(model, ids: torch.Tensor, context: int, steps: int, kv_store: str
     with writes:
         forward = torch.compile(model.forward, backend="specontext", options=options)
         cache = sc.SpeContextCache(model.config, max_cache_len=context + steps + 1,
-                                   selection_keys=options.get("selection_keys", "store"),
+                                   selection_keys=sc.SpeContextConfig.from_options(options).selection_keys,
                                    retrieval_layers=options.get("retrieval_layers"))
         start = time.perf_counter()
         int8_calls = counters["specontext"]["cpu_kernel_selection_int8_calls"]
@@ -195,7 +195,7 @@ def main() -> None:
     parser.add_argument("--kv-store", nargs="+", default=["model"], choices=["model", "int8"],
                         help="the KV store's values: the model's dtype, or rounded to int8 with per-token scales "
                              "(emulated: benchmarks/kv_int8.py); each is run")
-    parser.add_argument("--selection-keys", nargs="+", default=["store"], choices=["store", "int8"],
+    parser.add_argument("--selection-keys", nargs="+", default=["int8"], choices=["store", "int8"],
                         help="option selection_keys, one run per value: the selection scores the stores' keys or "
                              "the retrieval layers' int8 rows (runtime/key_mirror.py)")
     parser.add_argument("--out", type=Path, required=True)

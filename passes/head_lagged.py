@@ -35,7 +35,7 @@ class LaggedQueryHead(SelectionHead):
 
     label = scorer = "lagged-query"
 
-    def __init__(self, retrieval_layers: tuple[int, ...] | None, selection_keys: str = "store"):
+    def __init__(self, retrieval_layers: tuple[int, ...] | None, selection_keys: str = key_mirror.DEFAULT_SELECTION_KEYS):
         self.layers = retrieval_layers
         self.selection_keys = selection_keys
         self.drivers: list[AttentionSite] = []

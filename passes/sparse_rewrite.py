@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from ..runtime import aten_step, mla, page_bounds, routes
+from ..runtime import aten_step, key_mirror, mla, page_bounds, routes
 from ..runtime.protocol import RetrievalAnchor, op_arguments, overloads
 from ..runtime.spec import AttentionVariant, StepSpec
 from ..runtime.torch_private import custom_graph_pass, effect_of
@@ -184,7 +184,7 @@ def _sources() -> tuple[str, ...]:
 
 
 def make_head(retrieval_layers: tuple[int, ...] | None, retrieval_head: str | None,
-              selection_keys: str = "store") -> SelectionHead:
+              selection_keys: str = key_mirror.DEFAULT_SELECTION_KEYS) -> SelectionHead:
     """The head the options name: a draft head for ``retrieval_head`` (a resolved folder),
     else the lagged queries of ``retrieval_layers`` (scored over ``selection_keys``)."""
     if retrieval_head is not None:

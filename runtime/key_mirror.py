@@ -30,10 +30,12 @@ from torch.fx.node import has_side_effect
 
 from . import int8_keys
 
-__all__ = ["SELECTION_KEYS", "allocate", "applies", "write_rows"]
+__all__ = ["DEFAULT_SELECTION_KEYS", "SELECTION_KEYS", "allocate", "applies", "write_rows"]
 
 #: what the lagged-query selection reads: the KV stores' keys, or their int8 copy
 SELECTION_KEYS = ("store", "int8")
+#: the default of the option and of :class:`~.kv_cache.SpeContextCache` (one source for both)
+DEFAULT_SELECTION_KEYS = "int8"
 
 
 def allocate(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ from transformers.utils import is_torchdynamo_compiling
 from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
 from . import key_mirror
 from .draft_retrieval import DraftKeyCache, head_spec
-from .key_mirror import SELECTION_KEYS
+from .key_mirror import DEFAULT_SELECTION_KEYS, SELECTION_KEYS
 from .page_bounds import PAGE_TOKENS, clear_pages_from, page_count, update_page_bounds
 from .protocol import STATS, DraftAnchor, RetrievalAnchor
 from .retrieval import picked_retrieval_layers
@@ -520,13 +520,14 @@ class SpeContextCache(Cache):
         page_tokens: tokens per page of each store's per-page key bounds (what the option
             ``page_rescue`` reads; +2/page_tokens of the keys' bytes, not counted in
             :attr:`kv_bytes`; the offload memory model counts them); 0 = keep none. MLA stores keep none.
-        selection_keys: ``"store"`` (default) or ``"int8"``: with ``"int8"`` the CPU stores of
+        selection_keys: ``"int8"`` (default) or ``"store"``: with ``"int8"`` the CPU stores of
             the retrieval layers (``retrieval_layers``, counted over the layers with a KV store as
             the option of that name is) also keep their keys' int8 rows (``key_levels``,
             ``key_scales``, :mod:`.key_mirror`; head_dim + 4 bytes per token and KV head, not
             counted in :attr:`kv_bytes`), which the selection scores with the backend's option
-            ``selection_keys="int8"``. MLA stores and stores on other devices keep
-            none (only the CPU kernel reads them).
+            ``selection_keys="int8"`` (its default too). MLA stores, stores on other devices and
+            a cache with a ``retrieval_head`` keep none (only the CPU kernel of the lagged-query
+            head reads them); ``"store"`` keeps none anywhere.
         retrieval_layers: the backend's option of that name (None: its default eight layers);
             read only with ``selection_keys="int8"``.
 
@@ -540,7 +541,8 @@ class SpeContextCache(Cache):
     is_compileable = True
 
     def __init__(self, config, max_cache_len: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                 retrieval_head: str | None = None, page_tokens: int = PAGE_TOKENS, selection_keys: str = "store",
+                 retrieval_head: str | None = None, page_tokens: int = PAGE_TOKENS,
+                 selection_keys: str = DEFAULT_SELECTION_KEYS,
                  retrieval_layers: tuple[int, ...] | int | None = None):
         if selection_keys not in SELECTION_KEYS:
             raise ValueError(f"selection_keys must be one of {SELECTION_KEYS} (what the selection scores: the "
@@ -576,7 +578,8 @@ class SpeContextCache(Cache):
         self.latent_widths = _latent_widths(first)
         for layer in self.kv_layers:  # latent rows are no keys: MLA stores keep no page bounds
             layer.page_tokens = 0 if self.latent_widths else page_tokens
-        self.selection_keys = "store" if self.latent_widths else selection_keys
+        # the int8 rows serve the lagged-query head only: MLA and a draft head keep none
+        self.selection_keys = "store" if self.latent_widths or retrieval_head is not None else selection_keys
         if self.selection_keys == "int8":  # the retrieval layers' stores keep their keys' int8 rows
             for i in picked_retrieval_layers(retrieval_layers, len(self.kv_layers)):
                 self.kv_layers[i].mirror_keys = True

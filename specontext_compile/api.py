@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from .config import SpeContextConfig, flatten_options
+from .runtime.key_mirror import DEFAULT_SELECTION_KEYS
 from .runtime.kv_cache import SpeContextCache
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
     ``max_length``), so compiled decoding never has to grow the store.
     ``retrieval_head``: the draft head folder whose key cache the cache keeps; None takes
     the one ``model`` was compiled with by :func:`compile` (if any). The cache keeps the
-    int8 selection keys when ``model`` was compiled with ``selection_keys="int8"``.
+    int8 selection keys unless ``model`` was compiled with ``selection_keys="store"``.
 
     Raises:
         ValueError: a bad ``retrieval_head`` (see ``SpeContextConfig.retrieval_head``).
@@ -43,7 +44,7 @@ def make_cache(model: torch.nn.Module, input_ids: torch.Tensor | None = None,
         total = max(prompt + 1, max_length or getattr(gen, "max_length", 0) or 0)
     # the int8 keys the option selection_keys="int8" scores are kept by the cache
     return SpeContextCache(model.config, max_cache_len=total + 1, retrieval_head=retrieval_head,
-                           selection_keys=options.get("selection_keys", "store"),
+                           selection_keys=options.get("selection_keys", DEFAULT_SELECTION_KEYS),
                            retrieval_layers=options.get("retrieval_layers"))
 
 

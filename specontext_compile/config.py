@@ -13,6 +13,7 @@ __all__ = ["ALL_TOKENS", "MAX_RETRIEVAL_LAYERS", "MODES", "OPTION_GROUPS", "Comp
 
 _INNER = ("auto", "eager", "inductor")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+from .runtime.key_mirror import DEFAULT_SELECTION_KEYS, SELECTION_KEYS
 from .runtime.retrieval import MAX_RETRIEVAL_LAYERS, default_retrieval_layers
 from .runtime.spec import ALL_TOKENS, KERNELS, candidate_slots
 
@@ -83,7 +84,7 @@ class SelectionOptions:
     max_sparse_q_len: int = 1
     dense_shortcut: bool = True
     dense_below: int = 0
-    selection_keys: str = "store"
+    selection_keys: str = DEFAULT_SELECTION_KEYS
 
     def __post_init__(self) -> None:
         _check_int("budget", self.budget, 1)
@@ -102,8 +103,6 @@ class SelectionOptions:
             raise ValueError(f"specontext option 'dense_below' must be an int >= 0 (store tokens at or below which "
                              f"attention stays dense; 0 = never), got {below!r}")
         _check_flag("dense_shortcut", self.dense_shortcut)
-        from .runtime.key_mirror import SELECTION_KEYS
-
         if self.selection_keys not in SELECTION_KEYS:
             raise ValueError(f"specontext option 'selection_keys' must be one of {SELECTION_KEYS} (what the "
                              f"selection scores: the stores' keys, or their int8 copy), got {self.selection_keys!r}")
@@ -338,14 +337,13 @@ class SpeContextConfig:
             same folder (``specontext_compile.compile`` does it). Stored resolved (absolute).
             A bad folder is a ``ValueError`` naming the fix. Not with ``device_memory_bytes``
             yet.
-        selection_keys: what the lagged-query selection scores on the CPU: ``"store"``
-            (default) the retrieval layers' keys themselves, or ``"int8"``: an int8 copy of
-            them with one float32 scale a row, kept by the ``SpeContextCache`` (created with
-            the same ``selection_keys``: ``specontext_compile.compile`` does it) and written by
+        selection_keys: what the lagged-query selection scores on the CPU: ``"int8"``
+            (default) an int8 copy of the retrieval layers' keys with one float32 scale a
+            row, kept by the ``SpeContextCache`` (whose default is the same) and written by
             every ``kv_write`` with the keys (``runtime/key_mirror.py``), scored with the query
             rounded to int8 as well: 68 bytes a key row at head_dim 64 against 256 (float32)
-            or 128 (bfloat16). Attention and refinement always read the
-            model's keys. Where the int8 rows cannot apply (a cache without them, Hugging
+            or 128 (bfloat16); or ``"store"``: the keys themselves (the cache then keeps no
+            int8 rows). Attention and refinement always read the model's keys. Where the int8 rows cannot apply (a cache without them, Hugging
             Face's StaticCache, MLA, the torch or Triton selection, a GPU) the selection reads
             the stores (logged; at debug level off the CPU kernel).
         dump_dir: folder for graph dumps before/after the passes (text and DOT, see

@@ -134,19 +134,21 @@ def test_floor_counts_the_retrieval_layers_and_candidates_of_each_variant():
         return decode.floor_bytes(name, config, 0, 8192, 1)[1]
 
     pages = 2 * 512  # the page rescue reads a min and a max row per 16-token page
-    # the default: one shared selection plus a page rescue of 2 x budget
-    assert kv("specontext-1024") == (30 * (1024 + 2048 + pages + 1024) + 8 * 8192) * per_token
-    assert kv("specontext-p0-1024") == (30 * (1024 + 1024) + 8 * 8192) * per_token  # 8 retrieval layers
-    assert kv("specontext-r5-1024") == (30 * (1024 + 2048 + pages + 1024) + 5 * 8192) * per_token
-    # the int8 selection: each retrieval layer's keys read as int8 rows, 64 levels and a float32 scale
-    assert kv("specontext-k8-1024") == 30 * (1024 + 2048 + pages + 1024) * per_token + 8 * 8192 * 3 * (64 + 4)
-    assert kv("specontext-c4-1024") == (30 * (4096 + 2048 + pages + 1024) + 8 * 8192) * per_token
-    assert kv("specontext-cinf-1024") == (30 * (8192 + 1024) + 8 * 8192) * per_token  # every key, in place
-    assert kv("specontext-c4p1k-1024") == (30 * (4096 + 1024 + pages + 1024) + 8 * 8192) * per_token
-    assert kv("specontext-p1k-1024") == (30 * (2048 + pages + 1024) + 8 * 8192) * per_token
+    int8_rows = 8 * 8192 * 3 * (64 + 4)  # 8 retrieval layers' keys as int8 rows: 64 levels, a float32 scale
+    stored = 8 * 8192 * per_token  # the same keys read from the stores (selection_keys="store")
+    # the default: one shared selection over the int8 rows plus a page rescue of 2 x budget
+    assert kv("specontext-1024") == 30 * (1024 + 2048 + pages + 1024) * per_token + int8_rows
+    assert kv("specontext-k8-1024") == kv("specontext-1024")
+    assert kv("specontext-ks-1024") == 30 * (1024 + 2048 + pages + 1024) * per_token + stored
+    assert kv("specontext-p0-1024") == 30 * (1024 + 1024) * per_token + int8_rows
+    assert kv("specontext-r5-1024") == 30 * (1024 + 2048 + pages + 1024) * per_token + 5 * 8192 * 3 * 68
+    assert kv("specontext-c4-1024") == 30 * (4096 + 2048 + pages + 1024) * per_token + int8_rows
+    assert kv("specontext-cinf-1024") == 30 * (8192 + 1024) * per_token + int8_rows  # every key, in place
+    assert kv("specontext-c4p1k-1024") == 30 * (4096 + 1024 + pages + 1024) * per_token + int8_rows
+    assert kv("specontext-p1k-1024") == 30 * (2048 + pages + 1024) * per_token + int8_rows
     assert kv("hf-eager") == 30 * 2 * 8192 * per_token
     # layer 0 kept dense: its whole K and V instead of its sparse reads
-    assert kv("specontext-d0-1024") == (29 * (1024 + 2048 + pages + 1024) + 2 * 8192 + 8 * 8192) * per_token
+    assert kv("specontext-d0-1024") == (29 * (1024 + 2048 + pages + 1024) + 2 * 8192) * per_token + int8_rows
 
 
 def test_far_context_backend_is_exact_at_full_budget_on_the_gather_path():
