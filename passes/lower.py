@@ -201,7 +201,8 @@ def _lower_write(graph: fx.Graph, node: fx.Node, check: bool) -> None:
                 args["page_shift"]))
     if args.get("key_mirror"):
         with graph.inserting_after(node):
-            graph.call_function(key_mirror.write_rows, (list(args["key_mirror"]), args["length"], args["key"],
+            graph.call_function(key_mirror.write_rows, (args["key_cache"], list(args["key_mirror"]), args["length"],
+                                                        args["key"],
                                                         *checked))
 
 

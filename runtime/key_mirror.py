@@ -46,13 +46,17 @@ def allocate(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @has_side_effect
-def write_rows(key_mirror: list[torch.Tensor], length: torch.Tensor, key: torch.Tensor,
+def write_rows(key_cache: torch.Tensor, key_mirror: list[torch.Tensor], length: torch.Tensor, key: torch.Tensor,
                checked: torch.Tensor | None = None) -> None:
     """The int8 half of ``specontext::kv_write``: after ``key`` ``[batch, num_kv_heads, q_len,
-    head_dim]`` was written at positions ``length - q_len .. length - 1`` (``length``: int64
-    scalar, tokens written including this write's), their rows
-    (:func:`.int8_keys.quantize_rows`) into ``key_mirror`` = ``[key_levels, key_scales]``
-    (``[]``: the store keeps none). Static shapes, no host read. ``checked``: the int64 zero of
+    head_dim]`` was written into ``key_cache`` ``[batch, num_kv_heads, capacity, head_dim]`` at
+    positions ``length - q_len .. length - 1`` (``length``: int64 scalar, tokens written
+    including this write's), the rows (:func:`.int8_keys.quantize_rows`) of the keys *as stored*
+    (read back from ``key_cache``) into ``key_mirror`` = ``[key_levels, key_scales]`` (``[]``:
+    the store keeps none). Read back, not taken from ``key``: in a compiled bfloat16 or float16
+    step inductor may hand the float32 value it computed before rounding it into the store, and
+    the rows then differed from the stored keys' by a level. Static shapes, no host read.
+    ``checked``: the int64 zero of
     ``specontext::check_capacity``, added to the positions as :func:`.aten_step.write_kv` adds
     it, so that a compiled step writes no row before the capacity check has passed (layer 0's
     keys do not otherwise depend on it: an out-of-range row aborted in inductor's bounds check)."""
@@ -63,7 +67,7 @@ def write_rows(key_mirror: list[torch.Tensor], length: torch.Tensor, key: torch.
     pos = length.to(levels.device) - q_len + torch.arange(q_len, device=levels.device)
     if checked is not None:
         pos = pos + checked.to(levels.device)
-    rows, row_scales = int8_keys.quantize_rows(key)
+    rows, row_scales = int8_keys.quantize_rows(key_cache.index_select(2, pos.to(key_cache.device)))
     levels.index_copy_(2, pos, rows.to(levels.device))
     scales.index_copy_(2, pos, row_scales.to(scales.device))
 

@@ -55,7 +55,7 @@ def kv_write(
         _raise_if_full(length, key_cache, key)
     aten_step.write_kv(key_cache, value_cache, length, key, value)
     page_bounds_module.update_after_write(key_cache, page_bounds, length, key, page_tokens, page_shift)
-    key_mirror_module.write_rows(key_mirror, length, key)
+    key_mirror_module.write_rows(key_cache, key_mirror, length, key)
 
 
 def _check_page_bounds(page_bounds: list[torch.Tensor], page_tokens: int) -> None:

@@ -40,12 +40,15 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import torch
 
 from .spec import AttentionVariant, StepSpec
 
 __all__ = ["Decision", "cpu_kernel", "decide", "kernel_allowed", "selection_kernel"]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,4 +185,15 @@ def selection_kernel(query_state: torch.Tensor, stores: list, spec: StepSpec, po
         return False
     from . import cpu_selection
 
+    if query_state.device.type == "cpu" and _symbolic(query_state, *stores):
+        # once per graph (one selection node): every site of this graph loses our kernels too
+        logger.info("specontext: this graph's sizes are symbolic (dynamo made them dynamic, e.g. after a second "
+                    "batch size), and our CPU kernels need static sizes: the step runs its torch bodies, "
+                    "slower. Compile with torch.compile(..., dynamic=False) to keep the kernels (one graph "
+                    "per size)")
     return cpu_selection.applies(query_state, stores)
+
+
+def _symbolic(*tensors) -> bool:
+    """Whether any size of ``tensors`` (tensors; others skipped) is symbolic."""
+    return any(not isinstance(n, int) for t in tensors if isinstance(t, torch.Tensor) for n in t.shape)

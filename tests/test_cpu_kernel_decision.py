@@ -114,3 +114,36 @@ def test_a_refusal_at_the_pass_keeps_the_torch_bodies(monkeypatch):
     sites, selections = _decode_specs()
     assert sites and not any(s.cpu_kernel for s in sites + selections)
     assert set(ran.values()) == {0}
+
+
+def _batches(forward, model, batches) -> list[dict[str, int]]:
+    """Decode 2 steps at each batch size of ``batches`` (a fresh cache each) with one compiled
+    ``forward``; the kernel counters' increments per batch size."""
+    counts = []
+    for b in batches:
+        cache = sc.SpeContextCache(model.config, max_cache_len=48)
+        before = cpu_kernels.kernel_calls()
+        with torch.no_grad():
+            out = forward(input_ids=torch.randint(0, 128, (b, 30)), cache=cache, use_cache=True)
+            for _ in range(2):
+                out = forward(input_ids=out.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+        after = cpu_kernels.kernel_calls()
+        counts.append({n: after[n] - before[n] for n in _KERNEL_CALLS})
+    return counts
+
+
+@pytest.mark.skipif(not (cpu_refine.available() and cpu_selection.available()), reason="CPU kernels do not build here")
+def test_a_second_batch_size_keeps_the_kernels_only_with_static_shapes(caplog):
+    """A second batch size makes dynamo's sizes symbolic, and our kernels need static ones: the
+    step then runs its torch bodies (no kernel call), said at INFO with the fix; compiled with
+    ``dynamic=False`` each batch size gets its own graph and keeps every kernel."""
+    model = tiny_llama()
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="specontext_compile.runtime.routes"):
+        dynamic = _batches(torch.compile(model.forward, backend="specontext", options=_DEFAULT), model, (2, 3))
+    assert dynamic[0]["cpu_kernel_selection_calls"] == 2 and dynamic[0]["cpu_kernel_refine_calls"] > 0, dynamic
+    assert not any(dynamic[1].values()), dynamic  # the symbolic graph: torch bodies only
+    assert "dynamic=False" in caplog.text
+    torch._dynamo.reset()
+    static = _batches(torch.compile(model.forward, backend="specontext", options=_DEFAULT, dynamic=False), model, (2, 3))
+    assert all(c["cpu_kernel_selection_calls"] == 2 and c["cpu_kernel_refine_calls"] > 0 for c in static), static

@@ -24,9 +24,9 @@ pytestmark = pytest.mark.skipif(not cpu_selection.available(), reason="no C++ co
        d=st.sampled_from([8, 64, 72]), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
        data=st.data())
 def test_write_rows_stores_exactly_the_written_keys_rows(seed, b, num_kv, capacity, d, dtype, data):
-    """After a write of ``q_len`` keys ending at ``length``, their positions hold exactly
-    ``quantize_rows``' levels and scales of the keys written; every other position keeps what
-    it held (zero rows and rows of one large entry included)."""
+    """After a write of ``q_len`` keys ending at ``length`` into the store, their positions hold
+    exactly ``quantize_rows``' levels and scales of the keys as stored; every other position
+    keeps what it held (zero rows and rows of one large entry included)."""
     gen = torch.Generator().manual_seed(seed)
     q_len = data.draw(st.integers(1, capacity))
     end = data.draw(st.integers(q_len, capacity))
@@ -35,9 +35,11 @@ def test_write_rows_stores_exactly_the_written_keys_rows(seed, b, num_kv, capaci
     key[:, :, 1::5, 0] = 1e4
     levels = torch.full((b, num_kv, capacity, d), 99, dtype=torch.int8)
     scales = torch.full((b, num_kv, capacity), -1.0)
-    key_mirror.write_rows([levels, scales], torch.tensor(end), key)
-    want_levels, want_scales = int8_keys.quantize_rows(key)
     start = end - q_len
+    key_cache = torch.randn(b, num_kv, capacity, d, generator=gen).to(dtype)
+    key_cache[:, :, start:end] = key
+    key_mirror.write_rows(key_cache, [levels, scales], torch.tensor(end), key)
+    want_levels, want_scales = int8_keys.quantize_rows(key)
     assert torch.equal(levels[:, :, start:end], want_levels) and torch.equal(scales[:, :, start:end], want_scales)
     assert (levels[:, :, :start] == 99).all() and (levels[:, :, end:] == 99).all()
     assert (scales[:, :, :start] == -1).all() and (scales[:, :, end:] == -1).all()
@@ -191,3 +193,19 @@ def test_a_compiled_write_past_the_capacity_is_the_clear_error_with_int8_rows():
     layer = cache.layers[0]
     assert layer.key_levels is not None and int(layer.cumulative_length) == 16
     _assert_current(layer)
+
+
+def test_a_compiled_bfloat16_step_writes_the_rows_of_the_keys_as_stored():
+    """In a compiled bfloat16 step the int8 rows written at decode are ``quantize_rows`` of the
+    stored (bfloat16-rounded) keys: read back from the store, not taken from the value inductor
+    computed before rounding it (that differed by a level in some rows before)."""
+    model = tiny_llama(layers=2).to(torch.bfloat16)
+    ids = torch.randint(0, 128, (1, 40), generator=torch.Generator().manual_seed(4))
+    compiled = torch.compile(model.forward, backend="specontext", options={"budget": 8, "page_rescue": 0})
+    cache = sc.SpeContextCache(model.config, max_cache_len=64)
+    calls = counters["specontext"]["cpu_kernel_selection_int8_calls"]
+    decode_logits(model, compiled, ids, 6, cache)
+    assert counters["specontext"]["cpu_kernel_selection_int8_calls"] - calls == 6  # the default: int8 rows scored
+    assert all(layer.key_levels is not None for layer in cache.kv_layers)
+    for layer in cache.kv_layers:
+        _assert_current(layer)
