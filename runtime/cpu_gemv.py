@@ -34,7 +34,8 @@ _SOURCE = Path(__file__).with_name("csrc") / "gemv_bf16.cpp"
 
 @functools.cache
 def _library() -> ctypes.CDLL:
-    lib = cpu_kernels.load_kernels(_SOURCE, ("specontext_gemv_bf16",), [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2)
+    lib = cpu_kernels.load_kernels(_SOURCE, ("specontext_gemv_bf16",), [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 2,
+                                   op_calls="cpu_kernel_gemv_calls")
     lib.specontext_gemv_bf16_native.restype = ctypes.c_int
     lib.specontext_gemv_bf16_native.argtypes = []
     return lib
@@ -140,7 +141,9 @@ def cpu_gemv_bf16(input: torch.Tensor, weights: list[torch.Tensor]) -> list[torc
     return outs
 
 
-torch.library.impl("specontext::cpu_gemv_bf16", "CPU")(cpu_gemv_bf16)
+# the operator's CPU kernel is C++ where the library is built with it (csrc/gemv_bf16.cpp,
+# csrc/torch_op.h: no Python per call); this Python kernel serves it elsewhere
+torch.library.impl("specontext::cpu_gemv_bf16", "CompositeExplicitAutograd")(cpu_gemv_bf16)
 
 
 @torch.library.register_fake("specontext::cpu_gemv_bf16")

@@ -173,9 +173,10 @@ _OP_CALLS: dict = {}
 
 def kernel_calls() -> dict[str, int]:
     """Calls of our CPU kernels in this process by counter name (``cpu_kernel_attention_calls``,
-    ``cpu_kernel_refine_calls``, ``cpu_kernel_selection_calls``): those through the Python
-    kernels (``counters["specontext"]``) plus those through the C++ operator kernels."""
-    names = ("cpu_kernel_attention_calls", "cpu_kernel_refine_calls", "cpu_kernel_selection_calls")
+    ``cpu_kernel_refine_calls``, ``cpu_kernel_selection_calls``, ``cpu_kernel_gemv_calls``): those
+    through the Python kernels (``counters["specontext"]``) plus those through the C++ operator kernels."""
+    names = ("cpu_kernel_attention_calls", "cpu_kernel_refine_calls", "cpu_kernel_selection_calls",
+             "cpu_kernel_gemv_calls")
     return {name: counters["specontext"][name] + (_OP_CALLS[name]() if name in _OP_CALLS else 0) for name in names}
 
 

@@ -1,8 +1,9 @@
 """Our CPU kernels registered as the C++ kernels of their torch operators (``runtime/csrc/torch_op.h``).
 
 Where this torch ships its stable C ABI (:func:`cpu_kernels.torch_op_flags`), the libraries of
-the dense and refine kernels register the CPU kernels of ``specontext::cpu_decode_attention``
-and ``specontext::cpu_refine_attention``: a call of the operator (what the compiled step makes)
+the dense, refine and bfloat16 one-row linear kernels register the CPU kernels of
+``specontext::cpu_decode_attention``, ``specontext::cpu_refine_attention`` and
+``specontext::cpu_gemv_bf16``: a call of the operator (what the compiled step makes)
 reaches C++ without a Python kernel. Checked: the C++ kernel serves the call (its own counter
 moves, the Python kernel's does not), its output is bit for bit the Python kernel's (the same
 arithmetic through ctypes) on float32, bfloat16 and float16 stores, masks, per-row lengths, the page
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specontext_compile.runtime import cpu_kernels, cpu_refine
+from specontext_compile.runtime import cpu_gemv, cpu_kernels, cpu_refine
 from torch._dynamo.utils import counters
 
 pytestmark = pytest.mark.skipif(cpu_kernels.torch_op_flags() is None or not cpu_kernels.available()
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels.torch_op_flags() is None or not cpu_
 
 
 def _op_calls(name: str) -> int:
-    cpu_kernels.available(), cpu_refine.available()  # the libraries loaded (their kernels registered)
+    cpu_kernels.available(), cpu_refine.available(), cpu_gemv.available()  # the libraries loaded (kernels registered)
     assert name in cpu_kernels._OP_CALLS, f"the library of {name} was built without its operator kernel"
     return cpu_kernels._OP_CALLS[name]()
 
@@ -110,3 +111,25 @@ def test_operators_refuse_what_would_read_out_of_bounds():
                        (base[:9] + (keys, values) + base[11:] + (4, 16), "gathered")):
         with pytest.raises(RuntimeError, match=word):
             refine(*args)
+
+
+def test_gemv_operator_runs_the_cpp_kernel_bit_for_bit():
+    """``specontext::cpu_gemv_bf16`` through its C++ kernel (no Python per call): its counter
+    moves, the Python kernel's does not, the outputs are the Python kernel's bit for bit (the
+    same C function), and it refuses a bad weight with a RuntimeError naming it."""
+    if not cpu_gemv.available():
+        pytest.skip("the bfloat16 linear kernel does not build here")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(96, generator=gen).bfloat16()
+    weights = [torch.randn(n, 96, generator=gen).bfloat16() for n in (40, 7, 1)]
+    want = cpu_gemv.cpu_gemv_bf16(x, weights)  # the Python kernel
+    python_before = counters["specontext"]["cpu_kernel_gemv_calls"]
+    before = _op_calls("cpu_kernel_gemv_calls")
+    got = torch.ops.specontext.cpu_gemv_bf16(x, weights)
+    assert _op_calls("cpu_kernel_gemv_calls") == before + 1  # C++ served it
+    assert counters["specontext"]["cpu_kernel_gemv_calls"] == python_before  # not the Python kernel
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    for bad, word in (([weights[0].t()], "contiguous bfloat16 CPU weights"), ([weights[0].float()], "weight"),
+                      ([], "1 to 16 weights")):
+        with pytest.raises(RuntimeError, match=word):
+            torch.ops.specontext.cpu_gemv_bf16(x, bad)

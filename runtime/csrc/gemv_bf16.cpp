@@ -101,3 +101,58 @@ extern "C" int specontext_gemv_bf16(const uint16_t* const* w, const uint16_t* x,
     for (int64_t o = (out[k] / ROWS) * ROWS; o < out[k]; ++o) rows_bf16<1>(w[k] + o * in, x, y[k] + o, in);
   return 0;
 }
+
+#ifdef SPECONTEXT_TORCH_OPS
+#include <atomic>
+#include <vector>
+
+#include "torch_op.h"
+
+namespace {
+
+std::atomic<int64_t> op_calls{0};
+
+using specontext_op::ScalarType;
+using specontext_op::Tensor;
+
+// specontext::cpu_gemv_bf16's CPU kernel (schema and Python kernel: runtime/cpu_gemv.py): the
+// same checks, no Python per call (the Python kernel's dispatch and ctypes cost ~13 us a call,
+// 121 calls a step of SmolLM2).
+std::vector<Tensor> gemv_op(Tensor input, std::vector<Tensor> weights) {
+  constexpr int64_t MAX_WEIGHTS = 16;
+  const int64_t count = static_cast<int64_t>(weights.size());
+  STD_TORCH_CHECK(input.is_cpu() && input.scalar_type() == ScalarType::BFloat16 && input.dim() == 1 &&
+                      input.size(0) > 0 && count >= 1 && count <= MAX_WEIGHTS,
+                  "cpu_gemv_bf16 takes a bfloat16 CPU input [in_features >= 1] and 1 to 16 weights; got input ",
+                  specontext_op::shape(input), ", ", count, " weights");
+  const Tensor x = specontext_op::dense(input);
+  const int64_t in = x.size(0);
+  const uint16_t* w[MAX_WEIGHTS];
+  uint16_t* y[MAX_WEIGHTS];
+  int64_t out[MAX_WEIGHTS];
+  std::vector<Tensor> outs;
+  outs.reserve(count);
+  for (int64_t k = 0; k < count; ++k) {
+    const Tensor& weight = weights[k];
+    STD_TORCH_CHECK(weight.is_cpu() && weight.scalar_type() == ScalarType::BFloat16 && weight.dim() == 2 &&
+                        weight.size(1) == in && weight.is_contiguous() && weight.size(0) > 0,
+                    "cpu_gemv_bf16 takes contiguous bfloat16 CPU weights [out_features >= 1, in_features=", in,
+                    "]; got weight ", specontext_op::shape(weight));
+    outs.push_back(torch::stable::new_empty(x, {weight.size(0)}, ScalarType::BFloat16));
+    w[k] = static_cast<const uint16_t*>(weight.data_ptr());
+    y[k] = static_cast<uint16_t*>(outs.back().data_ptr());
+    out[k] = weight.size(0);
+  }
+  op_calls.fetch_add(1, std::memory_order_relaxed);  // a call the kernel serves
+  const int status = specontext_gemv_bf16(w, static_cast<const uint16_t*>(x.data_ptr()), y, out, count, in);
+  STD_TORCH_CHECK(status == 0, "cpu_gemv_bf16 rejected its inputs");
+  return outs;
+}
+
+}  // namespace
+
+STABLE_TORCH_LIBRARY_IMPL(specontext, CPU, m) { m.impl("cpu_gemv_bf16", TORCH_BOX(&gemv_op)); }
+
+// Calls of the operator's C++ kernel in this process (runtime/cpu_kernels.py kernel_calls).
+extern "C" int64_t specontext_gemv_bf16_op_calls() { return op_calls.load(std::memory_order_relaxed); }
+#endif
