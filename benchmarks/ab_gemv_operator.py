@@ -10,6 +10,8 @@ of the operator's dispatch alone (121 calls a step of SmolLM2)::
     python -m benchmarks.ab_gemv_operator python out/b.json
 
 ``python``: the kernel library is loaded without its operator kernel (the Python kernel serves).
+``--call-cost``: instead, the time of one call on an 8-row weight (the fixed cost of a call)
+beside a tiny ``aten::add``, median of 5 rounds of 3000 calls, written to the JSON.
 """
 
 from __future__ import annotations
@@ -17,8 +19,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import json
 import runpy
+import statistics
 import sys
+import time
 
 
 def _python_kernel_only() -> None:
@@ -36,14 +41,45 @@ def _python_kernel_only() -> None:
     cpu_gemv._library = plain
 
 
+def _call_cost(kernel: str, path: str) -> None:
+    """Microseconds a call: the operator on a bfloat16 [8, 576] weight, and ``aten::add`` of two
+    576-element rows."""
+    import torch
+
+    from specontext_compile.runtime import cpu_gemv
+
+    cpu_gemv.available()  # the library loaded (with its C++ operator kernel for "cpp")
+    x, weights = torch.randn(576, dtype=torch.bfloat16), [torch.randn(8, 576, dtype=torch.bfloat16)]
+
+    def per_call(fn) -> float:
+        rounds = []
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(3000):
+                fn()
+            rounds.append((time.perf_counter() - start) / 3000 * 1e6)
+        return statistics.median(rounds)
+
+    cost = {"kernel": kernel, "gemv_tiny_call_us": per_call(lambda: torch.ops.specontext.cpu_gemv_bf16(x, weights)),
+            "aten_add_tiny_call_us": per_call(lambda: torch.ops.aten.add.Tensor(x, x)),
+            "command": "python -m benchmarks.ab_gemv_operator " + " ".join(sys.argv[1:])}
+    with open(path, "w") as out:
+        json.dump(cost, out, indent=2)
+    print(cost)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("kernel", choices=["cpp", "python"], help="which kernel serves the operator")
     parser.add_argument("json", help="benchmarks.decode's --json")
     parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--call-cost", action="store_true", help="time one tiny call instead of decode steps")
     args = parser.parse_args(argv)
     if args.kernel == "python":
         _python_kernel_only()
+    if args.call_cost:
+        _call_cost(args.kernel, args.json)
+        return
     sys.argv = ["benchmarks.decode", "--contexts", "8192", "--random-contexts", "--batches", "1", "--contenders",
                 "own-dense", "specontext-1024", "--dtypes", "bf16", "--steps", str(args.steps), "--json", args.json,
                 "--no-plots", "--no-progress"]
