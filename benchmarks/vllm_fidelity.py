@@ -200,6 +200,9 @@ def main(argv=None) -> int:
     parser.add_argument("--min-coverages", type=float, nargs="+", default=[0.0],
                         help="the plugin's fidelity guard (option min_coverage), one run per value with every "
                              "budget, rescue and candidates (0 = off)")
+    parser.add_argument("--selection-keys", nargs="+", default=["int8"], choices=["int8", "store"],
+                        help="what the plugin's selection scores, one run per value: the retrieval layers' int8 "
+                             "keys (the default) or vLLM's cache (contender suffix -ks)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"], choices=sorted(DTYPES))
     parser.add_argument("--backend", action="store_true", help="add our backend's rows (Hugging Face dense, "
                         "page_rescue=0 and the default at each budget), run in this process")
@@ -216,8 +219,9 @@ def main(argv=None) -> int:
     rows = []
     for dtype in args.dtypes:
         plugin = [f"specontext-{b}" + (f"-rescue{int(r * b)}" if r else "") + (f"-c{c:g}" if c != 1 else "")
-                  + (f"-g{g:g}" if g else "")
-                  for b in args.budgets for r in args.rescues for c in args.candidates for g in args.min_coverages]
+                  + (f"-g{g:g}" if g else "") + ("-ks" if keys == "store" else "")
+                  for b in args.budgets for r in args.rescues for c in args.candidates for g in args.min_coverages
+                  for keys in args.selection_keys]
         for contender in ["vllm-dense", *plugin]:
             logger.info("vLLM %s %s ...", contender, dtype)
             rows.append(_vllm_row(args, contender, dtype))

@@ -48,14 +48,16 @@ RETRIEVAL_LAYERS = 8  # the default retrieval layers of a 30-layer model (config
 
 def contender_options(name: str) -> dict | None:
     """``vllm-dense`` (no plugin options) or ``specontext-<budget>`` followed by any of
-    ``-rescue<tokens>`` (option ``page_rescue``), ``-c<candidates>`` (option ``candidates``) and
-    ``-g<share>`` (option ``min_coverage``, the fidelity guard), e.g. ``specontext-1024-rescue2048``."""
+    ``-rescue<tokens>`` (option ``page_rescue``), ``-c<candidates>`` (option ``candidates``),
+    ``-g<share>`` (option ``min_coverage``, the fidelity guard) and ``-ks`` (option
+    ``selection_keys="store"``: the selection scores vLLM's cache, not the int8 keys of the
+    default), e.g. ``specontext-1024-rescue2048``."""
     if name == "vllm-dense":
         return None
     parts = name.split("-")
     if parts[0] != "specontext" or len(parts) < 2 or not parts[1].isdigit():
         raise SystemExit(f"unknown contender {name!r}: vllm-dense or "
-                         "specontext-<budget>[-rescue<tokens>][-c<candidates>][-g<min_coverage>]")
+                         "specontext-<budget>[-rescue<tokens>][-c<candidates>][-g<min_coverage>][-ks]")
     options = {"budget": int(parts[1])}
     for part in parts[2:]:
         if part.startswith("rescue") and part[6:].isdigit():
@@ -64,9 +66,11 @@ def contender_options(name: str) -> dict | None:
             options["candidates"] = float(part[1:])
         elif part.startswith("g") and part[1:].replace(".", "", 1).isdigit():
             options["min_coverage"] = float(part[1:])
+        elif part == "ks":
+            options["selection_keys"] = "store"
         else:
-            raise SystemExit(f"unknown contender {name!r}: after the budget, rescue<tokens>, c<candidates> or "
-                             "g<min_coverage>")
+            raise SystemExit(f"unknown contender {name!r}: after the budget, rescue<tokens>, c<candidates>, "
+                             "g<min_coverage> or ks")
     return options
 
 
@@ -103,7 +107,8 @@ def _copy_bandwidth() -> float:
 def _floor_ms(config, dtype_bytes: int, requests: int, context: int, options: dict | None, weights: int,
               bandwidth: float, block_size: int = 32) -> float:
     """Weights + the KV a step must read, at ``bandwidth``: dense every token of every layer; the
-    plugin the retrieval layers' keys once and ``budget`` tokens per layer; a layer that refines
+    plugin the retrieval layers' keys once (their int8 copies, ``head_dim + 4`` bytes a token and
+    KV head, unless ``selection_keys="store"``) and ``budget`` tokens per layer; a layer that refines
     (``page_rescue``, ``candidates > 1``) the keys of its candidates (``candidates x budget``,
     plus the rescued tokens) and the values of ``budget`` tokens, and with ``page_rescue``
     every layer's float32 block bounds (low and high)."""
@@ -117,7 +122,8 @@ def _floor_ms(config, dtype_bytes: int, requests: int, context: int, options: di
         candidates = min(math.ceil(options.get("candidates", 1) * budget) + rescue, context)
         per_layer = (candidates + min(budget, context)) * row  # keys of the candidates, values of the kept
         bounds = layers * -(-context // block_size) * kv * d * 2 * 4 if rescue else 0
-        kv_bytes = requests * (RETRIEVAL_LAYERS * context * row + layers * per_layer + bounds)
+        selection_row = row if options.get("selection_keys", "int8") == "store" else kv * (d + 4)
+        kv_bytes = requests * (RETRIEVAL_LAYERS * context * selection_row + layers * per_layer + bounds)
     return 1000 * (weights + kv_bytes) / bandwidth
 
 

@@ -23,7 +23,8 @@ decode rows read (SpeContext section 4, as our ``torch.compile`` backend does it
    recomputation rewrite it, a shared prefix block keeps the prefix's own query.
 
 The step counts itself in ``torch._dynamo.utils.counters["specontext_vllm"]`` (per engine
-process): ``selection_steps``, ``recency_rows`` (decode rows ranked by recency),
+process): ``selection_steps``, ``int8_selection_steps`` (those that scored the retrieval
+layers' int8 keys, option ``selection_keys="int8"``), ``recency_rows`` (decode rows ranked by recency),
 ``sparse_decode_rows`` (decode rows x layers served from a selection) and
 ``dense_prefill_tokens`` (tokens x layers on vLLM's kernel).
 
@@ -59,6 +60,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
+from .int8_keys import Int8Keys
 from .layout import probe_layout
 from .options import plugin_options
 from .refine import forced_counts, refine_attend
@@ -188,6 +190,7 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         if self.options is not None and self.reason is not None:
             logger.warning("specontext: a layer stays on vLLM's dense kernel: %s", self.reason)
         self.record: LaggedQueries | None = None
+        self.int8_keys: Int8Keys | None = None  # a retrieval layer's int8 keys (option selection_keys="int8")
         self.bounds: PageBounds | None = None  # this layer's page bounds, with option page_rescue
         self.num_layers = get_current_vllm_config().model_config.hf_text_config.num_hidden_layers
         self.rescuing: bool | None = None  # whether this layer adds rescued blocks (known at its first call)
@@ -255,6 +258,8 @@ class SpeContextImpl(CPUAttentionBackendImpl):
             self._sparse_forward(layer, query, key, value, kv_cache, meta, layout, output)
         if name in meta.retrieval:
             self._record(query, kv_cache, meta)
+            if self.options.int8_selection:
+                self._keep_int8_keys(key, kv_cache, meta)
         return output
 
     def _sparse_forward(self, layer, query, key, value, kv_cache, meta: SpeContextMetadata, layout, output) -> None:
@@ -311,6 +316,16 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         last = meta.query_start_loc[1:] - 1
         self.record.write(query[last], meta.slot_mapping[last])
 
+    def _keep_int8_keys(self, key: torch.Tensor, kv_cache: torch.Tensor, meta: SpeContextMetadata) -> None:
+        """Write the int8 rows of every key this step wrote (option ``selection_keys="int8"``,
+        :mod:`.int8_keys`; the same slots as vLLM's cache write)."""
+        if key is None or not kv_cache.numel():
+            return
+        if self.int8_keys is None or not self.int8_keys.fits(kv_cache):  # (re)allocated cache
+            self.int8_keys = Int8Keys.for_cache(kv_cache, self.head_size)
+        n = meta.num_actual_tokens
+        self.int8_keys.write(key[:n], meta.slot_mapping[:n])
+
     def _select(self, meta: SpeContextMetadata, layout) -> BlockSelection:
         table, lens = meta.block_table[:meta.num_decodes], meta.seq_lens[:meta.num_decodes]
         if meta.dense_count == meta.num_decodes:  # option dense_below: every row dense, no scores
@@ -319,8 +334,13 @@ class SpeContextImpl(CPUAttentionBackendImpl):
         retrieval = [layers[n] for n in meta.retrieval]
         # None on the first step ever (nothing recorded yet): every row ranks by recency
         records = None if any(r.impl.record is None for r in retrieval) else [r.impl.record for r in retrieval]
+        copies = [r.impl.int8_keys for r in retrieval] if self.options.int8_selection else None
+        if copies is not None and any(c is None for c in copies):
+            copies = None  # a retrieval layer without its keys in forward (KV sharing): vLLM's cache
+        if records is not None and copies is not None:
+            counters["specontext_vllm"]["int8_selection_steps"] += 1
         selection = select_blocks(records, [r.kv_cache for r in retrieval], table, lens, layout, self.options,
-                                  self.scale)
+                                  self.scale, copies)
         if meta.dense_rows is not None:
             selection = with_dense_rows(selection, meta.dense_rows, table, lens, layout.block_size,
                                         self.num_kv_heads)

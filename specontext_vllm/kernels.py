@@ -18,7 +18,7 @@ import torch
 from specontext_compile.runtime.cpu_kernels import CSRC, build_library, loads
 
 __all__ = ["FORM_CODES", "VALUE_FORM_CODES", "available", "paged_key_logits", "paged_lagged_scores",
-           "paged_quest_bounds", "paged_refine_attention", "refine_available"]
+           "paged_lagged_scores_int8", "int8_dot_calls", "paged_quest_bounds", "paged_refine_attention", "refine_available"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "paged_key_logits.cpp"
 _REFINE_SOURCE = Path(__file__).with_name("csrc") / "paged_refine_attention.cpp"
@@ -42,6 +42,10 @@ def _library() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 6 + [
             ctypes.c_int]
+    lib.specontext_paged_lagged_scores_int8.restype = ctypes.c_int
+    lib.specontext_paged_lagged_scores_int8.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64, ctypes.c_void_p,
+                                                        ctypes.c_int64] + [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6
+    lib.specontext_paged_lagged_scores_int8_dot_calls.restype = ctypes.c_int64
     lib.specontext_paged_quest_bounds.restype = ctypes.c_int
     lib.specontext_paged_quest_bounds.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [
         ctypes.c_int64] * 5
@@ -135,6 +139,58 @@ def paged_lagged_scores(caches: list[torch.Tensor], block_table: torch.Tensor, b
     if status != 0:
         raise ValueError(f"paged_lagged_scores rejected block size {bs}, head_dim {d}, form {form}")
     return out
+
+
+def paged_lagged_scores_int8(copies: list, block_table: torch.Tensor, blocks: int, queries: torch.Tensor,
+                             past: torch.Tensor) -> torch.Tensor:
+    """:func:`paged_lagged_scores` over the layers' int8 copies of their keys
+    (:class:`~.int8_keys.Int8Keys`, option ``selection_keys="int8"``), the query rows as int8
+    levels too, as the backend's selection kernel scores them (``runtime/csrc/selection_scores.cpp``):
+    the logit of a token is ``key scale * query scale * (query levels . key levels)``, the
+    integer dot products exact (``VPDPBUSD`` where the CPU has AVX-512 VNNI, :func:`int8_dot_calls`),
+    the rest as there (float32; summation order apart).
+
+    Args:
+        copies: the layers' :class:`~.int8_keys.Int8Keys`, one shape.
+        block_table, past: as :func:`paged_lagged_scores`.
+        queries: the query rows' levels and scales (:func:`~specontext_compile.runtime.int8_keys.quantize_rows`
+            of the scaled query ``[layers, rows, num_kv_heads, groups, head_dim]``): int8 and float32.
+
+    Raises:
+        ValueError: copies, queries or lengths the kernel does not take."""
+    q_levels, q_scales = queries
+    first = copies[0]
+    layers, rows, num_kv, groups, d = q_levels.shape
+    _, _, bs, _ = first.levels.shape
+    if (layers != len(copies) or block_table.shape[1] < blocks or past.shape != (rows,) or q_levels.dtype != torch.int8
+            or q_scales.shape != q_levels.shape[:-1]
+            or any(c.levels.shape != first.levels.shape or c.levels.dtype != torch.int8 or c.scales.dtype != torch.float32
+                   or c.levels.shape[1:] != (num_kv, bs, d) or not (c.levels.is_contiguous() and c.scales.is_contiguous())
+                   for c in copies)
+            or (rows and int(past.max()) > blocks * bs)):
+        raise ValueError(f"paged_lagged_scores_int8: no kernel for {len(copies)} copies of "
+                         f"{tuple(first.levels.shape)} with query levels {tuple(q_levels.shape)}, past {tuple(past.shape)}")
+    levels = torch.tensor([c.levels.data_ptr() for c in copies], dtype=torch.int64)
+    scales = torch.tensor([c.scales.data_ptr() for c in copies], dtype=torch.int64)
+    table = block_table.to(torch.int32).contiguous()
+    q8 = q_levels.contiguous()
+    q_scale = q_scales.to(torch.float32).contiguous()
+    values = (q8.float() * q_scale.unsqueeze(-1)).contiguous()  # dequantize_rows: the float loops' query
+    sums = q8.sum(-1, dtype=torch.int32).contiguous()
+    lengths = past.to(torch.int64).contiguous()
+    out = torch.empty(rows, num_kv, blocks * bs, dtype=torch.float32)
+    status = _library().specontext_paged_lagged_scores_int8(
+        levels.data_ptr(), scales.data_ptr(), layers, table.data_ptr(), table.shape[1], values.data_ptr(), q8.data_ptr(),
+        q_scale.data_ptr(), sums.data_ptr(), lengths.data_ptr(), out.data_ptr(), rows, num_kv, groups, blocks, bs, d)
+    if status != 0:
+        raise ValueError(f"paged_lagged_scores_int8 rejected block size {bs}, head_dim {d}, groups {groups}")
+    return out
+
+
+def int8_dot_calls() -> int:
+    """Calls of :func:`paged_lagged_scores_int8` in this process that took the int8 dot
+    products (AVX-512 VNNI, head_dim a multiple of 64, a group size the kernel unrolls)."""
+    return int(_library().specontext_paged_lagged_scores_int8_dot_calls())
 
 
 def paged_quest_bounds(low: torch.Tensor, high: torch.Tensor, block_table: torch.Tensor, blocks: int,

@@ -16,6 +16,7 @@ import math
 from typing import Any
 
 from specontext_compile.config import SpeContextConfig, default_retrieval_layers, flatten_options
+from specontext_compile.runtime.key_mirror import DEFAULT_SELECTION_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ __all__ = ["KEY", "PluginOptions", "plugin_options"]
 
 KEY = "specontext"  # the additional_config entry
 _APPLIED = ("budget", "sink_tokens", "recent_window", "retrieval_layers", "page_rescue", "rescue_layers", "candidates",
-            "dense_layers", "dense_below", "min_coverage")
+            "dense_layers", "dense_below", "min_coverage", "selection_keys")
 _NOT_BUILT = {"retrieval_head": None, "device_memory_bytes": None}
 
 
@@ -42,6 +43,13 @@ class PluginOptions:
     dense_layers: tuple[int, ...] = ()
     dense_below: int = 0
     min_coverage: float = 0.0
+    selection_keys: str = DEFAULT_SELECTION_KEYS
+
+    @property
+    def int8_selection(self) -> bool:
+        """Whether the selection scores the retrieval layers' int8 keys (:mod:`.int8_keys`)
+        rather than vLLM's cache."""
+        return self.selection_keys == "int8"
 
     def dense(self, layer: int, num_layers: int) -> bool:
         """Whether decoder layer ``layer`` keeps vLLM's dense attention for its decode rows

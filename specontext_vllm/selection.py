@@ -27,8 +27,11 @@ import sys
 
 import torch
 from specontext_compile.runtime.aten_step import select_positions
+from specontext_compile.runtime.int8_keys import dequantize_rows, quantize_rows
 from specontext_compile.runtime.sparse_attention import group_max_probs
 
+from . import kernels
+from .int8_keys import Int8Keys
 from .layout import BlockLayout
 from .options import PluginOptions
 from .state import LaggedQueries
@@ -80,14 +83,33 @@ def block_counts(options: PluginOptions, block_size: int) -> tuple[int, int, int
     return max(kept, sinks + recent, 1), sinks, recent
 
 
-def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks):
+def _int8_scores(copies: list[Int8Keys], block_table, blocks, queries, scale, past, dtype):
+    """The scores over the retrieval layers' int8 keys (``queries``: each layer's ``[rows,
+    num_heads, head_dim]``; ``past``: int64 ``[rows]``), the query scaled, rounded to the
+    cache's ``dtype`` and then to int8 rows, as the backend's selection scores its int8 keys
+    (:func:`specontext_compile.runtime.cpu_selection.lagged_scores`): one call of the C++
+    kernel where it builds, else per layer in torch over the dequantized rows
+    (:meth:`~.int8_keys.Int8Keys.logits`)."""
+    rows, num_kv, d = block_table.shape[0], copies[0].levels.shape[1], copies[0].levels.shape[-1]
+    q = torch.stack([(query.float() * scale).to(dtype).float().view(rows, num_kv, -1, d) for query in queries])
+    levels, scales = quantize_rows(q)
+    if kernels.available():
+        return kernels.paged_lagged_scores_int8(copies, block_table, blocks, (levels, scales), past)
+    values = dequantize_rows(levels, scales)
+    weighed = torch.arange(blocks * copies[0].block_size, device=past.device) < past.view(rows, 1, 1)
+    return sum(group_max_probs(copy.logits(block_table, blocks, qi), weighed) for copy, qi in zip(copies, values))
+
+
+def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks, copies=None):
     """float32 ``[rows, kv, blocks * block_size]`` lagged-query scores (recency where not
     ready) and the bool ``[rows]`` readiness. The scores are the lagged-query head's
     (:func:`specontext_compile.runtime.scorers.lagged_query_score`): per retrieval layer the
     group-max softmax (:func:`~specontext_compile.runtime.sparse_attention.group_max_probs`)
-    of its recorded query's logits over the row's past tokens, summed; one kernel call over
-    every layer where it reads the packing (:meth:`~.layout.BlockLayout.lagged_scores`), else
-    per layer from the packed blocks (:meth:`~.layout.BlockLayout.key_logits`)."""
+    of its recorded query's logits over the row's past tokens, summed; over the layers' int8
+    keys where ``copies`` are given (option ``selection_keys="int8"``, :mod:`.int8_keys`), else
+    one kernel call over every layer where it reads the packing
+    (:meth:`~.layout.BlockLayout.lagged_scores`), else per layer from the packed blocks
+    (:meth:`~.layout.BlockLayout.key_logits`)."""
     rows, length = seq_lens.shape[0], blocks * layout.block_size
     pos = torch.arange(length, device=seq_lens.device)
     num_kv = caches[0].shape[1]
@@ -97,8 +119,11 @@ def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks)
     slots = previous_slots(block_table, seq_lens, layout.block_size)
     reads = [record.read(slots) for record in records]
     ready = torch.stack([ok for _, ok in reads]).all(0)
-    total = layout.lagged_scores(caches, block_table, blocks, [query for query, _ in reads], scale,
-                                 (seq_lens.long() - 1).clamp(min=0))  # one call, logits never written
+    past = (seq_lens.long() - 1).clamp(min=0)
+    if copies is not None:
+        total = _int8_scores(copies, block_table, blocks, [query for query, _ in reads], scale, past, caches[0].dtype)
+    else:  # one call, logits never written
+        total = layout.lagged_scores(caches, block_table, blocks, [query for query, _ in reads], scale, past)
     if total is None:  # a packing the kernel does not read: per layer, torch
         past = pos < seq_lens.long().view(rows, 1, 1) - 1  # the row's past tokens
         total = sum(group_max_probs(layout.key_logits(cache, block_table, blocks, query, scale), past)
@@ -107,8 +132,8 @@ def _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks)
 
 
 def select_blocks(records: list[LaggedQueries] | None, caches: list[torch.Tensor], block_table: torch.Tensor,
-                  seq_lens: torch.Tensor, layout: BlockLayout, options: PluginOptions, scale: float
-                  ) -> BlockSelection:
+                  seq_lens: torch.Tensor, layout: BlockLayout, options: PluginOptions, scale: float,
+                  copies: list[Int8Keys] | None = None) -> BlockSelection:
     """The selection of every decode row.
 
     Args:
@@ -120,10 +145,13 @@ def select_blocks(records: list[LaggedQueries] | None, caches: list[torch.Tensor
         layout: where tokens sit in a block (:func:`~.layout.probe_layout`).
         options: budget, sinks, recent window.
         scale: the retrieval layers' softmax scale.
+        copies: the retrieval layers' int8 keys (:class:`~.int8_keys.Int8Keys`, in the order of
+            ``records``; option ``selection_keys="int8"``), scored instead of ``caches``; None:
+            the caches' keys.
     """
     rows, bs = seq_lens.shape[0], layout.block_size
     blocks = -(-int(seq_lens.max()) // bs)
-    scores, ready = _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks)
+    scores, ready = _token_scores(records, caches, block_table, seq_lens, layout, scale, blocks, copies)
     block_scores = scores.view(rows, -1, blocks, bs).amax(-1)  # [rows, kv, blocks]
     kept, sinks, recent = block_counts(options, bs)
     row_blocks = (seq_lens.long() + bs - 1) // bs

@@ -416,7 +416,8 @@ def test_vllm_contender_names_map_to_the_plugins_options():
     assert contender_options("specontext-1024") == {"budget": 1024}
     assert contender_options("specontext-1024-rescue2048-c2-g0.9") == {
         "budget": 1024, "page_rescue": 2048, "candidates": 2.0, "min_coverage": 0.9}
-    for bad in ("specontext-x", "specontext-1024-q3", "dense"):
+    assert contender_options("specontext-1024-ks") == {"budget": 1024, "selection_keys": "store"}
+    for bad in ("specontext-x", "specontext-1024-q3", "dense", "specontext-1024-k8"):
         with pytest.raises(SystemExit, match="g<min_coverage>"):
             contender_options(bad)
 

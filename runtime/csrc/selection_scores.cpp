@@ -84,37 +84,7 @@ inline void split_exponentials(float* row, int64_t lo, int64_t hi, float* st) {
   st[1] = z;
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-#define SPECONTEXT_INT8_DOT 1
-// out[g * stride + jj] = qscale[g] * (q8[g] . rows[jj]) for 16 int8 key rows of D_ levels and
-// the G_ heads' int8 query rows: VPDPBUSD multiplies unsigned by signed bytes, so each key byte
-// is flipped to level + 128 (unsigned) and 128 * (sum of the query's levels) taken off after.
-// Integer products summed in int32 and then in float32, exactly (|sum| < 2^24 at D_ <= 256);
-// one rounding, the query's scale (the key's scale is the caller's, per row).
-template <int G_, int D_>
-inline void group_logits16_int8(const int8_t* q8, const float* qscale, const int32_t* qsum,
-                                const int8_t* const* rows, float* out, int64_t stride) {
-  constexpr int C_ = D_ / 64;
-  __m512i qv[G_][C_];
-  for (int g = 0; g < G_; ++g)
-    for (int c = 0; c < C_; ++c) qv[g][c] = _mm512_loadu_si512(q8 + g * D_ + 64 * c);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));
-  __m512 sums[G_][16];
-  for (int r = 0; r < 16; ++r) {
-    __m512i acc[G_];
-    for (int g = 0; g < G_; ++g) acc[g] = _mm512_setzero_si512();
-    for (int c = 0; c < C_; ++c) {
-      const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(rows[r] + 64 * c), flip);
-      for (int g = 0; g < G_; ++g) acc[g] = _mm512_dpbusd_epi32(acc[g], k, qv[g][c]);
-    }
-    for (int g = 0; g < G_; ++g) sums[g][r] = _mm512_cvtepi32_ps(acc[g]);
-  }
-  for (int g = 0; g < G_; ++g) {
-    const __m512 dots = _mm512_sub_ps(sum_lanes16(sums[g]), _mm512_set1_ps(128.f * static_cast<float>(qsum[g])));
-    _mm512_storeu_ps(out + g * stride, _mm512_mul_ps(dots, _mm512_set1_ps(qscale[g])));
-  }
-}
-#endif
+// group_logits16_int8 (int8 keys and query rows, VPDPBUSD): cpu_common.h, shared with the vLLM plugin
 
 std::atomic<int64_t> int8_dot_calls{0};  // calls that took the int8 dot products
 

@@ -38,9 +38,9 @@ def prompts():
 
 
 def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False, dtype="float32",
-              kv_bytes=256 * 2**20, max_model_len=1024, ignore_eos=False):
+              kv_bytes=256 * 2**20, max_model_len=1024, ignore_eos=False, inspect=None):
     """Greedy tokens of each prompt (all at once, or one ``generate`` call after the other) and
-    the plugin's counters."""
+    the plugin's counters; ``inspect(llm)`` runs on the engine before it is closed."""
     from vllm import LLM, SamplingParams
 
     counters["specontext_vllm"].clear()
@@ -51,6 +51,8 @@ def _generate(folder, prompts, options, prefix_caching=False, one_by_one=False, 
     try:
         batches = [[p] for p in prompts] if one_by_one else [prompts]
         outs = [o for batch in batches for o in llm.generate([{"prompt_token_ids": p} for p in batch], params)]
+        if inspect is not None:
+            inspect(llm)
         return [list(o.outputs[0].token_ids) for o in outs], dict(counters["specontext_vllm"])
     finally:
         del llm
@@ -92,6 +94,47 @@ def test_a_small_budget_serves_sparse_rows(folder, prompts):
                                                 "retrieval_layers": [1, 2]})
     assert [len(t) for t in tokens] == [NEW] * len(prompts)
     assert stats["sparse_decode_rows"] == len(prompts) * (NEW - 1) * LAYERS and stats["recency_rows"] == 0
+
+
+@pytest.mark.parametrize("keys", ["int8", "store"])
+def test_the_int8_selection_scores_copies_of_every_key_written(folder, prompts, keys):
+    """Option ``selection_keys`` (default ``"int8"``): every step's selection scores the
+    retrieval layers' int8 keys (counted), and their copies hold ``quantize_rows`` of exactly
+    the keys vLLM's cache holds, at every slot written (prompts and decode steps); the other
+    layers keep none. ``"store"`` scores vLLM's cache and keeps no copy."""
+    from specontext_compile.runtime.int8_keys import quantize_rows
+    from specontext_vllm.layout import probe_layout
+
+    seen = {}
+
+    def inspect(llm):
+        context = llm.llm_engine.vllm_config.compilation_config.static_forward_context
+        for name, layer in context.items():
+            copy = layer.impl.int8_keys
+            seen[name] = None if copy is None else (copy.levels[:-1].clone(), copy.scales[:-1].clone(),
+                                                    layer.kv_cache.clone(), layer.isa)
+
+    options = {"budget": 48, "sink_tokens": 2, "recent_window": 8, "retrieval_layers": [1, 2]}
+    if keys == "store":
+        options["selection_keys"] = "store"
+    _, stats = _generate(folder, prompts, options, inspect=inspect)
+    assert stats["selection_steps"] >= NEW - 1
+    if keys == "store":
+        assert stats.get("int8_selection_steps", 0) == 0 and all(v is None for v in seen.values())
+        return
+    assert stats["int8_selection_steps"] == stats["selection_steps"]
+    assert [n for n, v in seen.items() if v is not None] == [f"model.layers.{i}.self_attn.attn" for i in (1, 2)]
+    for levels, scales, kv_cache, isa in (v for v in seen.values() if v is not None):
+        blocks, num_kv, bs, d = levels.shape
+        written = scales[:, 0] != 0  # [blocks, bs]
+        assert int(written.sum()) == sum(PROMPTS) + len(PROMPTS) * (NEW - 1)  # the last token's KV is never written
+        slots = written.flatten().nonzero().flatten()
+        layout = probe_layout(isa, kv_cache.dtype, bs, d)
+        table = torch.arange(blocks, dtype=torch.int32).view(1, blocks)
+        stored, _ = layout.gather(kv_cache, table, slots.view(1, 1, -1).expand(1, num_kv, -1), with_values=False)
+        want_levels, want_scales = quantize_rows(stored[0].transpose(0, 1))  # [slots, kv, d]
+        assert torch.equal(levels.transpose(1, 2).reshape(-1, num_kv, d)[slots], want_levels)
+        assert torch.equal(scales.transpose(1, 2).reshape(-1, num_kv)[slots], want_scales)
 
 
 @pytest.mark.parametrize("extra", [{}, pytest.param({"page_rescue": 64, "candidates": 2}, marks=pytest.mark.slow)],
@@ -277,6 +320,11 @@ def test_options_are_the_backends_and_unbuilt_ones_are_refused():
     with pytest.raises(ValueError, match="rescue_layers=\\[\\] leaves no layer refining"):
         plugin_options(_Config({"specontext": {"min_coverage": 0.5, "page_rescue": 64, "rescue_layers": []}}))
     assert plugin_options(_Config({"specontext": {"budget": 64}})).dense_rows(torch.tensor([5])) is None
+    # the selection's keys: the backend's default (int8) and names, the backend's error otherwise
+    assert plugin_options(_Config({"specontext": {"budget": 64}})).int8_selection
+    assert not plugin_options(_Config({"specontext": {"selection_keys": "store"}})).int8_selection
+    with pytest.raises(ValueError, match="'selection_keys' must be one of"):
+        plugin_options(_Config({"specontext": {"selection_keys": "fp8"}}))
     two_stage = plugin_options(_Config({"specontext": {"budget": 64, "candidates": 2.5}}))
     assert two_stage.selected_tokens() == 160 and two_stage.refines(0, 30)
     assert plugin_options(_Config({"specontext": {"candidates": float("inf")}})).selected_tokens() is None
