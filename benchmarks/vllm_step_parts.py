@@ -1,7 +1,8 @@
 """Where the plugin's decode step goes inside vLLM: the selection and the attention forwards.
 
 One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on SmolLM2-135M with the plugin,
-8 requests of 7680 prompt tokens (``benchmarks.vllm_serving``'s prompts), 40 greedy tokens; the
+configured as ``benchmarks.vllm_serving``'s (block size 32), 8 requests of 7680 prompt tokens
+(its prompts), 40 greedy tokens; the
 plugin's ``_select`` (once per step) and every layer's attention ``forward`` timed with
 ``time.perf_counter``; the medians over the last 30 decode steps. Run in vLLM's venv
 (``bash scripts/vllm_venv.sh``), once per option value, e.g. the selection over the int8 keys
@@ -46,8 +47,9 @@ def _worker(keys: str, dtype: str, requests: int, tokens: int) -> dict:
 
     backend.SpeContextImpl._select = timed("select", backend.SpeContextImpl._select)
     backend.SpeContextImpl.forward = timed("forward", backend.SpeContextImpl.forward)
-    llm = LLM(model=str(MODEL_DIR), dtype=DTYPES[dtype], enforce_eager=True, max_model_len=8192, max_num_seqs=requests,
-              kv_cache_memory_bytes=4 * 2**30,
+    # the engine of benchmarks.vllm_serving's worker (block size 32, no prefix caching)
+    llm = LLM(model=str(MODEL_DIR), dtype=DTYPES[dtype], enforce_eager=True, max_model_len=tokens + STEPS + 10,
+              block_size=32, max_num_seqs=requests, gpu_memory_utilization=0.3, enable_prefix_caching=False,
               additional_config={"specontext": {"budget": 1024, "selection_keys": keys}})
     llm.generate([{"prompt_token_ids": p} for p in _prompts(requests, tokens)],
                  SamplingParams(max_tokens=STEPS + 10, temperature=0.0))
