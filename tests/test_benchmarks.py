@@ -492,3 +492,24 @@ def test_the_emulated_int8_store_reaches_the_lowered_write():
     graph, write = graph_with_write()
     lower_to_aten(graph)
     assert write.target is aten_step.write_kv
+
+
+def test_the_vllm_floor_counts_the_selections_int8_keys():
+    """``benchmarks.vllm_serving``'s floor: the plugin's selection reads the retrieval layers'
+    int8 keys (``head_dim + 4`` bytes a token and KV head) by default, the cache's keys with
+    ``-ks``; dense reads every layer's keys and values."""
+    from types import SimpleNamespace
+
+    from benchmarks.vllm_serving import RETRIEVAL_LAYERS, _floor_ms, contender_options
+
+    config = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, hidden_size=576, num_attention_heads=9)
+    requests, context, weights, bandwidth = 8, 7680, 10**8, 10**9  # 1 GB/s: ms = MB
+
+    def floor(name, dtype_bytes):
+        return _floor_ms(config, dtype_bytes, requests, context, contender_options(name), weights, bandwidth)
+
+    for dtype_bytes in (4, 2):
+        saved = requests * RETRIEVAL_LAYERS * context * 3 * (64 * dtype_bytes - 68) / 1e6
+        assert floor("specontext-1024-ks", dtype_bytes) - floor("specontext-1024", dtype_bytes) == pytest.approx(saved)
+    dense = floor("vllm-dense", 4)
+    assert dense == pytest.approx((weights + requests * 30 * 2 * context * 3 * 64 * 4) / 1e6)
