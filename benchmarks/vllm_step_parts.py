@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.vllm_serving import DTYPES, MODEL_DIR, _prompts
+from benchmarks.vllm_serving import DTYPES, MODEL_DIR, _prompts, write_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS, LAYERS = 30, 30
@@ -85,10 +85,7 @@ def main(argv=None) -> int:
             rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]))
     if args.json:
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "unknown")
-        args.json.write_text(json.dumps({"command": "python -m benchmarks.vllm_step_parts " + " ".join(sys.argv[1:]),
-                                         "machine": cpu, "rows": rows}, indent=1) + "\n")
+        write_rows(args.json, "benchmarks.vllm_step_parts", argv, rows)
     return 0
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 from specontext_compile.runtime.cpu_kernels import CSRC, build_library, loads
+from specontext_compile.runtime.int8_keys import dequantize_rows
 
 __all__ = ["FORM_CODES", "VALUE_FORM_CODES", "available", "paged_key_logits", "paged_lagged_scores",
            "paged_lagged_scores_int8", "int8_dot_calls", "paged_quest_bounds", "paged_refine_attention", "refine_available"]
@@ -141,8 +142,8 @@ def paged_lagged_scores(caches: list[torch.Tensor], block_table: torch.Tensor, b
     return out
 
 
-def paged_lagged_scores_int8(copies: list, block_table: torch.Tensor, blocks: int, queries: torch.Tensor,
-                             past: torch.Tensor) -> torch.Tensor:
+def paged_lagged_scores_int8(copies: list, block_table: torch.Tensor, blocks: int,
+                             queries: tuple[torch.Tensor, torch.Tensor], past: torch.Tensor) -> torch.Tensor:
     """:func:`paged_lagged_scores` over the layers' int8 copies of their keys
     (:class:`~.int8_keys.Int8Keys`, option ``selection_keys="int8"``), the query rows as int8
     levels too, as the backend's selection kernel scores them (``runtime/csrc/selection_scores.cpp``):
@@ -175,7 +176,7 @@ def paged_lagged_scores_int8(copies: list, block_table: torch.Tensor, blocks: in
     table = block_table.to(torch.int32).contiguous()
     q8 = q_levels.contiguous()
     q_scale = q_scales.to(torch.float32).contiguous()
-    values = (q8.float() * q_scale.unsqueeze(-1)).contiguous()  # dequantize_rows: the float loops' query
+    values = dequantize_rows(q8, q_scale).contiguous()  # the float loops' query
     sums = q8.sum(-1, dtype=torch.int32).contiguous()
     lengths = past.to(torch.int64).contiguous()
     out = torch.empty(rows, num_kv, blocks * bs, dtype=torch.float32)
