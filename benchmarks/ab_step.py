@@ -30,8 +30,6 @@ random KV of ``--context`` tokens, each with its own cache): ``A``, the current 
   a kernel call each instead of one (``passes.gemv._share_row`` does nothing);
 * ``no-stack-room``: the compiled step is called directly, not through the frame that gives its
   Python a fresh data-stack chunk (``stack_room.with_stack_room`` returns the step itself).
-* ``base-pages``: the KV stores on the host's base (4 KiB) pages, not on transparent huge pages
-  (``huge_pages.zeros`` returns ``torch.zeros``; the stores are allocated while the swap holds).
 
 Or ``--options-b``: ``B`` is the same code compiled with these backend options added (an
 options A/B, e.g. ``'{"mode": "max-autotune", "gemv": false}'``: inductor's CPP GEMM template).
@@ -70,8 +68,6 @@ SWAPS = {  # name: (module or class path, attribute, stand-in)
     "no-gemv-kernel": ("specontext_compile.runtime.cpu_gemv", "applies", lambda *a, **k: False),
     "unshared-rows": ("specontext_compile.passes.gemv", "_share_row", lambda *a, **k: None),
     "no-stack-room": ("specontext_compile.stack_room", "with_stack_room", lambda fn: fn),
-    "base-pages": ("specontext_compile.runtime.huge_pages", "zeros",
-                   lambda shape, dtype, device="cpu": torch.zeros(shape, dtype=dtype, device=device)),
 }
 
 

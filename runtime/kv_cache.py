@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, StaticLayer
 from transformers.utils import is_torchdynamo_compiling
 
 from . import ops as _ops  # noqa: F401  (registers specontext::kv_write and the anchor)
-from . import huge_pages, key_mirror
+from . import key_mirror
 from .draft_retrieval import DraftKeyCache, head_spec
 from .key_mirror import DEFAULT_SELECTION_KEYS, SELECTION_KEYS
 from .page_bounds import PAGE_TOKENS, clear_pages_from, page_count, update_page_bounds
@@ -96,11 +96,8 @@ class SpeContextLayer(StaticLayer):
         self.max_cache_len = self._initial_capacity(key_states.shape[-2])
         self.device = key_states.device
         b, h = key_states.shape[:2]
-        # on 2 MiB pages where the host allows it: the CPU kernels read scattered rows (huge_pages.py)
-        self.keys = huge_pages.zeros((b, h, self.max_cache_len, key_states.shape[-1]), key_states.dtype,
-                                     key_states.device)
-        self.values = huge_pages.zeros((b, h, self.max_cache_len, value_states.shape[-1]), value_states.dtype,
-                                       value_states.device)
+        self.keys = key_states.new_zeros((b, h, self.max_cache_len, key_states.shape[-1]))
+        self.values = value_states.new_zeros((b, h, self.max_cache_len, value_states.shape[-1]))
         self.cumulative_length = self.cumulative_length.to(self.device)
         self._allocate_page_bounds()
         self._allocate_mirror()
@@ -147,7 +144,7 @@ class SpeContextLayer(StaticLayer):
         logger.debug("growing KV store %d -> %d tokens", self.max_cache_len, new_len)
         for name in ("keys", "values"):
             old = getattr(self, name)
-            new = huge_pages.zeros((*old.shape[:2], new_len, old.shape[-1]), old.dtype, old.device)
+            new = old.new_zeros((*old.shape[:2], new_len, old.shape[-1]))
             new[:, :, : old.shape[2]].copy_(old)
             setattr(self, name, new)
         _static_address(self.keys, self.values)
