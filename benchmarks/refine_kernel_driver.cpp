@@ -10,6 +10,8 @@
 //   OMP_NUM_THREADS=2 /tmp/refine_driver 50            # median (fastest) ms of 50 steps, stores from memory
 //   SAME=1 OMP_NUM_THREADS=2 /tmp/refine_driver 50     # one layer's stores 30 times: in cache
 //   F32=1 OMP_NUM_THREADS=2 /tmp/refine_driver 50      # float32 stores (the same values widened)
+//   VIS=1 ...                                          # with the visibility mask the compiled step passes
+//   HUGE=1 ...                                         # the stores on 2 MiB pages (madvise, as torch's THP_MEM_ALLOC_ENABLE=1)
 //   JSON=1 ...                                         # a JSON line of the figures too
 //   OMP_NUM_THREADS=2 perf record -o /tmp/refine.data /tmp/refine_driver 200 && perf report -i /tmp/refine.data
 //
@@ -24,7 +26,37 @@
 #include <random>
 #include <vector>
 
+#include <sys/mman.h>
+
 namespace driver {
+
+// HUGE=1: buffers of 2 MiB or more aligned to 2 MiB and madvise(MADV_HUGEPAGE) before the first
+// touch (transparent huge pages in "madvise" mode back only memory that asks for them)
+template <typename T>
+struct HugeAlloc {
+  using value_type = T;
+  HugeAlloc() = default;
+  template <typename U>
+  HugeAlloc(const HugeAlloc<U>&) {}
+  T* allocate(size_t n) {
+    constexpr size_t HUGE_PAGE = size_t(2) << 20;
+    const size_t bytes = n * sizeof(T);
+    if (std::getenv("HUGE") && bytes >= HUGE_PAGE) {
+      const size_t size = (bytes + HUGE_PAGE - 1) & ~(HUGE_PAGE - 1);
+      void* ptr = std::aligned_alloc(HUGE_PAGE, size);
+      madvise(ptr, size, MADV_HUGEPAGE);
+      return static_cast<T*>(ptr);
+    }
+    return static_cast<T*>(std::malloc(bytes));
+  }
+  void deallocate(T* ptr, size_t) { std::free(ptr); }
+  template <typename U>
+  bool operator==(const HugeAlloc<U>&) const { return true; }
+  template <typename U>
+  bool operator!=(const HugeAlloc<U>&) const { return false; }
+};
+template <typename T>
+using Vec = std::vector<T, HugeAlloc<T>>;
 
 uint16_t to_bf16(float x) {  // truncation: the driver needs bfloat16 values, not torch's rounding
   uint32_t bits;
@@ -33,7 +65,7 @@ uint16_t to_bf16(float x) {  // truncation: the driver needs bfloat16 values, no
 }
 
 struct Layer {
-  std::vector<uint16_t> keys, values, page_min, page_max;  // [KV, C, D], [KV, C, D], [KV, PG, D] x 2
+  Vec<uint16_t> keys, values, page_min, page_max;  // [KV, C, D], [KV, C, D], [KV, PG, D] x 2
   std::vector<int64_t> candidates;                          // [KV, S]
 };
 
@@ -75,12 +107,12 @@ Layer make_layer(std::mt19937& rng) {
 }
 
 struct Wide {  // a layer's stores as float32
-  std::vector<float> keys, values, page_min, page_max;
+  Vec<float> keys, values, page_min, page_max;
 };
 
 Wide widen_layer(const Layer& l) {
-  const auto f = [](const std::vector<uint16_t>& v) {
-    std::vector<float> out(v.size());
+  const auto f = [](const Vec<uint16_t>& v) {
+    Vec<float> out(v.size());
     for (size_t i = 0; i < v.size(); ++i) out[i] = widen(v[i]);
     return out;
   };
@@ -100,6 +132,11 @@ int main(int argc, char** argv) {
   std::vector<float> query(KV * G * D), out(KV * G * D);
   for (auto& x : query) x = normal(rng) * 0.125f;
   const int64_t length = CONTEXT;
+  // VIS=1: the mask the compiled step passes (Hugging Face's: every written slot visible, the
+  // rest of the capacity hidden), where the driver otherwise passes none
+  std::vector<uint8_t> mask(C, 0);
+  std::fill(mask.begin(), mask.begin() + CONTEXT, uint8_t{1});
+  const uint8_t* visible = std::getenv("VIS") ? mask.data() : nullptr;
   const bool f32 = std::getenv("F32") != nullptr;
   std::vector<Wide> wide;
   if (f32)
@@ -113,12 +150,12 @@ int main(int argc, char** argv) {
       if (f32) {
         const Wide& w = wide[same ? 0 : i];
         specontext_refine_attention(query.data(), w.keys.data(), w.values.data(), l.candidates.data(), &length, 0,
-                                    nullptr, 0, w.page_min.data(), w.page_max.data(), nullptr, nullptr, nullptr,
+                                    visible, 0, w.page_min.data(), w.page_max.data(), nullptr, nullptr, nullptr,
                                     nullptr, out.data(), 1, KV, G, C, D, S, PG, driver::RESCUE, PAGE, BUDGET, SINKS,
                                     RECENT);
       } else {
         specontext_refine_attention_bf16(query.data(), l.keys.data(), l.values.data(), l.candidates.data(), &length,
-                                         0, nullptr, 0, l.page_min.data(), l.page_max.data(), nullptr, nullptr,
+                                         0, visible, 0, l.page_min.data(), l.page_max.data(), nullptr, nullptr,
                                          nullptr, nullptr, out.data(), 1, KV, G, C, D, S, PG, driver::RESCUE, PAGE,
                                          BUDGET, SINKS, RECENT);
       }
@@ -130,7 +167,9 @@ int main(int argc, char** argv) {
   std::printf("median %.3f ms a step of %d layers, fastest %.3f (checksum %g)\n", ms[ms.size() / 2], LAYERS, ms[0],
               checksum);
   if (std::getenv("JSON"))  // one JSON line more, for the results files
-    std::printf("{\"dtype\": \"%s\", \"in_cache\": %s, \"steps\": %d, \"median_ms\": %.4f, \"fastest_ms\": %.4f}\n",
-                f32 ? "float32" : "bfloat16", same ? "true" : "false", steps, ms[ms.size() / 2], ms[0]);
+    std::printf("{\"dtype\": \"%s\", \"in_cache\": %s, \"mask\": %s, \"huge_pages\": %s, \"steps\": %d, \"median_ms\": %.4f, "
+                "\"fastest_ms\": %.4f}\n",
+                f32 ? "float32" : "bfloat16", same ? "true" : "false", visible ? "true" : "false", std::getenv("HUGE") ? "true" : "false", steps,
+                ms[ms.size() / 2], ms[0]);
   return 0;
 }

@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["STORE_DTYPES", "KernelBuildError", "applies", "available", "bf16_dot_calls", "build_library",
            "check_inputs", "cpu_decode_attention", "entry", "entry_names", "has_bf16_dot_products", "kernel_calls",
-           "load_kernels", "loads", "torch_op_flags"]
+           "load_kernels", "loads", "masks_dropped", "torch_op_flags"]
 
 _SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
 _FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
@@ -191,6 +191,16 @@ def bf16_dot_calls(lib: ctypes.CDLL, source_stem: str) -> int:
     that computed key logits with the CPU's bfloat16 dot products (the other calls widened the
     keys to float32 first): the path a test asserts."""
     fn = getattr(lib, f"specontext_{source_stem}_bf16_dot_calls")
+    fn.restype, fn.argtypes = ctypes.c_int64, []
+    return int(fn())
+
+
+def masks_dropped(lib: ctypes.CDLL, source_stem: str) -> int:
+    """Calls of the kernel library ``lib`` (source ``csrc/<source_stem>.cpp``) in this process
+    whose visibility mask hid no written slot of any row, so the kernel ran its mask-free paths
+    (``csrc/cpu_common.h``, ``needed_mask``: the compiled step passes Hugging Face's decode mask,
+    which hides only the unwritten capacity): the path a test asserts."""
+    fn = getattr(lib, f"specontext_{source_stem}_masks_dropped")
     fn.restype, fn.argtypes = ctypes.c_int64, []
     return int(fn())
 

@@ -202,3 +202,26 @@ def test_every_kernel_source_compiles_for_cpus_without_avx512(target):
         done = subprocess.run([compiler, "-fsyntax-only", "-std=c++17", "-fopenmp", *target, str(source)],
                               capture_output=True, text=True, check=False)
         assert done.returncode == 0, f"{source.name}: {done.stderr[-2000:]}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_that_hides_only_unwritten_slots_is_dropped(dtype):
+    """Hugging Face's decode mask (every written slot visible): the kernel runs its mask-free
+    path (csrc/cpu_common.h, needed_mask; counted) with the output of a call without a mask,
+    bit for bit; a mask that hides one written slot is kept (not counted) and matches float64."""
+    gen = torch.Generator().manual_seed(5)
+    b, kv, group, capacity, dim = 2, 3, 3, 1000, 64
+    query = torch.randn(b, kv * group, 1, dim, generator=gen)
+    keys, values = (torch.randn(b, kv, capacity, dim, generator=gen).to(dtype) for _ in range(2))
+    length = torch.tensor([900, 333])
+    written = torch.arange(capacity) < length.view(b, 1)
+    lib = cpu_kernels._library()
+    before = cpu_kernels.masks_dropped(lib, "decode_attention")
+    plain = cpu_kernels.cpu_decode_attention(query * 0.3, keys, values, length, None)
+    assert torch.equal(cpu_kernels.cpu_decode_attention(query * 0.3, keys, values, length, written), plain)
+    assert cpu_kernels.masks_dropped(lib, "decode_attention") == before + 1
+    hidden = written.clone()
+    hidden[0, 17] = False
+    got = cpu_kernels.cpu_decode_attention(query * 0.3, keys, values, length, hidden)
+    assert cpu_kernels.masks_dropped(lib, "decode_attention") == before + 1
+    torch.testing.assert_close(got.double(), _reference(query, keys, values, length, hidden, 0.3), atol=2e-5, rtol=2e-5)

@@ -335,3 +335,44 @@ def test_the_kernels_output_is_the_same_on_any_number_of_threads(dtype):
     want, gap = _reference(query, keys, values, union, length, None, 96, 4, 16)
     assert gap > 1e-6  # no near tie at the budget's edge on this seed
     torch.testing.assert_close(outputs[0].double(), want, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_mask_that_hides_only_unwritten_slots_is_dropped(dtype):
+    """The compiled step passes Hugging Face's decode mask, which hides only the capacity past
+    each row's written length: the kernel then runs its mask-free paths (csrc/cpu_common.h,
+    needed_mask; counted), and its output is bit for bit the output without a mask, page rescue
+    on. A mask that hides one written slot is kept (not counted) and that slot is never
+    attended: the float64 reference with that mask."""
+    gen = torch.Generator().manual_seed(11)
+    b, kv, group, capacity, dim, page_tokens = 2, 3, 3, 1024, 64, 16
+    query = torch.randn(b, kv * group, 1, dim, generator=gen) * dim ** -0.5
+    keys, values = (torch.randn(b, kv, capacity, dim, generator=gen).to(dtype) for _ in range(2))
+    length = torch.tensor([1000, 700])
+    candidates = torch.stack([torch.randperm(capacity, generator=gen)[:200].sort().values
+                              for _ in range(b * kv)]).view(b, kv, 200)
+    candidates = torch.where(candidates < length.view(b, 1, 1), candidates, -1).sort(-1).values
+    pages = capacity // page_tokens
+    page_min = keys.view(b, kv, pages, page_tokens, dim).amin(3).contiguous()
+    page_max = keys.view(b, kv, pages, page_tokens, dim).amax(3).contiguous()
+    written = torch.arange(capacity) < length.view(b, 1)  # [batch, capacity]: Hugging Face's decode mask
+
+    def run(visible, rescue=20):
+        return cpu_refine.cpu_refine_attention(query, keys, values, candidates, length, visible, page_min, page_max,
+                                               None, None, None, 96, 4, 16, rescue, page_tokens)
+
+    lib = cpu_refine._library()
+    before = cpu_kernels.masks_dropped(lib, "refine_attention")
+    plain = run(None)
+    assert cpu_kernels.masks_dropped(lib, "refine_attention") == before  # no mask: nothing to drop
+    assert torch.equal(run(written), plain)
+    assert cpu_kernels.masks_dropped(lib, "refine_attention") == before + 1
+    hidden = written.clone()
+    first = int(candidates[1, 2][candidates[1, 2] >= 0][0])  # row 1's first candidate: a sink, always kept
+    hidden[1, first] = False
+    got = run(hidden, rescue=0)
+    assert cpu_kernels.masks_dropped(lib, "refine_attention") == before + 1  # kept
+    want, gap = _reference(query, keys, values, candidates, length, hidden, 96, 4, 16)
+    assert gap > 1e-6
+    torch.testing.assert_close(got.double(), want, atol=3e-5, rtol=3e-5)
+    assert not torch.equal(got[1], run(None, rescue=0)[1])

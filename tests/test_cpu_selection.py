@@ -232,3 +232,27 @@ def test_int8_keys_without_their_scales_are_clear_errors():
         cpu_selection.cpu_selection_scores(q, stores, cached, None, scales)
     got = torch.ops.specontext.cpu_selection_scores(q, levels, cached, None, scales)  # through the op's schema
     assert torch.isfinite(got).all()
+
+
+def test_a_mask_that_hides_only_unwritten_slots_is_dropped():
+    """Hugging Face's decode mask (every written position visible): the kernel runs its
+    mask-free path (csrc/cpu_common.h, needed_mask; counted) with the scores of a call without a
+    mask, bit for bit; a mask that hides one written position is kept (not counted) and the
+    position scores 0, as float64 says."""
+    gen = torch.Generator().manual_seed(3)
+    layers, b, kv, group, capacity, dim = 3, 2, 3, 3, 700, 64
+    query = torch.randn(layers, b, kv * group, 1, dim, generator=gen) * 0.3
+    stores = [torch.randn(b, kv, capacity, dim, generator=gen) for _ in range(layers)]
+    length = torch.tensor([650, 400])
+    written = torch.arange(capacity) < length.view(b, 1)
+    lib = cpu_selection._library()
+    before = cpu_kernels.masks_dropped(lib, "selection_scores")
+    plain = cpu_selection.cpu_selection_scores(query, stores, length, None)
+    assert torch.equal(cpu_selection.cpu_selection_scores(query, stores, length, written), plain)
+    assert cpu_kernels.masks_dropped(lib, "selection_scores") == before + 1
+    hidden = written.clone()
+    hidden[1, 5] = False
+    got = cpu_selection.cpu_selection_scores(query, stores, length, hidden)
+    assert cpu_kernels.masks_dropped(lib, "selection_scores") == before + 1
+    assert got[1, :, 5].eq(0).all()
+    torch.testing.assert_close(got.double(), _reference(query, stores, length, hidden), atol=2e-6, rtol=1e-4)

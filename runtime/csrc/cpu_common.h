@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__AVX512F__) || defined(__F16C__)
@@ -33,6 +34,22 @@ inline float exp_nonpositive(float x) {
   float scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
   return x < -87.0f ? 0.0f : p * scale;
+}
+
+// The visibility mask a kernel needs, or nullptr when it hides no written slot of any row
+// (visible[b][p] != 0 for every p < min(length[b], capacity)): then every kernel's mask-free
+// path gives the same result (a slot past the written length is never attended either way).
+// The compiled step passes Hugging Face's mask, which at decode hides only the unwritten
+// capacity; with it the refine kernel took its per-slot tests (a 30-layer bfloat16 step 7.5 ms
+// against 6.8 without, benchmarks/refine_kernel_driver.cpp VIS=1; issue 51). One memchr per row.
+inline const uint8_t* needed_mask(const uint8_t* visible, int64_t visible_stride, const int64_t* lengths,
+                                  int64_t length_stride, int64_t batch, int64_t capacity) {
+  if (!visible) return nullptr;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t written = std::min(std::max<int64_t>(lengths[b * length_stride], 0), capacity);
+    if (std::memchr(visible + b * visible_stride, 0, static_cast<size_t>(written))) return visible;
+  }
+  return nullptr;
 }
 
 // The maximum of row[lo, hi) (-inf when empty), vectorised (std::max in the loop was not).

@@ -10,6 +10,7 @@
 // at its floor); built and loaded by runtime/cpu_kernels.py.
 #include <cstdint>
 #include <algorithm>
+#include <atomic>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -17,6 +18,9 @@
 #include "cpu_common.h"
 
 namespace {
+
+// calls whose visibility mask hid no written slot, run without it (cpu_common.h, needed_mask)
+std::atomic<int64_t> masks_dropped{0};
 
 constexpr int BLOCK = 128;      // slots scored before their values are added (32 before the far prefetch)
 constexpr int PREFETCH = 16;   // slots ahead whose keys and values are prefetched into L1 (16 and 32 on par)
@@ -175,6 +179,8 @@ int decode_attention(
     float* out,              // [B, KV, G, D]
     int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D, int64_t S) {  // S: splits per row, < 1 = the default
   if (G > MAX_GROUP || D > MAX_DIM) return 1;
+  if (visible && !(visible = needed_mask(visible, visible_stride, lengths, length_stride, B, C)))
+    masks_dropped.fetch_add(1, std::memory_order_relaxed);
   // S < 1: the default split of each (batch row, KV head)'s slots: at least 32 work items for
   // the threads (11 splits for SmolLM2's 3 KV heads at batch 1), each of at least 256 slots
   if (S < 1) S = std::max<int64_t>(1, std::min<int64_t>((32 + B * KV - 1) / std::max<int64_t>(B * KV, 1), C / 256));
@@ -237,6 +243,9 @@ int decode_attention(
 SPECONTEXT_DECODE_ENTRY(specontext_decode_attention, float)
 SPECONTEXT_DECODE_ENTRY(specontext_decode_attention_bf16, uint16_t)
 SPECONTEXT_DECODE_ENTRY(specontext_decode_attention_fp16, half_t)
+
+// Calls in this process whose visibility mask hid no written slot (run without it: the path a test asserts).
+extern "C" int64_t specontext_decode_attention_masks_dropped() { return masks_dropped.load(std::memory_order_relaxed); }
 
 #ifdef SPECONTEXT_TORCH_OPS
 #include "torch_op.h"

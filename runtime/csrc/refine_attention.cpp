@@ -36,6 +36,9 @@ using namespace specontext_cpu;
 
 namespace {
 
+// calls whose visibility mask hid no written slot, run without it (cpu_common.h, needed_mask)
+std::atomic<int64_t> masks_dropped{0};
+
 constexpr int PREFETCH = 16;  // candidates ahead whose key (value) rows are prefetched into L1
 constexpr int FAR = 48;       // candidates ahead prefetched into L2 (32 to 64 on par, cpu_common.h)
 constexpr int MAX_GROUP = 16;
@@ -655,6 +658,8 @@ int refine_attention(const float* query, const T* keys, const T* values, const i
   if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || S < 1 || C < 1 || budget < 1 || B < 1 || KV < 1) return 1;
   if (rescue < 0 || (rescue > 0 && (!page_min || !page_max || PG < 1 || page_tokens < 1))) return 1;
   rescue = std::min(rescue, PG);
+  if (visible && !(visible = needed_mask(visible, visible_stride, lengths, length_stride, B, C)))
+    masks_dropped.fetch_add(1, std::memory_order_relaxed);
   // scratch kept between calls (one layer after another reuses it; no allocation per call)
   static thread_local std::vector<float> rounded, logits, stats, rank, kept_max, partial_acc, partial_sum, page_score;
   static thread_local std::vector<uint64_t> order;
@@ -726,6 +731,9 @@ SPECONTEXT_REFINE_ENTRY(specontext_refine_attention_fp16, half_t)
 
 // Calls in this process that took the bfloat16 dot products for the candidates' logits.
 extern "C" int64_t specontext_refine_attention_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }
+
+// Calls in this process whose visibility mask hid no written slot (run without it: the path a test asserts).
+extern "C" int64_t specontext_refine_attention_masks_dropped() { return masks_dropped.load(std::memory_order_relaxed); }
 
 #ifdef SPECONTEXT_TORCH_OPS
 #include "torch_op.h"

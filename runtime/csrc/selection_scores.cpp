@@ -34,6 +34,9 @@ using namespace specontext_cpu;
 
 namespace {
 
+// calls whose visibility mask hid no written slot, run without it (cpu_common.h, needed_mask)
+std::atomic<int64_t> masks_dropped{0};
+
 constexpr int PREFETCH = 16;  // rows ahead prefetched into L1
 constexpr int FAR = 128;      // rows ahead prefetched into L2 (cpu_common.h, prefetch_row_l2)
 constexpr int MAX_GROUP = 16;
@@ -244,6 +247,8 @@ int selection_scores(const float* query, const T* const* keys, const float* cons
                      int64_t B, int64_t KV, int64_t G, int64_t C, int64_t D) {
   if (L < 1 || L > MAX_LAYERS || G < 1 || G > MAX_GROUP || D < 1 || D > MAX_DIM || C < 1 || B < 1 || KV < 1) return 1;
   static thread_local std::vector<float> logits, stats;  // kept between steps: no allocation per call
+  if (visible && !(visible = needed_mask(visible, visible_stride, lengths, length_stride, B, C)))
+    masks_dropped.fetch_add(1, std::memory_order_relaxed);
   int64_t longest = 0;
   for (int64_t b = 0; b < B; ++b) longest = std::max(longest, std::min(std::max<int64_t>(lengths[b * length_stride], 0), C));
   const int64_t S = splits(L * B * KV, std::max<int64_t>(longest, 1), 256);
@@ -318,3 +323,6 @@ extern "C" int64_t specontext_selection_scores_int8_dot_calls() { return int8_do
 
 // Calls in this process that took the bfloat16 dot products (the rest widened the keys).
 extern "C" int64_t specontext_selection_scores_bf16_dot_calls() { return dot_calls.load(std::memory_order_relaxed); }
+
+// Calls in this process whose visibility mask hid no written slot (run without it: the path a test asserts).
+extern "C" int64_t specontext_selection_scores_masks_dropped() { return masks_dropped.load(std::memory_order_relaxed); }
