@@ -7,6 +7,8 @@
 # from one minute to the next (issue 51).
 #
 #   bash benchmarks/refine_kernel_ab.sh REV [ROUNDS] > docs/results/<name>.json
+#   VIS=1 bash benchmarks/refine_kernel_ab.sh REV ...   # the driver's other modes (VIS, HUGE) pass
+#                                                       # through the environment; both sides get them
 set -euo pipefail
 rev=${1:?usage: refine_kernel_ab.sh REV [ROUNDS]}
 rounds=${2:-3}

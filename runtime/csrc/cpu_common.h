@@ -40,8 +40,9 @@ inline float exp_nonpositive(float x) {
 // (visible[b][p] != 0 for every p < min(length[b], capacity)): then every kernel's mask-free
 // path gives the same result (a slot past the written length is never attended either way).
 // The compiled step passes Hugging Face's mask, which at decode hides only the unwritten
-// capacity; with it the refine kernel took its per-slot tests (a 30-layer bfloat16 step 7.5 ms
-// against 6.8 without, benchmarks/refine_kernel_driver.cpp VIS=1; issue 51). One memchr per row.
+// capacity; with it the refine kernel took its per-slot tests (a 30-layer bfloat16 step 8.7 ms
+// against 8.1 with the mask dropped: benchmarks/refine_kernel_ab.sh with VIS=1, issue 51,
+// docs/benchmarks.md "Runs ah and ai"). One memchr per row.
 inline const uint8_t* needed_mask(const uint8_t* visible, int64_t visible_stride, const int64_t* lengths,
                                   int64_t length_stride, int64_t batch, int64_t capacity) {
   if (!visible) return nullptr;
